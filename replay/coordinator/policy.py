@@ -1,0 +1,49 @@
+"""Policies: named sets of differences from vLLM 0.33.0's coordinator.
+
+A behaviour change in vLLM becomes a new policy here (a new field and a new
+entry), never a fork of the fixed-point code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replay.errors import ReplayError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    name: str
+    description: str
+    #: Grant the Mamba group the EAGLE peek margin. vLLM did before #49502;
+    #: Mamba never drops, so the widened bound lets its state land one
+    #: block past the attention-verified prefix (#43559).
+    mamba_peek_margin: bool = False
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy(
+            name="vllm-0.33",
+            description="vLLM 0.33.0 (with #49502: no EAGLE peek margin for Mamba)",
+        ),
+        Policy(
+            name="pre-49502",
+            description="before vLLM #49502: Mamba gets the EAGLE peek margin (#43559)",
+            mamba_peek_margin=True,
+        ),
+    )
+}
+DEFAULT_POLICY = "vllm-0.33"
+
+
+def get_policy(name: str | Policy) -> Policy:
+    if isinstance(name, Policy):
+        return name
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ReplayError(
+            f"unknown policy {name!r}, expected one of {', '.join(POLICIES)}"
+        ) from None

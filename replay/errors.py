@@ -1,0 +1,24 @@
+"""The project's error types.
+
+Every error a user's input can trigger is a ``ReplayError`` whose message is
+one line naming the file, the row (``seq``) or column, and what was expected.
+The CLI turns them into exit status 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """A user-facing error: bad input, bad configuration, bad request."""
+
+
+class ConfigError(ReplayError):
+    """A KV-cache configuration that vLLM would reject."""
+
+
+class TraceError(ReplayError):
+    """A trace or results file that does not follow format v1."""
+
+
+class CollisionError(ReplayError):
+    """Two distinct block hashes share a fingerprint (replay would be wrong)."""

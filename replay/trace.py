@@ -1,0 +1,506 @@
+"""Trace and results formats, version 1 (``shared/design/trace-format.md``).
+
+The only module, with ``engine``, that reads or writes these files. Writers
+are atomic (a temporary file in the target's folder, renamed on success), so
+an error never leaves a partial file behind. The reader validates the
+metadata and the schema up front and every row batch as it streams, so a
+trace larger than memory can be read and a bad row is reported by its
+``seq``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay.errors import ConfigError, TraceError
+from replay.spec import TraceConfig
+
+TRACE_META_KEY = b"replay.trace"
+RESULTS_META_KEY = b"replay.results"
+EVENT_KINDS = ("store", "remove", "clear", "lookup")
+
+TRACE_SCHEMA = pa.schema(
+    [
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("ts", pa.timestamp("us", tz="UTC")),
+        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("group_id", pa.int32()),
+        pa.field("block_hashes", pa.list_(pa.binary())),
+        pa.field("request_id", pa.string()),
+        pa.field("max_length", pa.int64()),
+        pa.field("num_tokens", pa.int64()),
+        pa.field("observed_hit_tokens", pa.int64()),
+        pa.field("medium", pa.string()),
+    ]
+)
+TRACE_COLUMNS = tuple(TRACE_SCHEMA.names)
+REQUIRED_COLUMNS = ("seq", "kind", "group_id", "block_hashes", "request_id", "max_length")
+
+RESULTS_SCHEMA = pa.schema(
+    [
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("request_id", pa.string()),
+        pa.field("max_length", pa.int64()),
+        pa.field("hit_tokens", pa.int64()),
+        pa.field("mask_blocks", pa.list_(pa.int32())),
+        pa.field("loaded_blocks", pa.list_(pa.int32())),
+        # The project's own columns (the contract allows adding).
+        pa.field("num_tokens", pa.int64()),
+        pa.field("group_hit_tokens", pa.list_(pa.int64())),
+        pa.field("verified_tokens", pa.int64()),
+        pa.field("mamba_state_tokens", pa.int64()),
+        pa.field("observed_hit_tokens", pa.int64()),
+        pa.field("observed_match", pa.bool_()),
+        pa.field("ts", pa.timestamp("us", tz="UTC")),
+        pa.field("flags", pa.list_(pa.string())),
+    ]
+)
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+# ---------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it over ``path`` on success,
+    delete it on any error."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def trace_schema(config: TraceConfig) -> pa.Schema:
+    return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
+
+
+def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.Table:
+    """A trace table from row dicts (missing columns are null; ``seq`` defaults
+    to the row index). For tests, generators and importers of modest size."""
+    columns: dict[str, list[Any]] = {name: [] for name in TRACE_COLUMNS}
+    for index, row in enumerate(rows):
+        unknown = set(row) - set(TRACE_COLUMNS)
+        if unknown:
+            raise TraceError(f"row {index}: unknown trace columns {sorted(unknown)}")
+        for name in TRACE_COLUMNS:
+            value = row.get(name)
+            if name == "seq" and value is None:
+                value = index
+            columns[name].append(value)
+    return pa.table(columns, schema=trace_schema(config))
+
+
+class TraceWriter:
+    """Write a trace in row groups as events arrive; atomic on ``close``.
+
+    Used as a context manager: leaving the block normally publishes the
+    file; leaving it with an exception removes the temporary file, except
+    ``KeyboardInterrupt`` when ``keep_on_interrupt`` is set (a recorder closes
+    a valid file on Ctrl-C).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: TraceConfig,
+        *,
+        keep_on_interrupt: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.keep_on_interrupt = keep_on_interrupt
+        self._cm = atomic_path(self.path)
+        self._tmp = self._cm.__enter__()
+        self._schema = trace_schema(config)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
+            str(self._tmp), self._schema, compression="zstd"
+        )
+        self.rows_written = 0
+        self._last_seq: int | None = None
+
+    def set_source(self, source: Mapping[str, Any]) -> None:
+        """Replace the ``source`` metadata (e.g. a recorder's gap report); only
+        effective when the file is finalised, so it is written at ``close``."""
+        self._pending_source = dict(source)
+
+    def write_table(self, table: pa.Table) -> None:
+        if self._writer is None:
+            raise TraceError(f"{self.path}: writer already closed")
+        table = table.select(list(TRACE_COLUMNS)).cast(self._schema)
+        if table.num_rows == 0:
+            return
+        seqs = table.column("seq")
+        first = seqs[0].as_py()
+        if self._last_seq is not None and first <= self._last_seq:
+            raise TraceError(
+                f"{self.path}: seq {first}: out of order, expected a seq greater than "
+                f"{self._last_seq}"
+            )
+        self._last_seq = seqs[-1].as_py()
+        self._writer.write_table(table)
+        self.rows_written += table.num_rows
+
+    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.write_table(events_table(rows, self.config))
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = None
+        source = getattr(self, "_pending_source", None)
+        if source is not None:
+            # Metadata lives in the footer of a closed file: rewrite it once
+            # with the final source (recorders learn about gaps at the end).
+            table = pq.read_table(str(self._tmp))
+            config = TraceConfig.from_json({**self.config.to_json(), "source": source})
+            pq.write_table(
+                table.cast(trace_schema(config)), str(self._tmp), compression="zstd"
+            )
+        self._cm.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        with contextlib.suppress(FileNotFoundError):
+            self._tmp.unlink()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None or (self.keep_on_interrupt and exc_type is KeyboardInterrupt):
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(
+    path: str | os.PathLike[str], config: TraceConfig, table: pa.Table | Sequence[Mapping[str, Any]]
+) -> Path:
+    """Write a whole trace at once (atomic). Rows are validated on the way."""
+    if not isinstance(table, pa.Table):
+        table = events_table(table, config)
+    table = table.select(list(TRACE_COLUMNS)).cast(trace_schema(config))
+    _validate_batch(str(path), config, pl.from_arrow(table), None)  # type: ignore[arg-type]
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp), compression="zstd")
+    return Path(path)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _open_parquet(path: str | os.PathLike[str]) -> pq.ParquetFile:
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(f"{p}: no such file")
+    if p.is_dir():
+        raise TraceError(f"{p}: is a directory, expected a Parquet file")
+    size = p.stat().st_size
+    if size == 0:
+        raise TraceError(f"{p}: empty file, expected a Parquet file")
+    with open(p, "rb") as fh:
+        head = fh.read(4)
+        fh.seek(max(0, size - 4))
+        tail = fh.read(4)
+    if head != b"PAR1":
+        raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
+    if tail != b"PAR1":
+        raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    try:
+        return pq.ParquetFile(str(p))
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
+
+
+def _type_ok(name: str, typ: pa.DataType) -> bool:
+    if name == "seq" or name in ("max_length", "num_tokens", "observed_hit_tokens"):
+        return bool(pa.types.is_integer(typ))
+    if name == "group_id":
+        return bool(pa.types.is_integer(typ))
+    if name == "ts":
+        return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
+    if name in ("kind", "request_id", "medium"):
+        if pa.types.is_dictionary(typ):
+            typ = typ.value_type
+        return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ))
+    if name == "block_hashes":
+        if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+            return False
+        value = typ.value_type
+        return bool(
+            pa.types.is_binary(value)
+            or pa.types.is_large_binary(value)
+            or pa.types.is_fixed_size_binary(value)
+        )
+    return True
+
+
+_EXPECTED_TYPE = {
+    "seq": "int64",
+    "ts": "timestamp[us, UTC]",
+    "kind": "string",
+    "group_id": "int32",
+    "block_hashes": "list<binary>",
+    "request_id": "string",
+    "max_length": "int64",
+    "num_tokens": "int64",
+    "observed_hit_tokens": "int64",
+    "medium": "string",
+}
+
+
+def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes = TRACE_META_KEY) -> TraceConfig:
+    meta = pf.schema_arrow.metadata or {}
+    label = key.decode()
+    if key not in meta:
+        raise TraceError(f"{path}: missing {label!r} metadata (not a replay trace v1)")
+    try:
+        obj = json.loads(meta[key])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})") from None
+    if key == RESULTS_META_KEY and isinstance(obj, dict):
+        obj = obj.get("trace_config", obj)
+    try:
+        return TraceConfig.from_json(obj)
+    except ConfigError as exc:
+        raise TraceError(f"{path}: {label} metadata: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBatch:
+    """One validated row batch, as a polars frame with the canonical columns."""
+
+    frame: pl.DataFrame
+
+
+class TraceReader:
+    """A validated, streaming view of a trace file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._pf = _open_parquet(self.path)
+        self.config = read_config(self._pf, self.path)
+        schema = self._pf.schema_arrow
+        for name in REQUIRED_COLUMNS:
+            if name not in schema.names:
+                raise TraceError(
+                    f"{self.path}: missing column {name!r} (expected {_EXPECTED_TYPE[name]})"
+                )
+        for name in TRACE_COLUMNS:
+            if name in schema.names and not _type_ok(name, schema.field(name).type):
+                raise TraceError(
+                    f"{self.path}: column {name!r} has type {schema.field(name).type}, "
+                    f"expected {_EXPECTED_TYPE[name]}"
+                )
+        self.columns = [n for n in TRACE_COLUMNS if n in schema.names]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._pf.metadata.num_rows)
+
+    def iter_frames(
+        self, columns: Sequence[str] | None = None, batch_size: int = 65_536
+    ) -> Iterator[pl.DataFrame]:
+        """Validated row batches as polars frames. Every column of the format is
+        present (absent optional ones as nulls); ``columns`` narrows the
+        output, never the validation."""
+        read_cols = list(self.columns)
+        last_seq: int | None = None
+        try:
+            batches = self._pf.iter_batches(batch_size=batch_size, columns=read_cols)
+            for batch in batches:
+                frame = _canonical_frame(batch)
+                last_seq = _validate_batch(str(self.path), self.config, frame, last_seq)
+                yield frame if columns is None else frame.select(columns)
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+
+    def read_frame(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
+        frames = list(self.iter_frames(columns))
+        if not frames:
+            cols = list(columns) if columns is not None else list(TRACE_COLUMNS)
+            return pl.DataFrame(schema={c: _EMPTY_POLARS[c] for c in cols})
+        return pl.concat(frames, rechunk=False)
+
+
+_EMPTY_POLARS: dict[str, Any] = {
+    "seq": pl.Int64,
+    "ts": pl.Datetime("us", "UTC"),
+    "kind": pl.String,
+    "group_id": pl.Int32,
+    "block_hashes": pl.List(pl.Binary),
+    "request_id": pl.String,
+    "max_length": pl.Int64,
+    "num_tokens": pl.Int64,
+    "observed_hit_tokens": pl.Int64,
+    "medium": pl.String,
+}
+
+
+def _canonical_frame(batch: pa.RecordBatch) -> pl.DataFrame:
+    frame = pl.from_arrow(batch)
+    assert isinstance(frame, pl.DataFrame)
+    exprs = []
+    for name, dtype in _EMPTY_POLARS.items():
+        if name in frame.columns:
+            exprs.append(pl.col(name).cast(dtype))
+        else:
+            exprs.append(pl.lit(None, dtype=dtype).alias(name))
+    return frame.select(exprs)
+
+
+def _first_bad(frame: pl.DataFrame, mask: pl.Series) -> int | None:
+    idx = mask.arg_true()
+    if idx.len() == 0:
+        return None
+    return int(frame["seq"][int(idx[0])])
+
+
+def _validate_batch(
+    path: str, config: TraceConfig, frame: pl.DataFrame, last_seq: int | None
+) -> int | None:
+    """Check one batch; return its last seq. Raises TraceError naming the seq."""
+    if frame.height == 0:
+        return last_seq
+    seq = frame["seq"]
+    if seq.null_count():
+        raise TraceError(f"{path}: column 'seq': null value (every row needs a seq)")
+    prev = seq.shift(1)
+    if last_seq is not None:
+        prev = prev.fill_null(last_seq)
+    bad = (seq <= prev).fill_null(False)
+    if bad.any():
+        i = int(bad.arg_true()[0])
+        before = last_seq if i == 0 else int(seq[i - 1])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: seq not strictly increasing "
+            f"(comes after seq {before})"
+        )
+    kind = frame["kind"]
+    if kind.null_count():
+        s = _first_bad(frame, kind.is_null())
+        raise TraceError(f"{path}: seq {s}: column 'kind' is null, expected one of {', '.join(EVENT_KINDS)}")
+    unknown = ~kind.is_in(EVENT_KINDS)
+    if unknown.any():
+        i = int(unknown.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: unknown event kind {kind[i]!r}, "
+            f"expected one of {', '.join(EVENT_KINDS)}"
+        )
+    gid = frame["group_id"]
+    is_lookup = kind == "lookup"
+    is_keyed = kind.is_in(("store", "remove"))
+    checks: list[tuple[pl.Series, str]] = [
+        (is_keyed & gid.is_null(), "{kind} has no group_id (store and remove name the group whose keys change)"),
+        (is_keyed & frame["block_hashes"].is_null(), "{kind} has no block_hashes"),
+        (
+            gid.is_not_null() & ((gid < 0) | (gid >= config.num_groups)),
+            f"group_id {{gid}} names no group (the trace has {config.num_groups}: "
+            f"0..{config.num_groups - 1})",
+        ),
+        (is_lookup & frame["request_id"].is_null(), "lookup has no request_id"),
+        (is_lookup & frame["max_length"].is_null(), "lookup has no max_length"),
+        (is_lookup & frame["block_hashes"].is_null(), "lookup has no block_hashes"),
+        (is_lookup & (frame["max_length"] < 0).fill_null(False), "lookup has a negative max_length {max_length}"),
+    ]
+    # vLLM indexes a group's hash view up to max_length // block_size, so a
+    # lookup may not ask for more than its hashes can cover (vLLM's scheduler
+    # always asks for num_tokens - 1, below (len + 1) * hash_block_size).
+    n_hashes = frame["block_hashes"].list.len().fill_null(0)
+    too_long = is_lookup & (
+        frame["max_length"] >= (n_hashes + 1) * config.hash_block_size
+    ).fill_null(False)
+    checks.append(
+        (
+            too_long,
+            "lookup max_length {max_length} exceeds what its {n_hashes} block_hashes cover "
+            f"(expected below (len(block_hashes) + 1) * hash_block_size {config.hash_block_size})",
+        )
+    )
+    for mask, message in checks:
+        mask = mask.fill_null(False)
+        if mask.any():
+            i = int(mask.arg_true()[0])
+            text = message.format(
+                kind=kind[i], gid=gid[i], max_length=frame["max_length"][i], n_hashes=n_hashes[i]
+            )
+            raise TraceError(f"{path}: seq {int(seq[i])}: {text}")
+    return int(seq[-1])
+
+
+def open_trace(path: str | os.PathLike[str]) -> TraceReader:
+    return TraceReader(path)
+
+
+# ---------------------------------------------------------------- results
+
+
+def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
+    return RESULTS_SCHEMA.with_metadata({RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()})
+
+
+def write_results(path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]) -> Path:
+    schema = results_schema(metadata)
+    extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
+    table = table.select(list(RESULTS_SCHEMA.names) + extra)
+    fields = list(schema) + [table.schema.field(n) for n in extra]
+    table = table.cast(pa.schema(fields, metadata=schema.metadata))
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp), compression="zstd")
+    return Path(path)
+
+
+def is_results_file(path: str | os.PathLike[str]) -> bool:
+    pf = _open_parquet(path)
+    return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
+
+
+def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
+    pf = _open_parquet(path)
+    meta = pf.schema_arrow.metadata or {}
+    if RESULTS_META_KEY not in meta:
+        raise TraceError(f"{path}: missing 'replay.results' metadata (not a results file)")
+    try:
+        info = json.loads(meta[RESULTS_META_KEY])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: 'replay.results' metadata is not valid JSON ({_one_line(exc)})") from None
+    missing = [n for n in ("seq", "request_id", "max_length", "hit_tokens", "mask_blocks", "loaded_blocks") if n not in pf.schema_arrow.names]
+    if missing:
+        raise TraceError(f"{path}: missing column {missing[0]!r} (not a results file v1)")
+    try:
+        frame = pl.read_parquet(str(path))
+    except Exception as exc:  # polars raises several types for corrupt data
+        raise TraceError(f"{path}: unreadable Parquet data ({_one_line(exc)})") from None
+    return frame, info
+
+
+def results_config(info: Mapping[str, Any], path: str | os.PathLike[str]) -> TraceConfig:
+    try:
+        return TraceConfig.from_json(info.get("trace_config"))
+    except ConfigError as exc:
+        raise TraceError(f"{path}: replay.results metadata: trace_config: {exc}") from None
