@@ -176,9 +176,7 @@ class TraceWriter:
             # with the final source (recorders learn about gaps at the end).
             table = pq.read_table(str(self._tmp))
             config = TraceConfig.from_json({**self.config.to_json(), "source": source})
-            pq.write_table(
-                table.cast(trace_schema(config)), str(self._tmp), compression="zstd"
-            )
+            pq.write_table(table.cast(trace_schema(config)), str(self._tmp), compression="zstd")
         self._cm.__exit__(None, None, None)
 
     def abort(self) -> None:
@@ -247,7 +245,9 @@ def _type_ok(name: str, typ: pa.DataType) -> bool:
     if name in ("kind", "request_id", "medium"):
         if pa.types.is_dictionary(typ):
             typ = typ.value_type
-        return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ))
+        return bool(
+            pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)
+        )
     if name == "block_hashes":
         if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
             return False
@@ -274,7 +274,9 @@ _EXPECTED_TYPE = {
 }
 
 
-def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes = TRACE_META_KEY) -> TraceConfig:
+def read_config(
+    pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes = TRACE_META_KEY
+) -> TraceConfig:
     meta = pf.schema_arrow.metadata or {}
     label = key.decode()
     if key not in meta:
@@ -282,7 +284,9 @@ def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes = T
     try:
         obj = json.loads(meta[key])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})") from None
+        raise TraceError(
+            f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})"
+        ) from None
     if key == RESULTS_META_KEY and isinstance(obj, dict):
         obj = obj.get("trace_config", obj)
     try:
@@ -398,13 +402,14 @@ def _validate_batch(
         i = int(bad.arg_true()[0])
         before = last_seq if i == 0 else int(seq[i - 1])
         raise TraceError(
-            f"{path}: seq {int(seq[i])}: seq not strictly increasing "
-            f"(comes after seq {before})"
+            f"{path}: seq {int(seq[i])}: seq not strictly increasing (comes after seq {before})"
         )
     kind = frame["kind"]
     if kind.null_count():
         s = _first_bad(frame, kind.is_null())
-        raise TraceError(f"{path}: seq {s}: column 'kind' is null, expected one of {', '.join(EVENT_KINDS)}")
+        raise TraceError(
+            f"{path}: seq {s}: column 'kind' is null, expected one of {', '.join(EVENT_KINDS)}"
+        )
     unknown = ~kind.is_in(EVENT_KINDS)
     if unknown.any():
         i = int(unknown.arg_true()[0])
@@ -416,7 +421,10 @@ def _validate_batch(
     is_lookup = kind == "lookup"
     is_keyed = kind.is_in(("store", "remove"))
     checks: list[tuple[pl.Series, str]] = [
-        (is_keyed & gid.is_null(), "{kind} has no group_id (store and remove name the group whose keys change)"),
+        (
+            is_keyed & gid.is_null(),
+            "{kind} has no group_id (store and remove name the group whose keys change)",
+        ),
         (is_keyed & frame["block_hashes"].is_null(), "{kind} has no block_hashes"),
         (
             gid.is_not_null() & ((gid < 0) | (gid >= config.num_groups)),
@@ -426,7 +434,10 @@ def _validate_batch(
         (is_lookup & frame["request_id"].is_null(), "lookup has no request_id"),
         (is_lookup & frame["max_length"].is_null(), "lookup has no max_length"),
         (is_lookup & frame["block_hashes"].is_null(), "lookup has no block_hashes"),
-        (is_lookup & (frame["max_length"] < 0).fill_null(False), "lookup has a negative max_length {max_length}"),
+        (
+            is_lookup & (frame["max_length"] < 0).fill_null(False),
+            "lookup has a negative max_length {max_length}",
+        ),
     ]
     # vLLM indexes a group's hash view up to max_length // block_size, so a
     # lookup may not ask for more than its hashes can cover (vLLM's scheduler
@@ -461,10 +472,14 @@ def open_trace(path: str | os.PathLike[str]) -> TraceReader:
 
 
 def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
-    return RESULTS_SCHEMA.with_metadata({RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()})
+    return RESULTS_SCHEMA.with_metadata(
+        {RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()}
+    )
 
 
-def write_results(path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]) -> Path:
+def write_results(
+    path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]
+) -> Path:
     schema = results_schema(metadata)
     extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
     table = table.select(list(RESULTS_SCHEMA.names) + extra)
@@ -488,8 +503,14 @@ def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, 
     try:
         info = json.loads(meta[RESULTS_META_KEY])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{path}: 'replay.results' metadata is not valid JSON ({_one_line(exc)})") from None
-    missing = [n for n in ("seq", "request_id", "max_length", "hit_tokens", "mask_blocks", "loaded_blocks") if n not in pf.schema_arrow.names]
+        raise TraceError(
+            f"{path}: 'replay.results' metadata is not valid JSON ({_one_line(exc)})"
+        ) from None
+    missing = [
+        n
+        for n in ("seq", "request_id", "max_length", "hit_tokens", "mask_blocks", "loaded_blocks")
+        if n not in pf.schema_arrow.names
+    ]
     if missing:
         raise TraceError(f"{path}: missing column {missing[0]!r} (not a results file v1)")
     try:
@@ -504,3 +525,21 @@ def results_config(info: Mapping[str, Any], path: str | os.PathLike[str]) -> Tra
         return TraceConfig.from_json(info.get("trace_config"))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.results metadata: trace_config: {exc}") from None
+
+
+KEYS_SCHEMA = pa.schema(
+    [
+        pa.field("group_id", pa.int32(), nullable=False),
+        pa.field("hash", pa.binary(), nullable=False),
+    ]
+)
+
+
+def write_keys(path: str | os.PathLike[str], keys: Sequence[tuple[int, Sequence[bytes]]]) -> int:
+    """Write present keys, one row per (group_id, hash) (``replay state -o``)."""
+    gids = [gid for gid, hashes in keys for _ in hashes]
+    hashes = [h for _, hs in keys for h in hs]
+    table = pa.table({"group_id": gids, "hash": hashes}, schema=KEYS_SCHEMA)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp))
+    return len(hashes)

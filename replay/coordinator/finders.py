@@ -58,7 +58,9 @@ class Finder(Protocol):
     ) -> FinderResult: ...
 
 
-def block_view(hashes: Sequence[Hashable], hash_block_size: int, block_size: int) -> Sequence[Hashable]:
+def block_view(
+    hashes: Sequence[Hashable], hash_block_size: int, block_size: int
+) -> Sequence[Hashable]:
     """The group's per-block hashes: the last hash unit inside each block names
     the block, since every unit is chained over its whole prefix."""
     k = block_size // hash_block_size

@@ -162,7 +162,9 @@ class Coordinator:
             res = self._call(sg, hashes, tests[0], max_length, sg.eagle)
             results[0] = res
             if explain:
-                steps.append(self._step(1, sg, max_length, max_length, 0, sg.eagle, res, res.hit_tokens))
+                steps.append(
+                    self._step(1, sg, max_length, max_length, 0, sg.eagle, res, res.hit_tokens)
+                )
             return self._outcome(res.hit_tokens, results, steps)
 
         hit = max_length
@@ -178,7 +180,11 @@ class Coordinator:
                     before = cand
                     cand = min(cand, prev.hit_tokens)
                     if explain:
-                        steps.append(self._step(pass_no, sg, before, before, 0, False, prev, cand, reused=True))
+                        steps.append(
+                            self._step(
+                                pass_no, sg, before, before, 0, False, prev, cand, reused=True
+                            )
+                        )
                     continue
                 drop = sg.eagle and sg.index not in verified
                 bound, margin = cand, 0
@@ -191,7 +197,9 @@ class Coordinator:
                 elif res.hit_tokens < cand:
                     verified.clear()
                 if explain:
-                    steps.append(self._step(pass_no, sg, cand, bound, margin, drop, res, res.hit_tokens))
+                    steps.append(
+                        self._step(pass_no, sg, cand, bound, margin, drop, res, res.hit_tokens)
+                    )
                 cand = res.hit_tokens
                 results[sg.index] = res
             if cand >= hit:

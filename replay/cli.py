@@ -1,0 +1,317 @@
+"""The ``replay`` command line: click only. Each command parses options, calls
+the library and prints; library errors (``ReplayError``) become one line on
+stderr and exit status 2. Checks that find a problem exit 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from replay import __version__
+from replay.coordinator import DEFAULT_POLICY, POLICIES
+from replay.engine import (
+    COORDINATORS,
+    Progress,
+    default_results_path,
+    explain_lookup,
+    find_lookups,
+    replay_trace,
+    save_results,
+    state_at,
+)
+from replay.errors import ReplayError
+from replay.render import config_lines, explain_table, group_label
+from replay.summary import run_summary, trace_info
+
+
+class UserError(click.ClickException):
+    """A one-line error about the user's input: exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def fail(message: str) -> NoReturn:
+    raise UserError(message)
+
+
+class ReplayGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ReplayError as exc:
+            raise UserError(str(exc)) from None
+
+
+TRACE = click.argument("trace", type=click.Path(path_type=Path))
+POLICY = click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=DEFAULT_POLICY,
+    show_default=True,
+    help="Coordinator semantics: "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
+COORDINATOR = click.option(
+    "--coordinator",
+    type=click.Choice(list(COORDINATORS)),
+    default="reference",
+    show_default=True,
+    help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
+)
+
+
+@click.group(cls=ReplayGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="replay")
+def cli() -> None:
+    """Replay KV-cache block events through vLLM's hybrid prefix-cache
+    coordinator and flag every lookup whose hit is wrong.
+
+    A trace is a Parquet event log (store / remove / clear / lookup rows,
+    format v1). `replay run TRACE` replays it and writes a results file;
+    `replay check` exits 1 when any lookup is flagged (for CI); `replay
+    explain` shows how one request's hit was decided.
+    """
+
+
+@cli.command()
+@TRACE
+def validate(trace: Path) -> None:
+    """Check TRACE against format v1; print ok and the counts, or the first problem."""
+    info = trace_info(trace)
+    k = info["events_by_kind"]
+    click.echo(
+        f"ok: {trace}: {info['events']} events (store {k['store']}, remove {k['remove']}, "
+        f"clear {k['clear']}, lookup {k['lookup']}), {len(info['config']['kv_cache_groups'])} "
+        f"KV-cache groups"
+    )
+
+
+@cli.command()
+@TRACE
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(trace: Path, as_json: bool) -> None:
+    """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
+    data = trace_info(trace)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+        return
+    from replay.spec import TraceConfig
+
+    config = TraceConfig.from_json(data["config"])
+    click.echo(f"trace: {trace}")
+    for line in config_lines(config):
+        click.echo(line)
+    k = data["events_by_kind"]
+    click.echo(
+        f"events: {data['events']} (store {k['store']}, remove {k['remove']}, clear {k['clear']}, "
+        f"lookup {k['lookup']}), seq {data['seq_range'][0]}..{data['seq_range'][1]}"
+    )
+    span = data["time_span"]
+    if span["seconds"] is not None:
+        click.echo(f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)")
+    else:
+        click.echo("time: no timestamps")
+    click.echo(f"hash entries: {data['hash_entries']}")
+    for gid, n in enumerate(data["distinct_keys_per_group"]):
+        click.echo(f"distinct keys stored, group {group_label(config, gid)}: {n}")
+    click.echo(
+        f"lookups: {data['lookups']}, prompt tokens {data['lookup_prompt_tokens']}, "
+        f"max_length tokens {data['lookup_max_length_tokens']}"
+    )
+
+
+@cli.command()
+@TRACE
+@click.option(
+    "--at",
+    "at",
+    type=int,
+    default=None,
+    help="A seq: the state a lookup at SEQ sees (every event before it). Default: the end of the trace.",
+)
+@click.option("--group", "group", type=int, default=None, help="Only this group_id.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the keys as Parquet (group_id int32, hash binary).",
+)
+@click.option("--show", type=int, default=5, show_default=True, help="Keys to print per group.")
+def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
+    """Present (group_id, hash) keys at a point of the log."""
+    config, store = state_at(trace, at)
+    if group is not None and not 0 <= group < config.num_groups:
+        fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")
+    groups = [group] if group is not None else list(range(config.num_groups))
+    where = f"before seq {at}" if at is not None else "at the end of the trace"
+    click.echo(f"state {where}: {trace}")
+    for gid in groups:
+        keys = sorted(store.keys(gid))
+        click.echo(f"group {group_label(config, gid)}: {len(keys)} keys")
+        for key in keys[:show]:
+            click.echo(f"  {key.hex()}")
+        if len(keys) > show:
+            click.echo(f"  … {len(keys) - show} more")
+    if output is not None:
+        from replay.trace import write_keys
+
+        n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
+        click.echo(f"wrote {n} keys to {output}")
+
+
+class _Bar:
+    """A one-line progress display on a terminal's stderr."""
+
+    def __init__(self) -> None:
+        self.shown = False
+
+    def __call__(self, p: Progress) -> None:
+        import time
+
+        elapsed = max(time.perf_counter() - p.started, 1e-9)
+        pct = 100.0 * p.events / p.total_events if p.total_events else 100.0
+        width = 24
+        done = int(width * pct / 100)
+        line = (
+            f"\r[{'#' * done}{'.' * (width - done)}] {pct:5.1f}%  {p.events}/{p.total_events} events "
+            f"{p.events / elapsed:,.0f}/s  {p.lookups} lookups {p.lookups / elapsed:,.0f}/s"
+        )
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _progress(quiet: bool) -> _Bar | None:
+    if quiet or not sys.stderr.isatty():
+        return None
+    return _Bar()
+
+
+@cli.command()
+@TRACE
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Results file (default: NAME.results.parquet beside the trace).",
+)
+@POLICY
+@COORDINATOR
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Key the store by the exact hash bytes instead of 64-bit fingerprints (slower).",
+)
+@click.option("--examples", type=int, default=5, show_default=True, help="Flagged lookups to show.")
+def run(
+    trace: Path,
+    output: Path | None,
+    policy: str,
+    coordinator: str,
+    quiet: bool,
+    as_json: bool,
+    exact: bool,
+    examples: int,
+) -> None:
+    """Replay TRACE through the coordinator and write the results file.
+
+    Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
+    """
+    from analysis.flags import attach_flags, flag_counts, flag_examples
+
+    bar = _progress(quiet or as_json)
+    try:
+        result = replay_trace(
+            trace, policy=policy, coordinator=coordinator, exact=exact, progress=bar
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    flags = attach_flags(result, trace)
+    out = output or default_results_path(trace)
+    save_results(result, out)
+    counts = flag_counts(flags)
+    summary = run_summary(result, counts)
+    summary["results"] = str(out)
+    if as_json:
+        summary["examples"] = flag_examples(flags, examples)
+        click.echo(json.dumps(summary, indent=2, default=str))
+        return
+    if quiet:
+        return
+    _print_summary(summary)
+    if counts:
+        click.echo("flagged lookups (first examples):")
+        for ex in flag_examples(flags, examples):
+            click.echo("  " + ex["text"])
+    click.echo(f"results: {out}")
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    k = s["events_by_kind"]
+    click.echo(
+        f"replayed {s['events']} events (store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}) with {s['coordinator']} coordinator, policy {s['policy']}"
+    )
+    click.echo(f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)")
+    click.echo(
+        f"prompt tokens: {s['prompt_tokens']}, hit tokens: {s['hit_tokens']} (hit ratio {100 * s['hit_ratio']:.2f}%)"
+    )
+    for g in s["groups"]:
+        click.echo(
+            f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded {g['loaded_blocks']} blocks ({g['loaded_tokens']} tokens), skipped {g['skipped_blocks']}"
+        )
+    if s["observed"]["lookups"]:
+        click.echo(
+            f"observed hits: {s['observed']['lookups']} reported, {s['observed']['mismatches']} differ from the replay"
+        )
+    click.echo(
+        f"time: {s['seconds']:.2f} s ({s['events_per_second'] or 0:,} events/s, {s['lookups_per_second'] or 0:,} lookups/s)"
+    )
+    if s["flags"]:
+        click.echo("flags: " + ", ".join(f"{name} {n}" for name, n in sorted(s["flags"].items())))
+    else:
+        click.echo("flags: none")
+
+
+@cli.command()
+@TRACE
+@click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
+@POLICY
+@COORDINATOR
+def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None:
+    """Show how the coordinator decided one request's hit, step by step."""
+    for lookup in find_lookups(trace, request_id):
+        config, outcome = explain_lookup(trace, lookup, policy, coordinator)
+        click.echo(
+            f"request {request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
+            f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
+        )
+        for line in config_lines(config):
+            click.echo(line)
+        click.echo("")
+        click.echo(explain_table(config, outcome))
+        click.echo("")
+
+
+def main() -> None:
+    cli(prog_name="replay")
+
+
+if __name__ == "__main__":
+    main()

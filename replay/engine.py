@@ -1,0 +1,280 @@
+"""Replay: stream a trace in ``seq`` order, fold the store, run every lookup
+through a coordinator against the state at that point, and collect results.
+
+Keys. By default each block hash is replaced by a 64-bit fingerprint
+(polars' seeded hash of the bytes) before it enters the store or a lookup:
+Python sets of small ints are several times faster and smaller than sets of
+32-byte ``bytes``. Two distinct hashes sharing a fingerprint would make one
+look present for the other; among n distinct hashes the chance is about
+n^2 / 2^65 (about 1e-6 for 5.7M hashes). ``exact=True`` keys the store by
+the raw bytes instead (and the vLLM coordinator always does), at a cost in
+speed; ``tests/test_engine.py`` pins that both give identical results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import polars as pl
+import pyarrow as pa
+
+from replay.coordinator import DEFAULT_POLICY, Coordinator, LookupOutcome, get_policy
+from replay.errors import ReplayError
+from replay.spec import TraceConfig
+from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent
+from replay.trace import RESULTS_SCHEMA, open_trace, write_results
+
+FINGERPRINT_SEED = 0x5EED_CAFE
+COORDINATORS = ("reference", "vllm")
+
+
+class LookupCoordinator(Protocol):
+    name: str
+
+    def lookup(
+        self,
+        hashes: Sequence[Hashable],
+        max_length: int,
+        contains: Sequence[Callable[[Hashable], bool]],
+        *,
+        explain: bool = False,
+    ) -> LookupOutcome: ...
+
+
+def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> LookupCoordinator:
+    get_policy(policy)  # unknown names fail the same way for both backends
+    if coordinator == "reference":
+        return Coordinator(config, policy)
+    if coordinator == "vllm":
+        from replay.backends.vllm import VllmCoordinator
+
+        return VllmCoordinator(config, policy)
+    raise ReplayError(
+        f"unknown coordinator {coordinator!r}, expected one of {', '.join(COORDINATORS)}"
+    )
+
+
+def _keys_column(frame: pl.DataFrame, exact: bool) -> list[list[Any] | None]:
+    if exact:
+        return frame["block_hashes"].to_list()
+    return frame.select(pl.col("block_hashes").list.eval(pl.element().hash(FINGERPRINT_SEED)))[
+        "block_hashes"
+    ].to_list()
+
+
+Event = StoreEvent[Hashable] | RemoveEvent[Hashable] | ClearEvent | LookupEvent[Hashable]
+
+
+def iter_events(
+    path: str | os.PathLike[str], *, exact: bool = True, columns_extra: bool = False
+) -> Iterator[tuple[Event, dict[str, Any]]]:
+    """Typed events of a trace in seq order (with the raw row for extra fields)."""
+    reader = open_trace(path)
+    for frame in reader.iter_frames():
+        keys = _keys_column(frame, exact)
+        rows = frame.drop("block_hashes").to_dicts()
+        for row, hashes in zip(rows, keys, strict=True):
+            yield _event(row, hashes or []), row
+
+
+def _event(row: dict[str, Any], hashes: list[Any]) -> Event:
+    kind, seq = row["kind"], row["seq"]
+    if kind == "store":
+        return StoreEvent(seq=seq, group_id=row["group_id"], hashes=hashes)
+    if kind == "remove":
+        return RemoveEvent(seq=seq, group_id=row["group_id"], hashes=hashes)
+    if kind == "clear":
+        return ClearEvent(seq=seq, group_id=row["group_id"])
+    return LookupEvent(
+        seq=seq,
+        request_id=row["request_id"],
+        hashes=hashes,
+        max_length=row["max_length"],
+        num_tokens=row["num_tokens"],
+        observed_hit_tokens=row["observed_hit_tokens"],
+    )
+
+
+@dataclass(slots=True)
+class Progress:
+    """Events and lookups done so far; the CLI renders it."""
+
+    total_events: int
+    events: int = 0
+    lookups: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplayResult:
+    config: TraceConfig
+    policy: str
+    coordinator: str
+    results: pl.DataFrame
+    events: int
+    events_by_kind: dict[str, int]
+    seconds: float
+    exact_keys: bool
+    trace_path: str
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "coordinator": self.coordinator,
+            "policy": self.policy,
+            "policy_description": get_policy(self.policy).description,
+            "kv_cache_groups": [g.to_json() for g in self.config.groups],
+            "trace_config": self.config.to_json(),
+            "trace": os.path.basename(self.trace_path),
+            "keys": "exact" if self.exact_keys else f"fingerprint64(seed={FINGERPRINT_SEED})",
+        }
+
+
+def replay_trace(
+    path: str | os.PathLike[str],
+    *,
+    policy: str = DEFAULT_POLICY,
+    coordinator: str = "reference",
+    exact: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+) -> ReplayResult:
+    """Replay every lookup of the trace; see the module docstring for keys."""
+    reader = open_trace(path)
+    config = reader.config
+    coord = make_coordinator(config, policy, coordinator)
+    exact = exact or coordinator == "vllm"
+    store: Store[Hashable] = Store(config.num_groups)
+    present = store.present
+    contains = [s.__contains__ for s in present]
+
+    out: dict[str, list[Any]] = {name: [] for name in RESULTS_SCHEMA.names}
+    counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
+    state = Progress(total_events=reader.num_rows)
+    last_report = time.perf_counter()
+    started = time.perf_counter()
+    for frame in reader.iter_frames():
+        keys = _keys_column(frame, exact)
+        cols = {
+            name: frame[name].to_list()
+            for name in (
+                "seq",
+                "kind",
+                "group_id",
+                "request_id",
+                "max_length",
+                "num_tokens",
+                "observed_hit_tokens",
+            )
+        }
+        ts = frame["ts"].to_list()
+        for i, kind in enumerate(cols["kind"]):
+            counts[kind] += 1
+            if kind == "store":
+                present[cols["group_id"][i]].update(keys[i] or ())
+            elif kind == "remove":
+                present[cols["group_id"][i]].difference_update(keys[i] or ())
+            elif kind == "clear":
+                gid = cols["group_id"][i]
+                for g, keyset in enumerate(present):
+                    if gid is None or g == gid:
+                        keyset.clear()
+            else:
+                hashes = keys[i] or []
+                max_length = cols["max_length"][i]
+                res = coord.lookup(hashes, max_length, contains)
+                groups = res.groups
+                observed = cols["observed_hit_tokens"][i]
+                out["seq"].append(cols["seq"][i])
+                out["request_id"].append(cols["request_id"][i])
+                out["max_length"].append(max_length)
+                out["hit_tokens"].append(res.hit_tokens)
+                out["mask_blocks"].append([g.mask_blocks for g in groups])
+                out["loaded_blocks"].append([g.loaded_blocks for g in groups])
+                out["num_tokens"].append(cols["num_tokens"][i])
+                out["group_hit_tokens"].append([g.hit_tokens for g in groups])
+                out["verified_tokens"].append(res.verified_tokens)
+                out["mamba_state_tokens"].append(res.mamba_state_tokens)
+                out["observed_hit_tokens"].append(observed)
+                out["observed_match"].append(
+                    None if observed is None else observed == res.hit_tokens
+                )
+                out["ts"].append(ts[i])
+                out["flags"].append([])
+        state.events += frame.height
+        state.lookups = counts["lookup"]
+        if progress is not None and time.perf_counter() - last_report >= progress_every:
+            progress(state)
+            last_report = time.perf_counter()
+    if progress is not None:
+        progress(state)
+    seconds = time.perf_counter() - started
+    results = pl.from_arrow(pa.table(out, schema=RESULTS_SCHEMA))
+    assert isinstance(results, pl.DataFrame)
+    return ReplayResult(
+        config=config,
+        policy=policy,
+        coordinator=coord.name,
+        results=results,
+        events=state.events,
+        events_by_kind=counts,
+        seconds=seconds,
+        exact_keys=exact,
+        trace_path=str(path),
+    )
+
+
+def default_results_path(trace: str | os.PathLike[str]) -> Path:
+    p = Path(trace)
+    name = p.name.removesuffix(".parquet")
+    return p.with_name(f"{name}.results.parquet")
+
+
+def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
+    return write_results(out, result.results.to_arrow(), result.metadata())
+
+
+def state_at(
+    path: str | os.PathLike[str], before_seq: int | None
+) -> tuple[TraceConfig, Store[bytes]]:
+    """The store as a lookup at ``before_seq`` sees it: every cache event with a
+    smaller seq folded in, keyed by the exact hash bytes."""
+    reader = open_trace(path)
+    store: Store[bytes] = Store(reader.config.num_groups)
+    for event, _ in iter_events(path, exact=True):
+        if before_seq is not None and event.seq >= before_seq:
+            break
+        if isinstance(event, LookupEvent):
+            store.observe(event.seq)
+        else:
+            store.apply(event)  # type: ignore[arg-type]
+    return reader.config, store
+
+
+def find_lookups(path: str | os.PathLike[str], request_id: str) -> list[LookupEvent[bytes]]:
+    found = []
+    for event, _ in iter_events(path, exact=True):
+        if isinstance(event, LookupEvent) and event.request_id == request_id:
+            found.append(event)
+    if not found:
+        raise ReplayError(f"{path}: no lookup with request_id {request_id!r}")
+    return found  # type: ignore[return-value]
+
+
+def explain_lookup(
+    path: str | os.PathLike[str],
+    lookup: LookupEvent[bytes],
+    policy: str,
+    coordinator: str = "reference",
+) -> tuple[TraceConfig, LookupOutcome]:
+    config, store = state_at(path, lookup.seq)
+    coord = make_coordinator(config, policy, coordinator)
+    outcome = coord.lookup(
+        lookup.hashes, lookup.max_length, [s.__contains__ for s in store.present], explain=True
+    )
+    return config, outcome

@@ -1,0 +1,121 @@
+"""Figures about a trace (``replay info``) and about a replay (``replay run``),
+as plain dicts so the CLI can print them or dump them as JSON."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import polars as pl
+
+from replay.engine import ReplayResult
+from replay.trace import open_trace
+
+
+def prompt_tokens_expr() -> pl.Expr:
+    # vLLM asks for num_tokens - 1 at most, so max_length + 1 stands in for a
+    # missing prompt length.
+    return pl.col("num_tokens").fill_null(pl.col("max_length") + 1)
+
+
+def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    reader = open_trace(path)
+    config = reader.config
+    counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
+    distinct: list[pl.Series] = [pl.Series([], dtype=pl.Binary) for _ in config.groups]
+    first_ts = last_ts = None
+    first_seq = last_seq = None
+    lookups = prompt = max_len = 0
+    hash_entries = 0
+    for frame in reader.iter_frames():
+        for kind, n in frame.group_by("kind").len().iter_rows():
+            counts[kind] += n
+        if frame.height:
+            first_seq = frame["seq"][0] if first_seq is None else first_seq
+            last_seq = frame["seq"][-1]
+        ts = frame["ts"].drop_nulls()
+        if ts.len():
+            lo, hi = ts.min(), ts.max()
+            first_ts = lo if first_ts is None else min(first_ts, lo)  # type: ignore[type-var]
+            last_ts = hi if last_ts is None else max(last_ts, hi)  # type: ignore[type-var]
+        hash_entries += int(frame["block_hashes"].list.len().fill_null(0).sum())
+        stores = (
+            frame.filter(pl.col("kind") == "store")
+            .select("group_id", "block_hashes")
+            .explode("block_hashes")
+        )
+        for gid, part in stores.partition_by("group_id", as_dict=True).items():
+            g = int(gid[0])  # type: ignore[arg-type]
+            distinct[g] = pl.concat([distinct[g], part["block_hashes"]]).unique()
+        lk = frame.filter(pl.col("kind") == "lookup")
+        lookups += lk.height
+        prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)
+        max_len += int(lk["max_length"].sum() or 0)
+    span = (
+        (last_ts - first_ts).total_seconds()
+        if first_ts is not None and last_ts is not None
+        else None
+    )  # type: ignore[operator]
+    return {
+        "path": str(path),
+        "config": config.to_json(),
+        "events": sum(counts.values()),
+        "events_by_kind": counts,
+        "seq_range": [first_seq, last_seq],
+        "time_span": {
+            "first": first_ts.isoformat() if first_ts is not None else None,  # type: ignore[attr-defined]
+            "last": last_ts.isoformat() if last_ts is not None else None,  # type: ignore[attr-defined]
+            "seconds": span,
+        },
+        "hash_entries": hash_entries,
+        "distinct_keys_per_group": [int(s.len()) for s in distinct],
+        "lookups": lookups,
+        "lookup_prompt_tokens": prompt,
+        "lookup_max_length_tokens": max_len,
+    }
+
+
+def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None) -> dict[str, Any]:
+    res = result.results
+    config = result.config
+    prompt = int(res.select(prompt_tokens_expr()).sum().item() or 0) if res.height else 0
+    hit = int(res["hit_tokens"].sum() or 0)
+    groups = []
+    for gid, g in enumerate(config.groups):
+        loaded = int(res["loaded_blocks"].list.get(gid).sum() or 0) if res.height else 0
+        mask = int(res["mask_blocks"].list.get(gid).sum() or 0) if res.height else 0
+        verified = int(res["group_hit_tokens"].list.get(gid).sum() or 0) if res.height else 0
+        groups.append(
+            {
+                "group_id": gid,
+                "kind": g.kind.value,
+                "block_size": g.block_size,
+                "loaded_blocks": loaded,
+                "skipped_blocks": mask - loaded,
+                "loaded_tokens": loaded * g.block_size,
+                "verified_tokens": verified,
+            }
+        )
+    observed = res.filter(pl.col("observed_match").is_not_null()) if res.height else res
+    seconds = result.seconds
+    return {
+        "trace": result.trace_path,
+        "policy": result.policy,
+        "coordinator": result.coordinator,
+        "events": result.events,
+        "events_by_kind": result.events_by_kind,
+        "lookups": res.height,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_ratio": round(hit / prompt, 6) if prompt else 0.0,
+        "lookups_with_hit": int((res["hit_tokens"] > 0).sum()) if res.height else 0,
+        "groups": groups,
+        "observed": {
+            "lookups": observed.height,
+            "mismatches": int((~observed["observed_match"]).sum()) if observed.height else 0,
+        },
+        "flags": flag_counts if flag_counts is not None else {},
+        "seconds": round(seconds, 3),
+        "events_per_second": round(result.events / seconds) if seconds > 0 else None,
+        "lookups_per_second": round(res.height / seconds) if seconds > 0 else None,
+    }
