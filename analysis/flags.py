@@ -1,9 +1,10 @@
 """Flags: one row per (lookup, flag), each with the numbers that prove it.
 
 The checks look at the coordinator's *answer* (the results file) and the
-store at each lookup's ``seq`` (folded from the trace here, independently of
-the replay engine); they never ask the coordinator how it decided, so they
-also catch a wrong coordinator, vLLM's included.
+store at each lookup's ``seq`` (the results' ``unit_present``: whether each
+group held a key for each of the lookup's hash units, recorded by the replay's
+fold before the coordinator ran); they never ask the coordinator how it
+decided, so they also catch a wrong coordinator, vLLM's included.
 
 Definitions (``H`` the hit, ``M`` the lookup's max_length, ``S`` a Mamba
 group's resumed state position, ``a`` the hit alignment):
@@ -22,7 +23,8 @@ group's resumed state position, ``a`` the hit alignment):
   also the block at ``P``. Chunked local: the present blocks from the start
   of ``M``'s chunk. The #43559 class.
 - ``missing_block``: a block the hit relies on is absent at that ``seq``:
-  full attention below ``H``, the sliding window before ``H``, the chunk's
+  full attention below ``H`` (for a hit inside a block, some present hash
+  unit of that block at or past ``H``), the sliding window before ``H``, the chunk's
   blocks before ``H``, the Mamba state at ``S``.
 - ``eagle_not_dropped``: EAGLE is on for a full-attention group and ``H > 0``
   covers the group's whole present prefix (nothing left to recompute).
@@ -32,12 +34,12 @@ group's resumed state position, ``a`` the hit alignment):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
 
 from replay.coordinator import build_spec_groups
+from replay.errors import ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 FLAG_KINDS = (
@@ -72,64 +74,15 @@ def _cdiv(a: pl.Expr, b: int) -> pl.Expr:
     return (a + (b - 1)) // b
 
 
-class StoreView:
-    """Presence of every lookup's hash units, per group, at the lookup's seq."""
-
-    def __init__(self, trace: pl.DataFrame, config: TraceConfig) -> None:
-        self.config = config
-        keyed = trace.select(
-            "seq",
-            "kind",
-            "group_id",
-            pl.col("block_hashes").list.eval(pl.element().hash(SEED)).alias("h"),
-        )
-        self.events = (
-            keyed.filter(pl.col("kind").is_in(["store", "remove"]))
-            .select("seq", "group_id", (pl.col("kind") == "store").alias("stored"), "h")
-            .explode("h")
-            .drop_nulls("h")
-            .sort("seq")
-        )
-        self.clears = keyed.filter(pl.col("kind") == "clear").select("seq", "group_id")
-        lookups = keyed.filter(pl.col("kind") == "lookup").select("seq", "h")
-        self.units = (
-            lookups.with_columns(pl.int_ranges(0, pl.col("h").list.len()).alias("u"))
-            .explode("h", "u")
-            .drop_nulls("h")
-            .with_columns(pl.col("u").cast(pl.Int64))
-            .sort("seq")
-        )
-
-    def presence(self, gid: int) -> pl.DataFrame:
-        """(seq, u, present) for every hash unit of every lookup, for group ``gid``."""
-        ev = self.events.filter(pl.col("group_id") == gid).select(
-            pl.col("seq").alias("ev_seq"), "stored", "h", pl.col("seq").alias("on")
-        )
-        units = self.units.with_columns(pl.col("seq").alias("on"))
-        joined = units.join_asof(
-            ev,
-            on="on",
-            by="h",
-            strategy="backward",
-            allow_exact_matches=False,
-            check_sortedness=False,
-        )
-        clears = (
-            self.clears.filter(pl.col("group_id").is_null() | (pl.col("group_id") == gid))
-            .select(pl.col("seq").alias("clear_seq"), pl.col("seq").alias("on"))
-            .sort("on")
-        )
-        joined = joined.sort("on").join_asof(
-            clears, on="on", strategy="backward", allow_exact_matches=False, check_sortedness=False
-        )
-        return joined.select(
-            "seq",
-            "u",
-            (
-                pl.col("stored").fill_null(False)
-                & (pl.col("clear_seq").is_null() | (pl.col("ev_seq") > pl.col("clear_seq")))
-            ).alias("present"),
-        )
+def presence(results: pl.DataFrame, gid: int) -> pl.DataFrame:
+    """(seq, u, present) for every hash unit of every lookup, for group ``gid``,
+    from the results' ``unit_present`` (the store state each lookup saw)."""
+    return (
+        results.select("seq", pl.col("unit_present").list.get(gid).alias("present"))
+        .with_columns(pl.int_ranges(0, pl.col("present").list.len(), dtype=pl.Int64).alias("u"))
+        .explode("present", "u")
+        .drop_nulls("u")
+    )
 
 
 def _fine(config: TraceConfig, spec: GroupSpec) -> bool:
@@ -295,21 +248,29 @@ def _group_facts(
         return lk.join(missing, on="seq", how="left").select("seq", "V", "C", "missing")
 
     rel = blocks.join(
-        lk.select("seq", "hit_tokens").with_columns(need_lo.alias("lo"), need_hi.alias("hi")),
+        lk.with_columns(need_lo.alias("lo"), need_hi.alias("hi")).select("seq", "lo", "hi"),
         on="seq",
     )
     missing = rel.filter(
         (pl.col("j") >= pl.col("lo")) & (pl.col("j") < pl.col("hi")) & ~pl.col("present")
     ).select("seq", pl.col("j").alias("missing"))
     if unit_at_hit:
-        tail = (
-            pres.join(lk.select("seq", "hit_tokens"), on="seq")
+        # A hit ending inside block b relies on b's KV reaching it: some present
+        # hash unit of b at or past the hit (the tail block's KV is append-only,
+        # so a longer match still covers a hit the EAGLE drop shortened).
+        tail_need = lk.filter(pl.col("hit_tokens") % bs != 0).select("seq", "hit_tokens")
+        covered = (
+            pres.join(tail_need, on="seq")
             .filter(
-                (pl.col("hit_tokens") % bs != 0)
-                & (pl.col("u") == pl.col("hit_tokens") // hbs - 1)
-                & ~pl.col("present")
+                pl.col("present")
+                & (pl.col("u") >= pl.col("hit_tokens") // hbs - 1)
+                & (pl.col("u") < (pl.col("hit_tokens") // bs + 1) * k)
             )
-            .select("seq", (pl.col("u") // k).alias("missing"))
+            .select("seq")
+            .unique()
+        )
+        tail = tail_need.join(covered, on="seq", how="anti").select(
+            "seq", (pl.col("hit_tokens") // bs).alias("missing")
         )
         missing = pl.concat([missing, tail], how="vertical_relaxed")
     # Blocks the hit relies on beyond the request's own hashes cannot be present.
@@ -324,16 +285,19 @@ def _group_facts(
     return lk.join(missing, on="seq", how="left").select("seq", "V", "C", "missing")
 
 
-def compute_flags(results: pl.DataFrame, trace: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
-    """All flags of a replay. ``results``: the results file's rows; ``trace``:
-    the trace's rows (``seq``, ``kind``, ``group_id``, ``block_hashes``)."""
+def compute_flags(results: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
+    """All flags of a replay, from its results rows (``unit_present`` included)."""
     if results.height == 0:
         return empty_flags()
+    if "unit_present" not in results.columns:
+        raise ReplayError(
+            "results have no 'unit_present' column (the store state each lookup saw): "
+            "re-run `replay run` to produce it"
+        )
     spec_groups = build_spec_groups(config)
     eagle_of = {gid: sg.eagle for sg in spec_groups for gid in sg.group_ids}
-    view = StoreView(trace, config)
-    n_units = trace.filter(pl.col("kind") == "lookup").select(
-        "seq", pl.col("block_hashes").list.len().cast(pl.Int64).alias("n_units")
+    n_units = results.select(
+        "seq", pl.col("unit_present").list.get(0).list.len().cast(pl.Int64).alias("n_units")
     )
     base = (
         results.select(
@@ -413,7 +377,7 @@ def compute_flags(results: pl.DataFrame, trace: pl.DataFrame, config: TraceConfi
             if not _fine(config, spec):
                 state = pl.col("mask_blocks").list.get(gid) * spec.block_size
             lk = base.select("seq", "hit_tokens", "max_length", "n_units", state.alias("state"))
-        facts[gid] = _group_facts(config, gid, eagle_of[gid], view.presence(gid), lk)
+        facts[gid] = _group_facts(config, gid, eagle_of[gid], presence(results, gid), lk)
 
     non_mamba = [g for g, s in enumerate(config.groups) if s.kind is not GroupKind.MAMBA]
     verified = None
@@ -502,18 +466,9 @@ def compute_flags(results: pl.DataFrame, trace: pl.DataFrame, config: TraceConfi
     )
 
 
-def flags_for_trace(
-    results: pl.DataFrame, trace_path: str | os.PathLike[str], config: TraceConfig
-) -> pl.DataFrame:
-    from replay.trace import open_trace
-
-    trace = open_trace(trace_path).read_frame(["seq", "kind", "group_id", "block_hashes"])
-    return compute_flags(results, trace, config)
-
-
-def attach_flags(result: Any, trace_path: str | os.PathLike[str]) -> pl.DataFrame:
+def attach_flags(result: Any) -> pl.DataFrame:
     """Compute the flags of a ``ReplayResult`` and fill its ``flags`` column."""
-    flags = flags_for_trace(result.results, trace_path, result.config)
+    flags = compute_flags(result.results, result.config)
     result.results = with_flag_column(result.results, flags)
     return flags
 
@@ -550,5 +505,16 @@ def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
     return rows
 
 
-def counts_from_mapping(m: Mapping[str, int]) -> dict[str, int]:
-    return {k: int(v) for k, v in m.items() if v}
+def check_path(
+    path: str | os.PathLike[str], *, policy: str, coordinator: str = "reference"
+) -> tuple[pl.DataFrame, str]:
+    """Flags of a trace (replayed now) or of a results file (as written).
+    Returns the flags and the policy they were computed under."""
+    from replay.engine import replay_trace
+    from replay.trace import is_results_file, read_results, results_config
+
+    if is_results_file(path):
+        frame, info = read_results(path)
+        return compute_flags(frame, results_config(info, path)), str(info.get("policy", "?"))
+    result = replay_trace(path, policy=policy, coordinator=coordinator)
+    return compute_flags(result.results, result.config), policy

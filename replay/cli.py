@@ -211,7 +211,7 @@ def _progress(quiet: bool) -> _Bar | None:
 )
 @POLICY
 @COORDINATOR
-@click.option("--quiet", is_flag=True, help="No progress bar and no summary text.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option(
     "--exact",
@@ -243,7 +243,7 @@ def run(
     finally:
         if bar is not None:
             bar.close()
-    flags = attach_flags(result, trace)
+    flags = attach_flags(result)
     out = output or default_results_path(trace)
     save_results(result, out)
     counts = flag_counts(flags)
@@ -307,6 +307,51 @@ def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None
         click.echo("")
         click.echo(explain_table(config, outcome))
         click.echo("")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@POLICY
+@COORDINATOR
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
+@click.option(
+    "--examples", type=int, default=10, show_default=True, help="Flagged lookups to list."
+)
+def check(
+    path: Path,
+    policy: str,
+    coordinator: str,
+    as_json: bool,
+    examples: int,
+) -> None:
+    """Exit 1 when any lookup of PATH is flagged, 0 when clean, 2 on bad input.
+
+    PATH is a trace (replayed now, under --policy) or a results file of
+    `replay run` (checked as it is, against its trace).
+    """
+    from analysis.flags import check_path, flag_counts, flag_examples
+
+    flags, policy_used = check_path(path, policy=policy, coordinator=coordinator)
+    counts = flag_counts(flags)
+    if as_json:
+        rows = flags.to_dicts()
+        click.echo(
+            json.dumps(
+                {"path": str(path), "policy": policy_used, "flags": rows, "counts": counts},
+                default=str,
+            )
+        )
+    else:
+        if counts:
+            lookups = flags["seq"].n_unique()
+            kinds = ", ".join(f"{k} {v}" for k, v in counts.items())
+            click.echo(f"{path}: {lookups} flagged lookup(s) under {policy_used} ({kinds})")
+            for ex in flag_examples(flags, examples):
+                click.echo("  " + ex["text"])
+        else:
+            click.echo(f"{path}: clean under {policy_used} (no flags)")
+    if counts:
+        sys.exit(1)
 
 
 def main() -> None:

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -59,12 +60,19 @@ def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> Look
     )
 
 
-def _keys_column(frame: pl.DataFrame, exact: bool) -> list[list[Any] | None]:
+def flat_keys(frame: pl.DataFrame, exact: bool) -> tuple[list[int], list[Any]]:
+    """The batch's ``block_hashes`` as one flat list of keys and row offsets
+    (row ``i`` owns ``keys[offsets[i]:offsets[i + 1]]``). One flat list beats a
+    list per row: slicing it is C-speed and no nested lists are built."""
+    arr = frame["block_hashes"].to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    offsets = (arr.offsets.to_numpy() - arr.offsets[0].as_py()).tolist()
+    values = arr.flatten()
     if exact:
-        return frame["block_hashes"].to_list()
-    return frame.select(pl.col("block_hashes").list.eval(pl.element().hash(FINGERPRINT_SEED)))[
-        "block_hashes"
-    ].to_list()
+        return offsets, values.to_pylist()
+    series = pl.Series(values=values)
+    return offsets, series.hash(FINGERPRINT_SEED).to_numpy().tolist()
 
 
 Event = StoreEvent[Hashable] | RemoveEvent[Hashable] | ClearEvent | LookupEvent[Hashable]
@@ -76,10 +84,10 @@ def iter_events(
     """Typed events of a trace in seq order (with the raw row for extra fields)."""
     reader = open_trace(path)
     for frame in reader.iter_frames():
-        keys = _keys_column(frame, exact)
+        offsets, keys = flat_keys(frame, exact)
         rows = frame.drop("block_hashes").to_dicts()
-        for row, hashes in zip(rows, keys, strict=True):
-            yield _event(row, hashes or []), row
+        for i, row in enumerate(rows):
+            yield _event(row, keys[offsets[i] : offsets[i + 1]]), row
 
 
 def _event(row: dict[str, Any], hashes: list[Any]) -> Event:
@@ -153,13 +161,19 @@ def replay_trace(
     present = store.present
     contains = [s.__contains__ for s in present]
 
+    # The reference coordinator is generic over what a "hash" is, so it can
+    # be handed unit indices and the probe bits; vLLM's needs the real bytes.
+    by_index = isinstance(coord, Coordinator)
+    bits: list[bool] = []
+    bit_chunks: list[np.ndarray[Any, Any]] = []
+    unit_counts: list[int] = []
     out: dict[str, list[Any]] = {name: [] for name in RESULTS_SCHEMA.names}
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
     state = Progress(total_events=reader.num_rows)
     last_report = time.perf_counter()
     started = time.perf_counter()
     for frame in reader.iter_frames():
-        keys = _keys_column(frame, exact)
+        offsets, keys = flat_keys(frame, exact)
         cols = {
             name: frame[name].to_list()
             for name in (
@@ -176,18 +190,30 @@ def replay_trace(
         for i, kind in enumerate(cols["kind"]):
             counts[kind] += 1
             if kind == "store":
-                present[cols["group_id"][i]].update(keys[i] or ())
+                present[cols["group_id"][i]].update(keys[offsets[i] : offsets[i + 1]])
             elif kind == "remove":
-                present[cols["group_id"][i]].difference_update(keys[i] or ())
+                present[cols["group_id"][i]].difference_update(keys[offsets[i] : offsets[i + 1]])
             elif kind == "clear":
                 gid = cols["group_id"][i]
                 for g, keyset in enumerate(present):
                     if gid is None or g == gid:
                         keyset.clear()
             else:
-                hashes = keys[i] or []
+                hashes = keys[offsets[i] : offsets[i + 1]]
                 max_length = cols["max_length"][i]
-                res = coord.lookup(hashes, max_length, contains)
+                # Probe the store once per group for every hash unit: these
+                # bits are the store state the lookup saw (kept in the
+                # results for the analyses) and the finders then scan plain
+                # lists instead of probing a large set again.
+                probes = [list(map(c, hashes)) for c in contains]
+                for p in probes:
+                    bits.extend(p)
+                    unit_counts.append(len(p))
+                if by_index:
+                    by_unit = [cast(Callable[[Hashable], bool], p.__getitem__) for p in probes]
+                    res = coord.lookup(range(len(hashes)), max_length, by_unit)
+                else:
+                    res = coord.lookup(hashes, max_length, contains)
                 groups = res.groups
                 observed = cols["observed_hit_tokens"][i]
                 out["seq"].append(cols["seq"][i])
@@ -206,6 +232,9 @@ def replay_trace(
                 )
                 out["ts"].append(ts[i])
                 out["flags"].append([])
+        if bits:
+            bit_chunks.append(np.array(bits, dtype=np.bool_))
+            bits.clear()
         state.events += frame.height
         state.lookups = counts["lookup"]
         if progress is not None and time.perf_counter() - last_report >= progress_every:
@@ -214,7 +243,11 @@ def replay_trace(
     if progress is not None:
         progress(state)
     seconds = time.perf_counter() - started
-    results = pl.from_arrow(pa.table(out, schema=RESULTS_SCHEMA))
+    table = pa.table(out, schema=RESULTS_SCHEMA)
+    table = table.append_column(
+        "unit_present", _unit_present(bit_chunks, unit_counts, config.num_groups)
+    )
+    results = pl.from_arrow(table)
     assert isinstance(results, pl.DataFrame)
     return ReplayResult(
         config=config,
@@ -227,6 +260,19 @@ def replay_trace(
         exact_keys=exact,
         trace_path=str(path),
     )
+
+
+def _unit_present(
+    chunks: list[np.ndarray[Any, Any]], unit_counts: list[int], num_groups: int
+) -> pa.Array:
+    """list<list<bool>>: per lookup, per group_id, whether the group held a key
+    for each of the lookup's hash units at that seq."""
+    values = pa.array(np.concatenate(chunks) if chunks else np.zeros(0, np.bool_))
+    inner_offsets = np.zeros(len(unit_counts) + 1, dtype=np.int32)
+    np.cumsum(unit_counts, out=inner_offsets[1:])
+    inner = pa.ListArray.from_arrays(pa.array(inner_offsets), values)
+    outer_offsets = np.arange(0, len(unit_counts) + 1, num_groups, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(outer_offsets), inner)
 
 
 def default_results_path(trace: str | os.PathLike[str]) -> Path:

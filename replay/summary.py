@@ -4,6 +4,7 @@ as plain dicts so the CLI can print them or dump them as JSON."""
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from typing import Any
 
 import polars as pl
@@ -23,7 +24,8 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     config = reader.config
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
     distinct: list[pl.Series] = [pl.Series([], dtype=pl.Binary) for _ in config.groups]
-    first_ts = last_ts = None
+    first_ts: datetime | None = None
+    last_ts: datetime | None = None
     first_seq = last_seq = None
     lookups = prompt = max_len = 0
     hash_entries = 0
@@ -34,10 +36,10 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             first_seq = frame["seq"][0] if first_seq is None else first_seq
             last_seq = frame["seq"][-1]
         ts = frame["ts"].drop_nulls()
-        if ts.len():
-            lo, hi = ts.min(), ts.max()
-            first_ts = lo if first_ts is None else min(first_ts, lo)  # type: ignore[type-var]
-            last_ts = hi if last_ts is None else max(last_ts, hi)  # type: ignore[type-var]
+        lo, hi = ts.min(), ts.max()
+        if isinstance(lo, datetime) and isinstance(hi, datetime):
+            first_ts = lo if first_ts is None else min(first_ts, lo)
+            last_ts = hi if last_ts is None else max(last_ts, hi)
         hash_entries += int(frame["block_hashes"].list.len().fill_null(0).sum())
         stores = (
             frame.filter(pl.col("kind") == "store")
@@ -45,8 +47,9 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             .explode("block_hashes")
         )
         for gid, part in stores.partition_by("group_id", as_dict=True).items():
-            g = int(gid[0])  # type: ignore[arg-type]
-            distinct[g] = pl.concat([distinct[g], part["block_hashes"]]).unique()
+            g = int(str(gid[0]))
+            hashes = part["block_hashes"].drop_nulls()
+            distinct[g] = pl.concat([distinct[g], hashes]).unique()
         lk = frame.filter(pl.col("kind") == "lookup")
         lookups += lk.height
         prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)
@@ -55,7 +58,7 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         (last_ts - first_ts).total_seconds()
         if first_ts is not None and last_ts is not None
         else None
-    )  # type: ignore[operator]
+    )
     return {
         "path": str(path),
         "config": config.to_json(),
@@ -63,8 +66,8 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "events_by_kind": counts,
         "seq_range": [first_seq, last_seq],
         "time_span": {
-            "first": first_ts.isoformat() if first_ts is not None else None,  # type: ignore[attr-defined]
-            "last": last_ts.isoformat() if last_ts is not None else None,  # type: ignore[attr-defined]
+            "first": first_ts.isoformat() if first_ts else None,
+            "last": last_ts.isoformat() if last_ts else None,
             "seconds": span,
         },
         "hash_entries": hash_entries,

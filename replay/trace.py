@@ -66,6 +66,9 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("flags", pa.list_(pa.string())),
     ]
 )
+#: Per lookup, per group_id, per hash unit: whether the group held a key for
+#: that unit's hash when the lookup ran (the store state the lookup saw).
+UNIT_PRESENT_FIELD = pa.field("unit_present", pa.list_(pa.list_(pa.bool_())))
 
 
 def _one_line(text: object) -> str:
@@ -333,16 +336,30 @@ class TraceReader:
         """Validated row batches as polars frames. Every column of the format is
         present (absent optional ones as nulls); ``columns`` narrows the
         output, never the validation."""
-        read_cols = list(self.columns)
         last_seq: int | None = None
         try:
-            batches = self._pf.iter_batches(batch_size=batch_size, columns=read_cols)
-            for batch in batches:
+            for batch in self._batches(batch_size):
                 frame = _canonical_frame(batch)
                 last_seq = _validate_batch(str(self.path), self.config, frame, last_seq)
                 yield frame if columns is None else frame.select(columns)
         except (pa.ArrowException, OSError) as exc:
             raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+
+    #: Row groups up to this size (uncompressed) are read whole, which
+    #: decodes columns in parallel; larger ones stream in record batches so
+    #: memory stays bounded.
+    WHOLE_ROW_GROUP_BYTES = 256 << 20
+
+    def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        cols = list(self.columns)
+        meta = self._pf.metadata
+        for i in range(meta.num_row_groups):
+            if meta.row_group(i).total_byte_size <= self.WHOLE_ROW_GROUP_BYTES:
+                yield self._pf.read_row_group(i, columns=cols)
+            else:
+                yield from self._pf.iter_batches(
+                    batch_size=batch_size, row_groups=[i], columns=cols
+                )
 
     def read_frame(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
         frames = list(self.iter_frames(columns))
@@ -366,7 +383,7 @@ _EMPTY_POLARS: dict[str, Any] = {
 }
 
 
-def _canonical_frame(batch: pa.RecordBatch) -> pl.DataFrame:
+def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
     frame = pl.from_arrow(batch)
     assert isinstance(frame, pl.DataFrame)
     exprs = []

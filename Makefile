@@ -1,0 +1,66 @@
+# The commands people type. `make demo` and `make test` work on a fresh
+# machine with Python 3.11 and pip: they create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.project-installed
+SHARED ?= ../shared
+DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
+
+.PHONY: install demo test lint pytest test-vllm bench traces clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@echo "== replay info: the bundled trace"
+	$(BIN)/replay info $(DEMO_TRACE)
+	@echo
+	@echo "== replay run, vLLM 0.33 semantics (the default policy): clean"
+	$(BIN)/replay run $(DEMO_TRACE) -o out/demo.vllm-0.33.results.parquet
+	@echo
+	@echo "== replay run --policy pre-49502: the #43559 overrun is flagged"
+	$(BIN)/replay run $(DEMO_TRACE) --policy pre-49502 -o out/demo.pre-49502.results.parquet
+	@echo
+	@echo "== replay check: exit 1 on the flagged results (as CI would see it)"
+	-$(BIN)/replay check out/demo.pre-49502.results.parquet --examples 2
+	@echo
+	@echo "== replay explain: how the flagged request's hit was decided, under both policies"
+	$(BIN)/replay explain $(DEMO_TRACE) --request $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['request_id'][0])") --policy pre-49502
+	$(BIN)/replay state $(DEMO_TRACE) --at 2 --show 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check replay analysis tests benchmarks
+	$(BIN)/ruff format --check replay analysis tests benchmarks
+	$(BIN)/mypy --strict replay analysis
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q -m "not vllm"
+
+test: lint pytest
+
+# The differential tests against the real vLLM coordinator, in a CPU
+# virtualenv built by the shared script (a few minutes the first time).
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || bash $(SHARED)/tools/vllm-oracle-env.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench
+
+traces: $(STAMP)
+	$(BIN)/python -m traces.build
+
+clean:
+	rm -rf out bench-data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,117 @@
+"""pytest plugin: every trace with an expectation becomes a test, per policy.
+
+A trace opts in with an Arrow metadata key ``replay.expect`` (JSON)::
+
+    {"expect": [
+        {"policy": "vllm-0.33", "flags": {}},
+        {"policy": "pre-49502", "flags": {"mamba_overrun": 1},
+         "hits": {"req-43559": 64}}
+    ]}
+
+``flags`` is the exact count of flagged lookups per flag kind (``{}``: clean);
+``hits`` pins the replayed hit of named requests (the last lookup of each).
+Either may be left out. Registered through the ``pytest11`` entry point, so
+``pip install cache-trace-replay`` then ``pytest traces/`` runs a corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EXPECT_META_KEY = b"replay.expect"
+
+
+def read_expectations(path: Path) -> list[dict[str, Any]] | None:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(str(path)).metadata or {}
+    except Exception:  # not a Parquet file: not ours to collect
+        return None
+    raw = meta.get(EXPECT_META_KEY)
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    entries = data.get("expect") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: replay.expect must be an object with an 'expect' list")
+    return entries
+
+
+def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
+    if file_path.suffix != ".parquet" or file_path.name.endswith(".results.parquet"):
+        return None
+    if read_expectations(file_path) is None:
+        return None
+    return TraceFile.from_parent(parent, path=file_path)
+
+
+class TraceFile(pytest.File):
+    def collect(self) -> Iterator[pytest.Item]:
+        for entry in read_expectations(self.path) or []:
+            policy = str(entry.get("policy", "vllm-0.33"))
+            yield TraceItem.from_parent(self, name=f"{self.path.stem}[{policy}]", entry=entry)
+
+
+class ExpectationMismatch(Exception):
+    pass
+
+
+class TraceItem(pytest.Item):
+    def __init__(self, *, entry: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.policy = str(entry.get("policy", "vllm-0.33"))
+
+    def runtest(self) -> None:
+        from analysis.flags import attach_flags, flag_counts
+        from replay.engine import replay_trace
+
+        result = replay_trace(self.path, policy=self.policy)
+        flags = attach_flags(result)
+        problems: list[str] = []
+        explain_ids: list[str] = []
+        if "flags" in self.entry:
+            want = {k: int(v) for k, v in self.entry["flags"].items() if v}
+            got = flag_counts(flags)
+            if got != want:
+                problems.append(f"flags: expected {want or 'none'}, replayed {got or 'none'}")
+                explain_ids += flags["request_id"].unique(maintain_order=True).head(3).to_list()
+        for request_id, want_hit in (self.entry.get("hits") or {}).items():
+            rows = result.results.filter(result.results["request_id"] == request_id)
+            if rows.height == 0:
+                problems.append(f"request {request_id}: not in the trace")
+                continue
+            got_hit = int(rows["hit_tokens"][-1])
+            if got_hit != int(want_hit):
+                problems.append(
+                    f"request {request_id}: expected hit {want_hit}, replayed {got_hit}"
+                )
+                explain_ids.append(request_id)
+        if problems:
+            raise ExpectationMismatch("\n".join(problems + self._explain(explain_ids)))
+
+    def _explain(self, request_ids: list[str]) -> list[str]:
+        from replay.engine import explain_lookup, find_lookups
+        from replay.render import explain_table
+
+        out = []
+        for rid in dict.fromkeys(request_ids):
+            lookup = find_lookups(self.path, rid)[-1]
+            config, outcome = explain_lookup(self.path, lookup, self.policy)
+            out += ["", f"replay explain {self.path.name} --request {rid} --policy {self.policy}:"]
+            out.append(explain_table(config, outcome))
+        return out
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, ExpectationMismatch):
+            return f"{self.path.name} under policy {self.policy}:\n{excinfo.value}"
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"trace {self.path.name} [{self.policy}]"

@@ -1,0 +1,124 @@
+"""The engine against the loop a user would write by hand, on random traces."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from replay.coordinator import Coordinator
+from replay.engine import replay_trace, save_results
+from replay.store import ClearEvent, RemoveEvent, StoreEvent
+from replay.trace import read_results, write_trace
+from tests.conftest import full_mamba, issue_43559_rows
+from tests.randtrace import random_config, random_rows
+
+
+def naive_replay(rows: list[dict], config, policy: str) -> list[tuple]:
+    """Fold into one set of (group, bytes), call the coordinator per lookup."""
+    keys: set[tuple[int, bytes]] = set()
+    out = []
+
+    def member(g: int) -> Callable[[bytes], bool]:
+        return lambda h: (g, h) in keys
+
+    tests = [member(g) for g in range(config.num_groups)]
+    coord = Coordinator(config, policy)
+    for row in rows:
+        kind = row["kind"]
+        if kind == "store":
+            keys.update((row["group_id"], h) for h in row["block_hashes"])
+        elif kind == "remove":
+            keys.difference_update((row["group_id"], h) for h in row["block_hashes"])
+        elif kind == "clear":
+            gone = {k for k in keys if row["group_id"] is None or k[0] == row["group_id"]}
+            keys.difference_update(gone)
+        else:
+            res = coord.lookup(row["block_hashes"], row["max_length"], tests)
+            present = [
+                [(g, h) in keys for h in row["block_hashes"]] for g in range(config.num_groups)
+            ]
+            out.append(
+                (
+                    row["seq"],
+                    res.hit_tokens,
+                    [g.mask_blocks for g in res.groups],
+                    [g.loaded_blocks for g in res.groups],
+                    present,
+                )
+            )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502"])
+def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, policy: str) -> None:
+    rng = random.Random(seed)
+    config = random_config(rng)
+    rows = random_rows(rng, config)
+    path = write_trace(tmp_path / "r.parquet", config, rows)
+    want = naive_replay(rows, config, policy)
+    for exact in (False, True):
+        res = replay_trace(path, policy=policy, exact=exact).results
+        got = list(
+            zip(
+                res["seq"].to_list(),
+                res["hit_tokens"].to_list(),
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                res["unit_present"].to_list(),
+                strict=True,
+            )
+        )
+        assert got == want
+
+
+def test_results_file_round_trip_and_metadata(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
+    result = replay_trace(path, policy="pre-49502")
+    out = save_results(result, tmp_path / "t.results.parquet")
+    frame, info = read_results(out)
+    assert info["version"] == 1
+    assert info["policy"] == "pre-49502"
+    assert info["coordinator"] == "reference"
+    assert info["kv_cache_groups"] == [g.to_json() for g in full_mamba().groups]
+    row = frame.row(0, named=True)
+    assert (row["seq"], row["request_id"], row["max_length"], row["hit_tokens"]) == (
+        2,
+        "req-43559",
+        64,
+        64,
+    )
+    assert (row["mask_blocks"], row["loaded_blocks"]) == ([3, 4], [3, 1])
+    assert (row["verified_tokens"], row["mamba_state_tokens"]) == (48, 64)
+    assert row["unit_present"] == [[True] * 4, [True] * 4]
+    assert frame.schema["mask_blocks"] == pl.List(pl.Int32)
+
+
+def test_deterministic_row_for_row(tmp_path: Path) -> None:
+    rng = random.Random(99)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 30))
+    a = save_results(replay_trace(path), tmp_path / "a.parquet")
+    b = save_results(replay_trace(path), tmp_path / "b.parquet")
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_store_fold_events_and_order() -> None:
+    from replay.errors import TraceError
+    from replay.store import Store
+
+    s: Store[bytes] = Store(2)
+    s.apply(StoreEvent(seq=1, group_id=0, hashes=[b"a", b"b"]))
+    s.apply(StoreEvent(seq=2, group_id=1, hashes=[b"a"]))
+    s.apply(RemoveEvent(seq=3, group_id=0, hashes=[b"a", b"zz"]))
+    assert (s.keys(0), s.keys(1)) == (frozenset({b"b"}), frozenset({b"a"}))
+    s.apply(ClearEvent(seq=4, group_id=1))
+    assert (s.keys(0), s.keys(1)) == (frozenset({b"b"}), frozenset())
+    s.apply(ClearEvent(seq=5, group_id=None))
+    assert s.num_keys() == [0, 0]
+    with pytest.raises(TraceError, match="seq 5: out of order, expected a seq greater than 5"):
+        s.apply(StoreEvent(seq=5, group_id=0, hashes=[b"c"]))
