@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
+from analysis.flags import FLAG_KINDS
 from replay import __version__
 from replay.coordinator import DEFAULT_POLICY, POLICIES
 from replay.engine import (
@@ -352,6 +353,45 @@ def check(
             click.echo(f"{path}: clean under {policy_used} (no flags)")
     if counts:
         sys.exit(1)
+
+
+@cli.command()
+@TRACE
+@click.option(
+    "--request", "request_id", required=True, help="The request_id whose lookup is flagged."
+)
+@click.option(
+    "--flag",
+    type=click.Choice(list(FLAG_KINDS)),
+    default=None,
+    help="Keep this flag (default: any flag).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default="pre-49502",
+    show_default=True,
+    help="Policy under which the flag fires.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="The small trace to write.",
+)
+def minimize(trace: Path, request_id: str, flag: str | None, policy: str, output: Path) -> None:
+    """Shrink TRACE to a small trace on which REQUEST still raises the flag,
+    with its expectation (per policy) in the metadata: ready for traces/."""
+    from replay.minimize import minimize as run_minimize
+
+    info = run_minimize(trace, request_id, output, flag=flag, policy=policy)
+    click.echo(
+        f"{trace}: {info['events_before']} events -> {output}: {info['events_after']} events"
+    )
+    for e in info["expect"]:
+        flags = ", ".join(e["flags"]) or "no flags"
+        click.echo(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")
 
 
 def main() -> None:

@@ -60,15 +60,13 @@ def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> Look
     )
 
 
-def flat_keys(frame: pl.DataFrame, exact: bool) -> tuple[list[int], list[Any]]:
-    """The batch's ``block_hashes`` as one flat list of keys and row offsets
+def flat_keys(hashes: pa.Array, exact: bool) -> tuple[list[int], list[Any]]:
+    """A batch's ``block_hashes`` as one flat list of keys and row offsets
     (row ``i`` owns ``keys[offsets[i]:offsets[i + 1]]``). One flat list beats a
     list per row: slicing it is C-speed and no nested lists are built."""
-    arr = frame["block_hashes"].to_arrow()
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    offsets = (arr.offsets.to_numpy() - arr.offsets[0].as_py()).tolist()
-    values = arr.flatten()
+    offsets = hashes.offsets.to_numpy()
+    offsets = (offsets - offsets[0]).tolist()
+    values = hashes.flatten()
     if exact:
         return offsets, values.to_pylist()
     series = pl.Series(values=values)
@@ -83,9 +81,9 @@ def iter_events(
 ) -> Iterator[tuple[Event, dict[str, Any]]]:
     """Typed events of a trace in seq order (with the raw row for extra fields)."""
     reader = open_trace(path)
-    for frame in reader.iter_frames():
-        offsets, keys = flat_keys(frame, exact)
-        rows = frame.drop("block_hashes").to_dicts()
+    for batch in reader.iter_batches():
+        offsets, keys = flat_keys(batch.hashes, exact)
+        rows = batch.frame.to_dicts()
         for i, row in enumerate(rows):
             yield _event(row, keys[offsets[i] : offsets[i + 1]]), row
 
@@ -164,7 +162,7 @@ def replay_trace(
     # The reference coordinator is generic over what a "hash" is, so it can
     # be handed unit indices and the probe bits; vLLM's needs the real bytes.
     by_index = isinstance(coord, Coordinator)
-    bits: list[bool] = []
+    bits = bytearray()
     bit_chunks: list[np.ndarray[Any, Any]] = []
     unit_counts: list[int] = []
     out: dict[str, list[Any]] = {name: [] for name in RESULTS_SCHEMA.names}
@@ -172,8 +170,9 @@ def replay_trace(
     state = Progress(total_events=reader.num_rows)
     last_report = time.perf_counter()
     started = time.perf_counter()
-    for frame in reader.iter_frames():
-        offsets, keys = flat_keys(frame, exact)
+    for batch in reader.iter_batches(prefetch=True):
+        frame = batch.frame
+        offsets, keys = flat_keys(batch.hashes, exact)
         cols = {
             name: frame[name].to_list()
             for name in (
@@ -205,11 +204,12 @@ def replay_trace(
                 # bits are the store state the lookup saw (kept in the
                 # results for the analyses) and the finders then scan plain
                 # lists instead of probing a large set again.
-                probes = [list(map(c, hashes)) for c in contains]
+                probes = [bytes(map(c, hashes)) for c in contains]
                 for p in probes:
-                    bits.extend(p)
+                    bits += p
                     unit_counts.append(len(p))
                 if by_index:
+                    # bytes.__getitem__ gives 0/1, which the finders treat as bools.
                     by_unit = [cast(Callable[[Hashable], bool], p.__getitem__) for p in probes]
                     res = coord.lookup(range(len(hashes)), max_length, by_unit)
                 else:
@@ -233,7 +233,7 @@ def replay_trace(
                 out["ts"].append(ts[i])
                 out["flags"].append([])
         if bits:
-            bit_chunks.append(np.array(bits, dtype=np.bool_))
+            bit_chunks.append(np.frombuffer(bytes(bits), dtype=np.bool_))
             bits.clear()
         state.events += frame.height
         state.lookups = counts["lookup"]

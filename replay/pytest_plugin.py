@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-EXPECT_META_KEY = b"replay.expect"
+from replay.trace import EXPECT_META_KEY
 
 
 def read_expectations(path: Path) -> list[dict[str, Any]] | None:

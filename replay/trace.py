@@ -21,6 +21,7 @@ from typing import Any, Self
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay.errors import ConfigError, TraceError
@@ -28,6 +29,8 @@ from replay.spec import TraceConfig
 
 TRACE_META_KEY = b"replay.trace"
 RESULTS_META_KEY = b"replay.results"
+#: Regression traces: what replaying them must give (see replay.pytest_plugin).
+EXPECT_META_KEY = b"replay.expect"
 EVENT_KINDS = ("store", "remove", "clear", "lookup")
 
 TRACE_SCHEMA = pa.schema(
@@ -200,13 +203,25 @@ class TraceWriter:
 
 
 def write_trace(
-    path: str | os.PathLike[str], config: TraceConfig, table: pa.Table | Sequence[Mapping[str, Any]]
+    path: str | os.PathLike[str],
+    config: TraceConfig,
+    table: pa.Table | Sequence[Mapping[str, Any]],
+    *,
+    expect: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a whole trace at once (atomic). Rows are validated on the way."""
+    """Write a whole trace at once (atomic). Rows are validated on the way.
+    ``expect`` goes to the ``replay.expect`` metadata (regression traces)."""
     if not isinstance(table, pa.Table):
         table = events_table(table, config)
-    table = table.select(list(TRACE_COLUMNS)).cast(trace_schema(config))
-    _validate_batch(str(path), config, pl.from_arrow(table), None)  # type: ignore[arg-type]
+    schema = trace_schema(config)
+    if expect is not None:
+        meta = {**schema.metadata, EXPECT_META_KEY: json.dumps(expect, sort_keys=True).encode()}
+        schema = schema.with_metadata(meta)
+    table = table.select(list(TRACE_COLUMNS)).cast(schema)
+    frame = _canonical_frame(table.drop_columns(["block_hashes"])).with_columns(
+        pl.Series("n_hashes", pc.list_value_length(table.column("block_hashes")), dtype=pl.Int64)
+    )
+    _validate_batch(str(path), config, frame, None)
     with atomic_path(path) as tmp:
         pq.write_table(table, str(tmp), compression="zstd")
     return Path(path)
@@ -300,9 +315,47 @@ def read_config(
 
 @dataclass(frozen=True, slots=True)
 class TraceBatch:
-    """One validated row batch, as a polars frame with the canonical columns."""
+    """One validated row batch (see ``TraceReader.iter_batches``)."""
 
     frame: pl.DataFrame
+    hashes: pa.Array
+
+
+def _prefetched(batches: Iterator[TraceBatch]) -> Iterator[TraceBatch]:
+    """Run ``batches`` one step ahead on a thread; errors surface in order."""
+    import queue
+    import threading
+
+    q: queue.Queue[tuple[TraceBatch | None, BaseException | None]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    return
+                q.put((batch, None))
+            q.put((None, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            q.put((None, exc))
+
+    worker = threading.Thread(target=produce, name="trace-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            batch, exc = q.get()
+            if exc is not None:
+                raise exc
+            if batch is None:
+                return
+            yield batch
+    finally:
+        stop.set()
+        while worker.is_alive():
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                worker.join(timeout=0.05)
 
 
 class TraceReader:
@@ -330,20 +383,48 @@ class TraceReader:
     def num_rows(self) -> int:
         return int(self._pf.metadata.num_rows)
 
+    def iter_batches(
+        self, batch_size: int = 65_536, *, prefetch: bool = False
+    ) -> Iterator[TraceBatch]:
+        """Validated row batches: every column but ``block_hashes`` as a polars
+        frame (absent optional columns as nulls, plus ``n_hashes``), and the
+        hashes as the Arrow list array they were read as (no copy). With
+        ``prefetch`` the next batch is read, decoded and validated on a
+        thread while the caller works on this one (Parquet decoding and
+        polars release the GIL)."""
+        batches = self._validated(batch_size)
+        if not prefetch:
+            yield from batches
+            return
+        yield from _prefetched(batches)
+
+    def _validated(self, batch_size: int) -> Iterator[TraceBatch]:
+        last_seq: int | None = None
+        try:
+            for raw in self._batches(batch_size):
+                hashes = raw.column("block_hashes")
+                if isinstance(hashes, pa.ChunkedArray):
+                    hashes = hashes.combine_chunks()
+                frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
+                    pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)
+                )
+                last_seq = _validate_batch(str(self.path), self.config, frame, last_seq)
+                yield TraceBatch(frame=frame, hashes=hashes)
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+
     def iter_frames(
         self, columns: Sequence[str] | None = None, batch_size: int = 65_536
     ) -> Iterator[pl.DataFrame]:
-        """Validated row batches as polars frames. Every column of the format is
-        present (absent optional ones as nulls); ``columns`` narrows the
-        output, never the validation."""
-        last_seq: int | None = None
-        try:
-            for batch in self._batches(batch_size):
-                frame = _canonical_frame(batch)
-                last_seq = _validate_batch(str(self.path), self.config, frame, last_seq)
-                yield frame if columns is None else frame.select(columns)
-        except (pa.ArrowException, OSError) as exc:
-            raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+        """Validated row batches as polars frames with every column of the
+        format; ``columns`` narrows the output, never the validation."""
+        for batch in self.iter_batches(batch_size):
+            frame = (
+                batch.frame.drop("n_hashes")
+                .with_columns(pl.Series("block_hashes", batch.hashes).cast(pl.List(pl.Binary)))
+                .select(TRACE_COLUMNS)
+            )
+            yield frame if columns is None else frame.select(columns)
 
     #: Row groups up to this size (uncompressed) are read whole, which
     #: decodes columns in parallel; larger ones stream in record batches so
@@ -442,7 +523,7 @@ def _validate_batch(
             is_keyed & gid.is_null(),
             "{kind} has no group_id (store and remove name the group whose keys change)",
         ),
-        (is_keyed & frame["block_hashes"].is_null(), "{kind} has no block_hashes"),
+        (is_keyed & frame["n_hashes"].is_null(), "{kind} has no block_hashes"),
         (
             gid.is_not_null() & ((gid < 0) | (gid >= config.num_groups)),
             f"group_id {{gid}} names no group (the trace has {config.num_groups}: "
@@ -450,7 +531,7 @@ def _validate_batch(
         ),
         (is_lookup & frame["request_id"].is_null(), "lookup has no request_id"),
         (is_lookup & frame["max_length"].is_null(), "lookup has no max_length"),
-        (is_lookup & frame["block_hashes"].is_null(), "lookup has no block_hashes"),
+        (is_lookup & frame["n_hashes"].is_null(), "lookup has no block_hashes"),
         (
             is_lookup & (frame["max_length"] < 0).fill_null(False),
             "lookup has a negative max_length {max_length}",
@@ -459,7 +540,7 @@ def _validate_batch(
     # vLLM indexes a group's hash view up to max_length // block_size, so a
     # lookup may not ask for more than its hashes can cover (vLLM's scheduler
     # always asks for num_tokens - 1, below (len + 1) * hash_block_size).
-    n_hashes = frame["block_hashes"].list.len().fill_null(0)
+    n_hashes = frame["n_hashes"].fill_null(0)
     too_long = is_lookup & (
         frame["max_length"] >= (n_hashes + 1) * config.hash_block_size
     ).fill_null(False)

@@ -27,7 +27,7 @@ class SpecGroup:
         return self.spec.kind
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class Step:
     """One finder call inside the fixed point (what ``replay explain`` prints)."""
 
@@ -45,7 +45,7 @@ class Step:
     reused: bool = False  # full attention after its first lookup: only shrinks
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class GroupOutcome:
     group_id: int
     kind: GroupKind
@@ -60,7 +60,7 @@ class GroupOutcome:
         return [False] * (self.mask_blocks - self.loaded_blocks) + [True] * self.loaded_blocks
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class LookupOutcome:
     hit_tokens: int
     groups: tuple[GroupOutcome, ...]

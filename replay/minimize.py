@@ -1,0 +1,166 @@
+"""Shrink a trace to a small one that still raises a flag on one request.
+
+1. Cut what cannot matter: events after the target lookup, and from each
+   store/remove the keys the lookup never asks about (other keys cannot
+   change its answer); other lookups go too.
+2. Delta debugging (ddmin) over the remaining events.
+3. Shorten the lookup's hashes from the end while the flag still fires.
+The result gets a ``replay.expect`` entry for every policy, ready to commit
+into ``traces/``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from replay.coordinator import POLICIES
+from replay.engine import iter_events, replay_trace
+from replay.errors import ReplayError
+from replay.spec import TraceConfig
+from replay.store import LookupEvent
+from replay.trace import TRACE_COLUMNS, open_trace, write_trace
+
+Row = dict[str, Any]
+
+
+def _rows(path: str | os.PathLike[str]) -> list[Row]:
+    out = []
+    for event, row in iter_events(path, exact=True):
+        hashes = getattr(event, "hashes", None)
+        out.append({**row, "block_hashes": list(hashes) if hashes is not None else None})
+    return out
+
+
+def _flags_of(
+    config: TraceConfig, rows: Sequence[Row], request_id: str, policy: str, workdir: Path
+) -> tuple[set[str], int]:
+    from analysis.flags import attach_flags
+
+    path = workdir / "candidate.parquet"
+    write_trace(path, config, _renumbered(rows))
+    result = replay_trace(path, policy=policy, exact=True)
+    attach_flags(result)
+    mine = result.results.filter(result.results["request_id"] == request_id)
+    if mine.height == 0:
+        return set(), 0
+    return set(mine["flags"][-1]), int(mine["hit_tokens"][-1])
+
+
+def _renumbered(rows: Sequence[Row]) -> list[Row]:
+    return [{**{k: r.get(k) for k in TRACE_COLUMNS}, "seq": i} for i, r in enumerate(rows)]
+
+
+def ddmin(items: list[Row], still_fails: Callable[[list[Row]], bool]) -> list[Row]:
+    """Zeller's delta debugging: a 1-minimal subset that still fails."""
+    n = 2
+    while len(items) >= 2:
+        size = max(1, len(items) // n)
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        reduced = False
+        for i in range(len(chunks)):
+            complement = [x for j, c in enumerate(chunks) if j != i for x in c]
+            if still_fails(complement):
+                items, n, reduced = complement, max(n - 1, 2), True
+                break
+        if not reduced:
+            if n >= len(items):
+                break
+            n = min(len(items), n * 2)
+    return items
+
+
+def minimize(
+    trace: str | os.PathLike[str],
+    request_id: str,
+    out: str | os.PathLike[str],
+    *,
+    flag: str | None = None,
+    policy: str = "pre-49502",
+) -> dict[str, Any]:
+    reader = open_trace(trace)
+    config = reader.config
+    rows = _rows(trace)
+    targets = [
+        i for i, r in enumerate(rows) if r["kind"] == "lookup" and r["request_id"] == request_id
+    ]
+    if not targets:
+        raise ReplayError(f"{trace}: no lookup with request_id {request_id!r}")
+    t = targets[-1]
+    hashes = _hashes(trace, rows[t]["seq"])
+    wanted = set(hashes)
+
+    def has_flag(flags: set[str]) -> bool:
+        return flag in flags if flag is not None else bool(flags)
+
+    with tempfile.TemporaryDirectory(prefix="replay-minimize-") as tmp:
+        work = Path(tmp)
+        if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, work)[0]):
+            what = f"{flag} flag" if flag else "flag"
+            raise ReplayError(
+                f"{trace}: request {request_id!r} raises no {what} under {policy}: nothing to minimize"
+            )
+        events: list[Row] = []
+        for r in rows[:t]:
+            if r["kind"] in ("store", "remove"):
+                keep = [h for h in r["block_hashes"] if h in wanted]
+                if keep:
+                    events.append({**r, "block_hashes": keep})
+            elif r["kind"] == "clear":
+                events.append(r)
+        target = rows[t]
+
+        def fails(evs: list[Row], tgt: Row = target) -> bool:
+            return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, work)[0])
+
+        if not fails(events):
+            raise ReplayError(f"{trace}: cutting unrelated events lost the flag (please report)")
+        events = ddmin(events, fails)
+        # Shorten the lookup from the end while the flag holds.
+        hbs = config.hash_block_size
+        n = len(target["block_hashes"])
+        while n > 1:
+            shorter = {
+                **target,
+                "block_hashes": target["block_hashes"][: n - 1],
+                "max_length": min(target["max_length"], n * hbs - 1),
+            }
+            shorter["num_tokens"] = shorter["max_length"] + 1
+            if not fails(events, shorter):
+                break
+            target, n = shorter, n - 1
+        kept = set(target["block_hashes"])
+        events = [
+            {**e, "block_hashes": [h for h in e["block_hashes"] if h in kept]}
+            if e["kind"] in ("store", "remove")
+            else e
+            for e in events
+        ]
+        events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
+        final = [*events, target]
+        expect = []
+        for name in POLICIES:
+            flags, hit = _flags_of(config, final, request_id, name, work)
+            counts = {f: 1 for f in sorted(flags)}
+            expect.append({"policy": name, "flags": counts, "hits": {request_id: hit}})
+    write_trace(
+        out,
+        config,
+        _renumbered(final),
+        expect={
+            "expect": expect,
+            "minimized_from": os.path.basename(str(trace)),
+            "request_id": request_id,
+        },
+    )
+    return {"events_before": len(rows), "events_after": len(final), "expect": expect}
+
+
+def _hashes(path: str | os.PathLike[str], seq: int) -> list[bytes]:
+    for event, _ in iter_events(path, exact=True):
+        if event.seq == seq and isinstance(event, LookupEvent):
+            return [bytes(h) for h in event.hashes]  # type: ignore[call-overload]
+    raise ReplayError(f"{path}: no lookup at seq {seq}")

@@ -1,0 +1,76 @@
+"""replay minimize: thousands of events with one injected overrun shrink to a
+handful, and the result is a regression trace the plugin runs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import polars as pl
+
+from replay.pytest_plugin import read_expectations
+from replay.trace import open_trace, write_trace
+from tests.conftest import chain, full_mamba, run_cli
+
+
+def _noisy_trace(path: Path) -> Path:
+    rng = random.Random(3)
+    rows = []
+    for i in range(700):
+        hs = chain(rng.randint(2, 30), f"noise{i % 37}")
+        rows.append({"kind": "store", "group_id": 0, "block_hashes": hs})
+        rows.append({"kind": "store", "group_id": 1, "block_hashes": hs[-2:]})
+        if rng.random() < 0.3:
+            rows.append({"kind": "remove", "group_id": 0, "block_hashes": hs[-3:]})
+        rows.append(
+            {
+                "kind": "lookup",
+                "request_id": f"n{i}",
+                "block_hashes": hs,
+                "max_length": len(hs) * 16 - 1,
+            }
+        )
+    victim = chain(8, "victim")
+    rows[900:900] = [
+        {"kind": "store", "group_id": 0, "block_hashes": victim},
+        {"kind": "store", "group_id": 1, "block_hashes": victim},
+    ]
+    rows.append(
+        {"kind": "lookup", "request_id": "victim", "block_hashes": victim, "max_length": 128}
+    )
+    return write_trace(path, full_mamba(), rows)
+
+
+def test_injected_overrun_shrinks_to_a_handful_of_events(tmp_path: Path) -> None:
+    big = _noisy_trace(tmp_path / "big.parquet")
+    assert open_trace(big).num_rows > 2000
+    small = tmp_path / "small.parquet"
+    result = run_cli(
+        ["minimize", str(big), "--request", "victim", "--flag", "mamba_overrun", "-o", str(small)]
+    )
+    assert result.exit_code == 0, result.output
+    frame = open_trace(small).read_frame()
+    assert frame.height <= 4
+    assert frame.filter(pl.col("kind") == "lookup")["request_id"].to_list() == ["victim"]
+    expect = read_expectations(small)
+    assert expect is not None
+    by_policy = {e["policy"]: e for e in expect}
+    assert by_policy["vllm-0.33"]["flags"] == {}
+    assert "mamba_overrun" in by_policy["pre-49502"]["flags"]
+    # The minimized trace still tells the story: clean by default, overrun before #49502.
+    assert run_cli(["check", str(small)]).exit_code == 0
+    assert run_cli(["check", str(small), "--policy", "pre-49502"]).exit_code == 1
+
+
+def test_minimize_refuses_a_clean_request(tmp_path: Path) -> None:
+    big = _noisy_trace(tmp_path / "big.parquet")
+    out = tmp_path / "small.parquet"
+    result = run_cli(
+        ["minimize", str(big), "--request", "n3", "--flag", "mamba_overrun", "-o", str(out)]
+    )
+    assert result.exit_code == 2
+    assert (
+        result.stderr
+        == f"error: {big}: request 'n3' raises no mamba_overrun flag under pre-49502: nothing to minimize\n"
+    )
+    assert not out.exists()
