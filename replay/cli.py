@@ -394,6 +394,16 @@ def minimize(trace: Path, request_id: str, flag: str | None, policy: str, output
         click.echo(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")
 
 
+def _register() -> None:
+    from replay.cli_sources import ingest, record
+
+    cli.add_command(record)
+    cli.add_command(ingest)
+
+
+_register()
+
+
 def main() -> None:
     cli(prog_name="replay")
 

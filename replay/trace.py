@@ -140,15 +140,18 @@ class TraceWriter:
         self._cm = atomic_path(self.path)
         self._tmp = self._cm.__enter__()
         self._schema = trace_schema(config)
+        # No stored Arrow schema: then the footer's key-value metadata is the
+        # schema metadata, and close() can replace the config's ``source``
+        # (a recorder's gap report) without rewriting the file.
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
-            str(self._tmp), self._schema, compression="zstd"
+            str(self._tmp), self._schema, compression="zstd", store_schema=False
         )
         self.rows_written = 0
         self._last_seq: int | None = None
 
     def set_source(self, source: Mapping[str, Any]) -> None:
-        """Replace the ``source`` metadata (e.g. a recorder's gap report); only
-        effective when the file is finalised, so it is written at ``close``."""
+        """Replace the ``source`` metadata (e.g. a recorder's gap report); it is
+        written into the footer at ``close``."""
         self._pending_source = dict(source)
 
     def write_table(self, table: pa.Table) -> None:
@@ -174,15 +177,12 @@ class TraceWriter:
     def close(self) -> None:
         if self._writer is None:
             return
-        self._writer.close()
-        self._writer = None
         source = getattr(self, "_pending_source", None)
         if source is not None:
-            # Metadata lives in the footer of a closed file: rewrite it once
-            # with the final source (recorders learn about gaps at the end).
-            table = pq.read_table(str(self._tmp))
             config = TraceConfig.from_json({**self.config.to_json(), "source": source})
-            pq.write_table(table.cast(trace_schema(config)), str(self._tmp), compression="zstd")
+            self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
+        self._writer.close()
+        self._writer = None
         self._cm.__exit__(None, None, None)
 
     def abort(self) -> None:

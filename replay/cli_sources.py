@@ -1,0 +1,269 @@
+"""``replay record`` and ``replay ingest``: click only, the work is in
+``replay.sources``. Library errors become one line, ``error: ...``, exit 2.
+
+The ``ingest`` group is shared: other importers add their subcommands to it
+(``@ingest.command("mooncake")``) from their own modules, and may reuse
+``config_options`` / ``config_from_options`` for the KV-cache config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import click
+
+from replay.errors import ReplayError
+from replay.spec import TraceConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Fail(click.ClickException):
+    """A one-line user error: ``error: <message>`` on stderr, exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def fail(message: str) -> Fail:
+    return Fail(" ".join(message.split()))
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    try:
+        yield
+    except ReplayError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        # A file or socket the system refused (permissions, a full disk).
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise fail(f"{where}{exc.strerror or exc}") from None
+
+
+def config_options(func: F) -> F:
+    """``--config FILE`` / ``--block-size N``: the KV-cache config of a trace."""
+    func = click.option(
+        "--block-size",
+        type=click.IntRange(min=1),
+        help="Instead of --config: one full-attention group with blocks of N tokens.",
+    )(func)
+    func = click.option(
+        "--config",
+        "config_path",
+        metavar="FILE",
+        help="KV-cache config: a JSON file holding the replay.trace metadata object "
+        "(or a trace whose config to reuse).",
+    )(func)
+    return func
+
+
+def config_from_options(config_path: str | None, block_size: int | None) -> TraceConfig:
+    from replay.sources.kv_events import load_config
+
+    return load_config(config_path, block_size)
+
+
+def _same_file(output: str, inputs: list[str]) -> str | None:
+    out = Path(output).resolve()
+    for name in inputs:
+        if Path(name).resolve() == out:
+            return name
+    return None
+
+
+def _medium_option(func: F) -> F:
+    return click.option(
+        "--medium",
+        "media",
+        multiple=True,
+        metavar="TIER",
+        help="Keep only events of this storage tier (repeatable; GPU, CPU, ...; "
+        "case-insensitive, no medium = GPU). Default: every tier.",
+    )(func)
+
+
+@click.command()
+@click.option(
+    "--endpoint",
+    required=True,
+    help="The publisher's ZMQ endpoint, e.g. tcp://host:5557 (vLLM's kv_events_config.endpoint).",
+)
+@click.option(
+    "--replay-endpoint",
+    help="The publisher's replay endpoint (kv_events_config.replay_endpoint), to fill gaps.",
+)
+@click.option("--topic", default="", show_default=True, help="Topic prefix to subscribe to.")
+@click.option(
+    "--bind",
+    is_flag=True,
+    help="Bind the SUB socket instead of connecting (when vLLM's endpoint has no '*', its "
+    "publisher connects).",
+)
+@click.option(
+    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
+)
+@config_options
+@_medium_option
+@click.option(
+    "--max-batches",
+    type=click.IntRange(min=1),
+    help="Stop once N batches (sequence numbers) were taken.",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Stop after this many seconds.",
+)
+@click.option(
+    "--dump",
+    metavar="FILE",
+    help="Also write the raw frames there (`replay ingest kv-events FILE` reads it).",
+)
+@click.option(
+    "--replay-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for each replay reply.",
+)
+def record(
+    endpoint: str,
+    replay_endpoint: str | None,
+    topic: str,
+    bind: bool,
+    output: str,
+    config_path: str | None,
+    block_size: int | None,
+    media: tuple[str, ...],
+    max_batches: int | None,
+    duration: float | None,
+    dump: str | None,
+    replay_timeout: float,
+) -> None:
+    """Record a live vLLM KV-event stream into a trace.
+
+    Stops on Ctrl-C / SIGTERM (closing a valid file), after --max-batches or
+    after --duration. Gaps are filled from --replay-endpoint; what cannot be
+    filled is reported and listed in the trace's source metadata.
+    """
+    from replay.sources.kv_events import GroupMismatch
+    from replay.sources.record import record as record_stream
+    from replay.sources.record import stop_on_signals
+
+    with user_errors():
+        config = config_from_options(config_path, block_size)
+        if dump is not None and _same_file(dump, [output]):
+            raise fail(f"--dump {dump} is also the output trace")
+        click.echo(f"recording {endpoint} -> {output} (Ctrl-C to stop)", err=True)
+        stop = threading.Event()
+        tty = sys.stderr.isatty()
+        try:
+            with stop_on_signals(stop):
+                summary = record_stream(
+                    endpoint=endpoint,
+                    output=output,
+                    config=config,
+                    replay_endpoint=replay_endpoint,
+                    topic=topic,
+                    bind=bind,
+                    max_batches=max_batches,
+                    duration=duration,
+                    dump=dump,
+                    media=media or None,
+                    replay_timeout=replay_timeout,
+                    stop=stop,
+                    report=lambda m: click.echo(("\n" if tty else "") + m, err=True),
+                    progress=(lambda m: click.echo("\r" + m, err=True, nl=False)) if tty else None,
+                )
+        except GroupMismatch as exc:
+            hint = (
+                f"; the raw frames are in {dump}: `replay ingest kv-events {dump} --config ...`"
+                if dump is not None
+                else ""
+            )
+            raise fail(f"{exc}{hint}") from None
+    if tty:
+        click.echo("", err=True)
+    click.echo(f"recorded {summary.describe()} to {output}", err=True)
+
+
+@click.group()
+def ingest() -> None:
+    """Import traces from other formats."""
+
+
+@ingest.command("kv-events")
+@click.argument("files", nargs=-1, required=True, metavar="DUMP...")
+@click.option(
+    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
+)
+@config_options
+@_medium_option
+@click.option(
+    "--lookups",
+    metavar="JSONL",
+    help="A lookup log to merge in by time (as `replay ingest merge` does).",
+)
+def ingest_kv_events(
+    files: tuple[str, ...],
+    output: str,
+    config_path: str | None,
+    block_size: int | None,
+    media: tuple[str, ...],
+    lookups: str | None,
+) -> None:
+    """Build a trace from raw dumps written by `replay record --dump`.
+
+    Several dumps are read in the order given, as one stream.
+    """
+    from replay.sources.record import ingest_dumps
+
+    with user_errors():
+        clash = _same_file(output, [*files, *([lookups] if lookups else [])])
+        if clash is not None:
+            raise fail(f"-o {output} is also an input file")
+        config = config_from_options(config_path, block_size)
+        summary = ingest_dumps(
+            list(files),
+            output,
+            config,
+            media=media or None,
+            lookups=lookups,
+            report=lambda m: click.echo(m, err=True),
+        )
+    click.echo(f"wrote {output}: {summary.describe()}", err=True)
+
+
+@ingest.command("merge")
+@click.argument("trace", metavar="TRACE")
+@click.argument("lookups", metavar="LOOKUPS.jsonl")
+@click.option(
+    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
+)
+def ingest_merge(trace: str, lookups: str, output: str) -> None:
+    """Merge a lookup log (JSONL) into a trace by time.
+
+    One JSON object per line: request_id, ts (seconds or ISO 8601),
+    block_hashes (unsigned 64-bit integers or hex strings, one per
+    hash_block_size tokens), max_length (or num_tokens, giving
+    num_tokens - 1), and optionally num_tokens and observed_hit_tokens.
+    """
+    from replay.sources.kv_events import merge_lookups
+
+    with user_errors():
+        if _same_file(output, [lookups]):
+            raise fail(f"-o {output} is also the lookup log")
+        summary = merge_lookups(trace, lookups, output)
+    click.echo(
+        f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged", err=True
+    )

@@ -1,0 +1,839 @@
+"""Record a live vLLM KV-event stream into a trace; read raw dumps back.
+
+The recorder subscribes to a ``ZmqEventPublisher`` (SUB socket; three
+frames per message: topic, 8-byte big-endian seq, msgpack payload) and
+keeps the stream gapless where it can:
+
+* **Gaps.** When a seq jumps, the missing range is asked of the replay
+  endpoint (a DEALER sends ``["", start_seq]``; the publisher's ROUTER
+  answers ``["", topic, seq, payload]`` per buffered batch with seq >= start,
+  then ``["", "", -1, ""]``) and filled in order. What the replay buffer no
+  longer holds (or a saturated publisher dropped) is an unfillable gap: it
+  is reported on stderr and listed in the trace's ``source`` metadata as
+  ``gaps`` (inclusive ``first``..``last`` seq ranges per epoch).
+* **Start.** With a replay endpoint the recorder first asks for everything
+  still buffered (from seq 0), so the trace starts as early as possible;
+  seqs before the oldest buffered one are a gap ("joined late").
+* **Publisher restart.** vLLM's seq counts from 0 per publisher, so a live
+  seq below the next expected one that is not a repeat of a batch already
+  taken (same seq, same payload digest) means the engine restarted. A new
+  engine has an empty prefix cache: the recorder writes a ``clear`` row,
+  resets the copy counts, starts a new epoch (listed in ``restarts``) and
+  fills the new epoch's start from the replay endpoint. A restart is only
+  seen when the seq goes back: a new publisher that is already past the old
+  seq when the recorder reconnects looks like a gap (the replay fill then
+  comes from the new publisher).
+* **Malformed messages** (wrong frame count, a seq that is not 8 bytes, a
+  payload that is not a batch) are reported, listed in ``skipped`` and
+  skipped; a malformed payload still uses its seq.
+
+``--dump FILE`` writes every message the recorder took, in the order it
+took them, so ``replay ingest kv-events FILE`` rebuilds the same trace
+(under any KV-cache config). Layout: the 8 magic bytes ``RKVDUMP1``, then
+records, each a 4-byte big-endian length followed by that many bytes of
+msgpack ``[recv_ts, origin, frames]``: ``recv_ts`` the receive time in
+seconds (float), ``origin`` ``"live"`` or ``"replay"``, ``frames`` the
+message's frames as binaries (``[topic, seq, payload]`` when well formed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import signal
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any, Self
+
+import msgspec
+import zmq
+
+from replay.errors import ReplayError
+from replay.sources.kv_events import (
+    EventConverter,
+    GroupMismatch,
+    LookupMerger,
+    MalformedBatch,
+    Row,
+    decode_batch,
+    read_lookup_log,
+)
+from replay.spec import TraceConfig
+from replay.trace import TraceWriter
+
+DUMP_MAGIC = b"RKVDUMP1"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ORIGINS = ("live", "replay")
+
+# Bounded reporting: the first few of each kind go to stderr, all are counted.
+_MAX_REPORTED = 20
+_MAX_LISTED = 1000
+
+Fill = Callable[[int, int | None], tuple[list[tuple[list[bytes], float]], str]]
+Report = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat()
+
+
+def _span(first: int, last: int) -> str:
+    return f"seq {first}" if first == last else f"seq {first}-{last}"
+
+
+def _zmq_reason(exc: zmq.ZMQError) -> str:
+    # pyzmq appends "(addr=...)" to strerror; the address is already in the message.
+    return zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+
+
+def split_message(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """``[topic, seq, payload]`` -> (topic, seq, payload); MalformedBatch if not."""
+    if len(frames) != 3:
+        raise MalformedBatch(
+            f"message has {len(frames)} frame{'s' if len(frames) != 1 else ''}, "
+            "expected 3 (topic, seq, payload)"
+        )
+    topic, seq_frame, payload = frames
+    if len(seq_frame) != 8:
+        raise MalformedBatch(
+            f"seq frame has {len(seq_frame)} bytes, expected 8 (big-endian sequence number)"
+        )
+    return bytes(topic), int.from_bytes(seq_frame, "big"), bytes(payload)
+
+
+# ------------------------------------------------------------ the stream
+
+
+class StreamProcessor:
+    """Sequencing, gap and restart bookkeeping, decoding and copy counting for
+    one publisher's stream, fed message by message. Shared by the live
+    recorder and the dump importer, so both build the same trace."""
+
+    def __init__(
+        self,
+        config: TraceConfig,
+        sink: Callable[[list[Row]], None],
+        *,
+        topic: bytes = b"",
+        media: Collection[str] | None = None,
+        report: Report = _stderr,
+        tap: Callable[[Sequence[bytes], str, float], None] | None = None,
+        window: int = 65_536,
+    ) -> None:
+        self.converter = EventConverter(config, media=media)
+        self.sink = sink
+        self.topic = topic
+        self.report = report
+        self.tap = tap
+        self.epoch = 0
+        self.expected = 0
+        self.batches = 0
+        self.filled = 0
+        self.duplicates = 0
+        self.other_topics = 0
+        self.gaps: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.skipped: list[dict[str, Any]] = []
+        self.skipped_total = 0
+        self.ignored_types: Counter[str] = Counter()
+        self.ranks: set[int] = set()
+        self.epochs: list[dict[str, Any]] = []
+        self.rows = 0
+        self._reported = Counter[str]()
+        self._window = window
+        self._seen: dict[int, bytes] = {}
+        self._seen_order: deque[int] = deque()
+        self._pending_clear: datetime | None = None
+
+    # -- reporting
+
+    def _say(self, kind: str, message: str) -> None:
+        self._reported[kind] += 1
+        n = self._reported[kind]
+        if n <= _MAX_REPORTED:
+            self.report(message)
+        elif n == _MAX_REPORTED + 1:
+            self.report(f"further {kind} reports are not shown (all are in the trace's source)")
+
+    def _skip(self, seq: int | None, where: str, error: str) -> None:
+        self.skipped_total += 1
+        if len(self.skipped) < _MAX_LISTED:
+            entry: dict[str, Any] = {"epoch": self.epoch, "seq": seq, "error": error}
+            if where:
+                entry["where"] = where
+            self.skipped.append(entry)
+        self._say("skipped message", f"skipped: {where}{': ' if where else ''}{error}")
+
+    def _missing(self, first: int, last: int, reason: str) -> None:
+        self.gaps.append(
+            {
+                "epoch": self.epoch,
+                "first": first,
+                "last": last,
+                "count": last - first + 1,
+                "reason": reason,
+            }
+        )
+        n = last - first + 1
+        epoch = f" (epoch {self.epoch})" if self.epoch else ""
+        self._say(
+            "gap",
+            f"gap: {_span(first, last)}{epoch} missing ({n} batch{'es' if n != 1 else ''}): "
+            f"{reason}",
+        )
+
+    # -- sequencing
+
+    def _remember(self, seq: int, digest: bytes) -> None:
+        self._seen[seq] = digest
+        self._seen_order.append(seq)
+        if len(self._seen_order) > self._window:
+            self._seen.pop(self._seen_order.popleft(), None)
+
+    def _restart(self, seq: int, payload: bytes, recv_ts: float) -> None:
+        previous = self.expected - 1
+        self.epoch += 1
+        self.restarts.append({"epoch": self.epoch, "previous_last_seq": previous})
+        self.expected = 0
+        self._seen.clear()
+        self._seen_order.clear()
+        try:
+            fallback = decode_batch(payload).time
+        except MalformedBatch:
+            fallback = datetime.fromtimestamp(recv_ts, tz=UTC)
+        # The clear is written just before the new epoch's first batch (which a
+        # replay fill may still bring), stamped with its time.
+        self._pending_clear = fallback
+        self._say(
+            "restart",
+            f"publisher restart: seq went back from {previous} to {seq}; starting epoch "
+            f"{self.epoch} with a clear (a new engine has an empty cache)",
+        )
+
+    def feed(
+        self,
+        frames: Sequence[bytes],
+        *,
+        origin: str,
+        recv_ts: float,
+        where: str = "",
+        fill: Fill | None = None,
+        gap_reason: str = "missing from the stream",
+    ) -> None:
+        """Take one message. ``fill(start, end)`` fetches the batches with seq
+        in ``[start, end)`` (``end`` None: all) when the seq jumps."""
+        try:
+            topic, seq, payload = split_message(frames)
+        except MalformedBatch as exc:
+            self._dump(frames, origin, recv_ts)
+            self._skip(None, where, str(exc))
+            return
+        if not topic.startswith(self.topic):
+            self.other_topics += 1
+            return
+        digest = hashlib.blake2b(payload, digest_size=8).digest()
+        if seq < self.expected:
+            if self._seen.get(seq) == digest:
+                self._dump(frames, origin, recv_ts)
+                self.duplicates += 1
+                return
+            self._restart(seq, payload, recv_ts)
+        if seq > self.expected and fill is not None:
+            filled, gap_reason = fill(self.expected, seq)
+            for f_frames, f_ts in filled:
+                self.filled += 1
+                self.feed(
+                    f_frames, origin="replay", recv_ts=f_ts, where=where, gap_reason=gap_reason
+                )
+        # Dumped in the order taken (a fill before the message that asked for
+        # it), so reading the dump back takes the same path.
+        self._dump(frames, origin, recv_ts)
+        if seq > self.expected:
+            self._missing(self.expected, seq - 1, gap_reason)
+        self._take(seq, payload, digest, where)
+
+    def catch_up(self, fill: Fill, where: str = "") -> None:
+        """Start from everything the replay endpoint still buffers."""
+        filled, reason = fill(0, None)
+        for i, (f_frames, f_ts) in enumerate(filled):
+            self.filled += 1
+            self.feed(
+                f_frames,
+                origin="replay",
+                recv_ts=f_ts,
+                where=where,
+                # Only what precedes the oldest buffered batch is "joined late".
+                gap_reason=f"joined late: {reason}" if i == 0 else reason,
+            )
+
+    def _take(self, seq: int, payload: bytes, digest: bytes, where: str) -> None:
+        self.expected = seq + 1
+        self.batches += 1
+        self._remember(seq, digest)
+        if not self.epochs or self.epochs[-1]["epoch"] != self.epoch:
+            self.epochs.append({"epoch": self.epoch, "first_seq": seq, "last_seq": seq})
+        self.epochs[-1]["last_seq"] = seq
+        label = f"seq {seq}" + (f" (epoch {self.epoch})" if self.epoch else "")
+        at = f"{where} ({label})" if where else label
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch as exc:
+            self._flush_clear(None)
+            self._skip(seq, where, f"{label}: {exc}")
+            return
+        self._flush_clear(batch.time)
+        if batch.data_parallel_rank is not None:
+            self.ranks.add(batch.data_parallel_rank)
+        for name in batch.ignored_types:
+            if not self.ignored_types[name]:
+                self._say("event type", f"{at}: ignoring events of unknown type {name!r}")
+            self.ignored_types[name] += 1
+        try:
+            rows = self.converter.convert(batch)
+        except GroupMismatch as exc:
+            raise GroupMismatch(f"{at}: {exc}") from None
+        self._emit(rows)
+
+    def _dump(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
+        if self.tap is not None:
+            self.tap(frames, origin, recv_ts)
+
+    def _flush_clear(self, ts: datetime | None) -> None:
+        if self._pending_clear is not None:
+            self._emit(self.converter.restart(ts or self._pending_clear))
+            self._pending_clear = None
+
+    def _emit(self, rows: list[Row]) -> None:
+        if rows:
+            self.rows += len(rows)
+            self.sink(rows)
+
+    def source(self) -> dict[str, Any]:
+        media = self.converter.media
+        return {
+            "batches": self.batches,
+            "kv_events": self.converter.kv_events,
+            "rows": self.rows,
+            "filled_from_replay": self.filled,
+            "duplicates": self.duplicates,
+            "epochs": self.epochs,
+            "gaps": self.gaps,
+            "missing_batches": sum(g["count"] for g in self.gaps),
+            "restarts": self.restarts,
+            "skipped": self.skipped,
+            "skipped_total": self.skipped_total,
+            "ignored_event_types": dict(self.ignored_types),
+            "data_parallel_ranks": sorted(self.ranks),
+            "copy_counting": (
+                "per (group_id, hash), summed over media; a remove row is written "
+                "when the last copy goes"
+            ),
+            "media": None if media is None else sorted(media),
+            "filtered_events": self.converter.filtered_events,
+            "lookups": "none (KV events carry no lookups; see `replay ingest merge`)",
+        }
+
+
+# ------------------------------------------------------------------ dumps
+
+
+class DumpWriter:
+    """The raw-frame dump (layout in the module docstring). Written to a
+    temporary file and renamed on close, which happens on every exit: the
+    frames taken so far are a valid dump even when recording failed."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
+        self._tmp = Path(tmp)
+        self._fh = os.fdopen(fd, "wb")
+        self._fh.write(DUMP_MAGIC)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.records = 0
+
+    def write(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
+        data = self._encoder.encode([recv_ts, origin, [bytes(f) for f in frames]])
+        self._fh.write(struct.pack(">I", len(data)))
+        self._fh.write(data)
+        self.records += 1
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh.closed:
+            return
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DumpRecord:
+    index: int
+    offset: int
+    recv_ts: float
+    origin: str
+    frames: list[bytes]
+
+
+def _check_dump(path: Path) -> None:
+    if not path.exists():
+        raise ReplayError(f"{path}: no such file (expected a KV-event dump)")
+    if path.is_dir():
+        raise ReplayError(f"{path}: is a directory (expected a KV-event dump)")
+    with open(path, "rb") as fh:
+        magic = fh.read(len(DUMP_MAGIC))
+    if magic != DUMP_MAGIC:
+        if magic[:7] == DUMP_MAGIC[:7] and len(magic) == 8:
+            raise ReplayError(
+                f"{path}: dump layout version {magic[7:].decode(errors='replace')!r} is not "
+                f"supported (expected {DUMP_MAGIC.decode()})"
+            )
+        raise ReplayError(
+            f"{path}: not a KV-event dump (expected the magic bytes {DUMP_MAGIC.decode()} "
+            "at the start; `replay record --dump FILE` writes one)"
+        )
+
+
+def read_dump(path: str | os.PathLike[str]) -> Iterator[DumpRecord]:
+    """The records of a dump, validated one by one (errors name the record)."""
+    p = Path(path)
+    _check_dump(p)
+    decoder = msgspec.msgpack.Decoder()
+    with open(p, "rb") as fh:
+        fh.seek(len(DUMP_MAGIC))
+        offset = len(DUMP_MAGIC)
+        index = 0
+        while True:
+            head = fh.read(4)
+            if not head:
+                return
+            where = f"{p}: record {index} at byte {offset}"
+            if len(head) < 4:
+                raise ReplayError(f"{where}: truncated (a record starts with a 4-byte length)")
+            (length,) = struct.unpack(">I", head)
+            data = fh.read(length)
+            if len(data) < length:
+                raise ReplayError(
+                    f"{where}: truncated (expected {length} bytes, the file ends after {len(data)})"
+                )
+            try:
+                obj = decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                raise ReplayError(f"{where}: not msgpack ({exc})") from None
+            except RecursionError:
+                raise ReplayError(f"{where}: not a dump record (nested too deeply)") from None
+            expected = "expected a msgpack array [recv_ts, origin, frames]"
+            if not isinstance(obj, list) or len(obj) != 3:
+                raise ReplayError(f"{where}: {expected}")
+            recv_ts, origin, frames = obj
+            if (
+                not isinstance(recv_ts, int | float)
+                or isinstance(recv_ts, bool)
+                or not math.isfinite(recv_ts)
+                or origin not in ORIGINS
+                or not isinstance(frames, list)
+                or not all(isinstance(f, bytes) for f in frames)
+            ):
+                raise ReplayError(f"{where}: {expected} (origin 'live' or 'replay', frames binary)")
+            yield DumpRecord(
+                index=index, offset=offset, recv_ts=float(recv_ts), origin=origin, frames=frames
+            )
+            offset += 4 + length
+            index += 1
+
+
+# ------------------------------------------------------------- the sink
+
+
+class _BufferedRows:
+    """Rows collected and written as row groups (by size or age)."""
+
+    def __init__(
+        self,
+        writer: TraceWriter,
+        *,
+        merger: LookupMerger | None = None,
+        flush_rows: int = 10_000,
+        flush_seconds: float = 5.0,
+    ) -> None:
+        self.writer = writer
+        self.merger = merger
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._rows: list[Row] = []
+        self._last = time.monotonic()
+
+    def __call__(self, rows: list[Row]) -> None:
+        if self.merger is not None:
+            rows = self.merger.feed(rows)
+        self._rows.extend(rows)
+        if len(self._rows) >= self.flush_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._rows:
+            self.writer.write_rows(self._rows)
+            self._rows = []
+        self._last = time.monotonic()
+
+    def maybe_flush(self) -> bool:
+        if time.monotonic() - self._last >= self.flush_seconds:
+            self.flush()
+            return True
+        return False
+
+    def finish(self) -> None:
+        if self.merger is not None:
+            self._rows.extend(self.merger.finish())
+        self.flush()
+
+
+# ----------------------------------------------------------------- replay
+
+
+class _ReplayClient:
+    """The DEALER side of vLLM's replay protocol."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], endpoint: str, topic: bytes, timeout: float, report: Report
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.topic = topic
+        self.timeout = timeout
+        self.report = report
+        self.requests = 0
+        self.timeouts = 0
+        self.bad_replies = 0
+        self._sock: zmq.Socket[Any] | None = None
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self._sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise ReplayError(
+                    f"--replay-endpoint {self.endpoint}: cannot connect ({_zmq_reason(exc)})"
+                ) from None
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def fetch(self, start: int, end: int | None) -> tuple[list[tuple[list[bytes], float]], str]:
+        """Batches with seq in ``[start, end)``, in seq order, and the reason to
+        give for any seq of the range that is not among them."""
+        sock = self._socket()
+        self.requests += 1
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        got: dict[int, tuple[list[bytes], float]] = {}
+        while True:
+            # The timeout is per reply: a full buffer (10,000 batches by
+            # default) takes a while, a silent endpoint does not.
+            if not sock.poll(int(self.timeout * 1000)):
+                self.timeouts += 1
+                # Replies to this request may still come: a fresh socket keeps
+                # them from being mistaken for the next request's.
+                self.close()
+                self.report(
+                    f"replay endpoint {self.endpoint} did not answer within "
+                    f"{self.timeout:g} s (asked from seq {start})"
+                )
+                return [got[s] for s in sorted(got)], "the replay endpoint did not answer"
+            msg = sock.recv_multipart()
+            if len(msg) == 4 and msg[0] == b"" and msg[2] == END_SEQ:
+                break
+            if len(msg) != 4 or msg[0] != b"" or len(msg[2]) != 8:
+                self.bad_replies += 1
+                continue
+            topic, seq_frame = msg[1], msg[2]
+            if not topic.startswith(self.topic):
+                continue
+            seq = int.from_bytes(seq_frame, "big")
+            if seq >= start and (end is None or seq < end):
+                got.setdefault(seq, (msg[1:], time.time()))
+        return [got[s] for s in sorted(got)], "not in the publisher's replay buffer"
+
+
+# --------------------------------------------------------------- record
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordSummary:
+    path: Path
+    batches: int
+    rows: int
+    kv_events: int
+    gaps: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    duplicates: int = 0
+    filled: int = 0
+    stop_reason: str = ""
+    dump: Path | None = None
+
+    def describe(self) -> str:
+        n_gap = sum(g["count"] for g in self.gaps)
+        parts = [f"{self.batches} batches", f"{self.rows} rows"]
+        if self.filled:
+            parts.append(f"{self.filled} filled from the replay endpoint")
+        if self.gaps:
+            parts.append(
+                f"{n_gap} missing in {len(self.gaps)} gap{'s' if len(self.gaps) > 1 else ''}"
+            )
+        if self.restarts:
+            parts.append(
+                f"{len(self.restarts)} publisher restart{'s' if len(self.restarts) > 1 else ''}"
+            )
+        if self.skipped:
+            parts.append(f"{self.skipped} malformed skipped")
+        return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop`` (the recorder then closes a valid
+    file); a second Ctrl-C interrupts at once. Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def record(
+    *,
+    endpoint: str,
+    output: str | os.PathLike[str],
+    config: TraceConfig,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    bind: bool = False,
+    max_batches: int | None = None,
+    duration: float | None = None,
+    dump: str | os.PathLike[str] | None = None,
+    media: Collection[str] | None = None,
+    replay_timeout: float = 2.0,
+    stop: threading.Event | None = None,
+    report: Report = _stderr,
+    progress: Report | None = None,
+    flush_rows: int = 10_000,
+    flush_seconds: float = 5.0,
+) -> RecordSummary:
+    """Record until ``max_batches`` batches were taken, ``duration`` seconds
+    passed, ``stop`` is set, or Ctrl-C; then close a valid trace."""
+    topic_bytes = topic.encode()
+    started = time.time()
+    deadline = None if duration is None else time.monotonic() + duration
+    ctx: zmq.Context[Any] = zmq.Context()
+    replay: _ReplayClient | None = None
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, topic_bytes)
+        try:
+            if bind:
+                sub.bind(endpoint)
+            else:
+                sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            verb = "bind" if bind else "connect"
+            raise ReplayError(
+                f"--endpoint {endpoint}: cannot {verb} ({_zmq_reason(exc)})"
+            ) from None
+        if replay_endpoint is not None:
+            replay = _ReplayClient(ctx, replay_endpoint, topic_bytes, replay_timeout, report)
+        with contextlib.ExitStack() as stack:
+            dump_writer = stack.enter_context(DumpWriter(dump)) if dump is not None else None
+            writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
+            rows = _BufferedRows(writer, flush_rows=flush_rows, flush_seconds=flush_seconds)
+            proc = StreamProcessor(
+                config,
+                rows,
+                topic=topic_bytes,
+                media=media,
+                report=report,
+                tap=(lambda f, o, t: dump_writer.write(f, o, t)) if dump_writer else None,
+            )
+            fill: Fill | None = replay.fetch if replay is not None else None
+            live_reason = (
+                "not in the publisher's replay buffer"
+                if replay is not None
+                else "no --replay-endpoint to ask"
+            )
+            reason = "stopped"
+            last_progress = 0.0
+            try:
+                if fill is not None:
+                    proc.catch_up(fill)
+                while True:
+                    if max_batches is not None and proc.batches >= max_batches:
+                        reason = "max-batches"
+                        break
+                    if stop is not None and stop.is_set():
+                        reason = "signal"
+                        break
+                    wait_ms = 100
+                    if deadline is not None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            reason = "duration"
+                            break
+                        wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
+                    if sub.poll(wait_ms):
+                        for _ in range(1000):
+                            try:
+                                frames = sub.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            proc.feed(
+                                frames,
+                                origin="live",
+                                recv_ts=time.time(),
+                                fill=fill,
+                                gap_reason=live_reason,
+                            )
+                            if max_batches is not None and proc.batches >= max_batches:
+                                break
+                    if rows.maybe_flush() and dump_writer is not None:
+                        dump_writer.flush()
+                    if progress is not None and time.monotonic() - last_progress >= 1.0:
+                        last_progress = time.monotonic()
+                        progress(
+                            f"recording: {proc.batches} batches, {proc.rows} rows, "
+                            f"{len(proc.gaps)} gaps"
+                        )
+            except KeyboardInterrupt:
+                reason = "interrupted"
+            rows.finish()
+            source: dict[str, Any] = {
+                "tool": "replay record",
+                "endpoint": endpoint,
+                "replay_endpoint": replay_endpoint,
+                "topic": topic,
+                "started_at": _iso(started),
+                "stopped_at": _iso(time.time()),
+                "stop_reason": reason,
+                "dump": None if dump is None else Path(dump).name,
+                **proc.source(),
+            }
+            writer.set_source(source)
+        return RecordSummary(
+            path=Path(output),
+            batches=proc.batches,
+            rows=proc.rows,
+            kv_events=proc.converter.kv_events,
+            gaps=proc.gaps,
+            restarts=proc.restarts,
+            skipped=proc.skipped_total,
+            duplicates=proc.duplicates,
+            filled=proc.filled,
+            stop_reason=reason,
+            dump=None if dump is None else Path(dump),
+        )
+    finally:
+        if replay is not None:
+            replay.close()
+        ctx.destroy(linger=0)
+
+
+# ----------------------------------------------------------------- ingest
+
+
+def ingest_dumps(
+    paths: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    config: TraceConfig,
+    *,
+    media: Collection[str] | None = None,
+    lookups: str | os.PathLike[str] | None = None,
+    report: Report = _stderr,
+) -> RecordSummary:
+    """Rebuild a trace from dumps, read in the order given as one stream
+    (a seq going back between files is a restart, unless it repeats a batch
+    already taken). No output file on error."""
+    if not paths:
+        raise ReplayError("no dump files given")
+    dumps = [Path(p) for p in paths]
+    for p in dumps:
+        _check_dump(p)
+    merger = None if lookups is None else LookupMerger(read_lookup_log(lookups, config))
+    with TraceWriter(output, config) as writer:
+        rows = _BufferedRows(writer, merger=merger, flush_rows=65_536, flush_seconds=math.inf)
+        proc = StreamProcessor(config, rows, media=media, report=report)
+        for p in dumps:
+            for rec in read_dump(p):
+                proc.feed(
+                    rec.frames,
+                    origin=rec.origin,
+                    recv_ts=rec.recv_ts,
+                    where=f"{p} record {rec.index}",
+                    gap_reason="missing from the dump",
+                )
+        rows.finish()
+        source: dict[str, Any] = {
+            "tool": "replay ingest kv-events",
+            "files": [p.name for p in dumps],
+            **proc.source(),
+        }
+        if merger is not None and lookups is not None:
+            source["lookups"] = {
+                "file": Path(lookups).name,
+                "count": merger.lookups_merged,
+                "merged_by": "ts (a lookup goes before events with the same ts)",
+            }
+        writer.set_source(source)
+    return RecordSummary(
+        path=Path(output),
+        batches=proc.batches,
+        rows=writer.rows_written,
+        kv_events=proc.converter.kv_events,
+        gaps=proc.gaps,
+        restarts=proc.restarts,
+        skipped=proc.skipped_total,
+        duplicates=proc.duplicates,
+        filled=0,
+        stop_reason="end of input",
+    )
