@@ -395,8 +395,11 @@ def minimize(trace: Path, request_id: str, flag: str | None, policy: str, output
 
 
 def _register() -> None:
+    from replay.cli_analysis import diff, report
     from replay.cli_sources import ingest, record
 
+    cli.add_command(diff)
+    cli.add_command(report)
     cli.add_command(record)
     cli.add_command(ingest)
 

@@ -30,7 +30,9 @@ def full_mamba(block: int = 16, source: str = "hand-made") -> TraceConfig:
     return TraceConfig(
         groups=(
             GroupSpec(kind=FULL, block_size=block, name="model.layers.attn"),
-            GroupSpec(kind=MAMBA, block_size=block, mamba_cache_mode="align", name="model.layers.mamba"),
+            GroupSpec(
+                kind=MAMBA, block_size=block, mamba_cache_mode="align", name="model.layers.mamba"
+            ),
         ),
         hash_block_size=block,
         scheduler_block_size=block,
@@ -52,11 +54,21 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             [
                 {"kind": "store", "group_id": 0, "block_hashes": hs4},
                 {"kind": "store", "group_id": 1, "block_hashes": hs4},
-                {"kind": "lookup", "request_id": "req-43559", "block_hashes": hs4, "max_length": 64, "num_tokens": 65},
+                {
+                    "kind": "lookup",
+                    "request_id": "req-43559",
+                    "block_hashes": hs4,
+                    "max_length": 64,
+                    "num_tokens": 65,
+                },
             ],
             [
                 clean({"req-43559": 48}),
-                {"policy": "pre-49502", "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1}, "hits": {"req-43559": 64}},
+                {
+                    "policy": "pre-49502",
+                    "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
+                    "hits": {"req-43559": 64},
+                },
             ],
             "#43559 as in vLLM's own test: full attention matches 64 and drops to 48; the Mamba peek margin puts the state at 64",
         ),
@@ -64,11 +76,22 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             [
                 {"kind": "store", "group_id": 0, "block_hashes": hs4},
                 {"kind": "store", "group_id": 1, "block_hashes": hs4},
-                {"kind": "lookup", "request_id": "prod-1", "block_hashes": hs4, "max_length": 64, "num_tokens": 65, "observed_hit_tokens": 64},
+                {
+                    "kind": "lookup",
+                    "request_id": "prod-1",
+                    "block_hashes": hs4,
+                    "max_length": 64,
+                    "num_tokens": 65,
+                    "observed_hit_tokens": 64,
+                },
             ],
             [
                 {"policy": "vllm-0.33", "flags": {"observed_mismatch": 1}, "hits": {"prod-1": 48}},
-                {"policy": "pre-49502", "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1}, "hits": {"prod-1": 64}},
+                {
+                    "policy": "pre-49502",
+                    "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
+                    "hits": {"prod-1": 64},
+                },
             ],
             "production (pre-#49502) reported a 64-token hit; the fixed coordinator gives 48: observed_mismatch",
         ),
@@ -76,7 +99,13 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             [
                 {"kind": "store", "group_id": 0, "block_hashes": hs5},
                 {"kind": "store", "group_id": 1, "block_hashes": hs5},
-                {"kind": "lookup", "request_id": "r79", "block_hashes": hs5, "max_length": 79, "num_tokens": 80},
+                {
+                    "kind": "lookup",
+                    "request_id": "r79",
+                    "block_hashes": hs5,
+                    "max_length": 79,
+                    "num_tokens": 80,
+                },
             ],
             [
                 clean({"r79": 64}),
@@ -91,7 +120,13 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
         "mamba-state-without-attention": (
             [
                 {"kind": "store", "group_id": 1, "block_hashes": mamba_only},
-                {"kind": "lookup", "request_id": "m1", "block_hashes": mamba_only, "max_length": 47, "num_tokens": 48},
+                {
+                    "kind": "lookup",
+                    "request_id": "m1",
+                    "block_hashes": mamba_only,
+                    "max_length": 47,
+                    "num_tokens": 48,
+                },
             ],
             [
                 clean({"m1": 0}),

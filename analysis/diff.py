@@ -1,0 +1,598 @@
+"""Diff two replays of one trace, lookup by lookup.
+
+The two sides are either two policies (or coordinators) replayed here from
+one trace, or two results files written by ``replay run`` from the same
+trace. A lookup is *changed* when its hit differs; every changed lookup gets
+one explanation:
+
+1. a flag present on one side and not the other (the first in
+   ``analysis.flags.FLAG_KINDS`` order: ``mamba_overrun`` before
+   ``eagle_not_dropped`` before ``observed_mismatch``). A flag is a finding
+   about the hit, so it is the better story: on the #43559 trace the
+   ``pre-49502`` side gains 16 tokens exactly where it gains ``mamba_overrun``;
+2. otherwise the group whose own finder hit (``group_hit_tokens``) moved the
+   most. Ties go to a group that is not full attention: full attention only
+   ever shrinks to follow the others inside the fixed point, so it is the
+   follower, not the cause. Every group's mask length follows the hit, so
+   masks alone are the last resort (results files without
+   ``group_hit_tokens``);
+3. ``unexplained`` when neither flags nor groups differ.
+
+Gains and losses are ``hit B - hit A`` per lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from analysis.flags import FLAG_KINDS, attach_flags, compute_flags, with_flag_column
+from replay.coordinator import DEFAULT_POLICY
+from replay.engine import replay_trace
+from replay.errors import ReplayError
+from replay.render import group_label, table
+from replay.spec import GroupKind, TraceConfig
+from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
+
+DIFF_META_KEY = b"replay.diff"
+_FLAG_ORDER = {name: i for i, name in enumerate(FLAG_KINDS)}
+
+#: One row per changed lookup (``-o diff.parquet`` and ``--json``).
+DIFF_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "seq": pl.Int64,
+    "request_id": pl.String,
+    "max_length": pl.Int64,
+    "hit_a": pl.Int64,
+    "hit_b": pl.Int64,
+    "delta": pl.Int64,
+    "reason": pl.String,
+    "reason_kind": pl.String,
+    "reason_side": pl.String,
+    "reason_group": pl.Int32,
+    "flags_a": pl.List(pl.String),
+    "flags_b": pl.List(pl.String),
+    "flags_only_a": pl.List(pl.String),
+    "flags_only_b": pl.List(pl.String),
+    "groups_changed": pl.List(pl.Int32),
+    "group_hit_tokens_a": pl.List(pl.Int64),
+    "group_hit_tokens_b": pl.List(pl.Int64),
+    "mask_blocks_a": pl.List(pl.Int32),
+    "mask_blocks_b": pl.List(pl.Int32),
+    "loaded_blocks_a": pl.List(pl.Int32),
+    "loaded_blocks_b": pl.List(pl.Int32),
+}
+
+REASON_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "reason": pl.String,
+    "reason_kind": pl.String,
+    "reason_side": pl.String,
+    "reason_group": pl.Int32,
+    "lookups": pl.Int64,
+    "gained": pl.Int64,
+    "lost": pl.Int64,
+    "net": pl.Int64,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Side:
+    """One replay: its results (with a ``flags`` column) and where they came from."""
+
+    label: str
+    policy: str | None
+    coordinator: str | None
+    source: str
+    results: pl.DataFrame
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "policy": self.policy,
+            "coordinator": self.coordinator,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiffResult:
+    a: Side
+    b: Side
+    config: TraceConfig
+    trace: str
+    compared: int
+    hit_tokens_a: int
+    hit_tokens_b: int
+    #: lookups with the same hit whose masks or group hits differ
+    same_hit_groups_changed: int
+    lookups: pl.DataFrame = field(repr=False)
+    reasons: pl.DataFrame = field(repr=False)
+
+    @property
+    def changed(self) -> int:
+        return self.lookups.height
+
+    @property
+    def gained(self) -> int:
+        return int(self.lookups["delta"].clip(lower_bound=0).sum())
+
+    @property
+    def lost(self) -> int:
+        return int((-self.lookups["delta"]).clip(lower_bound=0).sum())
+
+    def summary(self) -> dict[str, Any]:
+        d = self.lookups["delta"]
+        return {
+            "trace": self.trace,
+            "a": self.a.describe(),
+            "b": self.b.describe(),
+            "lookups": self.compared,
+            "changed": self.changed,
+            "b_higher": int((d > 0).sum()),
+            "b_lower": int((d < 0).sum()),
+            "hit_tokens_a": self.hit_tokens_a,
+            "hit_tokens_b": self.hit_tokens_b,
+            "gained": self.gained,
+            "lost": self.lost,
+            "net": self.gained - self.lost,
+            "same_hit_groups_changed": self.same_hit_groups_changed,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.summary(),
+            "reasons": self.reasons.to_dicts(),
+            "changed_lookups": self.lookups.to_dicts(),
+        }
+
+
+# ---------------------------------------------------------------- the diff
+
+
+def _ensure_columns(frame: pl.DataFrame) -> pl.DataFrame:
+    """Optional results columns as nulls / empty lists when a file lacks them."""
+    exprs = []
+    if "flags" not in frame.columns:
+        exprs.append(pl.lit([], dtype=pl.List(pl.String)).alias("flags"))
+    if "group_hit_tokens" not in frame.columns:
+        exprs.append(pl.lit(None, dtype=pl.List(pl.Int64)).alias("group_hit_tokens"))
+    frame = frame.with_columns(exprs) if exprs else frame
+    return frame.select(
+        pl.col("seq").cast(pl.Int64),
+        pl.col("request_id").cast(pl.String),
+        pl.col("max_length").cast(pl.Int64),
+        pl.col("hit_tokens").cast(pl.Int64),
+        pl.col("flags").cast(pl.List(pl.String)).fill_null(pl.lit([], dtype=pl.List(pl.String))),
+        pl.col("group_hit_tokens").cast(pl.List(pl.Int64)),
+        pl.col("mask_blocks").cast(pl.List(pl.Int32)),
+        pl.col("loaded_blocks").cast(pl.List(pl.Int32)),
+    )
+
+
+def _only(left: str, right: str) -> pl.Expr:
+    """Flags in ``left`` and not in ``right``, in FLAG_KINDS order (unknown ones
+    after, by name)."""
+    diff = pl.col(left).list.set_difference(pl.col(right))
+    return diff.list.eval(
+        pl.element().sort_by(
+            pl.element().replace_strict(
+                _FLAG_ORDER, default=len(_FLAG_ORDER), return_dtype=pl.Int32
+            ),
+            pl.element(),
+        )
+    )
+
+
+def _explanations(config: TraceConfig) -> list[pl.Expr]:
+    """Columns explaining each changed lookup (see the module docstring)."""
+    n = config.num_groups
+    n_flags = len(_FLAG_ORDER)
+
+    def rank(col: str) -> pl.Expr:
+        return (
+            pl.col(col)
+            .list.first()
+            .replace_strict(_FLAG_ORDER, default=n_flags, return_dtype=pl.Int32)
+        )
+
+    # A flag: the earlier kind wins; between equal ranks (unknown kinds), the
+    # name, then side A.
+    first_a, first_b = pl.col("flags_only_a").list.first(), pl.col("flags_only_b").list.first()
+    take_b = first_a.is_null() | (
+        first_b.is_not_null()
+        & (
+            (rank("flags_only_b") < rank("flags_only_a"))
+            | ((rank("flags_only_b") == rank("flags_only_a")) & (first_b < first_a))
+        )
+    )
+    flag = pl.when(take_b).then(first_b).otherwise(first_a)
+    flag_side = (
+        pl.when(first_a.is_null() & first_b.is_null())
+        .then(None)
+        .otherwise(pl.when(take_b).then(pl.lit("B")).otherwise(pl.lit("A")))
+    )
+    # A group: the largest move of its own hit; ties to a group that is not
+    # full attention, then the lowest group_id. One integer key per group
+    # orders all three: |delta| * 2n + (not full) * n + (n - 1 - gid).
+    keys, changed = [], []
+    for gid, spec in enumerate(config.groups):
+        ga = pl.col("group_hit_tokens").list.get(gid, null_on_oob=True)
+        gb = pl.col("group_hit_tokens_b").list.get(gid, null_on_oob=True)
+        not_full = 0 if spec.kind is GroupKind.FULL_ATTENTION else 1
+        moved = (gb - ga).abs()
+        keys.append(pl.when(moved > 0).then(moved * (2 * n) + not_full * n + (n - 1 - gid)))
+        masks = [
+            pl.col(c)
+            .list.get(gid, null_on_oob=True)
+            .ne_missing(pl.col(f"{c}_b").list.get(gid, null_on_oob=True))
+            for c in ("mask_blocks", "loaded_blocks")
+        ]
+        differs = ga.ne_missing(gb) | masks[0] | masks[1]
+        changed.append(pl.when(differs).then(pl.lit(gid, pl.Int32)))
+    best = pl.max_horizontal(keys)
+    moved_gid = (n - 1 - best % n).cast(pl.Int32)
+    first_changed = pl.min_horizontal(changed)
+    group = pl.coalesce(moved_gid, first_changed)
+    labels = {gid: f"group {group_label(config, gid)}" for gid in range(n)}
+    kind = (
+        pl.when(flag.is_not_null())
+        .then(pl.lit("flag"))
+        .when(group.is_not_null())
+        .then(pl.lit("group"))
+        .otherwise(pl.lit("none"))
+    )
+    return [
+        pl.coalesce(
+            flag,
+            group.replace_strict(labels, default=None, return_dtype=pl.String),
+            pl.lit("unexplained"),
+        ).alias("reason"),
+        kind.alias("reason_kind"),
+        flag_side.alias("reason_side"),
+        pl.when(flag.is_null()).then(group).cast(pl.Int32).alias("reason_group"),
+        pl.concat_list(changed).list.drop_nulls().alias("groups_changed"),
+    ]
+
+
+def diff_sides(a: Side, b: Side, config: TraceConfig, trace: str) -> DiffResult:
+    """Compare two replays of one trace (same lookups, same config)."""
+    fa = _ensure_columns(a.results)
+    fb = _ensure_columns(b.results)
+    joined = fa.join(fb, on="seq", how="inner", suffix="_b")
+    if joined.height != fa.height or joined.height != fb.height:
+        raise ReplayError(
+            f"{b.source}: has {fb.height} lookups, {a.source} has {fa.height} and they share "
+            f"{joined.height} seqs, expected the same lookups (results of the same trace)"
+        )
+    bad = joined.filter(
+        (pl.col("request_id") != pl.col("request_id_b"))
+        | (pl.col("max_length") != pl.col("max_length_b"))
+    )
+    if bad.height:
+        r = bad.row(0, named=True)
+        raise ReplayError(
+            f"{b.source}: seq {r['seq']}: lookup {r['request_id_b']!r} max_length "
+            f"{r['max_length_b']}, but {a.source} has {r['request_id']!r} max_length "
+            f"{r['max_length']} (expected results of the same trace)"
+        )
+    if "unit_present" in a.results.columns and "unit_present" in b.results.columns:
+        # The store a lookup saw does not depend on the policy: a difference
+        # means the two sides replayed different event logs.
+        seen = (
+            a.results.select("seq", "unit_present")
+            .join(b.results.select("seq", "unit_present"), on="seq", suffix="_b")
+            .filter(pl.col("unit_present") != pl.col("unit_present_b"))
+            .sort("seq")
+        )
+        if seen.height:
+            raise ReplayError(
+                f"{b.source}: seq {seen['seq'][0]}: the lookup saw a different store than "
+                f"in {a.source} (expected results of the same trace)"
+            )
+    joined = joined.sort("seq")
+    is_changed = pl.col("hit_tokens") != pl.col("hit_tokens_b")
+    groups_differ = (
+        (pl.col("mask_blocks") != pl.col("mask_blocks_b"))
+        | (pl.col("loaded_blocks") != pl.col("loaded_blocks_b"))
+        | (pl.col("group_hit_tokens") != pl.col("group_hit_tokens_b")).fill_null(False)
+    )
+    same_hit_changed = int(joined.select((~is_changed & groups_differ).sum()).item())
+    lookups = (
+        joined.filter(is_changed)
+        .with_columns(
+            _only("flags", "flags_b").alias("flags_only_a"),
+            _only("flags_b", "flags").alias("flags_only_b"),
+        )
+        .with_columns(_explanations(config))
+        .select(
+            "seq",
+            "request_id",
+            "max_length",
+            pl.col("hit_tokens").alias("hit_a"),
+            pl.col("hit_tokens_b").alias("hit_b"),
+            (pl.col("hit_tokens_b") - pl.col("hit_tokens")).alias("delta"),
+            "reason",
+            "reason_kind",
+            "reason_side",
+            "reason_group",
+            pl.col("flags").alias("flags_a"),
+            "flags_b",
+            "flags_only_a",
+            "flags_only_b",
+            "groups_changed",
+            pl.col("group_hit_tokens").alias("group_hit_tokens_a"),
+            "group_hit_tokens_b",
+            pl.col("mask_blocks").alias("mask_blocks_a"),
+            "mask_blocks_b",
+            pl.col("loaded_blocks").alias("loaded_blocks_a"),
+            "loaded_blocks_b",
+        )
+        .cast(pl.Schema(DIFF_SCHEMA))
+    )
+    reasons = (
+        lookups.group_by("reason", "reason_kind", "reason_side", "reason_group")
+        .agg(
+            pl.len().cast(pl.Int64).alias("lookups"),
+            pl.col("delta").clip(lower_bound=0).sum().cast(pl.Int64).alias("gained"),
+            (-pl.col("delta")).clip(lower_bound=0).sum().cast(pl.Int64).alias("lost"),
+            pl.col("delta").sum().cast(pl.Int64).alias("net"),
+            pl.col("seq").min().alias("_first"),
+        )
+        .sort(pl.col("net").abs(), "lookups", "_first", descending=[True, True, False])
+        .drop("_first")
+        .select(list(REASON_SCHEMA))
+        .cast(pl.Schema(REASON_SCHEMA))
+    )
+    return DiffResult(
+        a=a,
+        b=b,
+        config=config,
+        trace=trace,
+        compared=joined.height,
+        hit_tokens_a=int(fa["hit_tokens"].sum() or 0),
+        hit_tokens_b=int(fb["hit_tokens"].sum() or 0),
+        same_hit_groups_changed=same_hit_changed,
+        lookups=lookups,
+        reasons=reasons,
+    )
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _pair(option: str, values: Sequence[str], default: str) -> tuple[str, str]:
+    if len(values) > 2:
+        raise ReplayError(
+            f"{option} given {len(values)} times, expected at most twice (side A, side B)"
+        )
+    if not values:
+        return default, default
+    if len(values) == 1:
+        return values[0], values[0]
+    return values[0], values[1]
+
+
+def _labels(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> tuple[str, str]:
+    """Short names for the two sides: whatever differs between them."""
+    parts_a, parts_b = [], []
+    for x, y in zip(a, b, strict=True):
+        if x != y:
+            parts_a.append(str(x))
+            parts_b.append(str(y))
+    if not parts_a:
+        return "A", "B"
+    return "/".join(parts_a), "/".join(parts_b)
+
+
+def diff_policies(
+    trace: str | os.PathLike[str],
+    policies: Sequence[str],
+    coordinators: Sequence[str] = (),
+    *,
+    exact: bool = False,
+) -> DiffResult:
+    """Replay ``trace`` twice (``--policy A --policy B`` and/or two coordinators)."""
+    if is_results_file(trace):
+        raise ReplayError(
+            f"{trace}: is a results file, expected a trace to replay with --policy twice "
+            "(or give two results files and no --policy)"
+        )
+    pa_, pb = _pair("--policy", policies, DEFAULT_POLICY)
+    ca, cb = _pair("--coordinator", coordinators, "reference")
+    if len(policies) < 2 and len(coordinators) < 2:
+        raise ReplayError(
+            f"{trace}: a trace needs two sides to diff: give --policy twice "
+            "(e.g. --policy vllm-0.33 --policy pre-49502) or --coordinator twice"
+        )
+    open_trace(trace)  # validates the metadata and schema before any replay
+    la, lb = _labels((pa_, ca), (pb, cb))
+    sides = []
+    config: TraceConfig | None = None
+    for label, policy, coord in ((la, pa_, ca), (lb, pb, cb)):
+        result = replay_trace(trace, policy=policy, coordinator=coord, exact=exact)
+        attach_flags(result)
+        config = result.config
+        sides.append(
+            Side(
+                label=label,
+                policy=policy,
+                coordinator=result.coordinator,
+                source=str(trace),
+                results=result.results,
+            )
+        )
+    assert config is not None
+    return diff_sides(sides[0], sides[1], config, Path(trace).name)
+
+
+def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
+    if not is_results_file(path):
+        raise ReplayError(
+            f"{path}: is not a results file (no 'replay.results' metadata), expected the "
+            "output of `replay run`; to replay a trace give it once with --policy twice"
+        )
+    return read_results(path)
+
+
+def _with_flags(frame: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
+    """A results file's own ``flags``; computed from ``unit_present`` when a
+    writer left the column out."""
+    if "flags" in frame.columns or "unit_present" not in frame.columns:
+        return frame
+    return with_flag_column(frame, compute_flags(frame, config))
+
+
+def diff_results_files(
+    path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]
+) -> DiffResult:
+    """Compare two results files of the same trace (same name, config and lookups)."""
+    frame_a, info_a = _load_results(path_a)
+    frame_b, info_b = _load_results(path_b)
+    config_a = results_config(info_a, path_a)
+    config_b = results_config(info_b, path_b)
+    trace_a, trace_b = info_a.get("trace"), info_b.get("trace")
+    if trace_a != trace_b:
+        raise ReplayError(
+            f"{path_b}: results of trace {trace_b!r}, but {path_a} is of trace {trace_a!r} "
+            "(expected two results files of the same trace)"
+        )
+    if config_a != config_b:
+        raise ReplayError(
+            f"{path_b}: KV-cache config {config_b.dumps()} differs from {path_a}'s "
+            f"{config_a.dumps()} (expected two results files of the same trace)"
+        )
+    pol_a, pol_b = info_a.get("policy"), info_b.get("policy")
+    co_a, co_b = info_a.get("coordinator"), info_b.get("coordinator")
+    la, lb = _labels((pol_a, co_a), (pol_b, co_b))
+    if (la, lb) == ("A", "B"):
+        la, lb = Path(path_a).name, Path(path_b).name
+        if la == lb:
+            la, lb = str(path_a), str(path_b)
+    frame_a = _with_flags(frame_a, config_a)
+    frame_b = _with_flags(frame_b, config_b)
+    a = Side(label=la, policy=pol_a, coordinator=co_a, source=str(path_a), results=frame_a)
+    b = Side(label=lb, policy=pol_b, coordinator=co_b, source=str(path_b), results=frame_b)
+    return diff_sides(a, b, config_a, str(trace_a))
+
+
+def diff_inputs(
+    paths: Sequence[str | os.PathLike[str]],
+    policies: Sequence[str] = (),
+    coordinators: Sequence[str] = (),
+    *,
+    exact: bool = False,
+) -> DiffResult:
+    """What ``replay diff`` does: one trace and two policies, or two results files."""
+    if len(paths) == 1:
+        return diff_policies(paths[0], policies, coordinators, exact=exact)
+    if len(paths) == 2:
+        if policies or coordinators or exact:
+            raise ReplayError(
+                "--policy/--coordinator/--exact replay a trace; two results files are compared as "
+                "they are (give one trace with --policy twice, or two results files alone)"
+            )
+        return diff_results_files(paths[0], paths[1])
+    raise ReplayError(
+        f"expected a trace (with --policy twice) or two results files, got {len(paths)} paths"
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def _signed(n: int) -> str:
+    return f"+{n}" if n > 0 else str(n)
+
+
+def _flags_text(flags: Sequence[str]) -> str:
+    return ",".join(flags) if flags else "-"
+
+
+def render_text(diff: DiffResult, limit: int = 20) -> str:
+    s = diff.summary()
+    a, b = diff.a, diff.b
+    lines = [
+        f"diff of trace {diff.trace}",
+        f"  A = {a.label}: policy {a.policy}, coordinator {a.coordinator} ({a.source})",
+        f"  B = {b.label}: policy {b.policy}, coordinator {b.coordinator} ({b.source})",
+        f"lookups: {s['lookups']} compared, {s['changed']} with a different hit "
+        f"(B higher on {s['b_higher']}, lower on {s['b_lower']})",
+        f"hit tokens: A {s['hit_tokens_a']}, B {s['hit_tokens_b']}: net {_signed(s['net'])} "
+        f"(B gains {s['gained']}, loses {s['lost']})",
+    ]
+    if s["same_hit_groups_changed"]:
+        lines.append(
+            f"same hit, different group masks or group hits: {s['same_hit_groups_changed']} lookups"
+        )
+    if not diff.changed:
+        lines.append("no lookup's hit differs")
+        return "\n".join(lines)
+    reason_rows = [
+        [
+            r["reason"] if r["reason_kind"] != "flag" else f"flag {r['reason']}",
+            f"only in {r['reason_side']}" if r["reason_side"] else "-",
+            r["lookups"],
+            r["gained"],
+            r["lost"],
+            _signed(r["net"]),
+        ]
+        for r in diff.reasons.iter_rows(named=True)
+    ]
+    lines += [
+        "",
+        "explained by:",
+        table(["reason", "where", "lookups", "gained", "lost", "net"], reason_rows),
+        "",
+        f"changed lookups (first {min(limit, diff.changed)} of {diff.changed}):"
+        if diff.changed > limit
+        else "changed lookups:",
+    ]
+    rows = [
+        [
+            r["seq"],
+            r["request_id"],
+            r["max_length"],
+            r["hit_a"],
+            r["hit_b"],
+            _signed(r["delta"]),
+            r["reason"] if r["reason_kind"] != "group" else f"group {r['reason_group']}",
+            _flags_text(r["flags_only_a"]),
+            _flags_text(r["flags_only_b"]),
+            ",".join(str(g) for g in r["groups_changed"]) or "-",
+        ]
+        for r in diff.lookups.head(limit).iter_rows(named=True)
+    ]
+    lines.append(
+        table(
+            [
+                "seq",
+                "request_id",
+                "max_length",
+                "hit A",
+                "hit B",
+                "delta",
+                "explained by",
+                "flags only in A",
+                "flags only in B",
+                "groups changed",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(lines)
+
+
+def write_diff(diff: DiffResult, path: str | os.PathLike[str]) -> Path:
+    """The changed lookups as Parquet, the summary in metadata ``replay.diff`` (atomic)."""
+    tbl = diff.lookups.to_arrow()
+    meta = {**diff.summary(), "version": 1, "reasons": diff.reasons.to_dicts()}
+    tbl = tbl.replace_schema_metadata({DIFF_META_KEY: json.dumps(meta, sort_keys=True).encode()})
+    with atomic_path(path) as tmp:
+        pq.write_table(tbl, str(tmp), compression="zstd")
+    return Path(path)

@@ -1,0 +1,155 @@
+"""``replay diff`` and ``replay report``: click only, over ``analysis.diff`` and
+``analysis.report``. ``replay.cli`` registers them on the group.
+
+Library errors (``ReplayError``) become one ``error: ...`` line and exit
+status 2 here as well, so the commands behave the same when invoked on
+their own (tests) as under the ``replay`` group.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from replay.coordinator import POLICIES
+from replay.engine import COORDINATORS
+from replay.errors import ReplayError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AnalysisUserError(click.ClickException):
+    """A one-line error about the user's input: exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _user_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ReplayError as exc:
+            raise AnalysisUserError(str(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.command("diff")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(list(POLICIES)),
+    help="With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 "
+    "--policy pre-49502).",
+)
+@click.option(
+    "--coordinator",
+    "coordinators",
+    multiple=True,
+    type=click.Choice(list(COORDINATORS)),
+    help="With a trace: once for both sides, or twice (A, B). Default: reference.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the changed lookups as Parquet (summary in metadata 'replay.diff').",
+)
+@click.option("--limit", type=int, default=20, show_default=True, help="Changed lookups to print.")
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="With a trace: key the store by the exact hash bytes (slower).",
+)
+@_user_errors
+def diff(
+    inputs: tuple[Path, ...],
+    policies: tuple[str, ...],
+    coordinators: tuple[str, ...],
+    as_json: bool,
+    output: Path | None,
+    limit: int,
+    exact: bool,
+) -> None:
+    """Lookups whose hit differs between two replays of one trace.
+
+    \b
+      replay diff TRACE --policy A --policy B   replay the trace under both
+      replay diff RESULTS_A RESULTS_B           two results files of the same trace
+
+    Prints the tokens B gains or loses per lookup and in total, grouped by
+    what explains each change: a flag on one side only, else the KV-cache
+    group whose own hit moved. Exit status 0 (a report), 2 on bad input.
+    """
+    from analysis.diff import diff_inputs, render_text, write_diff
+
+    result = diff_inputs(list(inputs), policies, coordinators, exact=exact)
+    if output is not None:
+        write_diff(result, output)
+    if as_json:
+        payload = result.to_json()
+        if output is not None:
+            payload["output"] = str(output)
+        click.echo(json.dumps(payload, indent=2, default=str))
+        return
+    click.echo(render_text(result, limit=max(limit, 0)))
+    if output is not None:
+        click.echo(f"wrote {result.changed} changed lookups to {output}")
+
+
+@click.command("report")
+@click.argument("results", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Report file (default: NAME.report.html or .md beside the results).",
+)
+@click.option(
+    "--trace",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The trace the results came from (default: the trace named in the results' "
+    "metadata, next to the results file). Needed for the explain tables.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["html", "md"]),
+    default="html",
+    show_default=True,
+    help="html: one self-contained page with charts; md: a summary for a pull request.",
+)
+@click.option(
+    "--examples",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Flagged lookups shown (and explained) per flag kind.",
+)
+@_user_errors
+def report(results: Path, output: Path | None, trace: Path | None, fmt: str, examples: int) -> None:
+    """Write a report of a RESULTS file: hit ratio over time, hit lengths,
+    tokens loaded per group, flags with examples and their explain tables,
+    and the configuration."""
+    from analysis.report import build_report, default_report_path, write_report
+
+    data = build_report(results, trace=trace, examples=max(examples, 0))
+    out = output or default_report_path(results, fmt)
+    write_report(data, out, fmt)
+    note = f" ({data.trace_note})" if data.trace_note else ""
+    click.echo(f"wrote {out}{note}")
