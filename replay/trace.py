@@ -296,25 +296,25 @@ _EXPECTED_TYPE = {
 }
 
 
-def read_config(
-    pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes = TRACE_META_KEY
-) -> TraceConfig:
+def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes, what: str) -> Any:
     meta = pf.schema_arrow.metadata or {}
     label = key.decode()
     if key not in meta:
-        raise TraceError(f"{path}: missing {label!r} metadata (not a replay trace v1)")
+        raise TraceError(f"{path}: missing {label!r} metadata (not a {what})")
     try:
-        obj = json.loads(meta[key])
+        return json.loads(meta[key])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(
             f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})"
         ) from None
-    if key == RESULTS_META_KEY and isinstance(obj, dict):
-        obj = obj.get("trace_config", obj)
+
+
+def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
+    obj = _json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
     try:
         return TraceConfig.from_json(obj)
     except ConfigError as exc:
-        raise TraceError(f"{path}: {label} metadata: {exc}") from None
+        raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,15 +599,9 @@ def is_results_file(path: str | os.PathLike[str]) -> bool:
 
 def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
     pf = _open_parquet(path)
-    meta = pf.schema_arrow.metadata or {}
-    if RESULTS_META_KEY not in meta:
-        raise TraceError(f"{path}: missing 'replay.results' metadata (not a results file)")
-    try:
-        info = json.loads(meta[RESULTS_META_KEY])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TraceError(
-            f"{path}: 'replay.results' metadata is not valid JSON ({_one_line(exc)})"
-        ) from None
+    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    if not isinstance(info, dict):
+        raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
     missing = [
         n
         for n in ("seq", "request_id", "max_length", "hit_tokens", "mask_blocks", "loaded_blocks")
