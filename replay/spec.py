@@ -186,11 +186,19 @@ class TraceConfig:
         chunked = [
             gid for gid, g in enumerate(self.groups) if g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION
         ]
-        if chunked and (self.use_eagle or any(g.is_eagle_group for g in self.groups)):
-            raise ConfigError(
-                f"kv_cache_groups[{chunked[0]}]: chunked_local_attention does not combine "
-                "with EAGLE (vLLM rejects this hybrid)"
-            )
+        # vLLM's chunked finder cannot drop a block for EAGLE, so the config
+        # is only invalid when a chunked group's spec group is an EAGLE group:
+        # flagged itself (or an equal-spec group is), or EAGLE on with no
+        # group flagged (then every group is treated as one).
+        any_flagged = any(g.is_eagle_group for g in self.groups)
+        for gid in chunked:
+            key = self.groups[gid].spec_key()
+            flagged = any(g.is_eagle_group and g.spec_key() == key for g in self.groups)
+            if flagged or (self.use_eagle and not any_flagged):
+                raise ConfigError(
+                    f"kv_cache_groups[{gid}]: chunked_local_attention does not combine "
+                    "with EAGLE (vLLM rejects this hybrid)"
+                )
         for gid in chunked:
             if self.groups[gid].block_size != self.alignment:
                 raise ConfigError(

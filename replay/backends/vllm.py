@@ -13,13 +13,14 @@ results format can hold) and each spec group's hit on its last finder call
 (recorded by a pass-through wrapper around the group's manager class), which
 gives ``GroupOutcome.hit_tokens`` and, for Mamba, ``state_tokens``.
 
-An instance is not thread-safe: the recorded hits live on it, and policy
-``pre-49502`` swaps a module global of vLLM's coordinator during the call
-(under a process-wide lock).
+Lookups run one at a time (a process-wide lock): policy ``pre-49502`` swaps
+a module global of vLLM's coordinator during the call, and the recorded hits
+live on the instance.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -42,7 +43,8 @@ _NUM_KV_HEADS = 8
 _HEAD_SIZE = 128
 _MAMBA_SHAPES = ((3, 4096), (32, 64, 128))
 
-# Policy ``pre-49502`` patches a module global; one lookup at a time does.
+# Policy ``pre-49502`` patches a module global of vLLM's coordinator, so
+# lookups (of either policy) run one at a time.
 _GATE_LOCK = threading.Lock()
 
 
@@ -61,8 +63,8 @@ class _KeyView:
     def __init__(self, contains: Sequence[Callable[[Hashable], bool]]) -> None:
         self._contains = contains
 
-    def __contains__(self, key: object) -> bool:
-        group_id, block_hash = key  # type: ignore[misc]
+    def __contains__(self, key: tuple[int, Hashable]) -> bool:
+        group_id, block_hash = key
         return bool(self._contains[group_id](block_hash))
 
 
@@ -119,11 +121,8 @@ class VllmCoordinator:
         self.config = config
         self.policy = get_policy(policy)
         try:
-            import importlib
-
-            import torch
-            from vllm.v1 import kv_cache_interface as iface
-
+            torch = importlib.import_module("torch")
+            iface = importlib.import_module("vllm.v1.kv_cache_interface")
             module = importlib.import_module(_COORDINATOR_MODULE)
         except ImportError:
             raise ReplayError(_MISSING_VLLM) from None
@@ -182,11 +181,13 @@ class VllmCoordinator:
             # vLLM keys its pool by bytes(hash); fingerprints would all collide.
             raise ReplayError("the vllm coordinator needs the raw bytes block hashes (exact keys)")
         pool = self._module.ExternalCachedBlockPool(hbs, exists=_KeyView(contains))
-        for i in range(len(self._hits)):
-            self._hits[i] = 0
         block_hashes = list(hashes)
-        if self.policy.mamba_peek_margin:
-            with _GATE_LOCK:
+        # Every lookup holds the lock: a default-policy lookup must never run
+        # while another thread has the gate swapped out.
+        with _GATE_LOCK:
+            for i in range(len(self._hits)):
+                self._hits[i] = 0
+            if self.policy.mamba_peek_margin:
                 saved = self._module.MambaSpec
                 self._module.MambaSpec = _NotMamba
                 try:
@@ -195,9 +196,11 @@ class VllmCoordinator:
                     )
                 finally:
                     self._module.MambaSpec = saved
-        else:
-            masks, hit = self._coordinator.find_longest_cache_hit(block_hashes, max_length, pool)
-        return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
+            else:
+                masks, hit = self._coordinator.find_longest_cache_hit(
+                    block_hashes, max_length, pool
+                )
+            return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
 
     def _groups(self, masks: Sequence[list[bool]]) -> tuple[GroupOutcome, ...]:
         out = []

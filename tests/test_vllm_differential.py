@@ -1,0 +1,446 @@
+"""The reference coordinator against vLLM 0.33.0's own, lookup by lookup.
+
+A seeded generator builds random valid KV-cache configurations (every group
+kind, one to three groups, merged equal specs, per-group EAGLE flags, several
+block and hash sizes, partial hits on and off), then for each a request's hash
+chain and a sequence of lookups with random stores and removes in between
+(the store carries over within a scenario). Every lookup runs through the
+reference ``Coordinator`` and ``VllmCoordinator`` under both policies, and the
+hit, every group's load mask, every group's last finder hit and the Mamba
+resume position must agree. A mismatch is shrunk to a minimal repro.
+
+Runs only where vLLM imports: ``make test-vllm``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator",
+    reason="vLLM not importable: run make test-vllm",
+)
+
+from replay.backends.vllm import VllmCoordinator
+from replay.coordinator import Coordinator, LookupOutcome
+from replay.errors import ConfigError, ReplayError
+from replay.spec import GroupKind, GroupSpec, TraceConfig
+
+pytestmark = pytest.mark.vllm
+
+SEED = 0x43559
+SCENARIOS = 1000
+LOOKUPS_PER_SCENARIO = 8
+POLICIES = ("vllm-0.33", "pre-49502")
+KINDS = tuple(GroupKind)
+
+FA = GroupKind.FULL_ATTENTION
+SW = GroupKind.SLIDING_WINDOW
+CL = GroupKind.CHUNKED_LOCAL_ATTENTION
+MB = GroupKind.MAMBA
+
+
+# --- generator ---------------------------------------------------------------
+
+
+def _random_group(rng: random.Random, kind: GroupKind, bs: int, name: str) -> GroupSpec:
+    if kind is SW:
+        window = rng.choice(
+            [1, 2, bs - 1, bs, bs + 1, 2 * bs, 2 * bs + 1, 3 * bs - 1, rng.randint(1, 4 * bs)]
+        )
+        extra = rng.choice([0, 0, 0, 1, bs // 2, bs, rng.randint(0, 2 * bs)])
+        return GroupSpec(
+            kind=kind, block_size=bs, sliding_window=max(1, window),
+            extra_retained_tokens=extra, name=name,
+        )  # fmt: skip
+    if kind is CL:
+        chunk = rng.choice([bs, 2 * bs, 4 * bs, 3 * bs, bs + bs // 2, rng.randint(1, 5 * bs)])
+        return GroupSpec(kind=kind, block_size=bs, attention_chunk_size=chunk, name=name)
+    if kind is MB:
+        return GroupSpec(kind=kind, block_size=bs, mamba_cache_mode="align", name=name)
+    return GroupSpec(kind=kind, block_size=bs, name=name)
+
+
+def _equal_spec(rng: random.Random, src: GroupSpec, name: str) -> GroupSpec:
+    """A group whose spec equals ``src``'s, so vLLM merges the two."""
+    g = replace(src, name=name, is_eagle_group=rng.random() < 0.3)
+    if src.kind is SW and src.extra_retained_tokens and rng.random() < 0.5:
+        # Same coverage window, split differently: still one spec in vLLM.
+        assert src.sliding_window is not None
+        moved = rng.randint(1, src.extra_retained_tokens)
+        g = replace(
+            g,
+            sliding_window=src.sliding_window + moved,
+            extra_retained_tokens=src.extra_retained_tokens - moved,
+        )
+    return g
+
+
+def random_config(rng: random.Random) -> TraceConfig:
+    """A random configuration; may raise ``ConfigError`` (counted, skipped)."""
+    hbs = rng.choice([8, 16])
+    sbs = rng.choice([s for s in (16, 32, 64, 128) if s >= hbs])
+    partial = rng.random() < 0.45
+    alignment = hbs if partial else sbs
+    sizes = [b for b in (8, 16, 32, 64, 128) if b % hbs == 0 and sbs % b == 0]
+    n = rng.choice([1, 1, 2, 2, 2, 3, 3])
+    groups: list[GroupSpec] = []
+    for i in range(n):
+        if groups and rng.random() < 0.25:
+            groups.append(_equal_spec(rng, rng.choice(groups), f"g{i}"))
+            continue
+        kind = rng.choice(KINDS)
+        bs = rng.choice(sizes)
+        if kind is CL and rng.random() < 0.9:
+            bs = alignment  # vLLM's rule; the rest probe the rejection
+        g = _random_group(rng, kind, bs, f"g{i}")
+        groups.append(replace(g, is_eagle_group=rng.random() < 0.15))
+    eagle = rng.random() < 0.5
+    if any(g.kind is CL for g in groups) and rng.random() < 0.9:
+        eagle = False
+        groups = [replace(g, is_eagle_group=False) for g in groups]
+    # The scheduler block is the LCM of the block sizes or a multiple of it.
+    lcm = math.lcm(*(g.block_size for g in groups))
+    sbs = lcm * rng.choice([1, 1, 1, 2]) if rng.random() < 0.5 else sbs
+    return TraceConfig(
+        groups=tuple(groups),
+        hash_block_size=hbs,
+        scheduler_block_size=sbs,
+        use_eagle=eagle,
+        enable_partial_hash_hits=partial,
+    )
+
+
+def _mutate(rng: random.Random, store: list[set[bytes]], chain: Sequence[bytes]) -> None:
+    """One store / remove / clear over a random subset of the request's keys."""
+    n = len(chain)
+    targets = range(len(store)) if rng.random() < 0.4 else [rng.randrange(len(store))]
+    op = rng.random()
+    for g in targets:
+        keys = store[g]
+        if op < 0.35:  # a request stored its prefix
+            keys.update(chain[: rng.randint(0, n)])
+        elif op < 0.55:
+            keys.update(h for h in chain if rng.random() < 0.5)
+        elif op < 0.75:
+            keys.difference_update([h for h in chain if rng.random() < 0.3])
+        elif op < 0.9 and n:
+            keys.discard(chain[rng.randrange(n)])
+        elif op < 0.95:
+            keys.update(chain)
+        else:
+            keys.clear()
+
+
+def _max_length(rng: random.Random, config: TraceConfig, units: int) -> int:
+    """Bounds people and vLLM's scheduler use: 0, multiples, non-multiples,
+    up to the validity limit ``(units + 1) * hash_block_size - 1``."""
+    hbs = config.hash_block_size
+    limit = (units + 1) * hbs
+    step = rng.choice([hbs, config.scheduler_block_size, rng.choice(config.groups).block_size, 1])
+    pick = rng.random()
+    if pick < 0.08:
+        return 0
+    if pick < 0.2:
+        return limit - 1
+    if pick < 0.35:
+        return units * hbs
+    if pick < 0.7:
+        return rng.randrange(0, limit, step)
+    return rng.randrange(limit)
+
+
+# --- comparison --------------------------------------------------------------
+
+
+def _answer(outcome: LookupOutcome) -> tuple[Any, ...]:
+    return (
+        outcome.hit_tokens,
+        tuple((g.mask_blocks, g.loaded_blocks) for g in outcome.groups),
+        tuple(g.hit_tokens for g in outcome.groups),
+        tuple(g.state_tokens for g in outcome.groups),
+    )
+
+
+def _run(
+    coord: Coordinator | VllmCoordinator,
+    hashes: Sequence[bytes],
+    max_length: int,
+    store: Sequence[set[bytes]],
+) -> tuple[Any, ...]:
+    contains: list[Callable[[Hashable], bool]] = [s.__contains__ for s in store]
+    return _answer(coord.lookup(hashes, max_length, contains))
+
+
+@dataclass
+class Case:
+    config: TraceConfig
+    policy: str
+    hashes: list[bytes]
+    max_length: int
+    store: list[set[bytes]]
+
+    def answers(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        ref = _run(Coordinator(self.config, self.policy), self.hashes, self.max_length, self.store)
+        got = _run(
+            VllmCoordinator(self.config, self.policy), self.hashes, self.max_length, self.store
+        )
+        return ref, got
+
+    def disagrees(self) -> bool:
+        ref, got = self.answers()
+        return ref != got
+
+
+def shrink(case: Case) -> Case:
+    """Greedy minimisation: fewer hashes, then fewer present keys, while the
+    two coordinators still disagree."""
+    changed = True
+    while changed:
+        changed = False
+        hbs = case.config.hash_block_size
+        while case.hashes:
+            shorter = case.hashes[:-1]
+            cand = replace(
+                case,
+                hashes=shorter,
+                max_length=min(case.max_length, (len(shorter) + 1) * hbs - 1),
+                store=[s & set(shorter) for s in case.store],
+            )
+            if not cand.disagrees():
+                break
+            case, changed = cand, True
+        for g, keys in enumerate(case.store):
+            for key in sorted(keys, key=case.hashes.index):
+                fewer = [set(s) for s in case.store]
+                fewer[g].discard(key)
+                cand = replace(case, store=fewer)
+                if cand.disagrees():
+                    case, changed = cand, True
+    return case
+
+
+def repro(case: Case) -> str:
+    ref, got = case.answers()
+    index = {h: i for i, h in enumerate(case.hashes)}
+    present = {g: sorted(index[h] for h in keys) for g, keys in enumerate(case.store)}
+    labels = ("hit", "(mask_blocks, loaded_blocks)", "group hits", "state_tokens")
+    return "\n".join(
+        [
+            f"config: {case.config.dumps()}",
+            f"policy: {case.policy}",
+            f"hashes: {len(case.hashes)} units (by index 0..{len(case.hashes) - 1})",
+            f"present keys (group -> hash indices): {json.dumps(present)}",
+            f"max_length: {case.max_length}",
+            *(
+                f"  {lbl}: reference {r!r} vllm {v!r}"
+                for lbl, r, v in zip(labels, ref, got, strict=True)
+            ),
+        ]
+    )
+
+
+# --- the differential run ----------------------------------------------------
+
+
+@dataclass
+class Tally:
+    lookups: int = 0
+    agree: int = 0
+    nonzero_hits: int = 0
+    mismatches: list[Case] = field(default_factory=list)
+
+
+def _mix(config: TraceConfig) -> str:
+    return "+".join(sorted(g.kind.value for g in config.groups))
+
+
+def _eagle(config: TraceConfig) -> str:
+    flagged = any(g.is_eagle_group for g in config.groups)
+    if config.use_eagle:
+        return "eagle+flagged" if flagged else "eagle"
+    return "flagged-only" if flagged else "no-eagle"
+
+
+def _reason(exc: ConfigError) -> str:
+    if "does not combine with EAGLE" in str(exc):
+        return "chunked+eagle"
+    if "chunked_local_attention needs block_size" in str(exc):
+        return "chunked block != alignment"
+    return str(exc)
+
+
+def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[str]) -> None:
+    rng = random.Random(SEED)
+    tallies = {p: Tally() for p in POLICIES}
+    rejected: Counter[str] = Counter()
+    configs_by_kind: Counter[str] = Counter()
+    coverage: dict[str, Counter[str]] = {k: Counter() for k in ("mix", "eagle", "partial")}
+    shapes: Counter[str] = Counter()
+    policies_differ = 0
+    passes: Counter[int] = Counter()  # fixed-point passes, default policy
+
+    scenarios = 0
+    while scenarios < SCENARIOS:
+        try:
+            config = random_config(rng)
+        except ConfigError as exc:
+            rejected[_reason(exc)] += 1
+            continue
+        scenarios += 1
+        for kind in {g.kind.value for g in config.groups}:
+            configs_by_kind[kind] += 1
+        coverage["mix"][_mix(config)] += 1
+        coverage["eagle"][_eagle(config)] += 1
+        coverage["partial"][str(config.enable_partial_hash_hits)] += 1
+        shapes[f"{config.num_groups} groups"] += 1
+        if len({g.spec_key() for g in config.groups}) < config.num_groups:
+            shapes["merged equal specs"] += 1
+        if len({g.block_size for g in config.groups} | {config.hash_block_size}) > 1:
+            shapes["block > hash unit"] += 1
+
+        coords = {p: (Coordinator(config, p), VllmCoordinator(config, p)) for p in POLICIES}
+        units = rng.randint(0, min(48, 6 * config.scheduler_block_size // config.hash_block_size))
+        chain = [rng.randbytes(32) for _ in range(units)]
+        store: list[set[bytes]] = [set() for _ in config.groups]
+        for _ in range(LOOKUPS_PER_SCENARIO):
+            for _ in range(rng.randint(1, 3)):
+                _mutate(rng, store, chain)
+            hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, units)]
+            max_length = _max_length(rng, config, len(hashes))
+            hits = set()
+            explained = coords[POLICIES[0]][0].lookup(
+                hashes, max_length, [s.__contains__ for s in store], explain=True
+            )
+            passes[max((s.pass_no for s in explained.steps), default=0)] += 1
+            for p, (ref_c, vllm_c) in coords.items():
+                ref = _run(ref_c, hashes, max_length, store)
+                got = _run(vllm_c, hashes, max_length, store)
+                t = tallies[p]
+                t.lookups += 1
+                t.nonzero_hits += got[0] > 0
+                hits.add(got[0])
+                if ref == got:
+                    t.agree += 1
+                elif len(t.mismatches) < 5:
+                    t.mismatches.append(
+                        Case(config, p, list(hashes), max_length, [set(s) for s in store])
+                    )
+            policies_differ += len(hits) > 1
+
+    with capsys.disabled():
+        print()
+        for p, t in tallies.items():
+            print(
+                f"[{p}] {t.agree}/{t.lookups} lookups agree ({t.nonzero_hits} with a non-zero hit)"
+            )
+        print(f"lookups where the two policies differ: {policies_differ}")
+        print(f"fixed-point passes per lookup ({POLICIES[0]}): {dict(sorted(passes.items()))}")
+        print(f"configs: {scenarios} valid, {sum(rejected.values())} rejected {dict(rejected)}")
+        print(f"configs by kind: {dict(sorted(configs_by_kind.items()))}")
+        print(f"shapes: {dict(shapes)}")
+        for name, counter in coverage.items():
+            print(f"by {name}: {dict(sorted(counter.items()))}")
+        for t in tallies.values():
+            for case in t.mismatches[:2]:
+                print("MISMATCH (minimised):\n" + repro(shrink(case)))
+
+    for p, t in tallies.items():
+        assert t.lookups >= 8000, p
+        assert t.agree == t.lookups, f"{p}: {t.lookups - t.agree} lookups disagree (see repro)"
+        assert t.nonzero_hits >= t.lookups // 3, p
+    # The generator exercised what it claims to.
+    for kind in KINDS:
+        assert configs_by_kind[kind.value] >= 150, (kind, configs_by_kind)
+    for flavour in ("eagle", "no-eagle", "flagged-only"):
+        assert coverage["eagle"][flavour] >= 50, coverage["eagle"]
+    assert min(coverage["partial"].values()) >= 300, coverage["partial"]
+    assert all(shapes[f"{n} groups"] >= 150 for n in (1, 2, 3)), shapes
+    assert shapes["merged equal specs"] >= 100, shapes
+    assert sum(rejected.values()) >= 20  # invalid configs are generated, and refused
+    assert policies_differ >= 60  # the Mamba gate matters on this sample
+    assert passes[2] >= 600 and sum(n for k, n in passes.items() if k >= 3) >= 20, passes
+
+
+# --- #43559 through vLLM itself ----------------------------------------------
+
+
+def test_vllm_43559_mamba_gate() -> None:
+    """Full attention + Mamba, block 16, EAGLE on, four blocks of both groups
+    stored, max_length 64: vLLM 0.33.0 resumes Mamba at the attention-verified
+    48; with its Mamba gate disabled (policy pre-49502) it resumes at 64, one
+    block past what full attention verified (#43559)."""
+    config = TraceConfig(
+        groups=(
+            GroupSpec(kind=FA, block_size=16),
+            GroupSpec(kind=MB, block_size=16, mamba_cache_mode="align"),
+        ),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+    )
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    store = [set(hashes), set(hashes)]
+    contains = [s.__contains__ for s in store]
+
+    fixed = VllmCoordinator(config).lookup(hashes, 64, contains)
+    assert fixed.hit_tokens == 48
+    assert [g.mask() for g in fixed.groups] == [[True] * 3, [False, False, True]]
+    assert fixed.mamba_state_tokens == 48
+    assert fixed.verified_tokens == 48
+
+    gated_off = VllmCoordinator(config, "pre-49502").lookup(hashes, 64, contains)
+    assert gated_off.hit_tokens == 64
+    assert [g.mask() for g in gated_off.groups] == [[True] * 3, [False, False, False, True]]
+    assert gated_off.mamba_state_tokens == 64
+    assert gated_off.verified_tokens == 48
+
+    # The gate is restored after the call: the default policy is unaffected.
+    assert VllmCoordinator(config).lookup(hashes, 64, contains).hit_tokens == 48
+
+
+def test_vllm_coordinator_refuses_out_of_range_max_length() -> None:
+    config = TraceConfig(
+        groups=(GroupSpec(kind=FA, block_size=16),), hash_block_size=16, scheduler_block_size=16
+    )
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    coord = VllmCoordinator(config)
+    with pytest.raises(ReplayError, match=r"expected 0 <= max_length < 48"):
+        coord.lookup(hashes, 48, [set(hashes).__contains__])
+    assert coord.lookup(hashes, 47, [set(hashes).__contains__]).hit_tokens == 32
+
+
+# --- the unit tests' exact expectations, through vLLM ------------------------
+
+
+def _unit_tests() -> ModuleType:
+    path = Path(__file__).with_name("test_coordinator.py")
+    spec = importlib.util.spec_from_file_location("_coordinator_rules", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+UNIT = _unit_tests()
+
+
+@pytest.mark.parametrize("rule", UNIT.VLLM_CHECKED, ids=lambda t: t.__name__)
+def test_unit_expectations_hold_for_vllm(
+    rule: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every outcome-only rule test of test_coordinator.py, with vLLM's
+    coordinator in place of the reference."""
+    monkeypatch.setattr(UNIT, "BACKEND", VllmCoordinator)
+    rule()
