@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -121,9 +122,13 @@ class VllmCoordinator:
         self.config = config
         self.policy = get_policy(policy)
         try:
-            torch = importlib.import_module("torch")
-            iface = importlib.import_module("vllm.v1.kv_cache_interface")
-            module = importlib.import_module(_COORDINATOR_MODULE)
+            # torch and vLLM warn about their own deprecations on import:
+            # noise for someone replaying a trace.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                torch = importlib.import_module("torch")
+                iface = importlib.import_module("vllm.v1.kv_cache_interface")
+                module = importlib.import_module(_COORDINATOR_MODULE)
         except ImportError:
             raise ReplayError(_MISSING_VLLM) from None
         self._module: Any = module
