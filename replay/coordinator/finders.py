@@ -1,23 +1,21 @@
 """Per-kind hit finders, one per KV-cache group kind (vLLM 0.33.0's
 ``single_type_kv_cache_manager``), behind a registry keyed by ``GroupKind``.
 
-Every finder is a pure function of the request's hashes (``hash_block_size``
-granular), a membership test for the spec group's keys, the bound
+Every finder is a pure function of the spec group's *presence bytes* (byte
+``u`` is 1 when every member group holds a key for the request's hash unit
+``u``, 0 otherwise; units are ``hash_block_size`` tokens), the bound
 (``max_length``), the EAGLE drop flag and the hit alignment. It returns the
-shape of the group's load mask (skipped blocks, then loaded ones) and the
-hit length. Membership is probed in bulk with ``map(contains, ...)`` so the
-common single-group case runs at C speed over a Python set.
+shape of the group's load mask (skipped blocks, then loaded ones) and the hit
+length. Bytes let the scans run as ``find`` / ``rfind`` at C speed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from replay.spec import GroupKind, GroupSpec
-
-Contains = Callable[[Any], bool]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,8 +46,7 @@ class Finder(Protocol):
     def __call__(
         self,
         spec: GroupSpec,
-        hashes: Sequence[Hashable],
-        contains: Contains,
+        present: bytes,
         *,
         max_length: int,
         drop_eagle: bool,
@@ -58,40 +55,28 @@ class Finder(Protocol):
     ) -> FinderResult: ...
 
 
-def block_view(
-    hashes: Sequence[Hashable], hash_block_size: int, block_size: int
-) -> Sequence[Hashable]:
-    """The group's per-block hashes: the last hash unit inside each block names
-    the block, since every unit is chained over its whole prefix."""
+def block_view(present: bytes, hash_block_size: int, block_size: int) -> bytes:
+    """The group's per-block presence: the last hash unit inside each block
+    names the block, since every unit is chained over its whole prefix."""
     k = block_size // hash_block_size
-    if k == 1:
-        return hashes
-    return hashes[k - 1 :: k]
+    return present if k == 1 else present[k - 1 :: k]
 
 
-def _uses_fine_view(fine_grained: bool, block_size: int, alignment: int) -> bool:
+def _fine_view(fine_grained: bool, block_size: int, alignment: int) -> bool:
     return fine_grained and alignment < block_size and block_size % alignment == 0
 
 
-def _stack(fn: Callable[..., FinderResult], fine_grained: bool) -> Finder:
-    fn.fine_grained = fine_grained  # type: ignore[attr-defined]
-    return fn  # type: ignore[return-value]
-
-
-def _present_prefix(view: Sequence[Hashable], contains: Contains, limit: int) -> int:
-    """How many blocks from the left are present, up to ``limit``. Chained
-    hashes make the first miss the end of any hit."""
-    probes = list(map(contains, view[:limit]))
-    try:
-        return probes.index(False)
-    except ValueError:
-        return len(probes)
+def _prefix(view: bytes, limit: int) -> int:
+    """Present blocks from the left, up to ``limit``: chained hashes make the
+    first miss the end of any hit."""
+    head = view[:limit]
+    miss = head.find(0)
+    return len(head) if miss < 0 else miss
 
 
 def full_attention(
     spec: GroupSpec,
-    hashes: Sequence[Hashable],
-    contains: Contains,
+    present: bytes,
     *,
     max_length: int,
     drop_eagle: bool,
@@ -99,20 +84,18 @@ def full_attention(
     hash_block_size: int,
 ) -> FinderResult:
     bs = spec.block_size
-    view = block_view(hashes, hash_block_size, bs)
-    blocks = _present_prefix(view, contains, max_length // bs)
+    blocks = _prefix(block_view(present, hash_block_size, bs), max_length // bs)
     hit = blocks * bs
-    if _uses_fine_view(True, bs, alignment):
+    if _fine_view(True, bs, alignment):
         # Extend into the first incomplete block: its interior hash-unit
         # boundaries, longest first.
         scale = bs // alignment
         first = blocks * scale
-        last = min(first + scale - 1, max_length // alignment, len(hashes))
-        for unit in range(last - 1, first - 1, -1):
-            if contains(hashes[unit]):
-                blocks += 1
-                hit = (unit + 1) * alignment
-                break
+        last = min(first + scale - 1, max_length // alignment, len(present))
+        unit = present.rfind(1, first, last) if last > first else -1
+        if unit >= 0:
+            blocks += 1
+            hit = (unit + 1) * alignment
     matched = hit
     if drop_eagle and hit > 0:
         # EAGLE recomputes the tokens before the generation point: one hash
@@ -124,8 +107,7 @@ def full_attention(
 
 def sliding_window(
     spec: GroupSpec,
-    hashes: Sequence[Hashable],
-    contains: Contains,
+    present: bytes,
     *,
     max_length: int,
     drop_eagle: bool,
@@ -134,17 +116,16 @@ def sliding_window(
 ) -> FinderResult:
     bs = spec.block_size
     window = spec.coverage_window or 0
-    view = block_view(hashes, hash_block_size, bs)
+    view = block_view(present, hash_block_size, bs)
     # The window needs this many contiguous blocks ending at the hit; with the
     # EAGLE drop one more, since the last matched block is popped afterwards.
     need = cdiv(window - 1, bs) + (1 if drop_eagle else 0)
     max_blocks = max_length // bs
-    probes = list(map(contains, view[:max_blocks]))
-    probes.extend([False] * (max_blocks - len(probes)))
+    probes = view[:max_blocks]
     run = 0
     length = -1
     nulls = 0
-    for i in range(max_blocks - 1, -1, -1):
+    for i in range(min(max_blocks, len(probes)) - 1, -1, -1):
         if probes[i]:
             # A run may only end where the length after the EAGLE pop is aligned.
             if run == 0 and bs != alignment:
@@ -174,8 +155,7 @@ def sliding_window(
 
 def chunked_local_attention(
     spec: GroupSpec,
-    hashes: Sequence[Hashable],
-    contains: Contains,
+    present: bytes,
     *,
     max_length: int,
     drop_eagle: bool,
@@ -184,20 +164,18 @@ def chunked_local_attention(
 ) -> FinderResult:
     bs = spec.block_size
     chunk = spec.attention_chunk_size or bs
-    view = block_view(hashes, hash_block_size, bs)
+    view = block_view(present, hash_block_size, bs)
     max_blocks = max_length // bs
     # Blocks before the chunk that holds max_length are outside every window.
-    start_tokens = max_length // chunk * chunk if max_length > 0 else 0
-    start = start_tokens // bs
-    loaded = _present_prefix(view[start:], contains, max(0, max_blocks - start))
+    start = (max_length // chunk * chunk if max_length > 0 else 0) // bs
+    loaded = _prefix(view[start:], max(0, max_blocks - start))
     hit = (start + loaded) * bs
     return FinderResult(start, loaded, hit, hit)
 
 
 def mamba(
     spec: GroupSpec,
-    hashes: Sequence[Hashable],
-    contains: Contains,
+    present: bytes,
     *,
     max_length: int,
     drop_eagle: bool,
@@ -207,37 +185,35 @@ def mamba(
     # drop_eagle is ignored on purpose: the state at block p is the state after
     # (p + 1) * block_size tokens, there is nothing to recompute (#43559).
     bs = spec.block_size
-    if _uses_fine_view(True, bs, alignment):
-        scale = bs // alignment
-        units = min(max_length // alignment, len(hashes))
-        probes = list(map(contains, hashes[:units]))
-        try:
-            unit = units - 1 - probes[::-1].index(True)
-        except ValueError:
+    if _fine_view(True, bs, alignment):
+        unit = present.rfind(1, 0, min(max_length // alignment, len(present)))
+        if unit < 0:
             return FinderResult(0, 0, 0, 0)
         hit = (unit + 1) * alignment
-        return FinderResult(unit // scale, 1, hit, hit)
-    view = block_view(hashes, hash_block_size, bs)
+        return FinderResult(unit // (bs // alignment), 1, hit, hit)
+    view = block_view(present, hash_block_size, bs)
     max_blocks = min(max_length // bs, len(view))
-    # Only blocks whose end is aligned can hold a resumable state.
-    step = alignment // bs if alignment % bs == 0 else 0
-    if step <= 1 or bs == alignment:
-        candidates = range(max_blocks - 1, -1, -1)
-    else:
-        top = (max_blocks // step) * step - 1
-        candidates = range(top, -1, -step)
-    for i in candidates:
-        if contains(view[i]):
-            hit = (i + 1) * bs
-            return FinderResult(i, 1, hit, hit)
-    return FinderResult(0, 0, 0, 0)
+    # Only blocks whose end is aligned can hold a resumable state: every
+    # step-th block (alignment is a multiple of the block size here).
+    step = max(1, alignment // bs)
+    r = view[step - 1 : max_blocks : step].rfind(1)
+    if r < 0:
+        return FinderResult(0, 0, 0, 0)
+    i = step - 1 + r * step
+    hit = (i + 1) * bs
+    return FinderResult(i, 1, hit, hit)
+
+
+def _registered(fn: Callable[..., FinderResult], fine_grained: bool) -> Finder:
+    fn.fine_grained = fine_grained  # type: ignore[attr-defined]
+    return fn  # type: ignore[return-value]
 
 
 FINDERS: dict[GroupKind, Finder] = {
-    GroupKind.FULL_ATTENTION: _stack(full_attention, True),
-    GroupKind.SLIDING_WINDOW: _stack(sliding_window, False),
-    GroupKind.CHUNKED_LOCAL_ATTENTION: _stack(chunked_local_attention, False),
-    GroupKind.MAMBA: _stack(mamba, True),
+    GroupKind.FULL_ATTENTION: _registered(full_attention, True),
+    GroupKind.SLIDING_WINDOW: _registered(sliding_window, False),
+    GroupKind.CHUNKED_LOCAL_ATTENTION: _registered(chunked_local_attention, False),
+    GroupKind.MAMBA: _registered(mamba, True),
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from replay.coordinator.finders import FINDERS, Contains, FinderResult, cdiv, eagle_margin
+from replay.coordinator.finders import FINDERS, FinderResult, cdiv, eagle_margin
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
@@ -100,10 +100,15 @@ def build_spec_groups(config: TraceConfig) -> tuple[SpecGroup, ...]:
     )
 
 
-def _all_of(tests: Sequence[Contains]) -> Contains:
-    if len(tests) == 1:
-        return tests[0]
-    return lambda h: all(t(h) for t in tests)
+def _all_present(per_group: Sequence[bytes]) -> bytes:
+    """A merged spec group holds a unit only when every member group does."""
+    if len(per_group) == 1:
+        return per_group[0]
+    n = len(per_group[0])
+    merged = int.from_bytes(per_group[0], "little")
+    for p in per_group[1:]:
+        merged &= int.from_bytes(p, "little")
+    return merged.to_bytes(n, "little")
 
 
 class Coordinator:
@@ -126,13 +131,10 @@ class Coordinator:
             len(self.spec_groups) == 2 and self.spec_groups[0].kind is GroupKind.FULL_ATTENTION
         )
 
-    def _call(
-        self, sg: SpecGroup, hashes: Sequence[Hashable], contains: Contains, bound: int, drop: bool
-    ) -> FinderResult:
+    def _call(self, sg: SpecGroup, present: bytes, bound: int, drop: bool) -> FinderResult:
         return FINDERS[sg.kind](
             sg.spec,
-            hashes,
-            contains,
+            present,
             max_length=bound,
             drop_eagle=drop,
             alignment=self.alignment,
@@ -153,13 +155,21 @@ class Coordinator:
         explain: bool = False,
     ) -> LookupOutcome:
         """``contains[g]`` tests whether group ``g`` holds a key for a hash."""
-        tests = [_all_of([contains[g] for g in sg.group_ids]) for sg in self.spec_groups]
+        present = [bytes(map(c, hashes)) for c in contains]
+        return self.lookup_present(present, max_length, explain=explain)
+
+    def lookup_present(
+        self, present: Sequence[bytes], max_length: int, *, explain: bool = False
+    ) -> LookupOutcome:
+        """``present[g][u]`` is 1 when group ``g`` holds a key for the request's
+        hash unit ``u`` (the store state the lookup sees), else 0."""
+        merged = [_all_present([present[g] for g in sg.group_ids]) for sg in self.spec_groups]
         results: list[FinderResult | None] = [None] * len(self.spec_groups)
         steps: list[Step] = []
 
         if len(self.spec_groups) == 1:
             sg = self.spec_groups[0]
-            res = self._call(sg, hashes, tests[0], max_length, sg.eagle)
+            res = self._call(sg, merged[0], max_length, sg.eagle)
             results[0] = res
             if explain:
                 steps.append(
@@ -168,7 +178,7 @@ class Coordinator:
             return self._outcome(res.hit_tokens, results, steps)
 
         hit = max_length
-        peek_cap = len(hashes) * self.config.hash_block_size
+        peek_cap = len(present[0]) * self.config.hash_block_size
         verified: set[int] = set()
         pass_no = 0
         while True:
@@ -191,7 +201,7 @@ class Coordinator:
                 if drop and self._gets_margin(sg):
                     margin = self._margins[sg.index]
                     bound = min(cand + margin, peek_cap)
-                res = self._call(sg, hashes, tests[sg.index], bound, drop)
+                res = self._call(sg, merged[sg.index], bound, drop)
                 if drop:
                     verified.add(sg.index)
                 elif res.hit_tokens < cand:
