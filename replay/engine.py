@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import polars as pl
@@ -159,9 +159,9 @@ def replay_trace(
     present = store.present
     contains = [s.__contains__ for s in present]
 
-    # The reference coordinator is generic over what a "hash" is, so it can
-    # be handed unit indices and the probe bits; vLLM's needs the real bytes.
-    by_index = isinstance(coord, Coordinator)
+    # The reference coordinator reads the probe bytes directly; vLLM's asks
+    # (group, hash) membership of the store.
+    reference = coord if isinstance(coord, Coordinator) else None
     bits = bytearray()
     bit_chunks: list[np.ndarray[Any, Any]] = []
     unit_counts: list[int] = []
@@ -208,10 +208,8 @@ def replay_trace(
                 for p in probes:
                     bits += p
                     unit_counts.append(len(p))
-                if by_index:
-                    # bytes.__getitem__ gives 0/1, which the finders treat as bools.
-                    by_unit = [cast(Callable[[Hashable], bool], p.__getitem__) for p in probes]
-                    res = coord.lookup(range(len(hashes)), max_length, by_unit)
+                if reference is not None:
+                    res = reference.lookup_present(probes, max_length)
                 else:
                     res = coord.lookup(hashes, max_length, contains)
                 groups = res.groups

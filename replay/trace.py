@@ -181,10 +181,11 @@ class TraceWriter:
     def close(self) -> None:
         if self._writer is None:
             return
+        config = self.config
         source = getattr(self, "_pending_source", None)
         if source is not None:
-            config = TraceConfig.from_json({**self.config.to_json(), "source": source})
-            self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
+            config = TraceConfig.from_json({**config.to_json(), "source": source})
+        self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
         self._writer.close()
         self._writer = None
         self._cm.__exit__(None, None, None)

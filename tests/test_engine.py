@@ -122,3 +122,32 @@ def test_store_fold_events_and_order() -> None:
     assert s.num_keys() == [0, 0]
     with pytest.raises(TraceError, match="seq 5: out of order, expected a seq greater than 5"):
         s.apply(StoreEvent(seq=5, group_id=0, hashes=[b"c"]))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, seed: int) -> None:
+    """Every event its own row group: state carries across every batch the
+    prefetching reader hands over (clears and removes included)."""
+    from replay.trace import TraceWriter
+
+    rng = random.Random(300 + seed)
+    config = random_config(rng)
+    rows = random_rows(rng, config, 14)
+    path = tmp_path / "rg.parquet"
+    with TraceWriter(path, config) as writer:
+        for row in rows:
+            writer.write_rows([row])
+    want = naive_replay(rows, config, "vllm-0.33")
+    for exact in (False, True):
+        res = replay_trace(path, exact=exact).results
+        got = list(
+            zip(
+                res["seq"].to_list(),
+                res["hit_tokens"].to_list(),
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                res["unit_present"].to_list(),
+                strict=True,
+            )
+        )
+        assert got == want
