@@ -397,10 +397,14 @@ def minimize(trace: Path, request_id: str, flag: str | None, policy: str, output
 def _register() -> None:
     from replay.cli_analysis import diff, report
     from replay.cli_sources import ingest, record
+    from replay.cli_synth import bailian, mooncake, synth
 
     cli.add_command(diff)
     cli.add_command(report)
+    cli.add_command(synth)
     cli.add_command(record)
+    ingest.add_command(mooncake)
+    ingest.add_command(bailian)
     cli.add_command(ingest)
 
 

@@ -1,0 +1,230 @@
+"""Click commands for trace sources: ``synth`` and the ``mooncake`` / ``bailian``
+importers (wired under ``replay ingest`` by ``replay.cli_sources``).
+
+Click only: each command calls one library function and prints its summary.
+Library errors are ``ReplayError`` (one line); the main entry point prints
+them and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from replay.sources.mooncake import ingest_bailian, ingest_mooncake
+from replay.sources.synth import ARCHETYPES, synth_trace
+
+
+@contextmanager
+def _progress(total: int, label: str) -> Iterator[Callable[[int], None] | None]:
+    """A progress bar on a terminal, nothing when stderr is piped."""
+    if total <= 0 or not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def _store_text(capacity: int | None) -> str:
+    return "unbounded store" if capacity is None else f"LRU store of {capacity:,} blocks"
+
+
+def _events_text(s: dict[str, Any]) -> str:
+    return (
+        f"{s['events']:,} events ({s['lookups']:,} lookups, {s['stores']:,} stores, "
+        f"{s['removes']:,} removes, {s['clears']:,} clears), "
+        f"{s['hash_entries']:,} hash entries, {s['bytes']:,} bytes"
+    )
+
+
+def synth_summary_text(s: dict[str, Any]) -> str:
+    text = (
+        f"Wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"{_store_text(s['capacity_blocks'])}, seed {s['seed']}, {s['requests']:,} requests: "
+        f"{_events_text(s)}."
+    )
+    injected = s["injected_overruns"]
+    if injected:
+        first = injected[0]
+        text += (
+            f" Injected {len(injected)} #43559 overrun(s) (request ids overrun-NNNN-resend), "
+            f"e.g. {first['request_id']}: hit {first['hit_tokens_pre_49502']} tokens under "
+            f"pre-49502, {first['hit_tokens_vllm_033']} under vllm-0.33."
+        )
+    return text
+
+
+def ingest_summary_text(s: dict[str, Any]) -> str:
+    return (
+        f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
+        f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"{_store_text(s['capacity_blocks'])}, block size {s['block_size']}: "
+        f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
+        f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
+    )
+
+
+_MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in ARCHETYPES.values())
+
+
+@click.command("synth")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Trace file to write (Parquet).",
+)
+@click.option("--model", required=True, type=click.Choice(list(ARCHETYPES)), help=_MODEL_HELP)
+@click.option(
+    "--requests",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Workload requests (each injected scenario adds two).",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option(
+    "--eagle/--no-eagle", default=False, show_default=True, help="EAGLE speculative decoding."
+)
+@click.option(
+    "--capacity-blocks",
+    default=None,
+    type=click.IntRange(min=1),
+    help="LRU store capacity in blocks across all groups [default: unbounded].",
+)
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--hash-block-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Tokens per lookup hash [default: the block size].",
+)
+@click.option(
+    "--inject-overrun",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Add this many #43559 scenarios (needs --eagle and a Mamba model).",
+)
+@click.option(
+    "--clear-every",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Emit a clear event before every N-th request.",
+)
+def synth(
+    output: Path,
+    model: str,
+    requests: int,
+    seed: int,
+    eagle: bool,
+    capacity_blocks: int | None,
+    block_size: int,
+    hash_block_size: int | None,
+    inject_overrun: int,
+    clear_every: int | None,
+) -> None:
+    """Generate a production-style synthetic trace, reproducible from --seed."""
+    with _progress(requests, "synth") as progress:
+        summary = synth_trace(
+            output,
+            model=model,
+            requests=requests,
+            seed=seed,
+            eagle=eagle,
+            capacity_blocks=capacity_blocks,
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+            inject_overrun=inject_overrun,
+            clear_every=clear_every,
+            progress=progress,
+        )
+    click.echo(synth_summary_text(summary))
+
+
+def _ingest_options(fn: Callable[..., None]) -> Callable[..., None]:
+    for decorator in reversed(
+        [
+            click.argument("trace", type=click.Path(dir_okay=False, path_type=Path)),
+            click.option(
+                "-o",
+                "--output",
+                required=True,
+                type=click.Path(dir_okay=False, path_type=Path),
+                help="Trace file to write (Parquet).",
+            ),
+            click.option(
+                "--model",
+                default="full",
+                show_default=True,
+                type=click.Choice(list(ARCHETYPES)),
+                help=_MODEL_HELP,
+            ),
+            click.option(
+                "--block-size",
+                default=16,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Tokens per trace block (and per lookup hash).",
+            ),
+            click.option("--eagle/--no-eagle", default=False, show_default=True),
+            click.option(
+                "--capacity-blocks",
+                default=None,
+                type=click.IntRange(min=1),
+                help="LRU store capacity in blocks across all groups [default: unbounded].",
+            ),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
+@click.command("mooncake")
+@_ingest_options
+def mooncake(
+    trace: Path,
+    output: Path,
+    model: str,
+    block_size: int,
+    eagle: bool,
+    capacity_blocks: int | None,
+) -> None:
+    """Import a Mooncake FAST'25 JSONL trace (512-token hash_ids)."""
+    summary = ingest_mooncake(
+        trace,
+        output,
+        model=model,
+        block_size=block_size,
+        eagle=eagle,
+        capacity_blocks=capacity_blocks,
+    )
+    click.echo(ingest_summary_text(summary))
+
+
+@click.command("bailian")
+@_ingest_options
+def bailian(
+    trace: Path,
+    output: Path,
+    model: str,
+    block_size: int,
+    eagle: bool,
+    capacity_blocks: int | None,
+) -> None:
+    """Import a Qwen bailian JSONL trace (16-token hash_ids)."""
+    summary = ingest_bailian(
+        trace,
+        output,
+        model=model,
+        block_size=block_size,
+        eagle=eagle,
+        capacity_blocks=capacity_blocks,
+    )
+    click.echo(ingest_summary_text(summary))

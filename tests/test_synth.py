@@ -1,0 +1,458 @@
+"""The synthetic generator (replay.sources.synth) and its store logic
+(replay.sources.workload)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from replay.cli_synth import synth, synth_summary_text
+from replay.coordinator import Coordinator
+from replay.errors import ReplayError
+from replay.sources.synth import ARCHETYPES, archetype_config, synth_trace
+from replay.sources.workload import (
+    DigestTable,
+    StorePolicy,
+    WorkloadWriter,
+    digest_keys,
+    lane_salts,
+    replay_boundaries,
+    stored_blocks,
+)
+from replay.spec import GroupKind, GroupSpec
+from replay.trace import open_trace
+
+F, S, C, M = (
+    GroupKind.FULL_ATTENTION,
+    GroupKind.SLIDING_WINDOW,
+    GroupKind.CHUNKED_LOCAL_ATTENTION,
+    GroupKind.MAMBA,
+)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return list(open_trace(path).read_frame().iter_rows(named=True))
+
+
+# ---------------------------------------------------------------- archetypes
+
+
+@pytest.mark.parametrize(
+    ("name", "kinds"),
+    [
+        ("full", (F,)),
+        ("full+mamba", (F, M)),
+        ("full+swa", (F, S)),
+        ("full+chunked", (F, C)),
+        ("swa+mamba", (S, M)),
+        ("full+swa+mamba", (F, S, M)),
+    ],
+)
+@pytest.mark.parametrize("eagle", [False, True])
+def test_archetype_configs_are_valid(name: str, kinds: tuple[GroupKind, ...], eagle: bool) -> None:
+    if name == "full+chunked" and eagle:
+        with pytest.raises(ReplayError) as err:
+            archetype_config(name, use_eagle=eagle)
+        assert str(err.value) == (
+            "model 'full+chunked' has chunked local attention, which vLLM does not combine "
+            "with EAGLE: use --no-eagle"
+        )
+        return
+    config = archetype_config(name, use_eagle=eagle)
+    assert tuple(g.kind for g in config.groups) == kinds
+    assert [g.block_size for g in config.groups] == [16] * len(kinds)
+    assert config.hash_block_size == 16
+    assert config.scheduler_block_size == 16
+    assert config.use_eagle is eagle
+    windows = {"full+swa": 1024, "swa+mamba": 2048, "full+swa+mamba": 4096}
+    for g in config.groups:
+        if g.kind is S:
+            assert g.sliding_window == windows[name]
+        if g.kind is C:
+            assert g.attention_chunk_size == 8192
+        if g.kind is M:
+            assert g.mamba_cache_mode == "align"
+
+
+def test_archetype_names() -> None:
+    assert list(ARCHETYPES) == [
+        "full",
+        "full+mamba",
+        "full+swa",
+        "full+chunked",
+        "swa+mamba",
+        "full+swa+mamba",
+    ]
+
+
+def test_archetype_block_sizes() -> None:
+    config = archetype_config("full+mamba", 16, 8, True, mamba_block_size=64)
+    assert [g.block_size for g in config.groups] == [16, 64]
+    assert config.hash_block_size == 8
+    assert config.scheduler_block_size == 64
+
+
+def test_unknown_model() -> None:
+    with pytest.raises(ReplayError) as err:
+        archetype_config("mamba-only")
+    assert str(err.value) == (
+        "unknown model 'mamba-only', expected one of full, full+mamba, full+swa, "
+        "full+chunked, swa+mamba, full+swa+mamba"
+    )
+
+
+# ---------------------------------------------------------------- store rules
+
+
+def test_replay_boundaries() -> None:
+    assert replay_boundaries(100, 16, False) == (99,)
+    assert replay_boundaries(100, 16, True) == (80,)
+    assert replay_boundaries(96, 16, True) == (64, 80)
+
+
+def _mamba_blocks(num_tokens: int, eagle: bool, **policy: Any) -> list[int]:
+    spec = GroupSpec(kind=M, block_size=16, mamba_cache_mode="align")
+    sel = stored_blocks(
+        spec,
+        num_blocks=num_tokens // 16,
+        num_tokens=num_tokens,
+        alignment=16,
+        group_eagle=eagle,
+        any_eagle=eagle,
+        policy=StorePolicy(**policy),
+    )
+    assert sel is not None
+    return [int(b) for b in sel]
+
+
+def test_mamba_keeps_states_only_at_reachable_boundaries() -> None:
+    # Without EAGLE: the resend hit (num_tokens - 1, aligned down).
+    assert _mamba_blocks(100, False) == [5]
+    assert _mamba_blocks(96, False) == [4]
+    # With EAGLE: one block below the resend and the extension hits.
+    assert _mamba_blocks(100, True) == [4]
+    assert _mamba_blocks(96, True) == [3, 4]
+    # Prefill chunk ends (dense retention), and a retention interval instead.
+    assert _mamba_blocks(100, False, prefill_chunk_tokens=32) == [1, 3, 5]
+    assert _mamba_blocks(100, True, retention_interval=48) == [2, 4, 5]
+    assert _mamba_blocks(100, True, retention_interval=0) == [4]
+
+
+def _swa_blocks(eagle: bool, alignment: int, **policy: Any) -> list[int] | None:
+    spec = GroupSpec(kind=S, block_size=16, sliding_window=32)
+    sel = stored_blocks(
+        spec,
+        num_blocks=10,
+        num_tokens=170,
+        alignment=alignment,
+        group_eagle=eagle,
+        any_eagle=eagle,
+        policy=StorePolicy(**policy),
+    )
+    return None if sel is None else sel.tolist()
+
+
+def test_sliding_window_keeps_the_window_tail_at_aligned_boundaries() -> None:
+    # Window 32 needs ceil(31 / 16) = 2 blocks ending at each 64-token boundary...
+    assert _swa_blocks(False, 64) == [2, 3, 6, 7]
+    # ...with EAGLE one more, the run ending one block past the boundary.
+    assert _swa_blocks(True, 64) == [2, 3, 4, 6, 7, 8]
+    # Block-sized alignment: every block ends a window (vLLM keeps them all).
+    assert _swa_blocks(False, 16) is None
+    # Only the replay boundary (169 -> 128): the tail ending at block 8.
+    assert _swa_blocks(False, 64, retention_interval=0) == [6, 7]
+
+
+def test_sparse_stores_serve_the_resend_hit() -> None:
+    # Mamba blocks of 64 tokens make the hit alignment 64, so the sliding
+    # window (32 tokens) keeps only the tails ending at 64-token boundaries.
+    config = archetype_config("full+swa+mamba", sliding_window=32, mamba_block_size=64)
+    writer = WorkloadWriter(config, lambda _t: None, lambda k: np.zeros((len(k), 16), np.uint8))
+    units = np.arange(10, dtype=np.int64)  # a 170-token prompt
+    stored = [set(writer.group_keys(g, units, 170).tolist()) for g in range(3)]
+    assert stored == [set(range(10)), {2, 3, 6, 7}, {7}]
+    outcome = Coordinator(config).lookup(units.tolist(), 169, [s.__contains__ for s in stored])
+    assert outcome.hit_tokens == 128
+
+
+# ---------------------------------------------------------------- generated traces
+
+
+def _synth(path: Path, **kwargs: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {"model": "full+mamba", "requests": 300, "seed": 7, "eagle": True}
+    args.update(kwargs)
+    return synth_trace(path, **args)
+
+
+def test_same_seed_gives_a_byte_identical_trace(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = {"capacity_blocks": 3000, "inject_overrun": 2, "clear_every": 100}
+    a = _synth(tmp_path / "a.parquet", **kwargs)
+    b = _synth(tmp_path / "b.parquet", **kwargs)
+    c = _synth(tmp_path / "c.parquet", seed=8, **kwargs)
+    assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
+    ta, tb, tc = (pq.read_table(tmp_path / f"{n}.parquet") for n in "abc")
+    assert ta.equals(tb)
+    assert not ta.equals(tc)
+    assert {k: v for k, v in a.items() if k != "path"} == {
+        k: v for k, v in b.items() if k != "path"
+    }
+    assert c["hash_entries"] != a["hash_entries"]
+
+
+def test_lookup_rows(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path, hash_bytes=32)
+    rows = _rows(path)
+    lookups = [r for r in rows if r["kind"] == "lookup"]
+    assert len(lookups) == summary["lookups"] == 300
+    assert summary["events"] == len(rows)
+    assert summary["hash_entries"] == sum(len(r["block_hashes"]) for r in rows)
+    for r in lookups:
+        assert r["max_length"] == r["num_tokens"] - 1
+        assert len(r["block_hashes"]) == r["num_tokens"] // 16
+        assert r["group_id"] is None
+    widths = {len(h) for r in rows for h in r["block_hashes"]}
+    assert widths == {32}
+    # Every store row names blocks of the request that precedes it.
+    last: dict[str, Any] = {}
+    for r in rows:
+        if r["kind"] == "lookup":
+            last = r
+        elif r["kind"] == "store":
+            assert r["request_id"] == last["request_id"]
+            assert set(r["block_hashes"]) <= set(last["block_hashes"])
+    ts = [r["ts"] for r in lookups]
+    assert ts == sorted(ts)
+
+
+def test_followups_extend_the_previous_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    _synth(path, requests=600)
+    lookups = {r["request_id"]: r for r in _rows(path) if r["kind"] == "lookup"}
+    followups = 0
+    for rid, r in lookups.items():
+        session, turn = rid.split("-t")
+        if turn == "1":
+            continue
+        prev = lookups[f"{session}-t{int(turn) - 1}"]
+        n = len(prev["block_hashes"])
+        assert n == prev["num_tokens"] // 16
+        # The follow-up's hashes start with every hash of the previous prompt;
+        # the block that straddled its end holds new tokens, so a new hash.
+        assert r["block_hashes"][:n] == prev["block_hashes"]
+        assert r["block_hashes"][n] not in prev["block_hashes"]
+        followups += 1
+    assert followups > 100
+    # Shared system prompts: distinct sessions share leading hashes.
+    firsts = [r["block_hashes"][0] for rid, r in lookups.items() if rid.endswith("-t1")]
+    assert len(set(firsts)) < len(firsts)
+
+
+def _fold_check(rows: list[dict[str, Any]], groups: int, capacity: int | None) -> int:
+    """Fold the log, checking stores add absent keys, removes drop present ones
+    and the store never exceeds ``capacity``; return the peak size."""
+    present: list[set[bytes]] = [set() for _ in range(groups)]
+    peak = 0
+    for r in rows:
+        keys = present[r["group_id"]] if r["group_id"] is not None else None
+        if r["kind"] == "store":
+            assert keys is not None and not keys & set(r["block_hashes"])
+            keys.update(r["block_hashes"])
+        elif r["kind"] == "remove":
+            assert keys is not None and set(r["block_hashes"]) <= keys
+            keys.difference_update(r["block_hashes"])
+        elif r["kind"] == "clear":
+            for s in present:
+                s.clear()
+        size = sum(map(len, present))
+        if capacity is not None:
+            assert size <= capacity
+        peak = max(peak, size)
+    return peak
+
+
+@pytest.mark.parametrize("model", ["full+mamba", "full+swa+mamba"])
+def test_lru_capacity_is_never_exceeded(tmp_path: Path, model: str) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path, model=model, capacity_blocks=4000)
+    rows = _rows(path)
+    assert summary["removes"] > 0
+    assert summary["removes"] == sum(r["kind"] == "remove" for r in rows)
+    groups = len(archetype_config(model).groups)
+    assert _fold_check(rows, groups, 4000) == 4000 == summary["max_present_keys"]
+
+
+@pytest.mark.parametrize("model", ["full", "full+mamba", "full+swa+mamba"])
+def test_a_request_larger_than_the_store_evicts_its_own_tail(tmp_path: Path, model: str) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path, model=model, requests=50, capacity_blocks=40)
+    groups = len(archetype_config(model).groups)
+    assert _fold_check(_rows(path), groups, 40) == 40 == summary["max_present_keys"]
+
+
+def test_unbounded_store_never_removes(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path)
+    assert summary["removes"] == 0
+    assert _fold_check(_rows(path), 2, None) == sum(summary["stored_keys"])
+
+
+def test_clear_every(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path, requests=250, clear_every=100, capacity_blocks=5000)
+    rows = _rows(path)
+    clears = [i for i, r in enumerate(rows) if r["kind"] == "clear"]
+    assert summary["clears"] == len(clears) == 2
+    lookups_before = [sum(r["kind"] == "lookup" for r in rows[:i]) for i in clears]
+    assert lookups_before == [100, 200]
+    for i in clears:
+        assert rows[i]["group_id"] is None and rows[i]["block_hashes"] is None
+    _fold_check(rows, 2, 5000)
+
+
+@pytest.mark.parametrize("model", ["full+mamba", "swa+mamba", "full+swa+mamba"])
+def test_inject_overrun_43559(tmp_path: Path, model: str) -> None:
+    path = tmp_path / "t.parquet"
+    summary = _synth(path, model=model, capacity_blocks=6000, inject_overrun=3, clear_every=50)
+    reader = open_trace(path)
+    config = reader.config
+    assert config.source is not None
+    injected = {d["request_id"]: d for d in summary["injected_overruns"]}
+    assert sorted(injected) == [f"overrun-{j:04d}-resend" for j in range(3)]
+    assert config.source["injected_overruns"] == summary["injected_overruns"]
+    policies = {p: Coordinator(config, p) for p in ("pre-49502", "vllm-0.33")}
+    present: list[set[bytes]] = [set() for _ in config.groups]
+    seen = 0
+    for r in reader.read_frame().iter_rows(named=True):
+        if r["kind"] == "store":
+            present[r["group_id"]].update(r["block_hashes"])
+        elif r["kind"] == "remove":
+            present[r["group_id"]].difference_update(r["block_hashes"])
+        elif r["kind"] == "clear":
+            for s in present:
+                s.clear()
+        elif r["request_id"] in injected:
+            d = injected[r["request_id"]]
+            assert r["seq"] == d["seq"]
+            contains = [s.__contains__ for s in present]
+            pre = policies["pre-49502"].lookup(r["block_hashes"], r["max_length"], contains)
+            fixed = policies["vllm-0.33"].lookup(r["block_hashes"], r["max_length"], contains)
+            # Attention verified one block less than the prompt; the peek margin
+            # lets Mamba resume at the prompt's end anyway (#43559).
+            assert pre.hit_tokens == d["hit_tokens_pre_49502"] == r["max_length"]
+            assert fixed.hit_tokens == d["hit_tokens_vllm_033"] == r["max_length"] - 16
+            assert pre.verified_tokens == r["max_length"] - 16
+            assert pre.mamba_state_tokens == r["max_length"]
+            assert fixed.mamba_state_tokens == r["max_length"] - 16
+            seen += 1
+    assert seen == 3
+
+
+def test_inject_overrun_needs_eagle_and_mamba(tmp_path: Path) -> None:
+    with pytest.raises(ReplayError) as err:
+        _synth(tmp_path / "t.parquet", eagle=False, inject_overrun=1)
+    assert str(err.value) == "--inject-overrun needs --eagle (#43559 is an EAGLE margin bug)"
+    with pytest.raises(ReplayError) as err:
+        _synth(tmp_path / "t.parquet", model="full+swa", inject_overrun=1)
+    assert str(err.value) == (
+        "--inject-overrun needs a model with a Mamba group (#43559), got 'full+swa'"
+    )
+    assert not (tmp_path / "t.parquet").exists()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_synth_command(tmp_path: Path) -> None:
+    out = tmp_path / "cli.parquet"
+    args = ["-o", str(out), "--model", "full+mamba", "--requests", "200", "--seed", "3"]
+    args += ["--eagle", "--capacity-blocks", "3000", "--inject-overrun", "1"]
+    result = CliRunner().invoke(synth, args)
+    assert result.exit_code == 0, result.output
+    summary = synth_trace(
+        tmp_path / "lib.parquet",
+        model="full+mamba",
+        requests=200,
+        seed=3,
+        eagle=True,
+        capacity_blocks=3000,
+        inject_overrun=1,
+    )
+    assert result.output == synth_summary_text({**summary, "path": str(out)}) + "\n"
+    assert out.read_bytes() == (tmp_path / "lib.parquet").read_bytes()
+
+
+def test_synth_command_chunked_with_eagle(tmp_path: Path) -> None:
+    out = tmp_path / "t.parquet"
+    result = CliRunner().invoke(synth, ["-o", str(out), "--model", "full+chunked", "--eagle"])
+    assert isinstance(result.exception, ReplayError)
+    assert str(result.exception) == (
+        "model 'full+chunked' has chunked local attention, which vLLM does not combine "
+        "with EAGLE: use --no-eagle"
+    )
+    assert not out.exists()
+
+
+def test_lru_evicts_the_least_recently_used_tail_first() -> None:
+    tables: list[Any] = []
+    config = archetype_config("full")
+    writer = WorkloadWriter(
+        config,
+        tables.append,
+        lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
+        capacity_blocks=4,
+    )
+    for rid, units in [("a", [1, 2, 3]), ("b", [1, 2, 4]), ("c", [5, 6]), ("d", [1, 7])]:
+        keys = np.array(units, dtype=np.int64)
+        writer.add(ts_us=0, request_id=rid, num_tokens=16 * len(units) + 1, unit_keys=keys)
+    writer.close()
+    rows = [
+        (r["kind"], r["request_id"], [int.from_bytes(h, "big") for h in r["block_hashes"]])
+        for t in tables
+        for r in t.to_pylist()
+    ]
+    assert rows == [
+        ("lookup", "a", [1, 2, 3]),
+        ("store", "a", [1, 2, 3]),
+        ("lookup", "b", [1, 2, 4]),
+        ("store", "b", [4]),
+        # LRU order is now 3, 4, 2, 1: a prompt's head is its most recent key.
+        ("lookup", "c", [5, 6]),
+        ("remove", None, [3, 4]),
+        ("store", "c", [5, 6]),
+        ("lookup", "d", [1, 7]),
+        ("remove", None, [2]),
+        ("store", "d", [7]),
+    ]
+
+
+@pytest.mark.parametrize("window", [1 << 16, 100_000])
+def test_digest_table_matches_the_digester(window: int) -> None:
+    salts = lane_salts(3, 2)
+
+    def digest(keys: Any) -> Any:
+        return digest_keys(keys, salts)
+
+    table = DigestTable(digest, window)
+    rng = np.random.default_rng(0)
+    top = 0
+    for step in range(200):
+        top += int(rng.integers(0, 50_000))
+        keys = rng.integers(0, top + 1, int(rng.integers(0, 3000))).astype(np.int64)
+        if step % 2:
+            keys = np.append(keys, top)
+        assert np.array_equal(table(keys), digest(keys))
+
+
+def test_digests_are_distinct_and_seeded() -> None:
+    keys = np.arange(100_000, dtype=np.int64)
+    a = digest_keys(keys, lane_salts(0, 2))
+    assert a.shape == (100_000, 16)
+    assert len({bytes(row) for row in a}) == 100_000
+    assert not np.array_equal(a, digest_keys(keys, lane_salts(1, 2)))
+    assert np.array_equal(a, digest_keys(keys, lane_salts(0, 2)))
