@@ -19,22 +19,30 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+FLAGGED = $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['request_id'][0])")
+
 demo: $(STAMP)
-	@echo "== replay info: the bundled trace"
+	@echo "== replay info: the bundled trace (full attention + Mamba, EAGLE, LRU store)"
 	$(BIN)/replay info $(DEMO_TRACE)
 	@echo
 	@echo "== replay run, vLLM 0.33 semantics (the default policy): clean"
 	$(BIN)/replay run $(DEMO_TRACE) -o out/demo.vllm-0.33.results.parquet
 	@echo
 	@echo "== replay run --policy pre-49502: the #43559 overrun is flagged"
-	$(BIN)/replay run $(DEMO_TRACE) --policy pre-49502 -o out/demo.pre-49502.results.parquet
+	$(BIN)/replay run $(DEMO_TRACE) --policy pre-49502 -o out/demo.pre-49502.results.parquet --examples 2
 	@echo
-	@echo "== replay check: exit 1 on the flagged results (as CI would see it)"
-	-$(BIN)/replay check out/demo.pre-49502.results.parquet --examples 2
+	@echo "== replay check, as CI runs it: exit 1 when a lookup is flagged"
+	$(BIN)/replay check out/demo.pre-49502.results.parquet --examples 1 || echo "(replay check exited $$?: flags found)"
 	@echo
-	@echo "== replay explain: how the flagged request's hit was decided, under both policies"
-	$(BIN)/replay explain $(DEMO_TRACE) --request $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['request_id'][0])") --policy pre-49502
-	$(BIN)/replay state $(DEMO_TRACE) --at 2 --show 2
+	@echo "== replay explain: the first overrun, before #49502 ..."
+	$(BIN)/replay explain $(DEMO_TRACE) --request $(FLAGGED) --policy pre-49502
+	@echo "== ... and with vLLM 0.33 (Mamba gets no peek margin)"
+	$(BIN)/replay explain $(DEMO_TRACE) --request $(FLAGGED)
+	@echo "== replay diff: what #49502 changed on this trace"
+	$(BIN)/replay diff $(DEMO_TRACE) --policy vllm-0.33 --policy pre-49502 --limit 3
+	@echo
+	$(BIN)/replay report out/demo.pre-49502.results.parquet --trace $(DEMO_TRACE) -o out/demo-report.html
+	@echo "open out/demo-report.html in a browser for the charts and every flagged request"
 
 lint: $(STAMP)
 	$(BIN)/ruff check replay analysis tests benchmarks

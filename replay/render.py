@@ -106,7 +106,10 @@ def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
         mask = "".join("#" if m else "." for m in g.mask())
         if len(mask) > 48:
             mask = mask[:20] + f"…({len(mask) - 40} more)…" + mask[-20:]
-        state = "" if g.state_tokens is None else f"state at {g.state_tokens}"
+        if g.state_tokens is None:
+            state = ""
+        else:
+            state = f"state at {g.state_tokens}" if g.state_tokens else "no state"
         mask_rows.append(
             [group_label(config, g.group_id), g.mask_blocks, g.loaded_blocks, mask or "-", state]
         )

@@ -150,10 +150,151 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     return built
 
 
+# name -> synth options, what it pins
+SYNTH: dict[str, tuple[dict[str, Any], str]] = {
+    "demo-full-mamba-eagle": (
+        {
+            "model": "full+mamba",
+            "requests": 400,
+            "seed": 1,
+            "eagle": True,
+            "capacity_blocks": 6000,
+            "inject_overrun": 2,
+        },
+        "the `make demo` trace: Nemotron-H-style full attention + Mamba with EAGLE, LRU store, two injected #43559 resends",
+    ),
+    "archetype-full": (
+        {"model": "full", "requests": 200, "seed": 2, "capacity_blocks": 4000},
+        "full attention only, LRU eviction: hits follow the present prefix",
+    ),
+    "archetype-full-mamba": (
+        {"model": "full+mamba", "requests": 200, "seed": 3, "eagle": True, "capacity_blocks": 4000},
+        "full attention + Mamba with EAGLE (Nemotron-H / Jamba): natural overruns before #49502",
+    ),
+    "archetype-full-swa": (
+        {"model": "full+swa", "requests": 200, "seed": 4, "eagle": True, "capacity_blocks": 4000},
+        "full attention + sliding window with EAGLE (Gemma-3 / GPT-OSS style)",
+    ),
+    "archetype-full-chunked": (
+        {"model": "full+chunked", "requests": 200, "seed": 5, "capacity_blocks": 4000},
+        "full attention + chunked local attention (Llama-4 style), no EAGLE",
+    ),
+    "archetype-swa-mamba": (
+        {"model": "swa+mamba", "requests": 200, "seed": 6, "eagle": True, "capacity_blocks": 4000},
+        "sliding window + Mamba with EAGLE: the overrun without full attention",
+    ),
+    "archetype-full-swa-mamba": (
+        {
+            "model": "full+swa+mamba",
+            "requests": 200,
+            "seed": 7,
+            "eagle": True,
+            "capacity_blocks": 6000,
+        },
+        "three groups: not a simple hybrid, so every lookup runs a second, confirming pass of the fixed point",
+    ),
+}
+
+
+def replayed_expectation(path: Path) -> list[dict[str, Any]]:
+    """Pin what the replay gives now, per policy (flag counts)."""
+    from analysis.flags import attach_flags, flag_counts
+    from replay.coordinator import POLICIES
+    from replay.engine import replay_trace
+
+    out = []
+    for policy in POLICIES:
+        result = replay_trace(path, policy=policy)
+        out.append({"policy": policy, "flags": flag_counts(attach_flags(result))})
+    return out
+
+
+def build_synth() -> list[tuple[str, str, list[dict[str, Any]]]]:
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from replay.sources.synth import synth_trace
+
+    built = []
+    for name, (options, what) in SYNTH.items():
+        path = HERE / f"{name}.parquet"
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "raw.parquet"
+            synth_trace(raw, **options)
+            expect = replayed_expectation(raw)
+            table = pq.read_table(raw)
+            from replay.trace import open_trace
+
+            write_trace(
+                path,
+                open_trace(raw).config,
+                table,
+                expect={"expect": expect, "pins": what, "synth": options},
+            )
+        built.append((path.name, what, expect))
+    return built
+
+
+def _flags_text(entry: dict[str, Any]) -> str:
+    flags = entry.get("flags") or {}
+    return ", ".join(f"{k} {v}" for k, v in sorted(flags.items())) or "clean"
+
+
+def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
+    lines = [
+        "# Regression traces",
+        "",
+        "Each trace here is a pytest test per policy (the `replay.pytest_plugin`",
+        "plugin): `pytest traces/`. Rebuild with `make traces`; the hand-made",
+        "expectations are written by hand in `build.py`, the synthetic ones pin the",
+        "replay at build time (review the diff of this table when they change).",
+        "",
+        "## The `expect` schema",
+        "",
+        "Arrow metadata key `replay.expect`, a JSON object:",
+        "",
+        "```json",
+        '{"expect": [',
+        '  {"policy": "vllm-0.33", "flags": {}},',
+        '  {"policy": "pre-49502", "flags": {"mamba_overrun": 1}, "hits": {"req-43559": 64}}',
+        '], "pins": "what the trace is for"}',
+        "```",
+        "",
+        "- `policy`: a policy name (`replay run --help` lists them).",
+        "- `flags`: the exact number of flagged lookups per flag kind; `{}` means clean.",
+        "- `hits` (optional): the replayed hit, in tokens, of named requests (their last lookup).",
+        "- Other keys (`pins`, `synth`, `minimized_from`) are notes for people.",
+        "",
+        "`replay minimize TRACE --request ID -o traces/NAME.parquet` writes a trace",
+        "with its `expect` entry, ready to commit here.",
+        "",
+        "## What each trace pins",
+        "",
+        "| trace | vllm-0.33 | pre-49502 | what it pins |",
+        "|---|---|---|---|",
+    ]
+    for name, what, expect in built:
+        by = {e["policy"]: e for e in expect}
+        lines.append(
+            f"| `{name}` | {_flags_text(by['vllm-0.33'])} | {_flags_text(by['pre-49502'])} | {what} |"
+        )
+    lines += [
+        "",
+        "`hit_beyond_max_length` has no trace: neither policy can produce it (the",
+        "fixed point starts at `max_length` and only shrinks). It guards against a",
+        "wrong coordinator; `tests/test_flags.py` feeds it one.",
+        "",
+    ]
+    (HERE / "README.md").write_text("\n".join(lines))
+
+
 def main() -> None:
-    built = build_hand_made()
+    built = build_hand_made() + build_synth()
     for name, what, _ in built:
         print(f"wrote traces/{name}: {what}")
+    write_readme(built)
+    print("wrote traces/README.md")
 
 
 if __name__ == "__main__":
