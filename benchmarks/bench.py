@@ -1,8 +1,9 @@
 """`make bench`: replay throughput against the loop a user would write.
 
-Builds a production-shaped trace once (multi-turn chat, ~12k-token prompts
-as 16-token blocks, full attention + Mamba with EAGLE; the shape of
-shared/design/performance-notes.md), then times in the same run:
+Builds a production-shaped trace once with `replay synth` (multi-turn chat,
+~12k-token prompts as 16-token blocks, 32-byte hashes, full attention + Mamba
+with EAGLE; the shape of shared/design/performance-notes.md), then times in
+the same run:
 
 - the bare read of the trace with pyarrow (the floor),
 - `replay run` (engine + flags, as users run it, and the engine alone),
@@ -24,77 +25,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import TRACE_COLUMNS, trace_schema
-
 DATA = Path("bench-data")
-BLOCK = 16
 
 
-def bench_config() -> TraceConfig:
-    return TraceConfig(
-        groups=(
-            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=BLOCK, name="attn"),
-            GroupSpec(
-                kind=GroupKind.MAMBA, block_size=BLOCK, mamba_cache_mode="align", name="mamba"
-            ),
-        ),
-        hash_block_size=BLOCK,
-        scheduler_block_size=BLOCK,
-        use_eagle=True,
-        source={"tool": "benchmarks/bench.py"},
+def build_trace(path: Path, requests: int, tokens: int, seed: int = 7) -> dict[str, Any]:
+    """The synthetic generator, tuned to the notes' shape: multi-turn chat
+    whose prompts average about ``tokens`` tokens, 32-byte hashes, full
+    attention + Mamba with EAGLE, an unbounded store."""
+    from replay.sources.synth import SessionModel, synth_trace
+
+    scale = tokens / 12_000
+    model = SessionModel(
+        system_tokens_median=5000 * scale,
+        system_tokens_sigma=0.5,
+        user_tokens_median=3000 * scale,
+        user_tokens_sigma=0.6,
+        answer_tokens_median=600 * scale,
+        mean_turns=3.0,
     )
-
-
-def build_trace(path: Path, requests: int, tokens: int, seed: int = 7) -> dict[str, int]:
-    """Multi-turn sessions: each turn's prompt extends the previous one, so
-    later turns hit; the store keeps every attention block and the Mamba
-    state at the prompt's last block and the one below it (EAGLE)."""
-    rng = np.random.default_rng(seed)
-    turns = 4
-    sessions = requests // turns
-    schema = trace_schema(bench_config())
-    writer = pq.ParquetWriter(str(path), schema, compression="zstd")
-    seq = 0
-    entries = 0
-    t0 = 1_790_000_000_000_000
-    for s0 in range(0, sessions, 200):
-        cols: dict[str, list[Any]] = {c: [] for c in TRACE_COLUMNS}
-        for s in range(s0, min(sessions, s0 + 200)):
-            total = int(rng.normal(tokens, tokens * 0.15)) // BLOCK + 1
-            hashes = rng.bytes(32 * total)
-            blocks = [hashes[i * 32 : (i + 1) * 32] for i in range(total)]
-            lengths = np.linspace(total * 0.6, total, turns).astype(int)
-            for t, n in enumerate(lengths):
-                n = int(n)
-                num_tokens = n * BLOCK + int(rng.integers(1, BLOCK))
-                rid = f"s{s}-t{t}"
-                prompt = blocks[:n]
-                rows = [
-                    ("lookup", None, prompt, rid, num_tokens - 1, num_tokens),
-                    ("store", 0, prompt, rid, None, None),
-                    ("store", 1, prompt[max(0, n - 2) : n] if n else [], rid, None, None),
-                ]
-                for kind, gid, hs, r, ml, nt in rows:
-                    cols["seq"].append(seq)
-                    cols["ts"].append(t0 + seq * 1000)
-                    cols["kind"].append(kind)
-                    cols["group_id"].append(gid)
-                    cols["block_hashes"].append(hs)
-                    cols["request_id"].append(r)
-                    cols["max_length"].append(ml)
-                    cols["num_tokens"].append(nt)
-                    cols["observed_hit_tokens"].append(None)
-                    cols["medium"].append(None)
-                    entries += len(hs)
-                    seq += 1
-        writer.write_table(pa.table(cols, schema=schema))
-    writer.close()
-    return {"events": seq, "hash_entries": entries}
+    return synth_trace(
+        path,
+        model="full+mamba",
+        requests=requests,
+        seed=seed,
+        eagle=True,
+        session_model=model,
+        hash_bytes=32,
+    )
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -135,7 +94,7 @@ print(json.dumps({{"seconds": secs, "hits": hits, "rss": resource.getrusage(reso
 """
     python = sys.executable
     if backend == "vllm":
-        python = str(Path(".venv-vllm/bin/python").resolve())
+        python = str(Path(".venv-vllm/bin/python").absolute())
     out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     return data["seconds"], data["hits"], data["rss"] * 1024
@@ -192,7 +151,9 @@ def main() -> None:
         .sum()
         .as_py()
     )
-    lookups = requests
+    lookups = int(
+        pq.read_table(str(path), columns=["kind"]).column("kind").to_pylist().count("lookup")
+    )
     print(
         f"trace: {path} ({size / 1e6:.0f} MB, {meta.num_rows} events, {entries} hash entries, {lookups} lookups)"
     )
