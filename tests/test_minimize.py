@@ -74,3 +74,47 @@ def test_minimize_refuses_a_clean_request(tmp_path: Path) -> None:
         == f"error: {big}: request 'n3' raises no mamba_overrun flag under pre-49502: nothing to minimize\n"
     )
     assert not out.exists()
+
+
+def test_synthetic_injected_overrun_becomes_a_regression_trace(tmp_path: Path) -> None:
+    from replay.pytest_plugin import read_expectations
+    from replay.sources.synth import synth_trace
+
+    big = tmp_path / "synth.parquet"
+    summary = synth_trace(
+        big,
+        model="full+mamba",
+        requests=600,
+        seed=11,
+        eagle=True,
+        capacity_blocks=8000,
+        inject_overrun=1,
+    )
+    assert summary["events"] > 2000
+    small = tmp_path / "overrun.parquet"
+    result = run_cli(
+        [
+            "minimize",
+            str(big),
+            "--request",
+            "overrun-0000-resend",
+            "--flag",
+            "mamba_overrun",
+            "-o",
+            str(small),
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    assert open_trace(small).num_rows <= 6
+    by_policy = {e["policy"]: e for e in read_expectations(small) or []}
+    assert by_policy["vllm-0.33"]["flags"] == {}
+    assert by_policy["pre-49502"]["flags"]["mamba_overrun"] == 1
+    # Still #43559: the resumed Mamba state lies one block past the verified prefix.
+    import json
+
+    check = run_cli(["check", str(small), "--policy", "pre-49502", "--json"])
+    assert check.exit_code == 1
+    overrun = [f for f in json.loads(check.stdout)["flags"] if f["flag"] == "mamba_overrun"]
+    assert [(f["request_id"], f["actual"] - f["expected"]) for f in overrun] == [
+        ("overrun-0000-resend", 16)
+    ]
