@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,21 +12,12 @@ from click.testing import CliRunner, Result
 from replay.cli import cli
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
+from traces.build import chain
 
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW
 CHUNKED = GroupKind.CHUNKED_LOCAL_ATTENTION
 MAMBA = GroupKind.MAMBA
-
-
-def chain(n: int, tag: str = "r") -> list[bytes]:
-    """n chained 32-byte hashes (each names its whole prefix, as vLLM's do)."""
-    out: list[bytes] = []
-    parent = tag.encode()
-    for i in range(n):
-        parent = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        out.append(parent)
-    return out
 
 
 def full_mamba(block: int = 16, eagle: bool = True) -> TraceConfig:

@@ -53,6 +53,12 @@ def naive_replay(rows: list[dict], config, policy: str) -> list[tuple]:
     return out
 
 
+def _replayed(path: Path, policy: str, exact: bool) -> list[tuple]:
+    res = replay_trace(path, policy=policy, exact=exact).results
+    columns = ("seq", "hit_tokens", "mask_blocks", "loaded_blocks", "unit_present")
+    return list(zip(*(res[c].to_list() for c in columns), strict=True))
+
+
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502"])
 def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, policy: str) -> None:
@@ -62,18 +68,7 @@ def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, p
     path = write_trace(tmp_path / "r.parquet", config, rows)
     want = naive_replay(rows, config, policy)
     for exact in (False, True):
-        res = replay_trace(path, policy=policy, exact=exact).results
-        got = list(
-            zip(
-                res["seq"].to_list(),
-                res["hit_tokens"].to_list(),
-                res["mask_blocks"].to_list(),
-                res["loaded_blocks"].to_list(),
-                res["unit_present"].to_list(),
-                strict=True,
-            )
-        )
-        assert got == want
+        assert _replayed(path, policy, exact) == want
 
 
 def test_results_file_round_trip_and_metadata(tmp_path: Path) -> None:
@@ -139,15 +134,4 @@ def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, 
             writer.write_rows([row])
     want = naive_replay(rows, config, "vllm-0.33")
     for exact in (False, True):
-        res = replay_trace(path, exact=exact).results
-        got = list(
-            zip(
-                res["seq"].to_list(),
-                res["hit_tokens"].to_list(),
-                res["mask_blocks"].to_list(),
-                res["loaded_blocks"].to_list(),
-                res["unit_present"].to_list(),
-                strict=True,
-            )
-        )
-        assert got == want
+        assert _replayed(path, "vllm-0.33", exact) == want

@@ -18,7 +18,8 @@ HERE = Path(__file__).parent
 FULL, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 
 
-def chain(n: int, tag: str) -> list[bytes]:
+def chain(n: int, tag: str = "r") -> list[bytes]:
+    """n chained 32-byte hashes: each names its whole prefix, as vLLM's do."""
     out, parent = [], tag.encode()
     for i in range(n):
         parent = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
