@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from replay.errors import ConfigError, TraceError
+from replay.errors import ConfigError, ReplayError, TraceError
 from replay.spec import TraceConfig
 
 TRACE_META_KEY = b"replay.trace"
@@ -86,8 +86,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` on success,
     delete it on any error."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    if target.is_dir():
+        raise ReplayError(f"{target}: is a directory, expected a file path to write")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -96,7 +101,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp_path, 0o666 & ~umask)
-        os.replace(tmp_path, target)
+        try:
+            os.replace(tmp_path, target)
+        except OSError as exc:
+            raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise

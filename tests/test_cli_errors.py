@@ -233,3 +233,30 @@ def test_state_group_out_of_range(trace_43559: Path) -> None:
     result = run_cli(["state", str(trace_43559), "--group", "5"])
     assert result.exit_code == 2
     assert result.stderr == "error: --group 5: the trace has groups 0..1\n"
+
+
+@pytest.mark.parametrize("command", ["run", "state", "synth"])
+def test_output_path_is_a_directory(tmp_path: Path, trace_43559: Path, command: str) -> None:
+    target = tmp_path / "out"
+    target.mkdir()
+    args = {
+        "run": ["run", str(trace_43559), "-o", str(target), "-q"],
+        "state": ["state", str(trace_43559), "-o", str(target)],
+        "synth": ["synth", "-o", str(target), "--model", "full", "--requests", "5"],
+    }[command]
+    result = run_cli(args)
+    assert result.exit_code == 2
+    if command == "synth":  # click's own file-path check, a usage error
+        assert f"'{target}' is a directory" in result.stderr
+    else:
+        assert result.stderr == f"error: {target}: is a directory, expected a file path to write\n"
+    assert list(target.iterdir()) == []
+
+
+def test_output_in_an_unwritable_place(trace_43559: Path) -> None:
+    result = run_cli(["run", str(trace_43559), "-o", "/proc/nope/r.parquet", "-q"])
+    assert result.exit_code == 2
+    assert (
+        result.stderr
+        == "error: /proc/nope/r.parquet: cannot write here (No such file or directory)\n"
+    )
