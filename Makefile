@@ -36,6 +36,9 @@ demo: $(STAMP)
 	@echo
 	@echo "== replay explain: the first overrun, before #49502 ..."
 	$(BIN)/replay explain $(DEMO_TRACE) --request $(FLAGGED) --policy pre-49502
+	@echo "== replay state: the store as that lookup saw it"
+	$(BIN)/replay state $(DEMO_TRACE) --at $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['seq'][0])") --show 2
+	@echo
 	@echo "== ... and with vLLM 0.33 (Mamba gets no peek margin)"
 	$(BIN)/replay explain $(DEMO_TRACE) --request $(FLAGGED)
 	@echo "== replay diff: what #49502 changed on this trace"

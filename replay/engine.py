@@ -230,6 +230,8 @@ def replay_trace(
                 )
                 out["ts"].append(ts[i])
                 out["flags"].append([])
+                out["policy"].append(policy)
+                out["coordinator"].append(coord.name)
         if bits:
             bit_chunks.append(np.frombuffer(bytes(bits), dtype=np.bool_))
             bits.clear()

@@ -67,6 +67,8 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("observed_match", pa.bool_()),
         pa.field("ts", pa.timestamp("us", tz="UTC")),
         pa.field("flags", pa.list_(pa.string())),
+        pa.field("policy", pa.dictionary(pa.int8(), pa.string())),
+        pa.field("coordinator", pa.dictionary(pa.int8(), pa.string())),
     ]
 )
 #: Per lookup, per group_id, per hash unit: whether the group held a key for
