@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from analysis.flags import FLAG_KINDS
 from replay import __version__
+from replay.cli_common import fail, user_errors
 from replay.coordinator import DEFAULT_POLICY, POLICIES
 from replay.engine import (
     COORDINATORS,
@@ -24,30 +25,14 @@ from replay.engine import (
     save_results,
     state_at,
 )
-from replay.errors import ReplayError
 from replay.render import config_lines, explain_table, group_label
 from replay.summary import run_summary, trace_info
 
 
-class UserError(click.ClickException):
-    """A one-line error about the user's input: exit status 2."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-def fail(message: str) -> NoReturn:
-    raise UserError(message)
-
-
 class ReplayGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
-        try:
+        with user_errors():
             return super().invoke(ctx)
-        except ReplayError as exc:
-            raise UserError(str(exc)) from None
 
 
 TRACE = click.argument("trace", type=click.Path(path_type=Path))
@@ -150,7 +135,7 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
     """Present (group_id, hash) keys at a point of the log."""
     config, store = state_at(trace, at)
     if group is not None and not 0 <= group < config.num_groups:
-        fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")
+        raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")
     groups = [group] if group is not None else list(range(config.num_groups))
     where = f"before seq {at}" if at is not None else "at the end of the trace"
     click.echo(f"state {where}: {trace}")

@@ -8,39 +8,14 @@ their own (tests) as under the ``replay`` group.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
+from replay.cli_common import handles_user_errors
 from replay.coordinator import POLICIES
 from replay.engine import COORDINATORS
-from replay.errors import ReplayError
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class AnalysisUserError(click.ClickException):
-    """A one-line error about the user's input: exit status 2."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-def _user_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except ReplayError as exc:
-            raise AnalysisUserError(str(exc)) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 @click.command("diff")
@@ -74,7 +49,7 @@ def _user_errors(fn: F) -> F:
     is_flag=True,
     help="With a trace: key the store by the exact hash bytes (slower).",
 )
-@_user_errors
+@handles_user_errors
 def diff(
     inputs: tuple[Path, ...],
     policies: tuple[str, ...],
@@ -141,7 +116,7 @@ def diff(
     show_default=True,
     help="Flagged lookups shown (and explained) per flag kind.",
 )
-@_user_errors
+@handles_user_errors
 def report(results: Path, output: Path | None, trace: Path | None, fmt: str, examples: int) -> None:
     """Write a report of a RESULTS file: hit ratio over time, hit lengths,
     tokens loaded per group, flags with examples and their explain tables,

@@ -8,44 +8,18 @@ The ``ingest`` group is shared: other importers add their subcommands to it
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 
-from replay.errors import ReplayError
+from replay.cli_common import fail, user_errors
 from replay.spec import TraceConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Fail(click.ClickException):
-    """A one-line user error: ``error: <message>`` on stderr, exit status 2."""
-
-    exit_code = 2
-
-    def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-def fail(message: str) -> Fail:
-    return Fail(" ".join(message.split()))
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    try:
-        yield
-    except ReplayError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        # A file or socket the system refused (permissions, a full disk).
-        where = f"{exc.filename}: " if exc.filename else ""
-        raise fail(f"{where}{exc.strerror or exc}") from None
 
 
 def config_options(func: F) -> F:

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from replay.cli_common import handles_user_errors
 from replay.sources.mooncake import ingest_bailian, ingest_mooncake
 from replay.sources.synth import ARCHETYPES, synth_trace
 
@@ -118,6 +119,7 @@ _MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in A
     type=click.IntRange(min=1),
     help="Emit a clear event before every N-th request.",
 )
+@handles_user_errors
 def synth(
     output: Path,
     model: str,
@@ -188,6 +190,7 @@ def _ingest_options(fn: Callable[..., None]) -> Callable[..., None]:
 
 @click.command("mooncake")
 @_ingest_options
+@handles_user_errors
 def mooncake(
     trace: Path,
     output: Path,
@@ -210,6 +213,7 @@ def mooncake(
 
 @click.command("bailian")
 @_ingest_options
+@handles_user_errors
 def bailian(
     trace: Path,
     output: Path,

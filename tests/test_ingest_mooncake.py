@@ -291,5 +291,5 @@ def test_bailian_command(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text("nope\n")
     result = CliRunner().invoke(bailian, [str(bad), "-o", str(out)])
-    assert isinstance(result.exception, ReplayError)
-    assert str(result.exception) == f"{bad}: line 1: not valid JSON (Expecting value at column 1)"
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {bad}: line 1: not valid JSON (Expecting value at column 1)\n"
