@@ -51,7 +51,6 @@ FLAG_KINDS = (
     "eagle_not_dropped",
     "observed_mismatch",
 )
-SEED = 0x5EED_CAFE
 
 FLAGS_SCHEMA: dict[str, Any] = {
     "seq": pl.Int64,

@@ -27,11 +27,10 @@ import polars as pl
 from analysis.flags import FLAG_KINDS, compute_flags
 from replay import __version__
 from replay.coordinator import POLICIES
-from replay.engine import explain_lookup, iter_events
+from replay.engine import explain_lookups
 from replay.errors import ReplayError
-from replay.render import config_lines, explain_table, group_label
+from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.spec import GroupKind, TraceConfig
-from replay.store import LookupEvent
 from replay.summary import prompt_tokens_expr
 from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
 
@@ -429,21 +428,12 @@ def _explain_examples(data: ReportData, trace: Path) -> None:
     wanted = {e.seq for exs in data.examples.values() for e in exs}
     if not wanted:
         return
-    lookups: dict[int, LookupEvent[bytes]] = {}
-    last = max(wanted)
-    for event, _ in iter_events(trace, exact=True):
-        if event.seq > last:
-            break
-        if isinstance(event, LookupEvent) and event.seq in wanted:
-            lookups[event.seq] = event  # type: ignore[assignment]
+    config, found = explain_lookups(trace, lambda e: e.seq in wanted, policy, until_seq=max(wanted))
     texts: dict[int, str] = {}
-    for seq, lookup in sorted(lookups.items()):
-        config, outcome = explain_lookup(trace, lookup, policy)
-        head = (
-            f"request {lookup.request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
-            f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
+    for lookup, outcome in found:
+        texts[lookup.seq] = (
+            explain_header(config, lookup, policy) + "\n\n" + explain_table(config, outcome)
         )
-        texts[seq] = head + "\n\n" + explain_table(config, outcome)
     for k, exs in data.examples.items():
         data.examples[k] = [
             Example(**{**_example_fields(e), "explain": texts.get(e.seq)}) for e in exs

@@ -19,13 +19,12 @@ from replay.engine import (
     COORDINATORS,
     Progress,
     default_results_path,
-    explain_lookup,
-    find_lookups,
+    explain_lookups,
     replay_trace,
     save_results,
     state_at,
 )
-from replay.render import config_lines, explain_table, group_label
+from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.summary import run_summary, trace_info
 
 
@@ -282,12 +281,13 @@ def _print_summary(s: dict[str, Any]) -> None:
 @COORDINATOR
 def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None:
     """Show how the coordinator decided one request's hit, step by step."""
-    for lookup in find_lookups(trace, request_id):
-        config, outcome = explain_lookup(trace, lookup, policy, coordinator)
-        click.echo(
-            f"request {request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
-            f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
-        )
+    config, found = explain_lookups(
+        trace, lambda e: e.request_id == request_id, policy, coordinator
+    )
+    if not found:
+        raise fail(f"{trace}: no lookup with request_id {request_id!r}")
+    for lookup, outcome in found:
+        click.echo(explain_header(config, lookup, policy))
         for line in config_lines(config):
             click.echo(line)
         click.echo("")

@@ -27,7 +27,7 @@ import pyarrow as pa
 from replay.coordinator import DEFAULT_POLICY, Coordinator, LookupOutcome, get_policy
 from replay.errors import ReplayError
 from replay.spec import TraceConfig
-from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent
+from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
 from replay.trace import RESULTS_SCHEMA, open_trace, write_results
 
 FINGERPRINT_SEED = 0x5EED_CAFE
@@ -77,7 +77,7 @@ Event = StoreEvent[Hashable] | RemoveEvent[Hashable] | ClearEvent | LookupEvent[
 
 
 def iter_events(
-    path: str | os.PathLike[str], *, exact: bool = True, columns_extra: bool = False
+    path: str | os.PathLike[str], *, exact: bool = True
 ) -> Iterator[tuple[Event, dict[str, Any]]]:
     """Typed events of a trace in seq order (with the raw row for extra fields)."""
     reader = open_trace(path)
@@ -156,8 +156,8 @@ def replay_trace(
     coord = make_coordinator(config, policy, coordinator)
     exact = exact or coordinator == "vllm"
     store: Store[Hashable] = Store(config.num_groups)
-    present = store.present
-    contains = [s.__contains__ for s in present]
+
+    contains = [s.__contains__ for s in store.present]
 
     # The reference coordinator reads the probe bytes directly; vLLM's asks
     # (group, hash) membership of the store.
@@ -189,14 +189,11 @@ def replay_trace(
         for i, kind in enumerate(cols["kind"]):
             counts[kind] += 1
             if kind == "store":
-                present[cols["group_id"][i]].update(keys[offsets[i] : offsets[i + 1]])
+                store.store(cols["group_id"][i], keys[offsets[i] : offsets[i + 1]])
             elif kind == "remove":
-                present[cols["group_id"][i]].difference_update(keys[offsets[i] : offsets[i + 1]])
+                store.remove(cols["group_id"][i], keys[offsets[i] : offsets[i + 1]])
             elif kind == "clear":
-                gid = cols["group_id"][i]
-                for g, keyset in enumerate(present):
-                    if gid is None or g == gid:
-                        keyset.clear()
+                store.clear(cols["group_id"][i])
             else:
                 hashes = keys[offsets[i] : offsets[i + 1]]
                 max_length = cols["max_length"][i]
@@ -290,37 +287,34 @@ def state_at(
 ) -> tuple[TraceConfig, Store[bytes]]:
     """The store as a lookup at ``before_seq`` sees it: every cache event with a
     smaller seq folded in, keyed by the exact hash bytes."""
-    reader = open_trace(path)
-    store: Store[bytes] = Store(reader.config.num_groups)
+    config = open_trace(path).config
+    events = (event for event, _ in iter_events(path, exact=True))
+    return config, fold(config.num_groups, events, before=before_seq)  # type: ignore[arg-type]
+
+
+def explain_lookups(
+    path: str | os.PathLike[str],
+    select: Callable[[LookupEvent[bytes]], bool],
+    policy: str,
+    coordinator: str = "reference",
+    *,
+    until_seq: int | None = None,
+) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome]]]:
+    """Every selected lookup with the coordinator's steps, in one pass: the
+    store is folded once and each lookup explained where it stands."""
+    config = open_trace(path).config
+    coord = make_coordinator(config, policy, coordinator)
+    store: Store[bytes] = Store(config.num_groups)
+    contains = [s.__contains__ for s in store.present]
+    found: list[tuple[LookupEvent[bytes], LookupOutcome]] = []
     for event, _ in iter_events(path, exact=True):
-        if before_seq is not None and event.seq >= before_seq:
+        if until_seq is not None and event.seq > until_seq:
             break
         if isinstance(event, LookupEvent):
             store.observe(event.seq)
+            if select(event):  # type: ignore[arg-type]
+                outcome = coord.lookup(event.hashes, event.max_length, contains, explain=True)
+                found.append((event, outcome))  # type: ignore[arg-type]
         else:
             store.apply(event)  # type: ignore[arg-type]
-    return reader.config, store
-
-
-def find_lookups(path: str | os.PathLike[str], request_id: str) -> list[LookupEvent[bytes]]:
-    found = []
-    for event, _ in iter_events(path, exact=True):
-        if isinstance(event, LookupEvent) and event.request_id == request_id:
-            found.append(event)
-    if not found:
-        raise ReplayError(f"{path}: no lookup with request_id {request_id!r}")
-    return found  # type: ignore[return-value]
-
-
-def explain_lookup(
-    path: str | os.PathLike[str],
-    lookup: LookupEvent[bytes],
-    policy: str,
-    coordinator: str = "reference",
-) -> tuple[TraceConfig, LookupOutcome]:
-    config, store = state_at(path, lookup.seq)
-    coord = make_coordinator(config, policy, coordinator)
-    outcome = coord.lookup(
-        lookup.hashes, lookup.max_length, [s.__contains__ for s in store.present], explain=True
-    )
-    return config, outcome
+    return config, found

@@ -18,7 +18,3 @@ class ConfigError(ReplayError):
 
 class TraceError(ReplayError):
     """A trace or results file that does not follow format v1."""
-
-
-class CollisionError(ReplayError):
-    """Two distinct block hashes share a fingerprint (replay would be wrong)."""

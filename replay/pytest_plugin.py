@@ -97,15 +97,20 @@ class TraceItem(pytest.Item):
             raise ExpectationMismatch("\n".join(problems + self._explain(explain_ids)))
 
     def _explain(self, request_ids: list[str]) -> list[str]:
-        from replay.engine import explain_lookup, find_lookups
+        from replay.engine import explain_lookups
         from replay.render import explain_table
 
+        wanted = set(request_ids)
+        config, found = explain_lookups(self.path, lambda e: e.request_id in wanted, self.policy)
+        last = {lookup.request_id: outcome for lookup, outcome in found}
         out = []
         for rid in dict.fromkeys(request_ids):
-            lookup = find_lookups(self.path, rid)[-1]
-            config, outcome = explain_lookup(self.path, lookup, self.policy)
-            out += ["", f"replay explain {self.path.name} --request {rid} --policy {self.policy}:"]
-            out.append(explain_table(config, outcome))
+            if rid in last:
+                out += [
+                    "",
+                    f"replay explain {self.path.name} --request {rid} --policy {self.policy}:",
+                ]
+                out.append(explain_table(config, last[rid]))
         return out
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:

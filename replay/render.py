@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from replay.coordinator import LookupOutcome
 from replay.spec import TraceConfig
+from replay.store import LookupEvent
 
 
 def _numeric(cell: str) -> bool:
@@ -48,6 +50,13 @@ def config_lines(config: TraceConfig) -> list[str]:
     ]
     lines += [f"  group {group_label(config, gid)}" for gid in range(config.num_groups)]
     return lines
+
+
+def explain_header(config: TraceConfig, lookup: LookupEvent[Any], policy: str) -> str:
+    return (
+        f"request {lookup.request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
+        f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
+    )
 
 
 def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:

@@ -47,9 +47,6 @@ class LookupEvent(Generic[H]):
     observed_hit_tokens: int | None = None
 
 
-CacheEvent = StoreEvent[H] | RemoveEvent[H] | ClearEvent
-
-
 class Store(Generic[H]):
     """Present keys per group, folded from the event log in ``seq`` order."""
 
@@ -71,14 +68,24 @@ class Store(Generic[H]):
         absent one, is not an error (the format says so)."""
         self._advance(event.seq)
         if isinstance(event, StoreEvent):
-            self.present[event.group_id].update(event.hashes)
+            self.store(event.group_id, event.hashes)
         elif isinstance(event, RemoveEvent):
-            self.present[event.group_id].difference_update(event.hashes)
-        elif event.group_id is None:
-            for keys in self.present:
-                keys.clear()
+            self.remove(event.group_id, event.hashes)
         else:
-            self.present[event.group_id].clear()
+            self.clear(event.group_id)
+
+    # The state changes themselves, for callers that have already checked the
+    # order (the engine's hot loop, which builds no event objects).
+    def store(self, group_id: int, hashes: Iterable[H]) -> None:
+        self.present[group_id].update(hashes)
+
+    def remove(self, group_id: int, hashes: Iterable[H]) -> None:
+        self.present[group_id].difference_update(hashes)
+
+    def clear(self, group_id: int | None) -> None:
+        for g, keys in enumerate(self.present):
+            if group_id is None or g == group_id:
+                keys.clear()
 
     def observe(self, seq: int) -> None:
         """Advance past an event that does not change the state (a lookup)."""

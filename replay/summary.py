@@ -7,9 +7,10 @@ import os
 from datetime import datetime
 from typing import Any
 
+import numpy as np
 import polars as pl
 
-from replay.engine import ReplayResult
+from replay.engine import FINGERPRINT_SEED, ReplayResult
 from replay.trace import open_trace
 
 
@@ -23,13 +24,16 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     reader = open_trace(path)
     config = reader.config
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
-    distinct: list[pl.Series] = [pl.Series([], dtype=pl.Binary) for _ in config.groups]
+    # Distinct stored keys, counted by 64-bit fingerprint (as the replay keys
+    # them): per group a list of arrays, sorted and counted once at the end.
+    stored: list[list[np.ndarray[Any, Any]]] = [[] for _ in config.groups]
     first_ts: datetime | None = None
     last_ts: datetime | None = None
     first_seq = last_seq = None
     lookups = prompt = max_len = 0
     hash_entries = 0
-    for frame in reader.iter_frames():
+    for batch in reader.iter_batches():
+        frame = batch.frame
         for kind, n in frame.group_by("kind").len().iter_rows():
             counts[kind] += n
         if frame.height:
@@ -40,16 +44,13 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         if isinstance(lo, datetime) and isinstance(hi, datetime):
             first_ts = lo if first_ts is None else min(first_ts, lo)
             last_ts = hi if last_ts is None else max(last_ts, hi)
-        hash_entries += int(frame["block_hashes"].list.len().fill_null(0).sum())
-        stores = (
-            frame.filter(pl.col("kind") == "store")
-            .select("group_id", "block_hashes")
-            .explode("block_hashes")
-        )
-        for gid, part in stores.partition_by("group_id", as_dict=True).items():
-            g = int(str(gid[0]))
-            hashes = part["block_hashes"].drop_nulls()
-            distinct[g] = pl.concat([distinct[g], hashes]).unique()
+        hash_entries += int(frame["n_hashes"].fill_null(0).sum())
+        lengths = frame["n_hashes"].fill_null(0).to_numpy()
+        row_group = np.repeat(frame["group_id"].fill_null(-1).to_numpy(), lengths)
+        row_store = np.repeat((frame["kind"] == "store").to_numpy(), lengths)
+        keys = pl.Series(values=batch.hashes.flatten()).hash(FINGERPRINT_SEED).to_numpy()
+        for g in range(config.num_groups):
+            stored[g].append(keys[row_store & (row_group == g)])
         lk = frame.filter(pl.col("kind") == "lookup")
         lookups += lk.height
         prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)
@@ -71,11 +72,16 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             "seconds": span,
         },
         "hash_entries": hash_entries,
-        "distinct_keys_per_group": [int(s.len()) for s in distinct],
+        "distinct_keys_per_group": [_distinct(parts) for parts in stored],
         "lookups": lookups,
         "lookup_prompt_tokens": prompt,
         "lookup_max_length_tokens": max_len,
     }
+
+
+def _distinct(parts: list[np.ndarray[Any, Any]]) -> int:
+    keys = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+    return int(keys.size and 1 + np.count_nonzero(keys[1:] != keys[:-1]))
 
 
 def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None) -> dict[str, Any]:

@@ -433,13 +433,14 @@ class TraceReader:
     ) -> Iterator[pl.DataFrame]:
         """Validated row batches as polars frames with every column of the
         format; ``columns`` narrows the output, never the validation."""
+        wanted = list(columns) if columns is not None else list(TRACE_COLUMNS)
         for batch in self.iter_batches(batch_size):
-            frame = (
-                batch.frame.drop("n_hashes")
-                .with_columns(pl.Series("block_hashes", batch.hashes).cast(pl.List(pl.Binary)))
-                .select(TRACE_COLUMNS)
-            )
-            yield frame if columns is None else frame.select(columns)
+            frame = batch.frame.drop("n_hashes")
+            if "block_hashes" in wanted:
+                # Converting every hash costs: only done when asked for.
+                hashes = pl.Series("block_hashes", batch.hashes).cast(pl.List(pl.Binary))
+                frame = frame.with_columns(hashes)
+            yield frame.select(wanted)
 
     #: Row groups up to this size (uncompressed) are read whole, which
     #: decodes columns in parallel; larger ones stream in record batches so
