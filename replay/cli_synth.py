@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from replay.cli_common import handles_user_errors
-from replay.sources.mooncake import ingest_bailian, ingest_mooncake
+from replay.sources.mooncake import ingest
 from replay.sources.synth import ARCHETYPES, synth_trace
 
 
@@ -188,47 +188,33 @@ def _ingest_options(fn: Callable[..., None]) -> Callable[..., None]:
     return fn
 
 
-@click.command("mooncake")
-@_ingest_options
-@handles_user_errors
-def mooncake(
-    trace: Path,
-    output: Path,
-    model: str,
-    block_size: int,
-    eagle: bool,
-    capacity_blocks: int | None,
-) -> None:
-    """Import a Mooncake FAST'25 JSONL trace (512-token hash_ids)."""
-    summary = ingest_mooncake(
-        trace,
-        output,
-        model=model,
-        block_size=block_size,
-        eagle=eagle,
-        capacity_blocks=capacity_blocks,
-    )
-    click.echo(ingest_summary_text(summary))
+def _ingest_command(format_name: str, doc: str) -> click.Command:
+    @click.command(format_name, help=doc)
+    @_ingest_options
+    @handles_user_errors
+    def command(
+        trace: Path,
+        output: Path,
+        model: str,
+        block_size: int,
+        eagle: bool,
+        capacity_blocks: int | None,
+    ) -> None:
+        summary = ingest(
+            format_name,
+            trace,
+            output,
+            model=model,
+            block_size=block_size,
+            eagle=eagle,
+            capacity_blocks=capacity_blocks,
+        )
+        click.echo(ingest_summary_text(summary))
+
+    return command
 
 
-@click.command("bailian")
-@_ingest_options
-@handles_user_errors
-def bailian(
-    trace: Path,
-    output: Path,
-    model: str,
-    block_size: int,
-    eagle: bool,
-    capacity_blocks: int | None,
-) -> None:
-    """Import a Qwen bailian JSONL trace (16-token hash_ids)."""
-    summary = ingest_bailian(
-        trace,
-        output,
-        model=model,
-        block_size=block_size,
-        eagle=eagle,
-        capacity_blocks=capacity_blocks,
-    )
-    click.echo(ingest_summary_text(summary))
+mooncake = _ingest_command(
+    "mooncake", "Import a Mooncake FAST'25 JSONL trace (512-token hash_ids)."
+)
+bailian = _ingest_command("bailian", "Import a Qwen bailian JSONL trace (16-token hash_ids).")

@@ -52,6 +52,7 @@ hits the longest present prefix, at most ``max_length // B`` blocks.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -352,17 +353,20 @@ class _KeyMap:
         return digest_pairs(orig, subs, self._salts)
 
 
-def _ingest(
-    fmt: _Format,
+def ingest(
+    format_name: str,
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    model: str,
-    block_size: int,
-    eagle: bool,
-    capacity_blocks: int | None,
-    progress: Callable[[int], None] | None,
+    model: str = "full",
+    block_size: int = 16,
+    eagle: bool = False,
+    capacity_blocks: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
+    """Import a JSONL trace in ``format_name`` (``mooncake`` or ``bailian``);
+    return a summary with the trace's own prefix-reuse ratio."""
+    fmt = _FORMATS[format_name]
     path = Path(src)
     fine, coarse = _granularity(fmt, block_size)
     config = archetype_config(model, block_size, None, eagle)
@@ -422,47 +426,7 @@ def _ingest(
     }
 
 
-def ingest_mooncake(
-    src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    model: str = "full",
-    block_size: int = 16,
-    eagle: bool = False,
-    capacity_blocks: int | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Import a Mooncake FAST'25 JSONL trace; return a summary with the reuse ratio."""
-    return _ingest(
-        MOONCAKE,
-        src,
-        out,
-        model=model,
-        block_size=block_size,
-        eagle=eagle,
-        capacity_blocks=capacity_blocks,
-        progress=progress,
-    )
-
-
-def ingest_bailian(
-    src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    model: str = "full",
-    block_size: int = 16,
-    eagle: bool = False,
-    capacity_blocks: int | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Import a Qwen bailian JSONL trace; return a summary with the reuse ratio."""
-    return _ingest(
-        BAILIAN,
-        src,
-        out,
-        model=model,
-        block_size=block_size,
-        eagle=eagle,
-        capacity_blocks=capacity_blocks,
-        progress=progress,
-    )
+#: Mooncake FAST'25 JSONL (``timestamp`` in ms, one ``hash_ids`` entry per 512 tokens).
+ingest_mooncake = functools.partial(ingest, "mooncake")
+#: Qwen bailian JSONL (``timestamp`` in s, one ``hash_ids`` entry per 16 tokens).
+ingest_bailian = functools.partial(ingest, "bailian")
