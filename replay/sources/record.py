@@ -323,6 +323,29 @@ class StreamProcessor:
             self.rows += len(rows)
             self.sink(rows)
 
+    def summary(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        rows: int,
+        filled: int,
+        stop_reason: str,
+        dump: str | os.PathLike[str] | None = None,
+    ) -> RecordSummary:
+        return RecordSummary(
+            path=Path(path),
+            batches=self.batches,
+            rows=rows,
+            kv_events=self.converter.kv_events,
+            gaps=self.gaps,
+            restarts=self.restarts,
+            skipped=self.skipped_total,
+            duplicates=self.duplicates,
+            filled=filled,
+            stop_reason=stop_reason,
+            dump=None if dump is None else Path(dump),
+        )
+
     def source(self) -> dict[str, Any]:
         media = self.converter.media
         return {
@@ -760,18 +783,8 @@ def record(
                 **proc.source(),
             }
             writer.set_source(source)
-        return RecordSummary(
-            path=Path(output),
-            batches=proc.batches,
-            rows=proc.rows,
-            kv_events=proc.converter.kv_events,
-            gaps=proc.gaps,
-            restarts=proc.restarts,
-            skipped=proc.skipped_total,
-            duplicates=proc.duplicates,
-            filled=proc.filled,
-            stop_reason=reason,
-            dump=None if dump is None else Path(dump),
+        return proc.summary(
+            output, rows=proc.rows, filled=proc.filled, stop_reason=reason, dump=dump
         )
     finally:
         if replay is not None:
@@ -825,15 +838,4 @@ def ingest_dumps(
                 "merged_by": "ts (a lookup goes before events with the same ts)",
             }
         writer.set_source(source)
-    return RecordSummary(
-        path=Path(output),
-        batches=proc.batches,
-        rows=writer.rows_written,
-        kv_events=proc.converter.kv_events,
-        gaps=proc.gaps,
-        restarts=proc.restarts,
-        skipped=proc.skipped_total,
-        duplicates=proc.duplicates,
-        filled=0,
-        stop_reason="end of input",
-    )
+    return proc.summary(output, rows=writer.rows_written, filled=0, stop_reason="end of input")
