@@ -31,7 +31,7 @@ from replay.engine import explain_lookups
 from replay.errors import ReplayError
 from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.spec import GroupKind, TraceConfig
-from replay.summary import prompt_tokens_expr
+from replay.summary import hit_figures, prompt_tokens_expr
 from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
 
 FORMATS = ("html", "md")
@@ -109,40 +109,16 @@ class ReportData:
 
 
 def _summary(res: pl.DataFrame) -> dict[str, Any]:
-    if res.height == 0:
-        return {
-            "lookups": 0,
-            "lookups_with_hit": 0,
-            "prompt_tokens": 0,
-            "hit_tokens": 0,
-            "hit_ratio": 0.0,
-            "flagged_lookups": 0,
-            "observed": 0,
-            "observed_mismatches": 0,
-            "mean_hit": 0.0,
-            "median_hit": 0.0,
-        }
-    prompt = int(res.select(prompt_tokens_expr()).sum().item() or 0)
-    hit = int(res["hit_tokens"].sum() or 0)
+    figures = hit_figures(res)
+    observed = figures.pop("observed")
     flagged = int((res["flags"].list.len() > 0).sum()) if "flags" in res.columns else 0
-    observed = res["observed_hit_tokens"] if "observed_hit_tokens" in res.columns else None
-    n_obs = 0 if observed is None else int(observed.is_not_null().sum())
-    mism = (
-        0
-        if observed is None
-        else int(((observed != res["hit_tokens"]) & observed.is_not_null()).sum())
-    )
     return {
-        "lookups": res.height,
-        "lookups_with_hit": int((res["hit_tokens"] > 0).sum()),
-        "prompt_tokens": prompt,
-        "hit_tokens": hit,
-        "hit_ratio": hit / prompt if prompt else 0.0,
+        **figures,
         "flagged_lookups": flagged,
-        "observed": n_obs,
-        "observed_mismatches": mism,
-        "mean_hit": float(res["hit_tokens"].mean() or 0.0),  # type: ignore[arg-type]
-        "median_hit": float(res["hit_tokens"].median() or 0.0),  # type: ignore[arg-type]
+        "observed": observed["lookups"],
+        "observed_mismatches": observed["mismatches"],
+        "mean_hit": float(res["hit_tokens"].mean() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
+        "median_hit": float(res["hit_tokens"].median() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
     }
 
 

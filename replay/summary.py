@@ -84,11 +84,28 @@ def _distinct(parts: list[np.ndarray[Any, Any]]) -> int:
     return int(keys.size and 1 + np.count_nonzero(keys[1:] != keys[:-1]))
 
 
+def hit_figures(res: pl.DataFrame) -> dict[str, Any]:
+    """The figures of a results frame that `replay run` and the reports share."""
+    prompt = int(res.select(prompt_tokens_expr()).sum().item() or 0) if res.height else 0
+    hit = int(res["hit_tokens"].sum() or 0) if res.height else 0
+    observed = res["observed_hit_tokens"] if "observed_hit_tokens" in res.columns else None
+    n_obs = 0 if observed is None else int(observed.is_not_null().sum())
+    mismatches = (
+        0 if observed is None else int((observed != res["hit_tokens"]).fill_null(False).sum())
+    )
+    return {
+        "lookups": res.height,
+        "lookups_with_hit": int((res["hit_tokens"] > 0).sum()) if res.height else 0,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_ratio": round(hit / prompt, 6) if prompt else 0.0,
+        "observed": {"lookups": n_obs, "mismatches": mismatches},
+    }
+
+
 def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None) -> dict[str, Any]:
     res = result.results
     config = result.config
-    prompt = int(res.select(prompt_tokens_expr()).sum().item() or 0) if res.height else 0
-    hit = int(res["hit_tokens"].sum() or 0)
     groups = []
     for gid, g in enumerate(config.groups):
         loaded = int(res["loaded_blocks"].list.get(gid).sum() or 0) if res.height else 0
@@ -105,7 +122,6 @@ def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None)
                 "verified_tokens": verified,
             }
         )
-    observed = res.filter(pl.col("observed_match").is_not_null()) if res.height else res
     seconds = result.seconds
     return {
         "trace": result.trace_path,
@@ -113,16 +129,8 @@ def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None)
         "coordinator": result.coordinator,
         "events": result.events,
         "events_by_kind": result.events_by_kind,
-        "lookups": res.height,
-        "prompt_tokens": prompt,
-        "hit_tokens": hit,
-        "hit_ratio": round(hit / prompt, 6) if prompt else 0.0,
-        "lookups_with_hit": int((res["hit_tokens"] > 0).sum()) if res.height else 0,
+        **hit_figures(res),
         "groups": groups,
-        "observed": {
-            "lookups": observed.height,
-            "mismatches": int((~observed["observed_match"]).sum()) if observed.height else 0,
-        },
         "flags": flag_counts if flag_counts is not None else {},
         "seconds": round(seconds, 3),
         "events_per_second": round(result.events / seconds) if seconds > 0 else None,

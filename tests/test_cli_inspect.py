@@ -73,3 +73,40 @@ def test_state_at_a_seq_and_written_as_parquet(tmp_path: Path) -> None:
     # After the clear of group 1 and with --group.
     end = run_cli(["state", str(path), "--group", "1"])
     assert "group 1: mamba block=16 (mamba): 0 keys" in end.stdout
+
+
+def test_run_summary_text_and_json(tmp_path: Path) -> None:
+    trace = Path(__file__).parent.parent / "traces" / "observed-43559-in-production.parquet"
+    out = tmp_path / "r.parquet"
+    data = json.loads(run_cli(["run", str(trace), "-o", str(out), "--json"]).stdout)
+    assert {
+        k: data[k]
+        for k in ("lookups", "lookups_with_hit", "prompt_tokens", "hit_tokens", "hit_ratio")
+    } == {
+        "lookups": 1,
+        "lookups_with_hit": 1,
+        "prompt_tokens": 65,
+        "hit_tokens": 48,
+        "hit_ratio": round(48 / 65, 6),
+    }
+    assert data["events_by_kind"] == {"store": 2, "remove": 0, "clear": 0, "lookup": 1}
+    assert data["observed"] == {"lookups": 1, "mismatches": 1}
+    assert data["flags"] == {"observed_mismatch": 1}
+    assert data["groups"][1] == {
+        "group_id": 1,
+        "kind": "mamba",
+        "block_size": 16,
+        "loaded_blocks": 1,
+        "skipped_blocks": 2,
+        "loaded_tokens": 16,
+        "verified_tokens": 48,
+    }
+    assert data["results"] == str(out)
+    text = run_cli(["run", str(trace), "-o", str(out)]).stdout.splitlines()
+    assert "prompt tokens: 65, hit tokens: 48 (hit ratio 73.85%)" in text
+    assert "observed hits: 1 reported, 1 differ from the replay" in text
+    assert "flags: observed_mismatch 1" in text
+    assert (
+        "  observed_mismatch: request prod-1 seq 2: replayed hit 48 but production reported 64"
+        in text
+    )

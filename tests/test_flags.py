@@ -306,9 +306,20 @@ def test_flags_agree_with_plain_python_on_random_traces(
         assert "mamba_overrun" not in flags["flag"].to_list()
 
 
-def test_flag_column_in_results_matches_flag_rows(tmp_path: Path) -> None:
+def test_flag_column_lists_each_lookups_flags(tmp_path: Path) -> None:
     from analysis.flags import with_flag_column
 
-    results, config = _result_frame(tmp_path)
-    flags = compute_flags(results, config)
-    assert_frame_equal(with_flag_column(results, flags).drop("flags"), results.drop("flags"))
+    hs = chain(4, "two")
+    rows = [
+        *issue_43559_rows(),
+        {"kind": "lookup", "request_id": "miss", "block_hashes": hs, "max_length": 63},
+    ]
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    result = replay_trace(path, policy="pre-49502")
+    flags = compute_flags(result.results, result.config)
+    with_flags = with_flag_column(result.results, flags)
+    assert with_flags.select("request_id", "flags").rows() == [
+        ("req-43559", ["mamba_overrun", "eagle_not_dropped"]),
+        ("miss", []),
+    ]
+    assert_frame_equal(with_flags.drop("flags"), result.results.drop("flags"))
