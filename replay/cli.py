@@ -129,7 +129,13 @@ def info(trace: Path, as_json: bool) -> None:
     default=None,
     help="Write the keys as Parquet (group_id int32, hash binary).",
 )
-@click.option("--show", type=int, default=5, show_default=True, help="Keys to print per group.")
+@click.option(
+    "--show",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="Keys to print per group.",
+)
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
     config, store = state_at(trace, at)
@@ -203,7 +209,13 @@ def _progress(quiet: bool) -> _Bar | None:
     is_flag=True,
     help="Key the store by the exact hash bytes instead of 64-bit fingerprints (slower).",
 )
-@click.option("--examples", type=int, default=5, show_default=True, help="Flagged lookups to show.")
+@click.option(
+    "--examples",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="Flagged lookups to show.",
+)
 def run(
     trace: Path,
     output: Path | None,
@@ -301,7 +313,11 @@ def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None
 @COORDINATOR
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @click.option(
-    "--examples", type=int, default=10, show_default=True, help="Flagged lookups to list."
+    "--examples",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Flagged lookups to list.",
 )
 def check(
     path: Path,

@@ -43,7 +43,13 @@ from replay.engine import COORDINATORS
     default=None,
     help="Write the changed lookups as Parquet (summary in metadata 'replay.diff').",
 )
-@click.option("--limit", type=int, default=20, show_default=True, help="Changed lookups to print.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="Changed lookups to print.",
+)
 @click.option(
     "--exact",
     is_flag=True,
@@ -111,7 +117,7 @@ def diff(
 )
 @click.option(
     "--examples",
-    type=int,
+    type=click.IntRange(min=0),
     default=3,
     show_default=True,
     help="Flagged lookups shown (and explained) per flag kind.",

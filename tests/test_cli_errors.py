@@ -260,3 +260,17 @@ def test_output_in_an_unwritable_place(trace_43559: Path) -> None:
         result.stderr
         == "error: /proc/nope/r.parquet: cannot write here (No such file or directory)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["state", "{t}", "--show", "-1"],
+        ["run", "{t}", "--examples", "-1", "-q"],
+        ["check", "{t}", "--examples", "-2"],
+    ],
+)
+def test_negative_counts_are_refused(trace_43559: Path, args: list[str]) -> None:
+    result = run_cli([a.format(t=trace_43559) for a in args])
+    assert result.exit_code == 2
+    assert "is not in the range x>=0" in result.stderr
