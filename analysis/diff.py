@@ -394,8 +394,6 @@ def diff_policies(
     trace: str | os.PathLike[str],
     policies: Sequence[str],
     coordinators: Sequence[str] = (),
-    *,
-    exact: bool = False,
 ) -> DiffResult:
     """Replay ``trace`` twice (``--policy A --policy B`` and/or two coordinators)."""
     if is_results_file(trace):
@@ -415,7 +413,7 @@ def diff_policies(
     sides = []
     config: TraceConfig | None = None
     for label, policy, coord in ((la, pa_, ca), (lb, pb, cb)):
-        result = replay_trace(trace, policy=policy, coordinator=coord, exact=exact)
+        result = replay_trace(trace, policy=policy, coordinator=coord)
         attach_flags(result)
         config = result.config
         sides.append(
@@ -485,16 +483,14 @@ def diff_inputs(
     paths: Sequence[str | os.PathLike[str]],
     policies: Sequence[str] = (),
     coordinators: Sequence[str] = (),
-    *,
-    exact: bool = False,
 ) -> DiffResult:
     """What ``replay diff`` does: one trace and two policies, or two results files."""
     if len(paths) == 1:
-        return diff_policies(paths[0], policies, coordinators, exact=exact)
+        return diff_policies(paths[0], policies, coordinators)
     if len(paths) == 2:
-        if policies or coordinators or exact:
+        if policies or coordinators:
             raise ReplayError(
-                "--policy/--coordinator/--exact replay a trace; two results files are compared as "
+                "--policy/--coordinator replay a trace; two results files are compared as "
                 "they are (give one trace with --policy twice, or two results files alone)"
             )
         return diff_results_files(paths[0], paths[1])

@@ -205,9 +205,11 @@ def _progress(quiet: bool) -> _Bar | None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option(
-    "--exact",
-    is_flag=True,
-    help="Key the store by the exact hash bytes instead of 64-bit fingerprints (slower).",
+    "--unit-present/--no-unit-present",
+    default=True,
+    show_default=True,
+    help="Write, per lookup and group, which hash units the store held (the raw store state; "
+    "`replay check` and `replay diff` of results files read it).",
 )
 @click.option(
     "--examples",
@@ -223,7 +225,7 @@ def run(
     coordinator: str,
     quiet: bool,
     as_json: bool,
-    exact: bool,
+    unit_present: bool,
     examples: int,
 ) -> None:
     """Replay TRACE through the coordinator and write the results file.
@@ -235,12 +237,20 @@ def run(
     bar = _progress(quiet or as_json)
     try:
         result = replay_trace(
-            trace, policy=policy, coordinator=coordinator, exact=exact, progress=bar
+            trace,
+            policy=policy,
+            coordinator=coordinator,
+            # The flags still read the store state from unit_present
+            # (analysis.flags, issue 15 makes them per-lookup facts).
+            unit_present=True,
+            progress=bar,
         )
     finally:
         if bar is not None:
             bar.close()
     flags = attach_flags(result)
+    if not unit_present:
+        result.results = result.results.drop("unit_present")
     out = output or default_results_path(trace)
     save_results(result, out)
     counts = flag_counts(flags)

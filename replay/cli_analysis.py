@@ -50,11 +50,6 @@ from replay.engine import COORDINATORS
     show_default=True,
     help="Changed lookups to print.",
 )
-@click.option(
-    "--exact",
-    is_flag=True,
-    help="With a trace: key the store by the exact hash bytes (slower).",
-)
 @handles_user_errors
 def diff(
     inputs: tuple[Path, ...],
@@ -63,7 +58,6 @@ def diff(
     as_json: bool,
     output: Path | None,
     limit: int,
-    exact: bool,
 ) -> None:
     """Lookups whose hit differs between two replays of one trace.
 
@@ -77,7 +71,7 @@ def diff(
     """
     from analysis.diff import diff_inputs, render_text, write_diff
 
-    result = diff_inputs(list(inputs), policies, coordinators, exact=exact)
+    result = diff_inputs(list(inputs), policies, coordinators)
     if output is not None:
         write_diff(result, output)
     if as_json:

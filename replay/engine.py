@@ -1,20 +1,21 @@
 """Replay: stream a trace in ``seq`` order, fold the store, run every lookup
 through a coordinator against the state at that point, and collect results.
 
-Keys. By default each block hash is replaced by a 64-bit fingerprint
-(polars' seeded hash of the bytes) before it enters the store or a lookup:
-Python sets of small ints are several times faster and smaller than sets of
-32-byte ``bytes``. Two distinct hashes sharing a fingerprint would make one
-look present for the other; among n distinct hashes the chance is about
-n^2 / 2^65 (about 1e-6 for 5.7M hashes). ``exact=True`` keys the store by
-the raw bytes instead (and the vLLM coordinator always does), at a cost in
-speed; ``tests/test_engine.py`` pins that both give identical results.
+Keys are always the whole hash bytes. The fold runs in compiled code
+(``replay.kernels``): each batch's ``block_hashes`` are viewed as words in
+place (``replay.trace.hash_words``), stores, removes and clears update one
+open-addressing table, and every lookup gets its presence bytes per group
+(``present[g][u]``: group ``g`` held the key of hash unit ``u`` at that seq).
+The Python coordinator consumes those bytes unchanged
+(``Coordinator.lookup_present``); vLLM's asks membership per hash, answered
+from the same bytes. No Python object is made per stored hash.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,15 +24,25 @@ from typing import Any, Protocol
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from replay.coordinator import DEFAULT_POLICY, Coordinator, LookupOutcome, get_policy
 from replay.errors import ReplayError
+from replay.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable
 from replay.spec import TraceConfig
 from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
-from replay.trace import RESULTS_SCHEMA, open_trace, write_results
+from replay.trace import (
+    RESULTS_SCHEMA,
+    UNIT_PRESENT_FIELD,
+    TraceBatch,
+    hash_words,
+    open_trace,
+    prefetched,
+    write_results,
+)
 
-FINGERPRINT_SEED = 0x5EED_CAFE
 COORDINATORS = ("reference", "vllm")
+KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
 
 
 class LookupCoordinator(Protocol):
@@ -60,29 +71,18 @@ def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> Look
     )
 
 
-def flat_keys(hashes: pa.Array, exact: bool) -> tuple[list[int], list[Any]]:
-    """A batch's ``block_hashes`` as one flat list of keys and row offsets
-    (row ``i`` owns ``keys[offsets[i]:offsets[i + 1]]``). One flat list beats a
-    list per row: slicing it is C-speed and no nested lists are built."""
-    offsets = hashes.offsets.to_numpy()
-    offsets = (offsets - offsets[0]).tolist()
-    values = hashes.flatten()
-    if exact:
-        return offsets, values.to_pylist()
-    series = pl.Series(values=values)
-    return offsets, series.hash(FINGERPRINT_SEED).to_numpy().tolist()
+Event = StoreEvent[bytes] | RemoveEvent[bytes] | ClearEvent | LookupEvent[bytes]
 
 
-Event = StoreEvent[Hashable] | RemoveEvent[Hashable] | ClearEvent | LookupEvent[Hashable]
-
-
-def iter_events(
-    path: str | os.PathLike[str], *, exact: bool = True
-) -> Iterator[tuple[Event, dict[str, Any]]]:
-    """Typed events of a trace in seq order (with the raw row for extra fields)."""
+def iter_events(path: str | os.PathLike[str]) -> Iterator[tuple[Event, dict[str, Any]]]:
+    """Typed events of a trace in seq order, hashes as bytes (with the raw row
+    for extra fields). One Python object per hash: for explain, state and
+    minimize, never the replay's hot path."""
     reader = open_trace(path)
     for batch in reader.iter_batches():
-        offsets, keys = flat_keys(batch.hashes, exact)
+        offsets = batch.hashes.offsets.to_numpy()
+        offsets = (offsets - offsets[0]).tolist()
+        keys = batch.hashes.flatten().to_pylist()
         rows = batch.frame.to_dicts()
         for i, row in enumerate(rows):
             yield _event(row, keys[offsets[i] : offsets[i + 1]]), row
@@ -125,7 +125,6 @@ class ReplayResult:
     events: int
     events_by_kind: dict[str, int]
     seconds: float
-    exact_keys: bool
     trace_path: str
 
     def metadata(self) -> dict[str, Any]:
@@ -137,8 +136,54 @@ class ReplayResult:
             "kv_cache_groups": [g.to_json() for g in self.config.groups],
             "trace_config": self.config.to_json(),
             "trace": os.path.basename(self.trace_path),
-            "keys": "exact" if self.exact_keys else f"fingerprint64(seed={FINGERPRINT_SEED})",
+            "keys": "exact",
         }
+
+
+class _Outcomes:
+    """The coordinator's answers, one entry per lookup, as flat typed arrays
+    (8 bytes a number, no Python object kept per lookup)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.hit = array("q")
+        self.verified = array("q")
+        self.state = array("q")
+        self.has_state = array("b")
+        self.mask = array("i")
+        self.loaded = array("i")
+        self.group_hit = array("q")
+
+    def add(self, res: LookupOutcome) -> None:
+        self.hit.append(res.hit_tokens)
+        self.verified.append(res.verified_tokens)
+        state = res.mamba_state_tokens
+        self.state.append(0 if state is None else state)
+        self.has_state.append(state is not None)
+        for g in res.groups:
+            self.mask.append(g.mask_blocks)
+            self.loaded.append(g.loaded_blocks)
+            self.group_hit.append(g.hit_tokens)
+
+    def per_group(self, values: array[int], dtype: Any) -> pa.Array:
+        n = len(self.hit)
+        offsets = np.arange(0, n * self.num_groups + 1, self.num_groups, dtype=np.int32)
+        return pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype))
+        )
+
+
+#: The columns of a lookup row the results carry as they are.
+_LOOKUP_COLUMNS = ("seq", "request_id", "max_length", "num_tokens", "observed_hit_tokens", "ts")
+
+
+def _vllm_contains(
+    hashes: Sequence[bytes], present: Sequence[bytes]
+) -> list[Callable[[Hashable], bool]]:
+    """Per-group membership for one lookup, from its presence bytes: vLLM's
+    pool only asks about the request's own hashes."""
+    unit = {h: u for u, h in enumerate(hashes)}
+    return [lambda h, p=p: p[unit[h]] == 1 for p in present]  # type: ignore[misc]
 
 
 def replay_trace(
@@ -146,92 +191,54 @@ def replay_trace(
     *,
     policy: str = DEFAULT_POLICY,
     coordinator: str = "reference",
-    exact: bool = False,
+    unit_present: bool = True,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
 ) -> ReplayResult:
-    """Replay every lookup of the trace; see the module docstring for keys."""
+    """Replay every lookup of the trace (see the module docstring).
+    ``unit_present`` adds the store state each lookup saw as a column."""
     reader = open_trace(path)
     config = reader.config
     coord = make_coordinator(config, policy, coordinator)
-    exact = exact or coordinator == "vllm"
-    store: Store[Hashable] = Store(config.num_groups)
-
-    contains = [s.__contains__ for s in store.present]
-
-    # The reference coordinator reads the probe bytes directly; vLLM's asks
-    # (group, hash) membership of the store.
+    num_groups = config.num_groups
+    table = KeyTable(num_groups)
     reference = coord if isinstance(coord, Coordinator) else None
-    bits = bytearray()
+    outcomes = _Outcomes(num_groups)
+    lookup_rows: list[pl.DataFrame] = []
     bit_chunks: list[np.ndarray[Any, Any]] = []
-    unit_counts: list[int] = []
-    out: dict[str, list[Any]] = {name: [] for name in RESULTS_SCHEMA.names}
+    unit_counts: list[np.ndarray[Any, Any]] = []
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
     state = Progress(total_events=reader.num_rows)
     last_report = time.perf_counter()
     started = time.perf_counter()
-    for batch in reader.iter_batches(prefetch=True):
+    # Three stages on their own threads: read and validate, fold (compiled,
+    # no GIL), and here the coordinator, so a batch folds while the one
+    # before it is being looked up.
+    folded = prefetched(_folded(reader.iter_batches(prefetch=True), table))
+    for batch, kinds, out, out_offsets, n_units in folded:
         frame = batch.frame
-        offsets, keys = flat_keys(batch.hashes, exact)
-        cols = {
-            name: frame[name].to_list()
-            for name in (
-                "seq",
-                "kind",
-                "group_id",
-                "request_id",
-                "max_length",
-                "num_tokens",
-                "observed_hit_tokens",
-            )
-        }
-        ts = frame["ts"].to_list()
-        for i, kind in enumerate(cols["kind"]):
-            counts[kind] += 1
-            if kind == "store":
-                store.store(cols["group_id"][i], keys[offsets[i] : offsets[i + 1]])
-            elif kind == "remove":
-                store.remove(cols["group_id"][i], keys[offsets[i] : offsets[i + 1]])
-            elif kind == "clear":
-                store.clear(cols["group_id"][i])
-            else:
-                hashes = keys[offsets[i] : offsets[i + 1]]
-                max_length = cols["max_length"][i]
-                # Probe the store once per group for every hash unit: these
-                # bits are the store state the lookup saw (kept in the
-                # results for the analyses) and the finders then scan plain
-                # lists instead of probing a large set again.
-                probes = [bytes(map(c, hashes)) for c in contains]
-                for p in probes:
-                    bits += p
-                    unit_counts.append(len(p))
-                if reference is not None:
-                    res = reference.lookup_present(probes, max_length)
-                else:
-                    res = coord.lookup(hashes, max_length, contains)
-                groups = res.groups
-                observed = cols["observed_hit_tokens"][i]
-                out["seq"].append(cols["seq"][i])
-                out["request_id"].append(cols["request_id"][i])
-                out["max_length"].append(max_length)
-                out["hit_tokens"].append(res.hit_tokens)
-                out["mask_blocks"].append([g.mask_blocks for g in groups])
-                out["loaded_blocks"].append([g.loaded_blocks for g in groups])
-                out["num_tokens"].append(cols["num_tokens"][i])
-                out["group_hit_tokens"].append([g.hit_tokens for g in groups])
-                out["verified_tokens"].append(res.verified_tokens)
-                out["mamba_state_tokens"].append(res.mamba_state_tokens)
-                out["observed_hit_tokens"].append(observed)
-                out["observed_match"].append(
-                    None if observed is None else observed == res.hit_tokens
-                )
-                out["ts"].append(ts[i])
-                out["flags"].append([])
-                out["policy"].append(policy)
-                out["coordinator"].append(coord.name)
-        if bits:
-            bit_chunks.append(np.frombuffer(bytes(bits), dtype=np.bool_))
-            bits.clear()
+        is_lookup = kinds == LOOKUP
+        rows = np.flatnonzero(is_lookup)
+        buf = out.tobytes()
+        starts = out_offsets[rows].tolist()
+        sizes = n_units[rows].tolist()
+        max_lengths = frame["max_length"].fill_null(0).to_numpy()[rows].tolist()
+        if reference is not None:
+            for o, n, max_length in zip(starts, sizes, max_lengths, strict=True):
+                present = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
+                outcomes.add(reference.lookup_present(present, max_length))
+        else:
+            hashes = batch.hashes.take(pa.array(rows)).to_pylist()
+            for o, n, max_length, hs in zip(starts, sizes, max_lengths, hashes, strict=True):
+                present = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
+                outcomes.add(coord.lookup(hs, max_length, _vllm_contains(hs, present)))
+        if rows.size:
+            lookup_rows.append(frame.filter(pl.Series(is_lookup)).select(_LOOKUP_COLUMNS))
+            if unit_present:
+                bit_chunks.append(out)
+                unit_counts.append(np.repeat(n_units[rows], num_groups))
+        for name, n in frame.group_by("kind").len().iter_rows():
+            counts[name] += n
         state.events += frame.height
         state.lookups = counts["lookup"]
         if progress is not None and time.perf_counter() - last_report >= progress_every:
@@ -240,12 +247,10 @@ def replay_trace(
     if progress is not None:
         progress(state)
     seconds = time.perf_counter() - started
-    table = pa.table(out, schema=RESULTS_SCHEMA)
-    table = table.append_column(
-        "unit_present", _unit_present(bit_chunks, unit_counts, config.num_groups)
-    )
-    results = pl.from_arrow(table)
-    assert isinstance(results, pl.DataFrame)
+    results = _results_frame(lookup_rows, outcomes, policy, coord.name)
+    if unit_present:
+        column = _unit_present(bit_chunks, unit_counts, num_groups)
+        results = results.with_columns(pl.Series(UNIT_PRESENT_FIELD.name, column))
     return ReplayResult(
         config=config,
         policy=policy,
@@ -254,21 +259,116 @@ def replay_trace(
         events=state.events,
         events_by_kind=counts,
         seconds=seconds,
-        exact_keys=exact,
         trace_path=str(path),
     )
 
 
+def _folded(
+    batches: Iterator[TraceBatch], table: KeyTable
+) -> Iterator[
+    tuple[
+        TraceBatch,
+        np.ndarray[Any, Any],
+        np.ndarray[Any, Any],
+        np.ndarray[Any, Any],
+        np.ndarray[Any, Any],
+    ]
+]:
+    for batch in batches:
+        kinds = batch.frame["kind"].replace_strict(KIND_CODES, return_dtype=pl.Int8).to_numpy()
+        yield (batch, kinds, *fold_rows(table, batch.frame, batch.hashes, kinds))
+
+
+def fold_rows(
+    table: KeyTable, frame: pl.DataFrame, hashes: pa.Array, kinds: np.ndarray[Any, Any]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Fold one validated batch into ``table`` (``kinds`` as kernel codes).
+    Returns the lookups' presence bytes, each row's offset into them (lookup
+    rows: ``num_groups`` runs of the row's unit count) and the unit counts."""
+    gids = _readonly(frame["group_id"].fill_null(-1).to_numpy())
+    words = hash_words(hashes)
+    n_units = np.diff(words.row_offsets)
+    out_offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.where(kinds == LOOKUP, n_units * table.num_groups, 0), out=out_offsets[1:])
+    out = np.zeros(int(out_offsets[-1]), dtype=np.uint8)
+    table.fold(
+        _readonly(kinds),
+        gids,
+        words.row_offsets,
+        words.words,
+        words.word_offsets,
+        words.nbytes,
+        words.max_words,
+        out,
+        out_offsets,
+    )
+    return out, out_offsets, n_units
+
+
+def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # One array type for the kernel (numba compiles read-only and writable
+    # arrays separately), whatever the producer handed over.
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+def _results_frame(
+    lookup_rows: list[pl.DataFrame], outcomes: _Outcomes, policy: str, coordinator: str
+) -> pl.DataFrame:
+    schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
+    if lookup_rows:
+        rows = pl.concat(lookup_rows, rechunk=True).to_arrow()
+    else:
+        rows = pa.table({n: pa.array([], schema[n]) for n in _LOOKUP_COLUMNS})
+    n = rows.num_rows
+    hit = pa.array(np.frombuffer(outcomes.hit, dtype=np.int64))
+    observed = rows.column("observed_hit_tokens")
+    has_state = np.frombuffer(outcomes.has_state, dtype=np.bool_)
+    columns: dict[str, Any] = {
+        "seq": rows.column("seq"),
+        "request_id": rows.column("request_id"),
+        "max_length": rows.column("max_length"),
+        "hit_tokens": hit,
+        "mask_blocks": outcomes.per_group(outcomes.mask, np.int32),
+        "loaded_blocks": outcomes.per_group(outcomes.loaded, np.int32),
+        "num_tokens": rows.column("num_tokens"),
+        "group_hit_tokens": outcomes.per_group(outcomes.group_hit, np.int64),
+        "verified_tokens": pa.array(np.frombuffer(outcomes.verified, dtype=np.int64)),
+        "mamba_state_tokens": pa.array(
+            np.frombuffer(outcomes.state, dtype=np.int64), mask=~has_state
+        ),
+        "observed_hit_tokens": observed,
+        "observed_match": pc.equal(observed, hit),
+        "ts": rows.column("ts"),
+        "flags": pa.array([[]] * n, pa.list_(pa.string())),
+        "policy": pa.DictionaryArray.from_arrays(
+            pa.array(np.zeros(n, np.int8)), pa.array([policy])
+        ),
+        "coordinator": pa.DictionaryArray.from_arrays(
+            pa.array(np.zeros(n, np.int8)), pa.array([coordinator])
+        ),
+    }
+    table = pa.table(
+        {name: columns[name].cast(schema[name]) for name in RESULTS_SCHEMA.names},
+        schema=RESULTS_SCHEMA,
+    )
+    results = pl.from_arrow(table)
+    assert isinstance(results, pl.DataFrame)
+    return results
+
+
 def _unit_present(
-    chunks: list[np.ndarray[Any, Any]], unit_counts: list[int], num_groups: int
+    chunks: list[np.ndarray[Any, Any]], unit_counts: list[np.ndarray[Any, Any]], num_groups: int
 ) -> pa.Array:
     """list<list<bool>>: per lookup, per group_id, whether the group held a key
     for each of the lookup's hash units at that seq."""
-    values = pa.array(np.concatenate(chunks) if chunks else np.zeros(0, np.bool_))
-    inner_offsets = np.zeros(len(unit_counts) + 1, dtype=np.int32)
-    np.cumsum(unit_counts, out=inner_offsets[1:])
+    values = pa.array(np.concatenate(chunks).view(np.bool_) if chunks else np.zeros(0, np.bool_))
+    counts = np.concatenate(unit_counts) if unit_counts else np.zeros(0, np.int64)
+    inner_offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=inner_offsets[1:])
     inner = pa.ListArray.from_arrays(pa.array(inner_offsets), values)
-    outer_offsets = np.arange(0, len(unit_counts) + 1, num_groups, dtype=np.int32)
+    outer_offsets = np.arange(0, len(counts) + 1, num_groups, dtype=np.int32)
     return pa.ListArray.from_arrays(pa.array(outer_offsets), inner)
 
 
@@ -288,8 +388,8 @@ def state_at(
     """The store as a lookup at ``before_seq`` sees it: every cache event with a
     smaller seq folded in, keyed by the exact hash bytes."""
     config = open_trace(path).config
-    events = (event for event, _ in iter_events(path, exact=True))
-    return config, fold(config.num_groups, events, before=before_seq)  # type: ignore[arg-type]
+    events = (event for event, _ in iter_events(path))
+    return config, fold(config.num_groups, events, before=before_seq)
 
 
 def explain_lookups(
@@ -307,14 +407,14 @@ def explain_lookups(
     store: Store[bytes] = Store(config.num_groups)
     contains = [s.__contains__ for s in store.present]
     found: list[tuple[LookupEvent[bytes], LookupOutcome]] = []
-    for event, _ in iter_events(path, exact=True):
+    for event, _ in iter_events(path):
         if until_seq is not None and event.seq > until_seq:
             break
         if isinstance(event, LookupEvent):
             store.observe(event.seq)
-            if select(event):  # type: ignore[arg-type]
+            if select(event):
                 outcome = coord.lookup(event.hashes, event.max_length, contains, explain=True)
-                found.append((event, outcome))  # type: ignore[arg-type]
+                found.append((event, outcome))
         else:
-            store.apply(event)  # type: ignore[arg-type]
+            store.apply(event)
     return config, found

@@ -29,7 +29,7 @@ Row = dict[str, Any]
 
 def _rows(path: str | os.PathLike[str]) -> list[Row]:
     out = []
-    for event, row in iter_events(path, exact=True):
+    for event, row in iter_events(path):
         hashes = getattr(event, "hashes", None)
         out.append({**row, "block_hashes": list(hashes) if hashes is not None else None})
     return out
@@ -42,7 +42,7 @@ def _flags_of(
 
     path = workdir / "candidate.parquet"
     write_trace(path, config, _renumbered(rows))
-    result = replay_trace(path, policy=policy, exact=True)
+    result = replay_trace(path, policy=policy)
     attach_flags(result)
     mine = result.results.filter(result.results["request_id"] == request_id)
     if mine.height == 0:
@@ -160,7 +160,7 @@ def minimize(
 
 
 def _hashes(path: str | os.PathLike[str], seq: int) -> list[bytes]:
-    for event, _ in iter_events(path, exact=True):
+    for event, _ in iter_events(path):
         if event.seq == seq and isinstance(event, LookupEvent):
-            return [bytes(h) for h in event.hashes]  # type: ignore[call-overload]
+            return [bytes(h) for h in event.hashes]
     raise ReplayError(f"{path}: no lookup at seq {seq}")

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.engine import FINGERPRINT_SEED, ReplayResult
+from replay.engine import ReplayResult, fold_rows
+from replay.kernels import SKIP, STORE, KeyTable
 from replay.trace import open_trace
 
 
@@ -24,9 +25,9 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     reader = open_trace(path)
     config = reader.config
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
-    # Distinct stored keys, counted by 64-bit fingerprint (as the replay keys
-    # them): per group a list of arrays, sorted and counted once at the end.
-    stored: list[list[np.ndarray[Any, Any]]] = [[] for _ in config.groups]
+    # Distinct stored keys per group, exact: every store folded into one
+    # table (removes and clears skipped), counted once at the end.
+    stored = KeyTable(config.num_groups)
     first_ts: datetime | None = None
     last_ts: datetime | None = None
     first_seq = last_seq = None
@@ -45,12 +46,8 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             first_ts = lo if first_ts is None else min(first_ts, lo)
             last_ts = hi if last_ts is None else max(last_ts, hi)
         hash_entries += int(frame["n_hashes"].fill_null(0).sum())
-        lengths = frame["n_hashes"].fill_null(0).to_numpy()
-        row_group = np.repeat(frame["group_id"].fill_null(-1).to_numpy(), lengths)
-        row_store = np.repeat((frame["kind"] == "store").to_numpy(), lengths)
-        keys = pl.Series(values=batch.hashes.flatten()).hash(FINGERPRINT_SEED).to_numpy()
-        for g in range(config.num_groups):
-            stored[g].append(keys[row_store & (row_group == g)])
+        kinds = np.where((frame["kind"] == "store").to_numpy(), STORE, SKIP).astype(np.int8)
+        fold_rows(stored, frame, batch.hashes, kinds)
         lk = frame.filter(pl.col("kind") == "lookup")
         lookups += lk.height
         prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)
@@ -72,16 +69,11 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             "seconds": span,
         },
         "hash_entries": hash_entries,
-        "distinct_keys_per_group": [_distinct(parts) for parts in stored],
+        "distinct_keys_per_group": stored.group_counts(),
         "lookups": lookups,
         "lookup_prompt_tokens": prompt,
         "lookup_max_length_tokens": max_len,
     }
-
-
-def _distinct(parts: list[np.ndarray[Any, Any]]) -> int:
-    keys = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
-    return int(keys.size and 1 + np.count_nonzero(keys[1:] != keys[:-1]))
 
 
 def hit_figures(res: pl.DataFrame) -> dict[str, Any]:

@@ -17,8 +17,9 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -112,6 +113,40 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
+#: Row groups the project writes stay below both bounds, so a reader holds
+#: one at a time in modest memory and a column chunk decodes in one go.
+ROW_GROUP_HASH_BYTES = 32 << 20
+ROW_GROUP_ROWS = 65_536
+
+
+def write_bounded(writer: pq.ParquetWriter, table: pa.Table) -> None:
+    """Write ``table`` as row groups of at most ``ROW_GROUP_ROWS`` rows and
+    about ``ROW_GROUP_HASH_BYTES`` of block hashes (a row is never split)."""
+    if table.num_rows == 0:
+        return
+    hashes = table.column("block_hashes")
+    sizes = np.concatenate(
+        [pc.binary_length(c.flatten()).fill_null(0).to_numpy() for c in hashes.chunks]
+        or [np.zeros(0, np.int64)]
+    )
+    lengths = np.concatenate(
+        [pc.list_value_length(c).fill_null(0).to_numpy() for c in hashes.chunks]
+    )
+    per_row = np.zeros(table.num_rows, dtype=np.int64)
+    if sizes.size:
+        ends = np.cumsum(lengths)
+        cum = np.concatenate([[0], np.cumsum(sizes.astype(np.int64))])
+        per_row = cum[ends] - cum[ends - lengths]
+    start = 0
+    total = np.cumsum(per_row)
+    while start < table.num_rows:
+        before = total[start - 1] if start else 0
+        stop = int(np.searchsorted(total, before + ROW_GROUP_HASH_BYTES, side="right"))
+        stop = min(max(stop, start + 1), start + ROW_GROUP_ROWS, table.num_rows)
+        writer.write_table(table.slice(start, stop - start))
+        start = stop
+
+
 def trace_schema(config: TraceConfig) -> pa.Schema:
     return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
 
@@ -182,7 +217,7 @@ class TraceWriter:
                 f"{self._last_seq}"
             )
         self._last_seq = seqs[-1].as_py()
-        self._writer.write_table(table)
+        write_bounded(self._writer, table)
         self.rows_written += table.num_rows
 
     def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -237,8 +272,11 @@ def write_trace(
         pl.Series("n_hashes", pc.list_value_length(table.column("block_hashes")), dtype=pl.Int64)
     )
     _validate_batch(str(path), config, frame, None)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp), compression="zstd")
+    with (
+        atomic_path(path) as tmp,
+        pq.ParquetWriter(str(tmp), table.schema, compression="zstd") as writer,
+    ):
+        write_bounded(writer, table)
     return Path(path)
 
 
@@ -336,12 +374,99 @@ class TraceBatch:
     hashes: pa.Array
 
 
-def _prefetched(batches: Iterator[TraceBatch]) -> Iterator[TraceBatch]:
-    """Run ``batches`` one step ahead on a thread; errors surface in order."""
+@dataclass(frozen=True, slots=True)
+class HashWords:
+    """A batch's ``block_hashes`` as fixed-width words, for compiled code.
+
+    Row ``r`` owns hashes ``row_offsets[r]:row_offsets[r + 1]``; hash ``h`` is
+    ``words[word_offsets[h]:word_offsets[h + 1]]`` (zero-padded to whole
+    words) and ``nbytes[h]`` bytes long. Every array is read-only.
+    """
+
+    row_offsets: np.ndarray[Any, np.dtype[np.int64]]
+    words: np.ndarray[Any, np.dtype[np.uint64]]
+    word_offsets: np.ndarray[Any, np.dtype[np.int64]]
+    nbytes: np.ndarray[Any, np.dtype[np.int64]]
+
+    @property
+    def max_words(self) -> int:
+        if self.nbytes.size == 0:
+            return 0
+        return int(np.diff(self.word_offsets).max())
+
+
+def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    a.flags.writeable = False
+    return a
+
+
+def hash_words(hashes: pa.Array) -> HashWords:
+    """View ``hashes`` (list of binary / large_binary / fixed_size_binary) as
+    words: zero-copy over the Arrow values buffer when every hash is a whole
+    number of 8-byte words and the buffer is aligned (vLLM's 32-byte digests,
+    the importers' 8- and 16-byte hashes); otherwise copied, padded."""
+    list_off = np.asarray(hashes.offsets, dtype=np.int64)
+    lo, hi = int(list_off[0]), int(list_off[-1])
+    row_offsets = _readonly(list_off - lo)
+    values = hashes.values
+    n = hi - lo
+    if pa.types.is_fixed_size_binary(values.type):
+        width = values.type.byte_width
+        voff = (np.arange(lo, hi + 1, dtype=np.int64) + values.offset) * width
+        data_buf = values.buffers()[1]
+    else:
+        wide = pa.types.is_large_binary(values.type)
+        offs = np.frombuffer(values.buffers()[1], dtype=np.int64 if wide else np.int32)
+        voff = offs[values.offset + lo : values.offset + hi + 1].astype(np.int64)
+        data_buf = values.buffers()[2]
+    if n == 0 or data_buf is None or voff[-1] == voff[0]:
+        zeros = np.zeros(n + 1, dtype=np.int64)
+        return HashWords(
+            row_offsets=row_offsets,
+            words=_readonly(np.zeros(0, dtype=np.uint64)),
+            word_offsets=_readonly(zeros),
+            nbytes=_readonly(np.zeros(n, dtype=np.int64)),
+        )
+    lens = np.diff(voff)
+    base = int(voff[0])
+    if not (lens & 7).any() and (data_buf.address + base) % 8 == 0:
+        words = np.frombuffer(
+            data_buf, dtype=np.uint64, count=(int(voff[-1]) - base) // 8, offset=base
+        )
+        woff = (voff - base) >> 3
+        return HashWords(
+            row_offsets=row_offsets,
+            words=words,
+            word_offsets=_readonly(woff),
+            nbytes=_readonly(lens),
+        )
+    data = np.frombuffer(data_buf, dtype=np.uint8)
+    nwords = (lens + 7) >> 3
+    woff = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nwords, out=woff[1:])
+    padded = np.zeros(int(woff[-1]) * 8, dtype=np.uint8)
+    for width in np.unique(lens).tolist():
+        rows = np.flatnonzero(lens == width)
+        span = np.arange(width, dtype=np.int64)
+        padded[(woff[rows] * 8)[:, None] + span] = data[voff[rows][:, None] + span]
+    return HashWords(
+        row_offsets=row_offsets,
+        words=_readonly(padded.view(np.uint64)),
+        word_offsets=_readonly(woff),
+        nbytes=_readonly(lens),
+    )
+
+
+T = TypeVar("T")
+
+
+def prefetched(batches: Iterator[T]) -> Iterator[T]:
+    """Run ``batches`` one step ahead on a thread; errors surface in order.
+    Stages chain: each runs on its own thread while the caller works."""
     import queue
     import threading
 
-    q: queue.Queue[tuple[TraceBatch | None, BaseException | None]] = queue.Queue(maxsize=1)
+    q: queue.Queue[tuple[T | None, BaseException | None]] = queue.Queue(maxsize=1)
     stop = threading.Event()
 
     def produce() -> None:
@@ -411,7 +536,7 @@ class TraceReader:
         if not prefetch:
             yield from batches
             return
-        yield from _prefetched(batches)
+        yield from prefetched(batches)
 
     def _validated(self, batch_size: int) -> Iterator[TraceBatch]:
         last_seq: int | None = None
@@ -442,21 +567,24 @@ class TraceReader:
                 frame = frame.with_columns(hashes)
             yield frame.select(wanted)
 
-    #: Row groups up to this size (uncompressed) are read whole, which
-    #: decodes columns in parallel; larger ones stream in record batches so
-    #: memory stays bounded.
-    WHOLE_ROW_GROUP_BYTES = 256 << 20
+    #: Batches hold about this many bytes (uncompressed, all columns):
+    #: small enough that the prefetch thread overlaps the caller's work and
+    #: memory stays bounded whatever the row groups' size, large enough that
+    #: per-batch costs vanish.
+    BATCH_BYTES = 16 << 20
 
     def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
         cols = list(self.columns)
         meta = self._pf.metadata
         for i in range(meta.num_row_groups):
-            if meta.row_group(i).total_byte_size <= self.WHOLE_ROW_GROUP_BYTES:
-                yield self._pf.read_row_group(i, columns=cols)
-            else:
-                yield from self._pf.iter_batches(
-                    batch_size=batch_size, row_groups=[i], columns=cols
-                )
+            rg = meta.row_group(i)
+            if rg.num_rows == 0:
+                continue
+            # Parquet streams within a row group, so one huge row group costs
+            # a batch's memory, not the row group's.
+            rows = rg.num_rows * self.BATCH_BYTES // max(1, rg.total_byte_size)
+            rows = max(1, min(batch_size, rows))
+            yield from self._pf.iter_batches(batch_size=rows, row_groups=[i], columns=cols)
 
     def read_frame(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
         frames = list(self.iter_frames(columns))

@@ -419,8 +419,7 @@ def test_bad_three_policies(trace_43559: Path) -> None:
 def test_bad_policy_with_results_files(tmp_path: Path, trace_43559: Path) -> None:
     a, b = _two_results(tmp_path, trace_43559)
     assert _error([a, b, "--policy", "pre-49502"]).startswith(
-        "error: --policy/--coordinator/--exact replay a trace; two results files are compared "
-        "as they are"
+        "error: --policy/--coordinator replay a trace; two results files are compared as they are"
     )
 
 

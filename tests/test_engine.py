@@ -53,8 +53,8 @@ def naive_replay(rows: list[dict], config, policy: str) -> list[tuple]:
     return out
 
 
-def _replayed(path: Path, policy: str, exact: bool) -> list[tuple]:
-    res = replay_trace(path, policy=policy, exact=exact).results
+def _replayed(path: Path, policy: str) -> list[tuple]:
+    res = replay_trace(path, policy=policy, unit_present=True).results
     columns = ("seq", "hit_tokens", "mask_blocks", "loaded_blocks", "unit_present")
     return list(zip(*(res[c].to_list() for c in columns), strict=True))
 
@@ -67,8 +67,7 @@ def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, p
     rows = random_rows(rng, config)
     path = write_trace(tmp_path / "r.parquet", config, rows)
     want = naive_replay(rows, config, policy)
-    for exact in (False, True):
-        assert _replayed(path, policy, exact) == want
+    assert _replayed(path, policy) == want
 
 
 def test_results_file_round_trip_and_metadata(tmp_path: Path) -> None:
@@ -133,5 +132,4 @@ def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, 
         for row in rows:
             writer.write_rows([row])
     want = naive_replay(rows, config, "vllm-0.33")
-    for exact in (False, True):
-        assert _replayed(path, "vllm-0.33", exact) == want
+    assert _replayed(path, "vllm-0.33") == want
