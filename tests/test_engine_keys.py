@@ -1,0 +1,279 @@
+"""The compiled fold is exact whatever the hashes look like: every width,
+mixed widths in one trace, hashes sharing their first 8 bytes, keys that
+differ only by trailing zero bytes, tables that grow and shrink, one row
+group per event; always against the hand-written loop over Python sets."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from replay.engine import replay_trace
+from replay.kernels import LOOKUP, STORE, KeyTable
+from replay.spec import TraceConfig
+from replay.trace import (
+    ROW_GROUP_ROWS,
+    TraceWriter,
+    hash_words,
+    open_trace,
+    trace_schema,
+    write_bounded,
+    write_trace,
+)
+from tests.conftest import full_mamba
+from tests.randtrace import random_config, random_rows
+from tests.test_engine import naive_replay
+
+SHARED8 = b"\x00\x00\x00\x00\x00\x0b\x2f\x11"
+
+
+def _eight(h: bytes) -> bytes:
+    return h[:8]
+
+
+def _sixteen_shared(h: bytes) -> bytes:
+    # The Mooncake importer's shape: one 8-byte id, then what tells them apart.
+    return SHARED8 + h[:8]
+
+
+def _zero_tail(h: bytes) -> bytes:
+    # Same words as the 8-byte form once padded: only the width differs.
+    return h[:8] + b"\x00" * 8
+
+
+def _odd(width: int) -> Callable[[bytes], bytes]:
+    return lambda h: h[:width]
+
+
+FORMS: dict[str, Callable[[bytes], bytes]] = {
+    "8": _eight,
+    "16-shared-prefix": _sixteen_shared,
+    "32": lambda h: h,
+    "12": _odd(12),
+}
+
+
+def _rehashed(rows: list[dict[str, Any]], form: Callable[[bytes], bytes]) -> list[dict[str, Any]]:
+    return [
+        {**r, "block_hashes": [form(h) for h in r["block_hashes"]]} if "block_hashes" in r else r
+        for r in rows
+    ]
+
+
+def _mixed(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+    """Each hash takes one of several forms, the same one everywhere it
+    appears, so that 8-, 12-, 16-, 20- and 32-byte keys share a trace and
+    some keys are another key plus zero bytes or a shared 8-byte prefix."""
+    forms = [_eight, _sixteen_shared, _zero_tail, _odd(12), _odd(20), lambda h: h]
+    chosen: dict[bytes, bytes] = {}
+
+    def form(h: bytes) -> bytes:
+        if h not in chosen:
+            chosen[h] = rng.choice(forms)(h)
+        return chosen[h]
+
+    return _rehashed(rows, form)
+
+
+def _check(tmp_path: Path, config: TraceConfig, rows: list[dict[str, Any]], policy: str) -> None:
+    path = write_trace(tmp_path / "t.parquet", config, rows)
+    want = naive_replay(rows, config, policy)
+    res = replay_trace(path, policy=policy, unit_present=True).results
+    columns = ("seq", "hit_tokens", "mask_blocks", "loaded_blocks", "unit_present")
+    assert list(zip(*(res[c].to_list() for c in columns), strict=True)) == want
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_hash_width_matches_the_naive_loop(tmp_path: Path, seed: int, form: str) -> None:
+    rng = random.Random(1000 + seed)
+    config = random_config(rng)
+    rows = _rehashed(random_rows(rng, config, 20), FORMS[form])
+    _check(tmp_path, config, rows, rng.choice(["vllm-0.33", "pre-49502"]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mixed_widths_in_one_trace_match_the_naive_loop(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(2000 + seed)
+    config = random_config(rng)
+    rows = _mixed(random_rows(rng, config, 25), rng)
+    _check(tmp_path, config, rows, rng.choice(["vllm-0.33", "pre-49502"]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mixed_widths_one_row_group_per_event(tmp_path: Path, seed: int) -> None:
+    """Batches alternate between the zero-copy view (whole words) and the
+    padded copy (a 12- or 20-byte hash in the batch): a key must be the same
+    key in both."""
+    rng = random.Random(3000 + seed)
+    config = random_config(rng)
+    rows = _mixed(random_rows(rng, config, 16), rng)
+    path = tmp_path / "rg.parquet"
+    with TraceWriter(path, config) as writer:
+        for row in rows:
+            writer.write_rows([row])
+    assert pq.ParquetFile(path).metadata.num_row_groups == len(rows)
+    res = replay_trace(path, unit_present=True).results
+    columns = ("seq", "hit_tokens", "mask_blocks", "loaded_blocks", "unit_present")
+    got = list(zip(*(res[c].to_list() for c in columns), strict=True))
+    assert got == naive_replay(rows, config, "vllm-0.33")
+
+
+def test_keys_differing_only_by_width_or_tail_are_distinct(tmp_path: Path) -> None:
+    base = bytes(range(1, 9))
+    stored = [base + b"\x00" * 8]  # 16 bytes whose padded words equal the 8-byte key's
+    looked = [base, base + b"\x00" * 8, SHARED8 + base, base + b"\x00" * 4]
+    rows: list[dict[str, Any]] = [
+        {"kind": "store", "group_id": 0, "block_hashes": stored},
+        {"kind": "store", "group_id": 1, "block_hashes": [base]},
+    ]
+    rows += [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": [h],
+            "max_length": 16,
+        }
+        for i, h in enumerate(looked)
+    ]
+    rows = [{"seq": i, **r} for i, r in enumerate(rows)]
+    path = write_trace(tmp_path / "w.parquet", full_mamba(eagle=False), rows)
+    res = replay_trace(path, unit_present=True).results
+    assert res["unit_present"].to_list() == [
+        [[False], [True]],
+        [[True], [False]],
+        [[False], [False]],
+        [[False], [False]],
+    ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_table_growth_and_churn_against_python_sets(seed: int) -> None:
+    """Thousands of keys through a table that starts at 1,024 slots: it
+    doubles several times, removes shift probe runs back (wrapping around
+    the end), a per-group clear rebuilds it and a clear of every group
+    shrinks it; presence and per-group counts always equal a set's."""
+    rng = np.random.default_rng(seed)
+    groups = 3
+    table = KeyTable(groups)
+    truth: list[set[bytes]] = [set() for _ in range(groups)]
+    largest = 0
+    universe = [rng.bytes(16) for _ in range(6000)]
+    for step in range(60):
+        kinds: list[int] = []
+        gids: list[int] = []
+        hashes: list[list[bytes]] = []
+        for _ in range(8):
+            op = int(rng.integers(0, 10))
+            g = int(rng.integers(0, groups))
+            keys = [universe[i] for i in rng.integers(0, len(universe), int(rng.integers(0, 800)))]
+            if op < 5:
+                kinds.append(STORE)
+                truth[g].update(keys)
+            elif op < 9:
+                kinds.append(1)  # remove
+                truth[g].difference_update(keys)
+            else:
+                keys = []
+                kinds.append(2)  # clear
+                if step % 7 == 0:
+                    g = -1
+                    for t in truth:
+                        t.clear()
+                else:
+                    truth[g].clear()
+            gids.append(g)
+            hashes.append(keys)
+        probe = [universe[i] for i in rng.integers(0, len(universe), 500)]
+        kinds.append(LOOKUP)
+        gids.append(-1)
+        hashes.append(probe)
+        arr = pa.array(hashes, pa.list_(pa.binary()))
+        words = hash_words(arr)
+        counts = np.diff(words.row_offsets)
+        out_offsets = np.zeros(len(kinds) + 1, dtype=np.int64)
+        out_offsets[-1] = len(probe) * groups
+        out_offsets[-2] = 0
+        out = np.zeros(len(probe) * groups, dtype=np.uint8)
+        kind_arr = np.array(kinds, dtype=np.int8)
+        kind_arr.flags.writeable = False
+        gid_arr = np.array(gids, dtype=np.int32)
+        gid_arr.flags.writeable = False
+        assert counts[-1] == len(probe)
+        table.fold(
+            kind_arr,
+            gid_arr,
+            words.row_offsets,
+            words.words,
+            words.word_offsets,
+            words.nbytes,
+            words.max_words,
+            out,
+            out_offsets,
+        )
+        want = [[h in truth[g] for h in probe] for g in range(groups)]
+        got = out.reshape(groups, len(probe)).astype(bool).tolist()
+        assert got == want
+        assert table.group_counts() == [len(t) for t in truth]
+        assert table.num_keys == len(set().union(*truth))
+        largest = max(largest, int(table.info[0]))
+    assert largest >= 8192
+
+
+def test_many_keys_grow_the_table_in_a_replay(tmp_path: Path) -> None:
+    """20,000 distinct keys in both groups (the table doubles from 1,024
+    slots several times mid-batch), then removes of every other one."""
+    rng = random.Random(5)
+    keys = [rng.randbytes(32) for _ in range(20_000)]
+    config = full_mamba(eagle=False)
+    rows: list[dict[str, Any]] = [
+        {"kind": "store", "group_id": 0, "block_hashes": keys},
+        {"kind": "store", "group_id": 1, "block_hashes": keys[::3]},
+        {"kind": "lookup", "request_id": "a", "block_hashes": keys[:500], "max_length": 8000},
+        {"kind": "remove", "group_id": 0, "block_hashes": keys[1::2]},
+        {"kind": "lookup", "request_id": "b", "block_hashes": keys[:500], "max_length": 8000},
+        {"kind": "clear", "group_id": 1},
+        {"kind": "lookup", "request_id": "c", "block_hashes": keys[:500], "max_length": 8000},
+    ]
+    rows = [{"seq": i, **r} for i, r in enumerate(rows)]
+    _check(tmp_path, config, rows, "vllm-0.33")
+    path = tmp_path / "t.parquet"
+    from replay.summary import trace_info
+
+    assert trace_info(path)["distinct_keys_per_group"] == [20_000, len(keys[::3])]
+
+
+def test_writers_bound_their_row_groups(tmp_path: Path) -> None:
+    """A large table written at once lands in several row groups, split on
+    row boundaries, with every row kept in order."""
+    config = full_mamba()
+    n = ROW_GROUP_ROWS + 10
+    table = pa.table(
+        {
+            "seq": pa.array(np.arange(n, dtype=np.int64)),
+            "kind": pa.array(["clear"] * n),
+            "block_hashes": pa.array([None] * n, pa.list_(pa.binary())),
+        }
+    )
+    for name in trace_schema(config).names:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(n, trace_schema(config).field(name).type))
+    path = write_trace(tmp_path / "big.parquet", config, table)
+    meta = pq.ParquetFile(path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [ROW_GROUP_ROWS, 10]
+    assert open_trace(path).read_frame(["seq"])["seq"].to_list() == list(range(n))
+    # Hash bytes bound them too: two 12 MB rows fit the budget, the third starts a new one.
+    big = [[bytes(32)] * (12 << 20 >> 5)] * 3
+    out = tmp_path / "bytes.parquet"
+    schema = pa.schema([pa.field("block_hashes", pa.list_(pa.binary()))])
+    with pq.ParquetWriter(str(out), schema) as writer:
+        write_bounded(writer, pa.table({"block_hashes": big}, schema=schema))
+    meta = pq.ParquetFile(out).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2, 1]
