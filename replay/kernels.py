@@ -1,10 +1,12 @@
 """The compiled store fold: one open-addressing table keyed on whole hashes.
 
 A slot is ``1 + M + W`` uint64 words: a meta word (the key's mixed hash in
-the high 32 bits, its byte width + 1 in the low 32; 0 = empty), ``M`` words
-of group bits (bit ``g`` set when group ``g`` holds the key) and ``W`` words
-of the key itself, zero-padded. Two keys are equal only when their widths
-and every word agree, so an 8-byte hash never matches a 16-byte one that
+bits 32-63, its byte width + 1 in bits 16-31, and with at most 16 groups the
+group bits in bits 0-15; 0 = empty), ``M`` words of group bits when there
+are more groups (bit ``g`` set when group ``g`` holds the key; ``M = 0``
+otherwise) and ``W`` words of the key itself, zero-padded: 24 bytes a slot
+for a 16-byte hash. Two keys are equal only when their widths and every
+word agree, so an 8-byte hash never matches a 16-byte one that
 starts with it, and the Mooncake importer's 16-byte hashes, which share
 their first 8 bytes (shared/design/performance-notes.md), are told apart:
 no fingerprint, no collision probability.
@@ -31,16 +33,22 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from replay.errors import ReplayError
+
 # Row kinds as the kernel sees them (SKIP: a row that changes nothing).
 STORE, REMOVE, CLEAR, LOOKUP, SKIP = 0, 1, 2, 3, 4
 
 _INITIAL_SLOTS = 1 << 10
 #: Hashes ahead whose home slot is prefetched: a probe's cache miss then
 #: overlaps the ones before it instead of stalling on a mispredicted branch.
-_AHEAD = 16
+_AHEAD = 8
 _MAX_LOAD_NUM, _MAX_LOAD_DEN = 7, 10
-_LOW32 = np.uint64(0xFFFFFFFF)
 _HIGH32 = np.uint64(0xFFFFFFFF00000000)
+#: The meta bits that name the key (hash and width), not who holds it.
+_KEY_BITS = np.uint64(0xFFFFFFFFFFFF0000)
+_INLINE_GROUPS = 16
+#: Widths + 1 live in 16 bits.
+MAX_HASH_BYTES = 0xFFFE
 
 # info[] fields
 _CAP, _COUNT, _W, _M = 0, 1, 2, 3
@@ -91,7 +99,36 @@ def _key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
         w = words[start + i] * k
         acc ^= (w << np.uint64(29)) | (w >> np.uint64(35))
         k += np.uint64(0x9E3779B97F4A7C16)
-    return (_mix(acc) & _HIGH32) | np.uint64(nbytes + 1)
+    return (_mix(acc) & _HIGH32) | (np.uint64(nbytes + 1) << np.uint64(16))
+
+
+@njit(nogil=True, cache=True)
+def _bit(slots: Any, base: int, m: int, g: int) -> Any:
+    """Whether group ``g`` holds the key of the slot at ``base``."""
+    if m == 0:
+        return (slots[base] >> np.uint64(g)) & np.uint64(1)
+    return (slots[base + 1 + (g >> 6)] >> np.uint64(g & 63)) & np.uint64(1)
+
+
+@njit(nogil=True, cache=True)
+def _set_bit(slots: Any, base: int, m: int, g: int, on: bool) -> None:
+    i = base if m == 0 else base + 1 + (g >> 6)
+    bit = np.uint64(1) << np.uint64(g if m == 0 else g & 63)
+    if on:
+        slots[i] |= bit
+    else:
+        slots[i] &= ~bit
+
+
+@njit(nogil=True, cache=True)
+def _live(slots: Any, base: int, m: int) -> bool:
+    """Some group holds the key of the slot at ``base``."""
+    if m == 0:
+        return (slots[base] & ~_KEY_BITS) != 0
+    for j in range(m):  # noqa: SIM110 (a loop numba compiles; no generator)
+        if slots[base + 1 + j] != 0:
+            return True
+    return False
 
 
 @njit(nogil=True, cache=True)
@@ -110,7 +147,7 @@ def _find(
         sm = slots[base]
         if sm == 0:
             return -i - 1
-        if sm == meta:
+        if (sm & _KEY_BITS) == meta:
             k = base + 1 + m
             same = True
             for j in range(nwords):
@@ -156,11 +193,7 @@ def _rebuilt(slots: Any, info: Any, cap: int, w: int) -> Any:
         base = i * old_stride
         if slots[base] == 0:
             continue
-        live = False
-        for j in range(m):
-            if slots[base + 1 + j] != 0:
-                live = True
-        if live:
+        if _live(slots, base, m):
             _place(new, info, slots, base, min(old_w, w))
     return new
 
@@ -227,7 +260,6 @@ def fold_batch(
         for h in range(lo, min(hi, lo + _AHEAD)):
             _prefetch(slots, _home(metas[h], info[_CAP]) * stride)
         if kind == STORE:
-            gw, gbit = g >> 6, np.uint64(1) << np.uint64(g & 63)
             for h in range(lo, hi):
                 if h + _AHEAD < hi:
                     _prefetch(slots, _home(metas[h + _AHEAD], info[_CAP]) * stride)
@@ -243,9 +275,8 @@ def fold_batch(
                     for j in range(nw):
                         slots[base + 1 + m + j] = words[s + j]
                     info[_COUNT] += 1
-                slots[i * stride + 1 + gw] |= gbit
+                _set_bit(slots, i * stride, m, g, True)
         elif kind == REMOVE:
-            gw, gbit = g >> 6, np.uint64(1) << np.uint64(g & 63)
             for h in range(lo, hi):
                 if h + _AHEAD < hi:
                     _prefetch(slots, _home(metas[h + _AHEAD], info[_CAP]) * stride)
@@ -254,21 +285,17 @@ def fold_batch(
                 if i < 0:
                     continue  # removing an absent key is not an error (the format)
                 base = i * stride
-                slots[base + 1 + gw] &= ~gbit
-                live = False
-                for j in range(m):
-                    if slots[base + 1 + j] != 0:
-                        live = True
-                if not live:
+                _set_bit(slots, base, m, g, False)
+                if not _live(slots, base, m):
                     _delete(slots, info, i)
         elif kind == CLEAR:
             if g < 0:
                 slots = np.zeros(_INITIAL_SLOTS * stride, dtype=np.uint64)
                 info[_CAP], info[_COUNT] = _INITIAL_SLOTS, 0
             else:
-                gw, gbit = g >> 6, np.uint64(1) << np.uint64(g & 63)
                 for i in range(info[_CAP]):
-                    slots[i * stride + 1 + gw] &= ~gbit
+                    if slots[i * stride] != 0:
+                        _set_bit(slots, i * stride, m, g, False)
                 slots = _rebuilt(slots, info, info[_CAP], info[_W])
         elif kind == LOOKUP:
             n = hi - lo
@@ -281,10 +308,8 @@ def fold_batch(
                 i = _find(slots, info[_CAP], stride, m, metas[h], words, s, nw)
                 if i < 0:
                     continue  # out is zeroed: absent in every group
-                base = i * stride + 1
                 for gg in range(num_groups):
-                    bit = (slots[base + (gg >> 6)] >> np.uint64(gg & 63)) & np.uint64(1)
-                    out[o + gg * n + u] = np.uint8(bit)
+                    out[o + gg * n + u] = np.uint8(_bit(slots, i * stride, m, gg))
     return slots
 
 
@@ -298,7 +323,7 @@ def _group_counts(slots: Any, info: Any, num_groups: int) -> Any:
         if slots[base] == 0:
             continue
         for g in range(num_groups):
-            if (slots[base + 1 + (g >> 6)] >> np.uint64(g & 63)) & np.uint64(1):
+            if _bit(slots, base, m, g):
                 counts[g] += 1
     return counts
 
@@ -311,7 +336,7 @@ class KeyTable:
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
-        mask_words = (num_groups + 63) // 64
+        mask_words = 0 if num_groups <= _INLINE_GROUPS else (num_groups + 63) // 64
         self.info = np.array([_INITIAL_SLOTS, 0, 1, mask_words], dtype=np.int64)
         self.slots = np.zeros(_INITIAL_SLOTS * (2 + mask_words), dtype=np.uint64)
 
@@ -329,6 +354,11 @@ class KeyTable:
     ) -> None:
         """Fold a batch (``fold_batch``), widening the key words first when
         the batch holds a longer hash than any before."""
+        if max_words * 8 > MAX_HASH_BYTES and int(nbytes.max()) > MAX_HASH_BYTES:
+            raise ReplayError(
+                f"a block hash of {int(nbytes.max())} bytes: longer than {MAX_HASH_BYTES} "
+                "bytes, the most the store keys"
+            )
         if max_words > self.info[_W]:
             self.slots = _rebuilt(self.slots, self.info, int(self.info[_CAP]), max_words)
         self.slots = fold_batch(
