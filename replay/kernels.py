@@ -121,7 +121,7 @@ def _set_bit(slots: Any, base: int, m: int, g: int, on: bool) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _live(slots: Any, base: int, m: int) -> bool:
+def _live(slots: Any, base: int, m: int) -> Any:
     """Some group holds the key of the slot at ``base``."""
     if m == 0:
         return (slots[base] & ~_KEY_BITS) != 0
