@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay.errors import ConfigError, ReplayError, TraceError
+from replay.coordinator import check_config, trace_cache
 from replay.spec import TraceConfig
 
 TRACE_META_KEY = b"replay.trace"
@@ -323,9 +324,12 @@ def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes,
 def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
     obj = _json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
     try:
-        return TraceConfig.from_json(obj)
+        config = TraceConfig.from_json(obj)
+        # A trace must be answerable by the cache its events describe.
+        check_config(config, trace_cache(config.source))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
+    return config
 
 
 @dataclass(frozen=True, slots=True)
