@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from replay.errors import ConfigError, ReplayError, TraceError
 from replay.coordinator import check_config, trace_cache
+from replay.errors import ConfigError, ReplayError, TraceError
 from replay.spec import TraceConfig
 
 TRACE_META_KEY = b"replay.trace"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from replay.coordinator.finders import FINDERS, FinderResult, cdiv, eagle_margin
 from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
+from replay.coordinator.finders import FINDERS, FinderResult, cdiv, eagle_margin
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
@@ -318,9 +318,7 @@ class Coordinator:
                             )
                         )
                     continue
-                drop = sg.eagle and (
-                    sg.index not in verified or not self.policy.verify_eagle_once
-                )
+                drop = sg.eagle and (sg.index not in verified or not self.policy.verify_eagle_once)
                 bound, margin = cand, 0
                 if drop and self._gets_margin(sg):
                     margin = self._margins[sg.index]
