@@ -33,13 +33,20 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
-from analysis.flags import FLAG_KINDS, attach_flags, compute_flags, with_flag_column
+from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
 from replay.coordinator import DEFAULT_POLICY
 from replay.engine import replay_trace
 from replay.errors import ReplayError
 from replay.render import group_label, table
 from replay.spec import GroupKind, TraceConfig
-from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
+from replay.trace import (
+    atomic_path,
+    is_results_file,
+    open_trace,
+    read_results,
+    results_cache,
+    results_config,
+)
 
 DIFF_META_KEY = b"replay.diff"
 _FLAG_ORDER = {name: i for i, name in enumerate(FLAG_KINDS)}
@@ -416,7 +423,6 @@ def diff_policies(
     config: TraceConfig | None = None
     for label, policy, coord in ((la, pa_, ca), (lb, pb, cb)):
         result = replay_trace(trace, policy=policy, coordinator=coord, exact=exact)
-        attach_flags(result)
         config = result.config
         sides.append(
             Side(
@@ -440,12 +446,12 @@ def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str,
     return read_results(path)
 
 
-def _with_flags(frame: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
+def _with_flags(frame: pl.DataFrame, config: TraceConfig, info: dict[str, Any]) -> pl.DataFrame:
     """A results file's own ``flags``; computed from ``unit_present`` when a
     writer left the column out."""
     if "flags" in frame.columns or "unit_present" not in frame.columns:
         return frame
-    return with_flag_column(frame, compute_flags(frame, config))
+    return with_flag_column(frame, recompute_flags(frame, config, results_cache(info)))
 
 
 def diff_results_files(
@@ -474,8 +480,8 @@ def diff_results_files(
         la, lb = Path(path_a).name, Path(path_b).name
         if la == lb:
             la, lb = str(path_a), str(path_b)
-    frame_a = _with_flags(frame_a, config_a)
-    frame_b = _with_flags(frame_b, config_b)
+    frame_a = _with_flags(frame_a, config_a, info_a)
+    frame_b = _with_flags(frame_b, config_b, info_b)
     a = Side(label=la, policy=pol_a, coordinator=co_a, source=str(path_a), results=frame_a)
     b = Side(label=lb, policy=pol_b, coordinator=co_b, source=str(path_b), results=frame_b)
     return diff_sides(a, b, config_a, str(trace_a))

@@ -230,7 +230,7 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import attach_flags, flag_counts, flag_examples
+    from analysis.flags import flag_counts, flag_examples
 
     bar = _progress(quiet or as_json)
     try:
@@ -240,7 +240,7 @@ def run(
     finally:
         if bar is not None:
             bar.close()
-    flags = attach_flags(result)
+    flags = result.flags()
     out = output or default_results_path(trace)
     save_results(result, out)
     counts = flag_counts(flags)

@@ -24,7 +24,15 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from replay.coordinator import DEFAULT_POLICY, Coordinator, LookupOutcome, get_policy
+from analysis.flags import FlagChecker, flag_names, flag_rows, flags_table
+from replay.coordinator import (
+    DEFAULT_POLICY,
+    Coordinator,
+    LookupOutcome,
+    get_cache,
+    get_policy,
+    trace_cache,
+)
 from replay.errors import ReplayError
 from replay.spec import TraceConfig
 from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
@@ -47,14 +55,23 @@ class LookupCoordinator(Protocol):
     ) -> LookupOutcome: ...
 
 
-def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> LookupCoordinator:
+def resolve_cache(config: TraceConfig, cache: str | None) -> str:
+    """The cache that answers: the one asked for, else the one the trace's
+    events describe (``source.cache``), else the Mooncake store."""
+    return get_cache(cache).name if cache is not None else trace_cache(config.source)
+
+
+def make_coordinator(
+    config: TraceConfig, policy: str, coordinator: str, cache: str | None = None
+) -> LookupCoordinator:
     get_policy(policy)  # unknown names fail the same way for both backends
+    cache = resolve_cache(config, cache)
     if coordinator == "reference":
-        return Coordinator(config, policy)
+        return Coordinator(config, policy, cache)
     if coordinator == "vllm":
         from replay.backends.vllm import VllmCoordinator
 
-        return VllmCoordinator(config, policy)
+        return VllmCoordinator(config, policy, cache)
     raise ReplayError(
         f"unknown coordinator {coordinator!r}, expected one of {', '.join(COORDINATORS)}"
     )
@@ -121,6 +138,7 @@ class ReplayResult:
     config: TraceConfig
     policy: str
     coordinator: str
+    cache: str
     results: pl.DataFrame
     events: int
     events_by_kind: dict[str, int]
@@ -128,12 +146,18 @@ class ReplayResult:
     exact_keys: bool
     trace_path: str
 
+    def flags(self) -> pl.DataFrame:
+        """One row per (lookup, flag), with the numbers that prove it."""
+        return flags_table(self.results)
+
     def metadata(self) -> dict[str, Any]:
         return {
             "version": 1,
             "coordinator": self.coordinator,
             "policy": self.policy,
             "policy_description": get_policy(self.policy).description,
+            "cache": self.cache,
+            "cache_description": get_cache(self.cache).description,
             "kv_cache_groups": [g.to_json() for g in self.config.groups],
             "trace_config": self.config.to_json(),
             "trace": os.path.basename(self.trace_path),
@@ -146,14 +170,19 @@ def replay_trace(
     *,
     policy: str = DEFAULT_POLICY,
     coordinator: str = "reference",
+    cache: str | None = None,
     exact: bool = False,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
 ) -> ReplayResult:
-    """Replay every lookup of the trace; see the module docstring for keys."""
+    """Replay every lookup of the trace and flag each answer in the same
+    pass (``analysis/flags.py``); see the module docstring for keys.
+    ``cache`` picks which of vLLM's caches answers (``resolve_cache``)."""
     reader = open_trace(path)
     config = reader.config
-    coord = make_coordinator(config, policy, coordinator)
+    cache = resolve_cache(config, cache)
+    coord = make_coordinator(config, policy, coordinator, cache)
+    checker = FlagChecker(config, cache)
     exact = exact or coordinator == "vllm"
     store: Store[Hashable] = Store(config.num_groups)
 
@@ -226,9 +255,12 @@ def replay_trace(
                     None if observed is None else observed == res.hit_tokens
                 )
                 out["ts"].append(ts[i])
-                out["flags"].append([])
+                flags = checker.check_outcome(probes, max_length, res, observed)
+                out["flags"].append(flag_names(flags))
+                out["flag_details"].append(flag_rows(flags))
                 out["policy"].append(policy)
                 out["coordinator"].append(coord.name)
+                out["cache"].append(cache)
         if bits:
             bit_chunks.append(np.frombuffer(bytes(bits), dtype=np.bool_))
             bits.clear()
@@ -250,6 +282,7 @@ def replay_trace(
         config=config,
         policy=policy,
         coordinator=coord.name,
+        cache=cache,
         results=results,
         events=state.events,
         events_by_kind=counts,
@@ -298,12 +331,13 @@ def explain_lookups(
     policy: str,
     coordinator: str = "reference",
     *,
+    cache: str | None = None,
     until_seq: int | None = None,
 ) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome]]]:
     """Every selected lookup with the coordinator's steps, in one pass: the
     store is folded once and each lookup explained where it stands."""
     config = open_trace(path).config
-    coord = make_coordinator(config, policy, coordinator)
+    coord = make_coordinator(config, policy, coordinator, cache)
     store: Store[bytes] = Store(config.num_groups)
     contains = [s.__contains__ for s in store.present]
     found: list[tuple[LookupEvent[bytes], LookupOutcome]] = []

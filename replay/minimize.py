@@ -38,12 +38,9 @@ def _rows(path: str | os.PathLike[str]) -> list[Row]:
 def _flags_of(
     config: TraceConfig, rows: Sequence[Row], request_id: str, policy: str, workdir: Path
 ) -> tuple[set[str], int]:
-    from analysis.flags import attach_flags
-
     path = workdir / "candidate.parquet"
     write_trace(path, config, _renumbered(rows))
     result = replay_trace(path, policy=policy, exact=True)
-    attach_flags(result)
     mine = result.results.filter(result.results["request_id"] == request_id)
     if mine.height == 0:
         return set(), 0

@@ -69,11 +69,11 @@ class TraceItem(pytest.Item):
         self.policy = str(entry.get("policy", "vllm-0.33"))
 
     def runtest(self) -> None:
-        from analysis.flags import attach_flags, flag_counts
+        from analysis.flags import flag_counts
         from replay.engine import replay_trace
 
         result = replay_trace(self.path, policy=self.policy)
-        flags = attach_flags(result)
+        flags = result.flags()
         problems: list[str] = []
         explain_ids: list[str] = []
         if "flags" in self.entry:

@@ -48,7 +48,8 @@ def random_config(rng: random.Random) -> TraceConfig:
                 use_eagle=rng.random() < 0.5,
                 enable_partial_hash_hits=rng.random() < 0.3,
             )
-            check_config(config, "mooncake")
+            for cache in ("mooncake", "gpu"):
+                check_config(config, cache)
         except ConfigError:
             continue
         return config
