@@ -297,6 +297,13 @@ class FlagChecker:
         )
 
 
+def flag_lines(flags: Sequence[Flag]) -> str:
+    """A lookup's flags as ``replay explain`` prints them under its table."""
+    if not flags:
+        return "flags: none"
+    return "\n".join(["flags:", *(f"  {f.flag}: {f.detail}" for f in flags)])
+
+
 def flag_names(flags: Sequence[Flag]) -> list[str]:
     """The ``flags`` column value: each kind once, in ``FLAG_KINDS`` order."""
     return list(dict.fromkeys(f.flag for f in flags))
@@ -457,6 +464,12 @@ def check_path(
     if is_results_file(path):
         frame, info = read_results(path)
         config = results_config(info, path)
-        return results_flags(frame, config, results_cache(info)), str(info.get("policy", "?"))
+        made_in = results_cache(info)
+        if cache is not None and cache != made_in:
+            raise ReplayError(
+                f"{path}: these results were replayed in the {made_in} cache, not {cache} "
+                f"(replay the trace with --cache {cache}, or drop --cache)"
+            )
+        return results_flags(frame, config, made_in), str(info.get("policy", "?"))
     result = replay_trace(path, policy=policy, coordinator=coordinator, cache=cache)
     return result.flags(), policy

@@ -389,11 +389,14 @@ def _explain_examples(data: ReportData, trace: Path) -> None:
     wanted = {e.seq for exs in data.examples.values() for e in exs}
     if not wanted:
         return
-    config, found = explain_lookups(trace, lambda e: e.seq in wanted, policy, until_seq=max(wanted))
+    cache = results_cache(data.info)
+    config, found = explain_lookups(
+        trace, lambda e: e.seq in wanted, policy, cache=cache, until_seq=max(wanted)
+    )
     texts: dict[int, str] = {}
-    for lookup, outcome in found:
+    for lookup, outcome, _ in found:
         texts[lookup.seq] = (
-            explain_header(config, lookup, policy) + "\n\n" + explain_table(config, outcome)
+            explain_header(config, lookup, policy, cache) + "\n\n" + explain_table(config, outcome)
         )
     for k, exs in data.examples.items():
         data.examples[k] = [

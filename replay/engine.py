@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from analysis.flags import FlagChecker, flag_names, flag_rows, flags_table
+from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.coordinator import (
     DEFAULT_POLICY,
     Coordinator,
@@ -333,14 +333,17 @@ def explain_lookups(
     *,
     cache: str | None = None,
     until_seq: int | None = None,
-) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome]]]:
-    """Every selected lookup with the coordinator's steps, in one pass: the
-    store is folded once and each lookup explained where it stands."""
+) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]]]:
+    """Every selected lookup with the coordinator's steps and its flags, in
+    one pass: the store is folded once and each lookup explained where it
+    stands."""
     config = open_trace(path).config
+    cache = resolve_cache(config, cache)
     coord = make_coordinator(config, policy, coordinator, cache)
+    checker = FlagChecker(config, cache)
     store: Store[bytes] = Store(config.num_groups)
     contains = [s.__contains__ for s in store.present]
-    found: list[tuple[LookupEvent[bytes], LookupOutcome]] = []
+    found: list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]] = []
     for event, _ in iter_events(path, exact=True):
         if until_seq is not None and event.seq > until_seq:
             break
@@ -348,7 +351,11 @@ def explain_lookups(
             store.observe(event.seq)
             if select(event):  # type: ignore[arg-type]
                 outcome = coord.lookup(event.hashes, event.max_length, contains, explain=True)
-                found.append((event, outcome))  # type: ignore[arg-type]
+                present = [bytes(map(c, event.hashes)) for c in contains]
+                flags = checker.check_outcome(
+                    present, event.max_length, outcome, event.observed_hit_tokens
+                )
+                found.append((event, outcome, flags))  # type: ignore[arg-type]
         else:
             store.apply(event)  # type: ignore[arg-type]
     return config, found

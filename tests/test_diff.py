@@ -190,7 +190,10 @@ def test_diff_results_files_43559(tmp_path: Path, trace_43559: Path) -> None:
         assert r.exit_code == 0, r.output
     res = invoke([a, b])
     assert res.exit_code == 0, res.output
-    assert f"  A = vllm-0.33: policy vllm-0.33, coordinator reference ({a})" in res.output
+    assert (
+        f"  A = vllm-0.33: policy vllm-0.33, coordinator reference, cache mooncake ({a})"
+        in res.output
+    )
     assert "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)" in res.output
     assert "flag mamba_overrun  only in B        1      16     0  +16" in res.output
 
@@ -403,7 +406,8 @@ def test_bad_trace_given_for_results(tmp_path: Path, trace_43559: Path) -> None:
 def test_bad_one_policy(trace_43559: Path) -> None:
     assert _error([trace_43559, "--policy", "pre-49502"]) == (
         f"error: {trace_43559}: a trace needs two sides to diff: give --policy twice "
-        "(e.g. --policy vllm-0.33 --policy pre-49502) or --coordinator twice"
+        "(e.g. --policy vllm-0.33 --policy pre-49502), --cache twice "
+        "(--cache mooncake --cache gpu) or --coordinator twice"
     )
 
 
@@ -419,8 +423,8 @@ def test_bad_three_policies(trace_43559: Path) -> None:
 def test_bad_policy_with_results_files(tmp_path: Path, trace_43559: Path) -> None:
     a, b = _two_results(tmp_path, trace_43559)
     assert _error([a, b, "--policy", "pre-49502"]).startswith(
-        "error: --policy/--coordinator/--exact replay a trace; two results files are compared "
-        "as they are"
+        "error: --policy/--coordinator/--cache/--exact replay a trace; two results files are "
+        "compared as they are"
     )
 
 
