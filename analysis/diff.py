@@ -18,6 +18,13 @@ one explanation:
    ``group_hit_tokens``);
 3. ``unexplained`` when neither flags nor groups differ.
 
+When the two sides are two caches (``--cache mooncake --cache gpu``), each
+changed lookup also names the cache rule behind it (``rule``): the rule of
+``replay.coordinator.cache`` that treats the explaining group differently
+in this configuration (a widened window, a flag honoured without
+``use_eagle``, a different merge), else the configuration-wide one (the
+single-spec shortcut, the unitary coordinator, derived partial hits).
+
 Gains and losses are ``hit B - hit A`` per lookup.
 """
 
@@ -33,13 +40,27 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
-from analysis.flags import FLAG_KINDS, attach_flags, compute_flags, with_flag_column
-from replay.coordinator import DEFAULT_POLICY
-from replay.engine import replay_trace
+from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
+from replay.coordinator import (
+    DEFAULT_POLICY,
+    build_spec_groups,
+    eagle_group_ids,
+    get_cache,
+    hit_alignment,
+    lookup_spec,
+)
+from replay.engine import replay_trace, resolve_cache
 from replay.errors import ReplayError
 from replay.render import group_label, table
 from replay.spec import GroupKind, TraceConfig
-from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
+from replay.trace import (
+    atomic_path,
+    is_results_file,
+    open_trace,
+    read_results,
+    results_cache,
+    results_config,
+)
 
 DIFF_META_KEY = b"replay.diff"
 _FLAG_ORDER = {name: i for i, name in enumerate(FLAG_KINDS)}
@@ -67,6 +88,7 @@ DIFF_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     "mask_blocks_b": pl.List(pl.Int32),
     "loaded_blocks_a": pl.List(pl.Int32),
     "loaded_blocks_b": pl.List(pl.Int32),
+    "rule": pl.String,
 }
 
 REASON_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
@@ -90,12 +112,14 @@ class Side:
     coordinator: str | None
     source: str
     results: pl.DataFrame
+    cache: str | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
             "label": self.label,
             "policy": self.policy,
             "coordinator": self.coordinator,
+            "cache": self.cache,
             "source": self.source,
         }
 
@@ -260,6 +284,58 @@ def _explanations(config: TraceConfig) -> list[pl.Expr]:
     ]
 
 
+def cache_rules(config: TraceConfig, a: str, b: str) -> tuple[dict[int, str], str | None]:
+    """Where caches ``a`` and ``b`` treat this configuration differently: per
+    group_id the rule that touches that group, and the configuration-wide
+    rule (or None)."""
+    if a == b:
+        return {}, None
+    ca, cb = get_cache(a), get_cache(b)
+    per_group: dict[int, str] = {}
+    drops = {c.name: eagle_group_ids(config, c) for c in (ca, cb)}
+    members = {
+        c.name: {gid: sg.group_ids for sg in build_spec_groups(config, c) for gid in sg.group_ids}
+        for c in (ca, cb)
+    }
+    for gid, g in enumerate(config.groups):
+        rules = []
+        if lookup_spec(g, ca) != lookup_spec(g, cb):
+            widens = ca.name if ca.widen_window else cb.name
+            rules.append(
+                f"sliding window {g.sliding_window} widened by extra_retained_tokens "
+                f"{g.extra_retained_tokens} in {widens} only"
+            )
+        if (gid in drops[ca.name]) != (gid in drops[cb.name]):
+            who = ca.name if gid in drops[ca.name] else cb.name
+            rules.append(f"is_eagle_group with use_eagle off: drops for EAGLE in {who} only")
+        if members[ca.name][gid] != members[cb.name][gid]:
+            rules.append(
+                f"merged spec groups: {ca.name} {list(members[ca.name][gid])}, "
+                f"{cb.name} {list(members[cb.name][gid])}"
+            )
+        if rules:
+            per_group[gid] = "; ".join(rules)
+    wide: list[str] = []
+    if hit_alignment(config, ca) != hit_alignment(config, cb):
+        wide.append(
+            f"hit alignment {ca.name} {hit_alignment(config, ca)}, {cb.name} "
+            f"{hit_alignment(config, cb)} (the engine derives partial hits and runs one "
+            "group through its unitary coordinator)"
+        )
+    spec_groups = {c.name: build_spec_groups(config, c) for c in (ca, cb)}
+    single = [
+        c
+        for c in (ca, cb)
+        if len(spec_groups[c.name]) == 1 and c.single_spec_shortcut and config.num_groups > 1
+    ]
+    if single and len(single) == 1 and any(sg.eagle for sg in spec_groups[single[0].name]):
+        wide.append(
+            f"one spec group over {config.num_groups} KV-cache groups: the engine's loop "
+            f"grants the EAGLE peek margin, {single[0].name}'s single call does not"
+        )
+    return per_group, "; ".join(wide) or None
+
+
 def diff_sides(a: Side, b: Side, config: TraceConfig, trace: str) -> DiffResult:
     """Compare two replays of one trace (same lookups, same config)."""
     fa = _ensure_columns(a.results)
@@ -333,6 +409,7 @@ def diff_sides(a: Side, b: Side, config: TraceConfig, trace: str) -> DiffResult:
             pl.col("loaded_blocks").alias("loaded_blocks_a"),
             "loaded_blocks_b",
         )
+        .with_columns(_rule_column(config, a, b))
         .cast(pl.Schema(DIFF_SCHEMA))
     )
     reasons = (
@@ -363,6 +440,25 @@ def diff_sides(a: Side, b: Side, config: TraceConfig, trace: str) -> DiffResult:
     )
 
 
+def _rule_column(config: TraceConfig, a: Side, b: Side) -> pl.Expr:
+    """The cache rule behind each changed lookup (null unless the sides are
+    two caches): the explaining group's, else any changed group's, else the
+    configuration-wide one."""
+    if a.cache is None or b.cache is None or a.cache == b.cache:
+        return pl.lit(None, pl.String).alias("rule")
+    per_group, wide = cache_rules(config, a.cache, b.cache)
+    by_group = {gid: f"group {gid}: {text}" for gid, text in per_group.items()}
+    touched = pl.col("groups_changed").list.eval(
+        pl.element().replace_strict(by_group, default=None, return_dtype=pl.String)
+    )
+    return pl.coalesce(
+        pl.col("reason_group").replace_strict(by_group, default=None, return_dtype=pl.String),
+        touched.list.drop_nulls().list.first(),
+        pl.lit(wide, pl.String),
+        pl.lit("unexplained by a cache rule", pl.String),
+    ).alias("rule")
+
+
 # ---------------------------------------------------------------- inputs
 
 
@@ -378,7 +474,7 @@ def _pair(option: str, values: Sequence[str], default: str) -> tuple[str, str]:
     return values[0], values[1]
 
 
-def _labels(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> tuple[str, str]:
+def _labels(a: tuple[str | None, ...], b: tuple[str | None, ...]) -> tuple[str, str]:
     """Short names for the two sides: whatever differs between them."""
     parts_a, parts_b = [], []
     for x, y in zip(a, b, strict=True):
@@ -394,8 +490,10 @@ def diff_policies(
     trace: str | os.PathLike[str],
     policies: Sequence[str],
     coordinators: Sequence[str] = (),
+    caches: Sequence[str] = (),
 ) -> DiffResult:
-    """Replay ``trace`` twice (``--policy A --policy B`` and/or two coordinators)."""
+    """Replay ``trace`` twice (``--policy A --policy B``, two coordinators
+    and/or two caches)."""
     if is_results_file(trace):
         raise ReplayError(
             f"{trace}: is a results file, expected a trace to replay with --policy twice "
@@ -403,19 +501,19 @@ def diff_policies(
         )
     pa_, pb = _pair("--policy", policies, DEFAULT_POLICY)
     ca, cb = _pair("--coordinator", coordinators, "reference")
-    if len(policies) < 2 and len(coordinators) < 2:
+    if len(policies) < 2 and len(coordinators) < 2 and len(caches) < 2:
         raise ReplayError(
             f"{trace}: a trace needs two sides to diff: give --policy twice "
-            "(e.g. --policy vllm-0.33 --policy pre-49502) or --coordinator twice"
+            "(e.g. --policy vllm-0.33 --policy pre-49502), --cache twice "
+            "(--cache mooncake --cache gpu) or --coordinator twice"
         )
-    open_trace(trace)  # validates the metadata and schema before any replay
-    la, lb = _labels((pa_, ca), (pb, cb))
+    config = open_trace(trace).config  # validates metadata and schema before any replay
+    own = resolve_cache(config, None)
+    ka, kb = _pair("--cache", caches, own)
+    la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
     sides = []
-    config: TraceConfig | None = None
-    for label, policy, coord in ((la, pa_, ca), (lb, pb, cb)):
-        result = replay_trace(trace, policy=policy, coordinator=coord)
-        attach_flags(result)
-        config = result.config
+    for label, policy, coord, cache in ((la, pa_, ca, ka), (lb, pb, cb, kb)):
+        result = replay_trace(trace, policy=policy, coordinator=coord, cache=cache)
         sides.append(
             Side(
                 label=label,
@@ -423,9 +521,9 @@ def diff_policies(
                 coordinator=result.coordinator,
                 source=str(trace),
                 results=result.results,
+                cache=result.cache,
             )
         )
-    assert config is not None
     return diff_sides(sides[0], sides[1], config, Path(trace).name)
 
 
@@ -438,12 +536,12 @@ def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str,
     return read_results(path)
 
 
-def _with_flags(frame: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
+def _with_flags(frame: pl.DataFrame, config: TraceConfig, info: dict[str, Any]) -> pl.DataFrame:
     """A results file's own ``flags``; computed from ``unit_present`` when a
     writer left the column out."""
     if "flags" in frame.columns or "unit_present" not in frame.columns:
         return frame
-    return with_flag_column(frame, compute_flags(frame, config))
+    return with_flag_column(frame, recompute_flags(frame, config, results_cache(info)))
 
 
 def diff_results_files(
@@ -472,10 +570,24 @@ def diff_results_files(
         la, lb = Path(path_a).name, Path(path_b).name
         if la == lb:
             la, lb = str(path_a), str(path_b)
-    frame_a = _with_flags(frame_a, config_a)
-    frame_b = _with_flags(frame_b, config_b)
-    a = Side(label=la, policy=pol_a, coordinator=co_a, source=str(path_a), results=frame_a)
-    b = Side(label=lb, policy=pol_b, coordinator=co_b, source=str(path_b), results=frame_b)
+    frame_a = _with_flags(frame_a, config_a, info_a)
+    frame_b = _with_flags(frame_b, config_b, info_b)
+    a = Side(
+        label=la,
+        policy=pol_a,
+        coordinator=co_a,
+        source=str(path_a),
+        results=frame_a,
+        cache=results_cache(info_a),
+    )
+    b = Side(
+        label=lb,
+        policy=pol_b,
+        coordinator=co_b,
+        source=str(path_b),
+        results=frame_b,
+        cache=results_cache(info_b),
+    )
     return diff_sides(a, b, config_a, str(trace_a))
 
 
@@ -483,15 +595,18 @@ def diff_inputs(
     paths: Sequence[str | os.PathLike[str]],
     policies: Sequence[str] = (),
     coordinators: Sequence[str] = (),
+    caches: Sequence[str] = (),
 ) -> DiffResult:
-    """What ``replay diff`` does: one trace and two policies, or two results files."""
+    """What ``replay diff`` does: one trace and two policies or caches, or two
+    results files."""
     if len(paths) == 1:
-        return diff_policies(paths[0], policies, coordinators)
+        return diff_policies(paths[0], policies, coordinators, caches)
     if len(paths) == 2:
-        if policies or coordinators:
+        if policies or coordinators or caches:
             raise ReplayError(
-                "--policy/--coordinator replay a trace; two results files are compared as "
-                "they are (give one trace with --policy twice, or two results files alone)"
+                "--policy/--coordinator/--cache replay a trace; two results files are "
+                "compared as they are (give one trace with --policy or --cache twice, or two "
+                "results files alone)"
             )
         return diff_results_files(paths[0], paths[1])
     raise ReplayError(
@@ -515,8 +630,10 @@ def render_text(diff: DiffResult, limit: int = 20) -> str:
     a, b = diff.a, diff.b
     lines = [
         f"diff of trace {diff.trace}",
-        f"  A = {a.label}: policy {a.policy}, coordinator {a.coordinator} ({a.source})",
-        f"  B = {b.label}: policy {b.policy}, coordinator {b.coordinator} ({b.source})",
+        f"  A = {a.label}: policy {a.policy}, coordinator {a.coordinator}, cache {a.cache} "
+        f"({a.source})",
+        f"  B = {b.label}: policy {b.policy}, coordinator {b.coordinator}, cache {b.cache} "
+        f"({b.source})",
         f"lookups: {s['lookups']} compared, {s['changed']} with a different hit "
         f"(B higher on {s['b_higher']}, lower on {s['b_lower']})",
         f"hit tokens: A {s['hit_tokens_a']}, B {s['hit_tokens_b']}: net {_signed(s['net'])} "
@@ -544,6 +661,23 @@ def render_text(diff: DiffResult, limit: int = 20) -> str:
         "",
         "explained by:",
         table(["reason", "where", "lookups", "gained", "lost", "net"], reason_rows),
+    ]
+    rules = diff.lookups.filter(pl.col("rule").is_not_null())
+    if rules.height:
+        per_rule = (
+            rules.group_by("rule")
+            .agg(pl.len().alias("n"), pl.col("delta").sum().alias("net"), pl.col("seq").min())
+            .sort("n", "seq", descending=[True, False])
+        )
+        lines += [
+            "",
+            "cache rules behind the changes:",
+            table(
+                ["rule", "lookups", "net"],
+                [[r, n, _signed(int(net))] for r, n, net, _ in per_rule.iter_rows()],
+            ),
+        ]
+    lines += [
         "",
         f"changed lookups (first {min(limit, diff.changed)} of {diff.changed}):"
         if diff.changed > limit

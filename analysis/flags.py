@@ -1,46 +1,61 @@
-"""Flags: one row per (lookup, flag), each with the numbers that prove it.
+"""Flags: what is wrong with a lookup's answer, each with the numbers that prove it.
 
-The checks look at the coordinator's *answer* (the results file) and the
-store at each lookup's ``seq`` (the results' ``unit_present``: whether each
-group held a key for each of the lookup's hash units, recorded by the replay's
-fold before the coordinator ran); they never ask the coordinator how it
-decided, so they also catch a wrong coordinator, vLLM's included.
+The definitions are stated here once, as ``FlagChecker.check``: a pure
+function of one lookup's answer (the hit and every group's load mask, the
+results columns) and of the store that lookup saw (``present[g][u]``: group
+``g`` held the key of the request's hash unit ``u``). The replay calls it for
+every lookup in the same pass, so a results file carries its flags
+(``flags``, and ``flag_details`` with the numbers); ``recompute_flags``
+runs it again over a results file that kept ``unit_present``. The checks
+never ask the coordinator how it decided, so they also catch a wrong
+coordinator, vLLM's included.
 
-Definitions (``H`` the hit, ``M`` the lookup's max_length, ``S`` a Mamba
-group's resumed state position, ``a`` the hit alignment):
+Definitions (``H`` the hit, ``M`` the lookup's max_length, ``a`` the hit
+alignment of the cache that answered, ``S`` a Mamba group's resumed state
+position, ``A`` the tokens every attention group's loaded KV covers: the
+least ``mask_blocks x block_size`` over the non-Mamba groups):
 
+- ``mamba_overrun``: ``S > H`` or ``S > A``: the request resumes recurrent
+  state for tokens whose attention KV it does not load (the #43559 class:
+  silent corruption).
+- ``mamba_state_mismatch``: ``S != H``.
 - ``hit_beyond_max_length``: ``H > M``.
 - ``hit_misaligned``: ``H % a != 0``.
-- ``mamba_state_mismatch``: ``S != H`` (the request would resume recurrent
-  state for other tokens than the ones it skips).
-- ``mamba_overrun``: ``S > V``, where ``V`` is the attention-verified prefix:
-  the minimum over non-Mamba groups of the longest aligned prefix the store
-  lets that group serve. Full attention: the present blocks from the left
-  (and, with partial hits, the present interior hash units of the next
-  block), within ``M`` (with EAGLE: within the request's hashes, one block or
-  unit past ``M`` at most), minus the EAGLE drop. Sliding window: the largest
-  aligned ``P <= M`` whose window blocks before ``P`` are present, with EAGLE
-  also the block at ``P``. Chunked local: the present blocks from the start
-  of ``M``'s chunk. The #43559 class.
-- ``missing_block``: a block the hit relies on is absent at that ``seq``:
-  full attention below ``H`` (for a hit inside a block, some present hash
-  unit of that block at or past ``H``), the sliding window before ``H``, the chunk's
-  blocks before ``H``, the Mamba state at ``S``.
-- ``eagle_not_dropped``: EAGLE is on for a full-attention group and ``H > 0``
-  covers the group's whole present prefix (nothing left to recompute).
+- ``missing_block``: a block of a group's load mask is absent at that
+  ``seq`` (each loaded block's key: its last hash unit; for a block the hit
+  or the Mamba state ends inside, some present unit of that block at or
+  past the end; the Mamba state's own unit; anything past the request's
+  hashes), or, in a model without Mamba groups (where ``mamba_overrun``
+  reports it), an attention group's mask stops short of ``H``.
+- ``eagle_not_dropped``: an EAGLE full-attention or sliding-window group
+  (one that drops for EAGLE in this cache) and ``H > 0``, but the unit the
+  drop would have recomputed (the block at ``H``, or the hash unit at ``H``
+  when the group probes inside blocks) is absent: the hit reached the
+  group's whole match, so nothing is recomputed and EAGLE's drafter gets no
+  hidden states. The resumed state is consistent; the cost is acceptance.
 - ``observed_mismatch``: the production-reported hit differs from ``H``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
-from replay.coordinator import build_spec_groups
+from replay.coordinator import (
+    DEFAULT_CACHE,
+    Cache,
+    LookupOutcome,
+    build_spec_groups,
+    get_cache,
+    hit_alignment,
+    partial_hits,
+)
 from replay.errors import ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.spec import GroupKind, TraceConfig
 
 FLAG_KINDS = (
     "mamba_overrun",
@@ -69,407 +84,310 @@ def empty_flags() -> pl.DataFrame:
     return pl.DataFrame(schema=FLAGS_SCHEMA)
 
 
-def _cdiv(a: pl.Expr, b: int) -> pl.Expr:
-    return (a + (b - 1)) // b
+@dataclass(frozen=True, slots=True)
+class Flag:
+    flag: str
+    group_id: int | None
+    actual: int | None
+    expected: int | None
+    detail: str
 
 
-def presence(results: pl.DataFrame, gid: int) -> pl.DataFrame:
-    """(seq, u, present) for every hash unit of every lookup, for group ``gid``,
-    from the results' ``unit_present`` (the store state each lookup saw)."""
-    return (
-        results.select("seq", pl.col("unit_present").list.get(gid).alias("present"))
-        .with_columns(pl.int_ranges(0, pl.col("present").list.len(), dtype=pl.Int64).alias("u"))
-        .explode("present", "u")
-        .drop_nulls("u")
-    )
+class FlagChecker:
+    """The flag definitions for one configuration and cache."""
 
-
-def _fine(config: TraceConfig, spec: GroupSpec) -> bool:
-    return (
-        config.enable_partial_hash_hits
-        and spec.kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA)
-        and spec.block_size > config.hash_block_size
-    )
-
-
-def _group_facts(
-    config: TraceConfig, gid: int, eagle: bool, pres: pl.DataFrame, lk: pl.DataFrame
-) -> pl.DataFrame:
-    """Per lookup: the group's verified prefix ``V`` (and for full attention
-    its covered prefix ``C``), and the first block the hit relies on that is
-    absent (``missing``)."""
-    spec = config.groups[gid]
-    hbs, bs, align = config.hash_block_size, spec.block_size, config.alignment
-    k = bs // hbs
-    blocks = pres.filter((pl.col("u") + 1) % k == 0).with_columns(
-        ((pl.col("u") + 1) // k - 1).alias("j")
-    )
-    lk = lk.with_columns((pl.col("n_units") // k).alias("n_blocks"))
-    fine = _fine(config, spec)
-
-    if spec.kind is GroupKind.FULL_ATTENTION:
-        drop = min(align, bs) if eagle else 0
-        margin = (hbs if fine else bs) if eagle else 0
-        cap = (
-            pl.min_horizontal(pl.col("max_length") + margin, pl.col("n_units") * hbs)
-            if eagle
-            else pl.col("max_length")
+    def __init__(self, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> None:
+        self.config = config
+        self.cache = get_cache(cache)
+        self.alignment = hit_alignment(config, self.cache)
+        partial = partial_hits(config, self.cache)
+        hbs = config.hash_block_size
+        # Groups that probe hash units inside a block (vLLM's fine-grained
+        # lookups): full attention and Mamba with partial hits and big blocks.
+        self._fine = tuple(
+            partial
+            and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA)
+            and g.block_size > hbs
+            and g.block_size % self.alignment == 0
+            for g in config.groups
         )
-        lk = lk.with_columns(cap.alias("cap"))
-        first_miss = (
-            blocks.join(lk.select("seq", "cap"), on="seq")
-            .filter(~pl.col("present") & (pl.col("j") < pl.col("cap") // bs))
-            .group_by("seq")
-            .agg(pl.col("j").min().alias("first_miss"))
+        eagle = {
+            gid for sg in build_spec_groups(config, self.cache) if sg.eagle for gid in sg.group_ids
+        }
+        self._eagle_attention = tuple(
+            gid
+            for gid, g in enumerate(config.groups)
+            if gid in eagle and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
         )
-        lk = lk.join(first_miss, on="seq", how="left").with_columns(
-            pl.coalesce(
-                "first_miss", pl.min_horizontal(pl.col("cap") // bs, pl.col("n_blocks"))
-            ).alias("run")
+        self._attention = tuple(
+            gid for gid, g in enumerate(config.groups) if g.kind is not GroupKind.MAMBA
         )
-        cover = pl.col("run") * bs
-        if fine:
-            ext = (
-                pres.join(lk.select("seq", "run", "cap", "n_units"), on="seq")
-                .filter(
-                    pl.col("present")
-                    & (pl.col("u") >= pl.col("run") * k)
-                    & (
-                        pl.col("u")
-                        < pl.min_horizontal(
-                            pl.col("run") * k + k - 1, pl.col("cap") // hbs, pl.col("n_units")
-                        )
+        self._mamba = tuple(gid for gid, g in enumerate(config.groups) if g.kind is GroupKind.MAMBA)
+
+    def state_tokens(
+        self, gid: int, mask_blocks: int, loaded_blocks: int, state: int | None
+    ) -> int:
+        """Where a Mamba group resumes: the end of its one loaded block, or
+        the exact hash unit when it probes inside blocks."""
+        if loaded_blocks == 0:
+            return 0
+        if self._fine[gid] and state is not None:
+            return state
+        return mask_blocks * self.config.groups[gid].block_size
+
+    def check(
+        self,
+        present: Sequence[bytes],
+        max_length: int,
+        hit: int,
+        masks: Sequence[tuple[int, int]],
+        states: Sequence[int | None],
+        observed: int | None,
+    ) -> list[Flag]:
+        """Every flag of one lookup, in ``FLAG_KINDS`` order. ``masks[g]`` is
+        group ``g``'s ``(mask_blocks, loaded_blocks)``; ``states[g]`` its
+        reported Mamba state position (None elsewhere)."""
+        groups = self.config.groups
+        out: list[Flag] = []
+        resumed = {
+            gid: self.state_tokens(gid, masks[gid][0], masks[gid][1], states[gid])
+            for gid in self._mamba
+        }
+        covered = min((masks[g][0] * groups[g].block_size for g in self._attention), default=None)
+        for gid, s in resumed.items():
+            bound = hit if covered is None else min(hit, covered)
+            if s > bound:
+                what = (
+                    f"the hit {hit}"
+                    if covered is None or hit <= covered
+                    else f"the attention KV loaded for {covered} tokens"
+                )
+                out.append(
+                    Flag(
+                        "mamba_overrun",
+                        gid,
+                        s,
+                        bound,
+                        f"group {gid} resumes Mamba state at {s}, {s - bound} tokens past {what}",
                     )
                 )
-                .group_by("seq")
-                .agg(((pl.col("u").max() + 1) * hbs).alias("ext"))
-            )
-            lk = lk.join(ext, on="seq", how="left")
-            cover = pl.coalesce("ext", cover)
-        lk = lk.with_columns(cover.alias("C"))
-        verified = pl.when(pl.col("C") > 0).then(pl.col("C") - drop).otherwise(0)
-        lk = lk.with_columns((verified - verified % align).alias("V"))
-        # Relied on: every whole block below H, and the unit at H when H ends inside a block.
-        need_lo, need_hi = pl.lit(0), pl.col("hit_tokens") // bs
-        unit_at_hit = fine
-    elif spec.kind is GroupKind.SLIDING_WINDOW:
-        window = spec.coverage_window or 0
-        need = -(-(window - 1) // bs)
-        # Present run ending at block j (inclusive), restarting after each miss.
-        runs = (
-            blocks.sort("seq", "j")
-            .with_columns(
-                pl.when(~pl.col("present"))
-                .then(pl.col("j"))
-                .otherwise(None)
-                .forward_fill()
-                .over("seq")
-                .alias("last_miss")
-            )
-            .with_columns((pl.col("j") - pl.col("last_miss").fill_null(-1)).alias("run"))
-        )
-        # P = (r + 1) * bs is served when the window's blocks before it are present
-        # (those below block 0 do not exist); with EAGLE the block at P too.
-        shift = 1 if eagle else 0
-        cand = (
-            runs.with_columns(((pl.col("j") + 1 - shift) * bs).alias("P"))
-            .join(lk.select("seq", "max_length"), on="seq")
-            .filter(
-                (pl.col("P") <= pl.col("max_length"))
-                & (pl.col("j") < pl.col("max_length") // bs + shift)
-                & (pl.col("P") % align == 0)
-                & (pl.col("run") >= pl.min_horizontal(pl.lit(need + shift), pl.col("j") + 1))
-                & (pl.col("P") >= 0)
-            )
-        )
-        best = cand.group_by("seq").agg(pl.col("P").max().alias("V"))
-        lk = lk.join(best, on="seq", how="left").with_columns(
-            pl.col("V").fill_null(0), pl.lit(None, pl.Int64).alias("C")
-        )
-        need_lo = pl.max_horizontal(pl.col("hit_tokens") // bs - need, pl.lit(0))
-        need_hi = pl.col("hit_tokens") // bs
-        unit_at_hit = False
-    elif spec.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-        chunk = spec.attention_chunk_size or bs
-        start = (pl.col("max_length") // chunk * chunk) // bs
-        lk = lk.with_columns(start.alias("start"))
-        first_miss = (
-            blocks.join(lk.select("seq", "start", "max_length"), on="seq")
-            .filter(
-                ~pl.col("present")
-                & (pl.col("j") >= pl.col("start"))
-                & (pl.col("j") < pl.col("max_length") // bs)
-            )
-            .group_by("seq")
-            .agg(pl.col("j").min().alias("first_miss"))
-        )
-        lk = lk.join(first_miss, on="seq", how="left").with_columns(
-            (pl.coalesce("first_miss", pl.col("max_length") // bs) * bs).alias("V"),
-            pl.lit(None, pl.Int64).alias("C"),
-        )
-        need_lo, need_hi = pl.col("start"), pl.col("hit_tokens") // bs
-        unit_at_hit = False
-    else:  # Mamba: no verified prefix of its own; relies on its state block.
-        lk = lk.with_columns(pl.lit(None, pl.Int64).alias("V"), pl.lit(None, pl.Int64).alias("C"))
-        state = pl.col("state")
-        if fine:
-            lo = state // hbs - 1
-            missing = (
-                pres.join(lk.select("seq", "state"), on="seq")
-                .filter(
-                    (pl.col("state") > 0)
-                    & (pl.col("u") == pl.col("state") // hbs - 1)
-                    & ~pl.col("present")
+        for gid, s in resumed.items():
+            if s != hit:
+                out.append(
+                    Flag(
+                        "mamba_state_mismatch",
+                        gid,
+                        s,
+                        hit,
+                        f"group {gid} resumes Mamba state at {s} but the hit is {hit}",
+                    )
                 )
-                .select("seq", (pl.col("u") // k).alias("missing"))
-            )
-        else:
-            lo = state // bs - 1
-            missing = (
-                blocks.join(lk.select("seq", "state"), on="seq")
-                .filter(
-                    (pl.col("state") > 0)
-                    & (pl.col("j") == pl.col("state") // bs - 1)
-                    & ~pl.col("present")
+        if hit > max_length:
+            out.append(
+                Flag(
+                    "hit_beyond_max_length",
+                    None,
+                    hit,
+                    max_length,
+                    f"hit {hit} > max_length {max_length}",
                 )
-                .select("seq", pl.col("j").alias("missing"))
             )
-        del lo
-        # A state position past the request's own hashes cannot be present.
-        beyond = lk.filter(pl.col("state") > pl.col("n_units") * hbs).select(
-            "seq", (pl.col("state") // bs - 1).alias("missing")
-        )
-        missing = (
-            pl.concat([missing, beyond], how="vertical_relaxed")
-            .group_by("seq")
-            .agg(pl.col("missing").min())
-        )
-        return lk.join(missing, on="seq", how="left").select("seq", "V", "C", "missing")
-
-    rel = blocks.join(
-        lk.with_columns(need_lo.alias("lo"), need_hi.alias("hi")).select("seq", "lo", "hi"),
-        on="seq",
-    )
-    missing = rel.filter(
-        (pl.col("j") >= pl.col("lo")) & (pl.col("j") < pl.col("hi")) & ~pl.col("present")
-    ).select("seq", pl.col("j").alias("missing"))
-    if unit_at_hit:
-        # A hit ending inside block b relies on b's KV reaching it: some present
-        # hash unit of b at or past the hit (the tail block's KV is append-only,
-        # so a longer match still covers a hit the EAGLE drop shortened).
-        tail_need = lk.filter(pl.col("hit_tokens") % bs != 0).select("seq", "hit_tokens")
-        covered = (
-            pres.join(tail_need, on="seq")
-            .filter(
-                pl.col("present")
-                & (pl.col("u") >= pl.col("hit_tokens") // hbs - 1)
-                & (pl.col("u") < (pl.col("hit_tokens") // bs + 1) * k)
+        a = self.alignment
+        if hit % a:
+            out.append(
+                Flag(
+                    "hit_misaligned",
+                    None,
+                    hit,
+                    hit - hit % a,
+                    f"hit {hit} is not a multiple of {a}",
+                )
             )
-            .select("seq")
-            .unique()
+        for gid, (mask_blocks, loaded) in enumerate(masks):
+            end = resumed.get(gid, hit)
+            bs = groups[gid].block_size
+            missing = self._first_missing(gid, present[gid], mask_blocks - loaded, mask_blocks, end)
+            where = "is absent"
+            if missing is None and not resumed and mask_blocks * bs < hit:
+                # The group's mask stops short of the hit: the tokens between
+                # are neither loaded nor recomputed (with a Mamba group this
+                # is what ``mamba_overrun`` reports).
+                missing, where = mask_blocks, "is not in the group's load mask"
+            if missing is not None:
+                out.append(
+                    Flag(
+                        "missing_block",
+                        gid,
+                        missing,
+                        None,
+                        f"group {gid} ({groups[gid].kind.value}) block {missing} "
+                        f"(tokens {missing * bs}..{(missing + 1) * bs}) {where} but the hit "
+                        f"of {hit} relies on it",
+                    )
+                )
+        if hit > 0:
+            hbs = self.config.hash_block_size
+            for gid in self._eagle_attention:
+                bs = groups[gid].block_size
+                unit = hit // hbs if self._fine[gid] else (hit // bs + 1) * (bs // hbs) - 1
+                p = present[gid]
+                if unit >= len(p) or not p[unit]:
+                    out.append(
+                        Flag(
+                            "eagle_not_dropped",
+                            gid,
+                            hit,
+                            None,
+                            f"hit {hit} reaches group {gid}'s whole match: EAGLE recomputes "
+                            "nothing past it",
+                        )
+                    )
+        if observed is not None and observed != hit:
+            out.append(
+                Flag(
+                    "observed_mismatch",
+                    None,
+                    hit,
+                    observed,
+                    f"replayed hit {hit} but production reported {observed}",
+                )
+            )
+        return out
+
+    def _first_missing(
+        self, gid: int, present: bytes, first: int, stop: int, end: int
+    ) -> int | None:
+        """The first block in ``[first, stop)`` of the group's mask whose key
+        is absent. A block that ``end`` (the hit, or the Mamba state) lands
+        inside is served by any present unit of it at or past ``end``: the
+        tail block's KV is append-only, so a longer match still covers it."""
+        hbs = self.config.hash_block_size
+        bs = self.config.groups[gid].block_size
+        k = bs // hbs
+        n = len(present)
+        for j in range(first, stop):
+            block_end = (j + 1) * bs
+            if end < block_end and end > j * bs:
+                lo = -(-end // hbs) - 1  # the unit that ends at or past ``end``
+                if self.config.groups[gid].kind is GroupKind.MAMBA:
+                    ok = lo < n and present[lo] == 1
+                else:
+                    ok = present.find(1, lo, min((j + 1) * k, n)) >= 0
+            else:
+                unit = (j + 1) * k - 1
+                ok = unit < n and present[unit] == 1
+            if not ok:
+                return j
+        return None
+
+    def check_outcome(
+        self,
+        present: Sequence[bytes],
+        max_length: int,
+        outcome: LookupOutcome,
+        observed: int | None,
+    ) -> list[Flag]:
+        return self.check(
+            present,
+            max_length,
+            outcome.hit_tokens,
+            [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups],
+            [g.state_tokens for g in outcome.groups],
+            observed,
         )
-        tail = tail_need.join(covered, on="seq", how="anti").select(
-            "seq", (pl.col("hit_tokens") // bs).alias("missing")
-        )
-        missing = pl.concat([missing, tail], how="vertical_relaxed")
-    # Blocks the hit relies on beyond the request's own hashes cannot be present.
-    beyond = lk.filter(_cdiv(pl.col("hit_tokens"), hbs) > pl.col("n_units")).select(
-        "seq", (pl.col("n_units") // k).alias("missing")
-    )
-    missing = (
-        pl.concat([missing, beyond], how="vertical_relaxed")
-        .group_by("seq")
-        .agg(pl.col("missing").min())
-    )
-    return lk.join(missing, on="seq", how="left").select("seq", "V", "C", "missing")
 
 
-def compute_flags(results: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
-    """All flags of a replay, from its results rows (``unit_present`` included)."""
+def flag_lines(flags: Sequence[Flag]) -> str:
+    """A lookup's flags as ``replay explain`` prints them under its table."""
+    if not flags:
+        return "flags: none"
+    return "\n".join(["flags:", *(f"  {f.flag}: {f.detail}" for f in flags)])
+
+
+def flag_names(flags: Sequence[Flag]) -> list[str]:
+    """The ``flags`` column value: each kind once, in ``FLAG_KINDS`` order."""
+    return list(dict.fromkeys(f.flag for f in flags))
+
+
+def flag_rows(flags: Sequence[Flag]) -> list[dict[str, Any]]:
+    """The ``flag_details`` column value."""
+    return [
+        {
+            "flag": f.flag,
+            "group_id": f.group_id,
+            "actual": f.actual,
+            "expected": f.expected,
+            "detail": f.detail,
+        }
+        for f in flags
+    ]
+
+
+def flags_table(results: pl.DataFrame) -> pl.DataFrame:
+    """One row per (lookup, flag) from a results frame's ``flag_details``."""
+    if results.height == 0 or "flag_details" not in results.columns:
+        return empty_flags()
+    exploded = (
+        results.select("seq", "request_id", "hit_tokens", "max_length", "flag_details")
+        .explode("flag_details")
+        .drop_nulls("flag_details")
+        .unnest("flag_details")
+    )
+    if exploded.height == 0:
+        return empty_flags()
+    return exploded.select(pl.col(name).cast(dtype) for name, dtype in FLAGS_SCHEMA.items())
+
+
+def recompute_flags(
+    results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
+) -> pl.DataFrame:
+    """The flags of a results frame recomputed from its answers and its
+    ``unit_present`` (the store state each lookup saw), whoever wrote it."""
     if results.height == 0:
         return empty_flags()
     if "unit_present" not in results.columns:
         raise ReplayError(
             "results have no 'unit_present' column (the store state each lookup saw): "
-            "re-run `replay run` to produce it"
+            "re-run `replay run --unit-present` to produce it"
         )
-    spec_groups = build_spec_groups(config)
-    eagle_of = {gid: sg.eagle for sg in spec_groups for gid in sg.group_ids}
-    n_units = results.select(
-        "seq", pl.col("unit_present").list.get(0).list.len().cast(pl.Int64).alias("n_units")
+    checker = FlagChecker(config, cache)
+    rows: list[dict[str, Any]] = []
+    cols = results.select(
+        "seq",
+        "request_id",
+        "hit_tokens",
+        "max_length",
+        "mask_blocks",
+        "loaded_blocks",
+        "group_hit_tokens",
+        "observed_hit_tokens",
+        "unit_present",
     )
-    base = (
-        results.select(
-            "seq",
-            "request_id",
-            "hit_tokens",
-            "max_length",
-            "observed_hit_tokens",
-            "mamba_state_tokens",
-            pl.col("mask_blocks").cast(pl.List(pl.Int64)),
-        )
-        .join(n_units, on="seq", how="left")
-        .with_columns(pl.col("n_units").fill_null(0))
-    )
-    out: list[pl.DataFrame] = []
-
-    def emit(
-        frame: pl.DataFrame,
-        flag: str,
-        gid: int | None,
-        actual: pl.Expr,
-        expected: pl.Expr,
-        detail: pl.Expr,
-    ) -> None:
-        if frame.height:
-            out.append(
-                frame.select(
-                    "seq",
-                    "request_id",
-                    pl.lit(flag).alias("flag"),
-                    pl.lit(gid, pl.Int32).alias("group_id"),
-                    "hit_tokens",
-                    "max_length",
-                    actual.cast(pl.Int64).alias("actual"),
-                    expected.cast(pl.Int64).alias("expected"),
-                    detail.alias("detail"),
-                )
+    for seq, rid, hit, max_length, mask, loaded, ghits, observed, units in cols.iter_rows():
+        present = [bytes(bytearray(u)) for u in units]
+        states = [
+            ghits[g] if config.groups[g].kind is GroupKind.MAMBA else None
+            for g in range(config.num_groups)
+        ]
+        for f in checker.check(
+            present, max_length, hit, list(zip(mask, loaded, strict=True)), states, observed
+        ):
+            rows.append(
+                {
+                    "seq": seq,
+                    "request_id": rid,
+                    "flag": f.flag,
+                    "group_id": f.group_id,
+                    "hit_tokens": hit,
+                    "max_length": max_length,
+                    "actual": f.actual,
+                    "expected": f.expected,
+                    "detail": f.detail,
+                }
             )
-
-    H, M = pl.col("hit_tokens"), pl.col("max_length")
-    emit(
-        base.filter(H > M),
-        "hit_beyond_max_length",
-        None,
-        H,
-        M,
-        pl.format("hit {} > max_length {}", H, M),
-    )
-    a = config.alignment
-    emit(
-        base.filter(H % a != 0),
-        "hit_misaligned",
-        None,
-        H,
-        H - H % a,
-        pl.format("hit {} is not a multiple of {}", H, pl.lit(a)),
-    )
-    obs = pl.col("observed_hit_tokens")
-    emit(
-        base.filter(obs.is_not_null() & (obs != H)),
-        "observed_mismatch",
-        None,
-        H,
-        obs,
-        pl.format("replayed hit {} but production reported {}", H, obs),
-    )
-
-    facts: dict[int, pl.DataFrame] = {}
-    for gid, spec in enumerate(config.groups):
-        lk = base.select("seq", "hit_tokens", "max_length", "n_units")
-        if spec.kind is GroupKind.MAMBA:
-            # The resumed state: the last block of the group's load mask, or the
-            # exact hash unit the coordinator reports when it lands inside a block.
-            state = pl.coalesce(
-                pl.col("mamba_state_tokens"), pl.col("mask_blocks").list.get(gid) * spec.block_size
-            )
-            if not _fine(config, spec):
-                state = pl.col("mask_blocks").list.get(gid) * spec.block_size
-            lk = base.select("seq", "hit_tokens", "max_length", "n_units", state.alias("state"))
-        facts[gid] = _group_facts(config, gid, eagle_of[gid], presence(results, gid), lk)
-
-    non_mamba = [g for g, s in enumerate(config.groups) if s.kind is not GroupKind.MAMBA]
-    verified = None
-    if non_mamba:
-        verified = (
-            pl.concat([facts[g].select("seq", "V") for g in non_mamba])
-            .group_by("seq")
-            .agg(pl.col("V").min().alias("verified"))
-        )
-    for gid, spec in enumerate(config.groups):
-        f = base.join(facts[gid], on="seq", how="left")
-        bs = spec.block_size
-        miss = pl.col("missing")
-        emit(
-            f.filter(miss.is_not_null()),
-            "missing_block",
-            gid,
-            miss,
-            pl.lit(None, pl.Int64),
-            pl.format(
-                "group {} ({}) block {} (tokens {}..{}) is absent but the hit of {} relies on it",
-                pl.lit(gid),
-                pl.lit(spec.kind.value),
-                miss,
-                miss * bs,
-                (miss + 1) * bs,
-                H,
-            ),
-        )
-        if spec.kind is GroupKind.FULL_ATTENTION and eagle_of[gid]:
-            emit(
-                f.filter((H > 0) & (pl.col("C") <= H)),
-                "eagle_not_dropped",
-                gid,
-                H,
-                pl.col("C"),
-                pl.format(
-                    "hit {} covers group {}'s whole present prefix {}: EAGLE recomputes nothing",
-                    H,
-                    pl.lit(gid),
-                    pl.col("C"),
-                ),
-            )
-        if spec.kind is GroupKind.MAMBA:
-            state = pl.col("mask_blocks").list.get(gid) * bs
-            if _fine(config, spec):
-                state = pl.coalesce(pl.col("mamba_state_tokens"), state)
-            f = f.with_columns(state.alias("state"))
-            emit(
-                f.filter(pl.col("state") != H),
-                "mamba_state_mismatch",
-                gid,
-                pl.col("state"),
-                H,
-                pl.format(
-                    "group {} resumes Mamba state at {} but the hit is {}",
-                    pl.lit(gid),
-                    pl.col("state"),
-                    H,
-                ),
-            )
-            if verified is not None:
-                g = f.join(verified, on="seq", how="left")
-                emit(
-                    g.filter(pl.col("state") > pl.col("verified")),
-                    "mamba_overrun",
-                    gid,
-                    pl.col("state"),
-                    pl.col("verified"),
-                    pl.format(
-                        "group {} resumes Mamba state at {}, {} tokens past the attention-verified prefix {}",
-                        pl.lit(gid),
-                        pl.col("state"),
-                        pl.col("state") - pl.col("verified"),
-                        pl.col("verified"),
-                    ),
-                )
-    if not out:
+    if not rows:
         return empty_flags()
-    order = {name: i for i, name in enumerate(FLAG_KINDS)}
-    return (
-        pl.concat(out)
-        .with_columns(pl.col("flag").replace_strict(order, return_dtype=pl.Int32).alias("_o"))
-        .sort("seq", "_o", "group_id", nulls_last=True)
-        .drop("_o")
-    )
-
-
-def attach_flags(result: Any) -> pl.DataFrame:
-    """Compute the flags of a ``ReplayResult`` and fill its ``flags`` column."""
-    flags = compute_flags(result.results, result.config)
-    result.results = with_flag_column(result.results, flags)
-    return flags
+    return pl.DataFrame(rows, schema=FLAGS_SCHEMA)
 
 
 def with_flag_column(results: pl.DataFrame, flags: pl.DataFrame) -> pl.DataFrame:
@@ -504,16 +422,54 @@ def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
     return rows
 
 
+def results_flags(
+    results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
+) -> pl.DataFrame:
+    """The flag table of a results frame: its own ``flag_details``; else
+    recomputed from its ``unit_present``; else (a writer that kept only the
+    names) one row per name in ``flags``, with no numbers."""
+    if "flag_details" in results.columns:
+        return flags_table(results)
+    if "unit_present" in results.columns:
+        return recompute_flags(results, config, cache)
+    if "flags" not in results.columns or results.height == 0:
+        return empty_flags()
+    return (
+        results.select(
+            "seq", "request_id", "hit_tokens", "max_length", pl.col("flags").alias("flag")
+        )
+        .explode("flag")
+        .drop_nulls("flag")
+        .select(
+            pl.col(name).cast(dtype)
+            if name in ("seq", "request_id", "flag", "hit_tokens", "max_length")
+            else pl.lit(None, dtype).alias(name)
+            for name, dtype in FLAGS_SCHEMA.items()
+        )
+    )
+
+
 def check_path(
-    path: str | os.PathLike[str], *, policy: str, coordinator: str = "reference"
+    path: str | os.PathLike[str],
+    *,
+    policy: str,
+    coordinator: str = "reference",
+    cache: str | None = None,
 ) -> tuple[pl.DataFrame, str]:
     """Flags of a trace (replayed now) or of a results file (as written).
     Returns the flags and the policy they were computed under."""
     from replay.engine import replay_trace
-    from replay.trace import is_results_file, read_results, results_config
+    from replay.trace import is_results_file, read_results, results_cache, results_config
 
     if is_results_file(path):
         frame, info = read_results(path)
-        return compute_flags(frame, results_config(info, path)), str(info.get("policy", "?"))
-    result = replay_trace(path, policy=policy, coordinator=coordinator)
-    return compute_flags(result.results, result.config), policy
+        config = results_config(info, path)
+        made_in = results_cache(info)
+        if cache is not None and cache != made_in:
+            raise ReplayError(
+                f"{path}: these results were replayed in the {made_in} cache, not {cache} "
+                f"(replay the trace with --cache {cache}, or drop --cache)"
+            )
+        return results_flags(frame, config, made_in), str(info.get("policy", "?"))
+    result = replay_trace(path, policy=policy, coordinator=coordinator, cache=cache)
+    return result.flags(), policy

@@ -24,7 +24,7 @@ from typing import Any
 
 import polars as pl
 
-from analysis.flags import FLAG_KINDS, compute_flags
+from analysis.flags import FLAG_KINDS, results_flags
 from replay import __version__
 from replay.coordinator import POLICIES
 from replay.engine import explain_lookups
@@ -32,14 +32,21 @@ from replay.errors import ReplayError
 from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.spec import GroupKind, TraceConfig
 from replay.summary import hit_figures, prompt_tokens_expr
-from replay.trace import atomic_path, is_results_file, open_trace, read_results, results_config
+from replay.trace import (
+    atomic_path,
+    is_results_file,
+    open_trace,
+    read_results,
+    results_cache,
+    results_config,
+)
 
 FORMATS = ("html", "md")
 TIMELINE_BINS = 40
 HISTOGRAM_BINS = 30
 
 FLAG_MEANINGS: dict[str, str] = {
-    "mamba_overrun": "Mamba resumes recurrent state past the attention-verified prefix (#43559)",
+    "mamba_overrun": "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
     "mamba_state_mismatch": "Mamba resumes state at a position other than the hit",
     "hit_beyond_max_length": "the hit is longer than the lookup's max_length",
     "hit_misaligned": "the hit is not a multiple of the hit alignment",
@@ -228,26 +235,6 @@ def _groups(res: pl.DataFrame, config: TraceConfig) -> list[dict[str, Any]]:
     return out
 
 
-def _flags_from_results(res: pl.DataFrame) -> pl.DataFrame:
-    """Flag rows without details (no trace): from the results' ``flags`` column."""
-    if "flags" not in res.columns or res.height == 0:
-        return pl.DataFrame(
-            schema={
-                "seq": pl.Int64,
-                "request_id": pl.String,
-                "flag": pl.String,
-                "hit_tokens": pl.Int64,
-                "max_length": pl.Int64,
-            }
-        )
-    return (
-        res.select("seq", "request_id", "hit_tokens", "max_length", pl.col("flags").alias("flag"))
-        .explode("flag")
-        .drop_nulls("flag")
-        .select("seq", "request_id", "flag", "hit_tokens", "max_length")
-    )
-
-
 def _resolve_trace(
     results_path: Path, info: dict[str, Any], config: TraceConfig, trace: Path | None
 ) -> tuple[Path | None, str | None]:
@@ -330,10 +317,8 @@ def build_report(
             if trace is not None:
                 raise ReplayError(mismatch)
             trace_path, note = None, mismatch + "; pass --trace"
-    # The flags' details come from the store state each lookup saw, which the
-    # results carry (``unit_present``); older files only have the flag names.
-    detailed = "unit_present" in res.columns
-    flags = compute_flags(res, config) if detailed else _flags_from_results(res)
+    detailed = "flag_details" in res.columns or "unit_present" in res.columns
+    flags = results_flags(res, config, results_cache(info))
     summary = _summary(res)
     summary["flagged_lookups"] = int(flags["seq"].n_unique()) if flags.height else 0
     x_axis, timeline = _timeline(res)
@@ -404,11 +389,14 @@ def _explain_examples(data: ReportData, trace: Path) -> None:
     wanted = {e.seq for exs in data.examples.values() for e in exs}
     if not wanted:
         return
-    config, found = explain_lookups(trace, lambda e: e.seq in wanted, policy, until_seq=max(wanted))
+    cache = results_cache(data.info)
+    config, found = explain_lookups(
+        trace, lambda e: e.seq in wanted, policy, cache=cache, until_seq=max(wanted)
+    )
     texts: dict[int, str] = {}
-    for lookup, outcome in found:
+    for lookup, outcome, _ in found:
         texts[lookup.seq] = (
-            explain_header(config, lookup, policy) + "\n\n" + explain_table(config, outcome)
+            explain_header(config, lookup, policy, cache) + "\n\n" + explain_table(config, outcome)
         )
     for k, exs in data.examples.items():
         data.examples[k] = [

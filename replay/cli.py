@@ -11,16 +11,17 @@ from typing import Any
 
 import click
 
-from analysis.flags import FLAG_KINDS
+from analysis.flags import FLAG_KINDS, flag_lines
 from replay import __version__
 from replay.cli_common import fail, user_errors
-from replay.coordinator import DEFAULT_POLICY, POLICIES
+from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import (
     COORDINATORS,
     Progress,
     default_results_path,
     explain_lookups,
     replay_trace,
+    resolve_cache,
     save_results,
     state_at,
 )
@@ -42,6 +43,14 @@ POLICY = click.option(
     show_default=True,
     help="Coordinator semantics: "
     + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
+CACHE = click.option(
+    "--cache",
+    type=click.Choice(list(CACHES)),
+    default=None,
+    help="Which vLLM cache answers: "
+    + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
+    + ". Default: the trace's source.cache (recorded KV events: gpu), else mooncake.",
 )
 COORDINATOR = click.option(
     "--coordinator",
@@ -201,15 +210,15 @@ def _progress(quiet: bool) -> _Bar | None:
     help="Results file (default: NAME.results.parquet beside the trace).",
 )
 @POLICY
+@CACHE
 @COORDINATOR
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option(
-    "--unit-present/--no-unit-present",
-    default=True,
-    show_default=True,
-    help="Write, per lookup and group, which hash units the store held (the raw store state; "
-    "`replay check` and `replay diff` of results files read it).",
+    "--unit-present",
+    is_flag=True,
+    help="Also write, per lookup and group, which hash units the store held (the raw store "
+    "state each lookup saw; larger results).",
 )
 @click.option(
     "--examples",
@@ -222,6 +231,7 @@ def run(
     trace: Path,
     output: Path | None,
     policy: str,
+    cache: str | None,
     coordinator: str,
     quiet: bool,
     as_json: bool,
@@ -232,7 +242,7 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import attach_flags, flag_counts, flag_examples
+    from analysis.flags import flag_counts, flag_examples
 
     bar = _progress(quiet or as_json)
     try:
@@ -240,17 +250,14 @@ def run(
             trace,
             policy=policy,
             coordinator=coordinator,
-            # The flags still read the store state from unit_present
-            # (analysis.flags, issue 15 makes them per-lookup facts).
-            unit_present=True,
+            cache=cache,
+            unit_present=unit_present,
             progress=bar,
         )
     finally:
         if bar is not None:
             bar.close()
-    flags = attach_flags(result)
-    if not unit_present:
-        result.results = result.results.drop("unit_present")
+    flags = result.flags()
     out = output or default_results_path(trace)
     save_results(result, out)
     counts = flag_counts(flags)
@@ -273,7 +280,7 @@ def run(
 def _print_summary(s: dict[str, Any]) -> None:
     k = s["events_by_kind"]
     click.echo(
-        f"replayed {s['events']} events (store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}) with {s['coordinator']} coordinator, policy {s['policy']}"
+        f"replayed {s['events']} events (store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}) with {s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache"
     )
     click.echo(f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)")
     click.echo(
@@ -300,26 +307,32 @@ def _print_summary(s: dict[str, Any]) -> None:
 @TRACE
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
 @POLICY
+@CACHE
 @COORDINATOR
-def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None:
-    """Show how the coordinator decided one request's hit, step by step."""
+def explain(trace: Path, request_id: str, policy: str, cache: str | None, coordinator: str) -> None:
+    """Show how the coordinator decided one request's hit, step by step, and
+    the lookup's flags."""
     config, found = explain_lookups(
-        trace, lambda e: e.request_id == request_id, policy, coordinator
+        trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
     )
     if not found:
         raise fail(f"{trace}: no lookup with request_id {request_id!r}")
-    for lookup, outcome in found:
-        click.echo(explain_header(config, lookup, policy))
-        for line in config_lines(config):
+    used = resolve_cache(config, cache)
+    for lookup, outcome, flags in found:
+        click.echo(explain_header(config, lookup, policy, used))
+        for line in config_lines(config, used):
             click.echo(line)
         click.echo("")
         click.echo(explain_table(config, outcome))
+        click.echo("")
+        click.echo(flag_lines(flags))
         click.echo("")
 
 
 @cli.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @POLICY
+@CACHE
 @COORDINATOR
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @click.option(
@@ -332,6 +345,7 @@ def explain(trace: Path, request_id: str, policy: str, coordinator: str) -> None
 def check(
     path: Path,
     policy: str,
+    cache: str | None,
     coordinator: str,
     as_json: bool,
     examples: int,
@@ -343,7 +357,7 @@ def check(
     """
     from analysis.flags import check_path, flag_counts, flag_examples
 
-    flags, policy_used = check_path(path, policy=policy, coordinator=coordinator)
+    flags, policy_used = check_path(path, policy=policy, coordinator=coordinator, cache=cache)
     counts = flag_counts(flags)
     if as_json:
         rows = flags.to_dicts()
@@ -384,6 +398,7 @@ def check(
     show_default=True,
     help="Policy under which the flag fires.",
 )
+@CACHE
 @click.option(
     "-o",
     "--output",
@@ -391,12 +406,19 @@ def check(
     required=True,
     help="The small trace to write.",
 )
-def minimize(trace: Path, request_id: str, flag: str | None, policy: str, output: Path) -> None:
+def minimize(
+    trace: Path,
+    request_id: str,
+    flag: str | None,
+    policy: str,
+    cache: str | None,
+    output: Path,
+) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
     from replay.minimize import minimize as run_minimize
 
-    info = run_minimize(trace, request_id, output, flag=flag, policy=policy)
+    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache)
     click.echo(
         f"{trace}: {info['events_before']} events -> {output}: {info['events_after']} events"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from replay.cli_common import handles_user_errors
-from replay.coordinator import POLICIES
+from replay.coordinator import CACHES, POLICIES
 from replay.engine import COORDINATORS
 
 
@@ -34,6 +34,14 @@ from replay.engine import COORDINATORS
     multiple=True,
     type=click.Choice(list(COORDINATORS)),
     help="With a trace: once for both sides, or twice (A, B). Default: reference.",
+)
+@click.option(
+    "--cache",
+    "caches",
+    multiple=True,
+    type=click.Choice(list(CACHES)),
+    help="With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
+    "where the Mooncake mirror drifts from the engine). Default: the trace's source.cache.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
 @click.option(
@@ -55,6 +63,7 @@ def diff(
     inputs: tuple[Path, ...],
     policies: tuple[str, ...],
     coordinators: tuple[str, ...],
+    caches: tuple[str, ...],
     as_json: bool,
     output: Path | None,
     limit: int,
@@ -63,15 +72,18 @@ def diff(
 
     \b
       replay diff TRACE --policy A --policy B   replay the trace under both
+      replay diff TRACE --cache mooncake --cache gpu
+                                                the Mooncake mirror against the engine
       replay diff RESULTS_A RESULTS_B           two results files of the same trace
 
     Prints the tokens B gains or loses per lookup and in total, grouped by
     what explains each change: a flag on one side only, else the KV-cache
-    group whose own hit moved. Exit status 0 (a report), 2 on bad input.
+    group whose own hit moved; between two caches, also the cache rule behind
+    each change. Exit status 0 (a report), 2 on bad input.
     """
     from analysis.diff import diff_inputs, render_text, write_diff
 
-    result = diff_inputs(list(inputs), policies, coordinators)
+    result = diff_inputs(list(inputs), policies, coordinators, caches)
     if output is not None:
         write_diff(result, output)
     if as_json:

@@ -26,7 +26,15 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from replay.coordinator import DEFAULT_POLICY, Coordinator, LookupOutcome, get_policy
+from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
+from replay.coordinator import (
+    DEFAULT_POLICY,
+    Coordinator,
+    LookupOutcome,
+    get_cache,
+    get_policy,
+    trace_cache,
+)
 from replay.errors import ReplayError
 from replay.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable
 from replay.spec import TraceConfig
@@ -58,14 +66,23 @@ class LookupCoordinator(Protocol):
     ) -> LookupOutcome: ...
 
 
-def make_coordinator(config: TraceConfig, policy: str, coordinator: str) -> LookupCoordinator:
+def resolve_cache(config: TraceConfig, cache: str | None) -> str:
+    """The cache that answers: the one asked for, else the one the trace's
+    events describe (``source.cache``), else the Mooncake store."""
+    return get_cache(cache).name if cache is not None else trace_cache(config.source)
+
+
+def make_coordinator(
+    config: TraceConfig, policy: str, coordinator: str, cache: str | None = None
+) -> LookupCoordinator:
     get_policy(policy)  # unknown names fail the same way for both backends
+    cache = resolve_cache(config, cache)
     if coordinator == "reference":
-        return Coordinator(config, policy)
+        return Coordinator(config, policy, cache)
     if coordinator == "vllm":
         from replay.backends.vllm import VllmCoordinator
 
-        return VllmCoordinator(config, policy)
+        return VllmCoordinator(config, policy, cache)
     raise ReplayError(
         f"unknown coordinator {coordinator!r}, expected one of {', '.join(COORDINATORS)}"
     )
@@ -121,11 +138,16 @@ class ReplayResult:
     config: TraceConfig
     policy: str
     coordinator: str
+    cache: str
     results: pl.DataFrame
     events: int
     events_by_kind: dict[str, int]
     seconds: float
     trace_path: str
+
+    def flags(self) -> pl.DataFrame:
+        """One row per (lookup, flag), with the numbers that prove it."""
+        return flags_table(self.results)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -133,6 +155,8 @@ class ReplayResult:
             "coordinator": self.coordinator,
             "policy": self.policy,
             "policy_description": get_policy(self.policy).description,
+            "cache": self.cache,
+            "cache_description": get_cache(self.cache).description,
             "kv_cache_groups": [g.to_json() for g in self.config.groups],
             "trace_config": self.config.to_json(),
             "trace": os.path.basename(self.trace_path),
@@ -153,8 +177,12 @@ class _Outcomes:
         self.mask = array("i")
         self.loaded = array("i")
         self.group_hit = array("q")
+        # Most lookups carry no flag: only the flagged ones are kept, by index.
+        self.flagged: list[tuple[int, list[str], list[dict[str, Any]]]] = []
 
-    def add(self, res: LookupOutcome) -> None:
+    def add(self, res: LookupOutcome, flags: Sequence[Flag]) -> None:
+        if flags:
+            self.flagged.append((len(self.hit), flag_names(flags), flag_rows(flags)))
         self.hit.append(res.hit_tokens)
         self.verified.append(res.verified_tokens)
         state = res.mamba_state_tokens
@@ -171,6 +199,27 @@ class _Outcomes:
         return pa.ListArray.from_arrays(
             pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype))
         )
+
+    def flag_columns(self, names_type: pa.DataType, rows_type: pa.DataType) -> list[pa.Array]:
+        """``flags`` and ``flag_details``: empty lists but for flagged lookups."""
+        n = len(self.hit)
+        columns = []
+        parts: list[tuple[list[tuple[int, list[Any]]], pa.DataType]] = [
+            ([(i, names) for i, names, _ in self.flagged], names_type),
+            ([(i, rows) for i, _, rows in self.flagged], rows_type),
+        ]
+        for entries, typ in parts:
+            lengths = np.zeros(n, dtype=np.int32)
+            values: list[Any] = []
+            for i, items in entries:
+                lengths[i] = len(items)
+                values.extend(items)
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            columns.append(
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ.value_type))
+            )
+        return columns
 
 
 #: The columns of a lookup row the results carry as they are.
@@ -191,15 +240,20 @@ def replay_trace(
     *,
     policy: str = DEFAULT_POLICY,
     coordinator: str = "reference",
-    unit_present: bool = True,
+    cache: str | None = None,
+    unit_present: bool = False,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
 ) -> ReplayResult:
-    """Replay every lookup of the trace (see the module docstring).
+    """Replay every lookup of the trace and flag each answer in the same
+    pass (``analysis/flags.py``, from the presence bytes the lookup saw).
+    ``cache`` picks which of vLLM's caches answers (``resolve_cache``);
     ``unit_present`` adds the store state each lookup saw as a column."""
     reader = open_trace(path)
     config = reader.config
-    coord = make_coordinator(config, policy, coordinator)
+    cache = resolve_cache(config, cache)
+    coord = make_coordinator(config, policy, coordinator, cache)
+    checker = FlagChecker(config, cache)
     num_groups = config.num_groups
     table = KeyTable(num_groups)
     reference = coord if isinstance(coord, Coordinator) else None
@@ -223,15 +277,21 @@ def replay_trace(
         starts = out_offsets[rows].tolist()
         sizes = n_units[rows].tolist()
         max_lengths = frame["max_length"].fill_null(0).to_numpy()[rows].tolist()
-        if reference is not None:
-            for o, n, max_length in zip(starts, sizes, max_lengths, strict=True):
-                present = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
-                outcomes.add(reference.lookup_present(present, max_length))
-        else:
-            hashes = batch.hashes.take(pa.array(rows)).to_pylist()
-            for o, n, max_length, hs in zip(starts, sizes, max_lengths, hashes, strict=True):
-                present = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
-                outcomes.add(coord.lookup(hs, max_length, _vllm_contains(hs, present)))
+        observed = frame["observed_hit_tokens"].gather(rows).to_list()
+        hashes = (
+            batch.hashes.take(pa.array(rows)).to_pylist()
+            if reference is None
+            else [None] * len(starts)
+        )
+        for o, n, max_length, seen, hs in zip(
+            starts, sizes, max_lengths, observed, hashes, strict=True
+        ):
+            present = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
+            if reference is not None:
+                res = reference.lookup_present(present, max_length)
+            else:
+                res = coord.lookup(hs, max_length, _vllm_contains(hs, present))
+            outcomes.add(res, checker.check_outcome(present, max_length, res, seen))
         if rows.size:
             lookup_rows.append(frame.filter(pl.Series(is_lookup)).select(_LOOKUP_COLUMNS))
             if unit_present:
@@ -247,7 +307,7 @@ def replay_trace(
     if progress is not None:
         progress(state)
     seconds = time.perf_counter() - started
-    results = _results_frame(lookup_rows, outcomes, policy, coord.name)
+    results = _results_frame(lookup_rows, outcomes, policy, coord.name, cache)
     if unit_present:
         column = _unit_present(bit_chunks, unit_counts, num_groups)
         results = results.with_columns(pl.Series(UNIT_PRESENT_FIELD.name, column))
@@ -255,6 +315,7 @@ def replay_trace(
         config=config,
         policy=policy,
         coordinator=coord.name,
+        cache=cache,
         results=results,
         events=state.events,
         events_by_kind=counts,
@@ -313,8 +374,16 @@ def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return a
 
 
+def _dictionary(n: int, value: str) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([value]))
+
+
 def _results_frame(
-    lookup_rows: list[pl.DataFrame], outcomes: _Outcomes, policy: str, coordinator: str
+    lookup_rows: list[pl.DataFrame],
+    outcomes: _Outcomes,
+    policy: str,
+    coordinator: str,
+    cache: str,
 ) -> pl.DataFrame:
     schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
     if lookup_rows:
@@ -341,14 +410,13 @@ def _results_frame(
         "observed_hit_tokens": observed,
         "observed_match": pc.equal(observed, hit),
         "ts": rows.column("ts"),
-        "flags": pa.array([[]] * n, pa.list_(pa.string())),
-        "policy": pa.DictionaryArray.from_arrays(
-            pa.array(np.zeros(n, np.int8)), pa.array([policy])
-        ),
-        "coordinator": pa.DictionaryArray.from_arrays(
-            pa.array(np.zeros(n, np.int8)), pa.array([coordinator])
-        ),
+        "policy": _dictionary(n, policy),
+        "coordinator": _dictionary(n, coordinator),
+        "cache": _dictionary(n, cache),
     }
+    columns["flags"], columns["flag_details"] = outcomes.flag_columns(
+        schema["flags"], schema["flag_details"]
+    )
     table = pa.table(
         {name: columns[name].cast(schema[name]) for name in RESULTS_SCHEMA.names},
         schema=RESULTS_SCHEMA,
@@ -398,15 +466,19 @@ def explain_lookups(
     policy: str,
     coordinator: str = "reference",
     *,
+    cache: str | None = None,
     until_seq: int | None = None,
-) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome]]]:
-    """Every selected lookup with the coordinator's steps, in one pass: the
-    store is folded once and each lookup explained where it stands."""
+) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]]]:
+    """Every selected lookup with the coordinator's steps and its flags, in
+    one pass: the store is folded once and each lookup explained where it
+    stands."""
     config = open_trace(path).config
-    coord = make_coordinator(config, policy, coordinator)
+    cache = resolve_cache(config, cache)
+    coord = make_coordinator(config, policy, coordinator, cache)
+    checker = FlagChecker(config, cache)
     store: Store[bytes] = Store(config.num_groups)
     contains = [s.__contains__ for s in store.present]
-    found: list[tuple[LookupEvent[bytes], LookupOutcome]] = []
+    found: list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]] = []
     for event, _ in iter_events(path):
         if until_seq is not None and event.seq > until_seq:
             break
@@ -414,7 +486,11 @@ def explain_lookups(
             store.observe(event.seq)
             if select(event):
                 outcome = coord.lookup(event.hashes, event.max_length, contains, explain=True)
-                found.append((event, outcome))
+                present = [bytes(map(c, event.hashes)) for c in contains]
+                flags = checker.check_outcome(
+                    present, event.max_length, outcome, event.observed_hit_tokens
+                )
+                found.append((event, outcome, flags))
         else:
             store.apply(event)
     return config, found

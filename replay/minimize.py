@@ -36,14 +36,16 @@ def _rows(path: str | os.PathLike[str]) -> list[Row]:
 
 
 def _flags_of(
-    config: TraceConfig, rows: Sequence[Row], request_id: str, policy: str, workdir: Path
+    config: TraceConfig,
+    rows: Sequence[Row],
+    request_id: str,
+    policy: str,
+    workdir: Path,
+    cache: str | None = None,
 ) -> tuple[set[str], int]:
-    from analysis.flags import attach_flags
-
     path = workdir / "candidate.parquet"
     write_trace(path, config, _renumbered(rows))
-    result = replay_trace(path, policy=policy)
-    attach_flags(result)
+    result = replay_trace(path, policy=policy, cache=cache)
     mine = result.results.filter(result.results["request_id"] == request_id)
     if mine.height == 0:
         return set(), 0
@@ -80,7 +82,10 @@ def minimize(
     *,
     flag: str | None = None,
     policy: str = "pre-49502",
+    cache: str | None = None,
 ) -> dict[str, Any]:
+    """``cache`` (default: the trace's own) answers every replay, and the
+    expectations name it when it was asked for."""
     reader = open_trace(trace)
     config = reader.config
     rows = _rows(trace)
@@ -98,7 +103,7 @@ def minimize(
 
     with tempfile.TemporaryDirectory(prefix="replay-minimize-") as tmp:
         work = Path(tmp)
-        if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, work)[0]):
+        if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, work, cache)[0]):
             what = f"{flag} flag" if flag else "flag"
             raise ReplayError(
                 f"{trace}: request {request_id!r} raises no {what} under {policy}: nothing to minimize"
@@ -114,7 +119,7 @@ def minimize(
         target = rows[t]
 
         def fails(evs: list[Row], tgt: Row = target) -> bool:
-            return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, work)[0])
+            return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, work, cache)[0])
 
         if not fails(events):
             raise ReplayError(f"{trace}: cutting unrelated events lost the flag (please report)")
@@ -143,9 +148,12 @@ def minimize(
         final = [*events, target]
         expect = []
         for name in POLICIES:
-            flags, hit = _flags_of(config, final, request_id, name, work)
+            flags, hit = _flags_of(config, final, request_id, name, work, cache)
             counts = {f: 1 for f in sorted(flags)}
-            expect.append({"policy": name, "flags": counts, "hits": {request_id: hit}})
+            entry: dict[str, Any] = {"policy": name, "flags": counts, "hits": {request_id: hit}}
+            if cache is not None:
+                entry["cache"] = cache
+            expect.append(entry)
     write_trace(
         out,
         config,

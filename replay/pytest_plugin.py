@@ -54,8 +54,10 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
 class TraceFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
         for entry in read_expectations(self.path) or []:
-            policy = str(entry.get("policy", "vllm-0.33"))
-            yield TraceItem.from_parent(self, name=f"{self.path.stem}[{policy}]", entry=entry)
+            label = str(entry.get("policy", "vllm-0.33"))
+            if entry.get("cache"):
+                label += f"-{entry['cache']}"
+            yield TraceItem.from_parent(self, name=f"{self.path.stem}[{label}]", entry=entry)
 
 
 class ExpectationMismatch(Exception):
@@ -67,13 +69,15 @@ class TraceItem(pytest.Item):
         super().__init__(**kwargs)
         self.entry = entry
         self.policy = str(entry.get("policy", "vllm-0.33"))
+        #: the cache that answers; unset: the trace's own (``source.cache``)
+        self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from analysis.flags import attach_flags, flag_counts
+        from analysis.flags import flag_counts
         from replay.engine import replay_trace
 
-        result = replay_trace(self.path, policy=self.policy)
-        flags = attach_flags(result)
+        result = replay_trace(self.path, policy=self.policy, cache=self.cache)
+        flags = result.flags()
         problems: list[str] = []
         explain_ids: list[str] = []
         if "flags" in self.entry:
@@ -101,21 +105,26 @@ class TraceItem(pytest.Item):
         from replay.render import explain_table
 
         wanted = set(request_ids)
-        config, found = explain_lookups(self.path, lambda e: e.request_id in wanted, self.policy)
-        last = {lookup.request_id: outcome for lookup, outcome in found}
+        config, found = explain_lookups(
+            self.path, lambda e: e.request_id in wanted, self.policy, cache=self.cache
+        )
+        last = {lookup.request_id: outcome for lookup, outcome, _ in found}
         out = []
         for rid in dict.fromkeys(request_ids):
             if rid in last:
                 out += [
                     "",
-                    f"replay explain {self.path.name} --request {rid} --policy {self.policy}:",
+                    f"replay explain {self.path.name} --request {rid} --policy {self.policy}"
+                    + (f" --cache {self.cache}" if self.cache else "")
+                    + ":",
                 ]
                 out.append(explain_table(config, last[rid]))
         return out
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, ExpectationMismatch):
-            return f"{self.path.name} under policy {self.policy}:\n{excinfo.value}"
+            where = f" in the {self.cache} cache" if self.cache else ""
+            return f"{self.path.name} under policy {self.policy}{where}:\n{excinfo.value}"
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:

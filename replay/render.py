@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from replay.coordinator import LookupOutcome
+from replay.coordinator import LookupOutcome, hit_alignment
 from replay.spec import TraceConfig
 from replay.store import LookupEvent
 
@@ -41,21 +41,26 @@ def group_label(config: TraceConfig, gid: int) -> str:
     return f"{gid}: {g.kind.value} block={g.block_size}{extra}{eagle}{name}"
 
 
-def config_lines(config: TraceConfig) -> list[str]:
+def config_lines(config: TraceConfig, cache: str | None = None) -> list[str]:
+    """The configuration; with a cache, the hit alignment that cache uses."""
+    where = f" cache={cache} alignment={hit_alignment(config, cache)}" if cache else ""
     lines = [
         f"hash_block_size={config.hash_block_size} scheduler_block_size={config.scheduler_block_size} "
         f"use_eagle={str(config.use_eagle).lower()} "
-        f"enable_partial_hash_hits={str(config.enable_partial_hash_hits).lower()} "
-        f"alignment={config.alignment}",
+        f"enable_partial_hash_hits={str(config.enable_partial_hash_hits).lower()}"
+        + (where or f" alignment={config.alignment}"),
     ]
     lines += [f"  group {group_label(config, gid)}" for gid in range(config.num_groups)]
     return lines
 
 
-def explain_header(config: TraceConfig, lookup: LookupEvent[Any], policy: str) -> str:
+def explain_header(
+    config: TraceConfig, lookup: LookupEvent[Any], policy: str, cache: str | None = None
+) -> str:
     return (
         f"request {lookup.request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
         f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
+        + (f", cache {cache}" if cache else "")
     )
 
 

@@ -84,19 +84,6 @@ class GroupSpec:
             return None
         return self.sliding_window + self.extra_retained_tokens
 
-    def spec_key(self) -> tuple[object, ...]:
-        """What makes two groups share one spec group in vLLM (equal coverage specs).
-
-        vLLM compares whole ``KVCacheSpec`` objects after widening the sliding
-        window by ``extra_retained_tokens``; the trace carries only the fields
-        that matter to hit lookup, so those are what is compared here.
-        """
-        if self.kind is GroupKind.SLIDING_WINDOW:
-            return (self.kind, self.block_size, self.coverage_window)
-        if self.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
-            return (self.kind, self.block_size, self.attention_chunk_size)
-        return (self.kind, self.block_size)
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value, "block_size": self.block_size}
         if self.kind is GroupKind.SLIDING_WINDOW:
@@ -183,32 +170,13 @@ class TraceConfig:
                     f"kv_cache_groups[{gid}]: scheduler_block_size {sbs} must be a multiple "
                     f"of block_size {g.block_size}"
                 )
-        chunked = [
-            gid for gid, g in enumerate(self.groups) if g.kind is GroupKind.CHUNKED_LOCAL_ATTENTION
-        ]
-        # vLLM's chunked finder cannot drop a block for EAGLE, so the config
-        # is only invalid when a chunked group's spec group is an EAGLE group:
-        # flagged itself (or an equal-spec group is), or EAGLE on with no
-        # group flagged (then every group is treated as one).
-        any_flagged = any(g.is_eagle_group for g in self.groups)
-        for gid in chunked:
-            key = self.groups[gid].spec_key()
-            flagged = any(g.is_eagle_group and g.spec_key() == key for g in self.groups)
-            if flagged or (self.use_eagle and not any_flagged):
-                raise ConfigError(
-                    f"kv_cache_groups[{gid}]: chunked_local_attention does not combine "
-                    "with EAGLE (vLLM rejects this hybrid)"
-                )
-        for gid in chunked:
-            if self.groups[gid].block_size != self.alignment:
-                raise ConfigError(
-                    f"kv_cache_groups[{gid}]: chunked_local_attention needs block_size equal "
-                    f"to the hit alignment {self.alignment}, got {self.groups[gid].block_size}"
-                )
+        # The chunked-local rules (no EAGLE drop, block equal to the hit
+        # alignment) depend on which cache answers: ``coordinator.check_config``.
 
     @property
     def alignment(self) -> int:
-        """Token granularity every hit length is a multiple of."""
+        """Hit granularity as the trace declares it (the Mooncake mirror's);
+        the engine cache derives its own: ``coordinator.hit_alignment``."""
         if self.enable_partial_hash_hits:
             return self.hash_block_size
         return self.scheduler_block_size

@@ -119,6 +119,7 @@ def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None)
         "trace": result.trace_path,
         "policy": result.policy,
         "coordinator": result.coordinator,
+        "cache": result.cache,
         "events": result.events,
         "events_by_kind": result.events_by_kind,
         **hit_figures(res),

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from replay.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
 from replay.errors import ConfigError, ReplayError, TraceError
 from replay.spec import TraceConfig
 
@@ -70,6 +71,22 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("flags", pa.list_(pa.string())),
         pa.field("policy", pa.dictionary(pa.int8(), pa.string())),
         pa.field("coordinator", pa.dictionary(pa.int8(), pa.string())),
+        pa.field("cache", pa.dictionary(pa.int8(), pa.string())),
+        # Each flag with the numbers that prove it (analysis/flags.py).
+        pa.field(
+            "flag_details",
+            pa.list_(
+                pa.struct(
+                    [
+                        pa.field("flag", pa.string()),
+                        pa.field("group_id", pa.int32()),
+                        pa.field("actual", pa.int64()),
+                        pa.field("expected", pa.int64()),
+                        pa.field("detail", pa.string()),
+                    ]
+                )
+            ),
+        ),
     ]
 )
 #: Per lookup, per group_id, per hash unit: whether the group held a key for
@@ -361,9 +378,12 @@ def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes,
 def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
     obj = _json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
     try:
-        return TraceConfig.from_json(obj)
+        config = TraceConfig.from_json(obj)
+        # A trace must be answerable by the cache its events describe.
+        check_config(config, trace_cache(config.source))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
+    return config
 
 
 @dataclass(frozen=True, slots=True)
@@ -761,6 +781,13 @@ def results_config(info: Mapping[str, Any], path: str | os.PathLike[str]) -> Tra
         return TraceConfig.from_json(info.get("trace_config"))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.results metadata: trace_config: {exc}") from None
+
+
+def results_cache(info: Mapping[str, Any]) -> str:
+    """The cache whose coordinator answered; results written before caches
+    were named came from the Mooncake mirror."""
+    named = info.get("cache")
+    return named if isinstance(named, str) and named in CACHES else DEFAULT_CACHE
 
 
 KEYS_SCHEMA = pa.schema(

@@ -14,6 +14,8 @@ from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
 from traces.build import chain
 
+pytest_plugins = ("pytester",)
+
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW
 CHUNKED = GroupKind.CHUNKED_LOCAL_ATTENTION

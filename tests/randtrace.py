@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from replay.coordinator import check_config
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from tests.conftest import chain
@@ -40,15 +41,18 @@ def random_config(rng: random.Random) -> TraceConfig:
             )
         lcm = max(g.block_size for g in groups)
         try:
-            return TraceConfig(
+            config = TraceConfig(
                 groups=tuple(groups),
                 hash_block_size=hbs,
                 scheduler_block_size=lcm * rng.choice([1, 1, 2]),
                 use_eagle=rng.random() < 0.5,
                 enable_partial_hash_hits=rng.random() < 0.3,
             )
+            for cache in ("mooncake", "gpu"):
+                check_config(config, cache)
         except ConfigError:
             continue
+        return config
 
 
 def random_rows(

@@ -134,7 +134,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
         lambda tmp: _with_group(
             tmp, {"kind": "chunked_local_attention", "block_size": 16, "attention_chunk_size": 64}
         ),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid)",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid in the mooncake cache)",
     ),
     "no_groups": (
         lambda tmp: _with_meta(tmp, kv_cache_groups=[]),

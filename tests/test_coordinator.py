@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups
+from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
 from replay.coordinator.finders import block_view, cdiv
 from replay.errors import ConfigError, ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
@@ -75,13 +75,15 @@ def config(
     eagle: bool = False,
     partial: bool = False,
 ) -> TraceConfig:
-    return TraceConfig(
+    cfg = TraceConfig(
         groups=groups,
         hash_block_size=hbs,
         scheduler_block_size=sbs or math.lcm(*(g.block_size for g in groups)),
         use_eagle=eagle,
         enable_partial_hash_hits=partial,
     )
+    check_config(cfg, "mooncake")
+    return cfg
 
 
 def blocks(cfg: TraceConfig, group_id: int, idx: Iterable[int]) -> list[int]:

@@ -190,7 +190,10 @@ def test_diff_results_files_43559(tmp_path: Path, trace_43559: Path) -> None:
         assert r.exit_code == 0, r.output
     res = invoke([a, b])
     assert res.exit_code == 0, res.output
-    assert f"  A = vllm-0.33: policy vllm-0.33, coordinator reference ({a})" in res.output
+    assert (
+        f"  A = vllm-0.33: policy vllm-0.33, coordinator reference, cache mooncake ({a})"
+        in res.output
+    )
     assert "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)" in res.output
     assert "flag mamba_overrun  only in B        1      16     0  +16" in res.output
 
@@ -403,7 +406,8 @@ def test_bad_trace_given_for_results(tmp_path: Path, trace_43559: Path) -> None:
 def test_bad_one_policy(trace_43559: Path) -> None:
     assert _error([trace_43559, "--policy", "pre-49502"]) == (
         f"error: {trace_43559}: a trace needs two sides to diff: give --policy twice "
-        "(e.g. --policy vllm-0.33 --policy pre-49502) or --coordinator twice"
+        "(e.g. --policy vllm-0.33 --policy pre-49502), --cache twice "
+        "(--cache mooncake --cache gpu) or --coordinator twice"
     )
 
 
@@ -419,7 +423,8 @@ def test_bad_three_policies(trace_43559: Path) -> None:
 def test_bad_policy_with_results_files(tmp_path: Path, trace_43559: Path) -> None:
     a, b = _two_results(tmp_path, trace_43559)
     assert _error([a, b, "--policy", "pre-49502"]).startswith(
-        "error: --policy/--coordinator replay a trace; two results files are compared as they are"
+        "error: --policy/--coordinator/--cache replay a trace; two results files are "
+        "compared as they are"
     )
 
 
@@ -471,7 +476,7 @@ def test_bad_results_with_different_lookups(tmp_path: Path) -> None:
 
 def test_bad_results_that_saw_different_stores(tmp_path: Path) -> None:
     # Same name, config and lookups, but another event log: the store each
-    # lookup saw (unit_present) gives it away.
+    # lookup saw (unit_present, written on request) gives it away.
     rows = issue_43559_rows()
     t1 = tmp_path / "one" / "t.parquet"
     t2 = tmp_path / "two" / "t.parquet"
@@ -482,8 +487,8 @@ def test_bad_results_that_saw_different_stores(tmp_path: Path) -> None:
         [rows[0], {**rows[1], "block_hashes": rows[1]["block_hashes"][:2]}, rows[2]],
     )
     a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
-    save_results(replay_trace(t1), a)
-    save_results(replay_trace(t2), b)
+    save_results(replay_trace(t1, unit_present=True), a)
+    save_results(replay_trace(t2, unit_present=True), b)
     assert read_results(a)[0]["seq"].to_list() == read_results(b)[0]["seq"].to_list()
     assert _error([a, b]) == (
         f"error: {b}: seq 2: the lookup saw a different store than in {a} "

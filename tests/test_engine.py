@@ -72,7 +72,7 @@ def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, p
 
 def test_results_file_round_trip_and_metadata(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
-    result = replay_trace(path, policy="pre-49502")
+    result = replay_trace(path, policy="pre-49502", unit_present=True)
     out = save_results(result, tmp_path / "t.results.parquet")
     frame, info = read_results(out)
     assert info["version"] == 1

@@ -1,4 +1,6 @@
-"""`replay run --coordinator vllm` and the reference give identical results."""
+"""`replay run --coordinator vllm` and the reference give identical results,
+in both caches and under every policy; the flags computed from vLLM's own
+answers equal a plain restatement of their definitions."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from replay.engine import replay_trace
 from replay.trace import read_results, write_trace
 from tests.conftest import run_cli
+from tests.flagdefs import plain_flags
 from tests.randtrace import random_config, random_rows
 
 pytest.importorskip("vllm", reason="vLLM not importable: run make test-vllm")
@@ -19,7 +23,11 @@ pytestmark = pytest.mark.vllm
 TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
 
 
-def _same_results(path: Path, policy: str, tmp_path: Path) -> None:
+POLICIES = ["vllm-0.33", "pre-49502", "pre-32802"]
+CACHES = ["gpu", "mooncake"]
+
+
+def _same_results(path: Path, policy: str, tmp_path: Path, cache: str = "mooncake") -> None:
     ref, out = tmp_path / "ref.parquet", tmp_path / "vllm.parquet"
     for coordinator, target in (("reference", ref), ("vllm", out)):
         args = [
@@ -29,6 +37,8 @@ def _same_results(path: Path, policy: str, tmp_path: Path) -> None:
             coordinator,
             "--policy",
             policy,
+            "--cache",
+            cache,
             "-o",
             str(target),
             "-q",
@@ -38,6 +48,7 @@ def _same_results(path: Path, policy: str, tmp_path: Path) -> None:
     a, meta_a = read_results(ref)
     b, meta_b = read_results(out)
     assert (meta_a["coordinator"], meta_b["coordinator"]) == ("reference", "vllm")
+    assert (meta_a["cache"], meta_b["cache"]) == (cache, cache)
     assert (a["coordinator"].unique().to_list(), b["coordinator"].unique().to_list()) == (
         ["reference"],
         ["vllm"],
@@ -46,16 +57,40 @@ def _same_results(path: Path, policy: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
-@pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502"])
-def test_regression_traces_identical_through_vllm(trace: Path, policy: str, tmp_path: Path) -> None:
-    _same_results(trace, policy, tmp_path)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache", CACHES)
+def test_regression_traces_identical_through_vllm(
+    trace: Path, policy: str, cache: str, tmp_path: Path
+) -> None:
+    _same_results(trace, policy, tmp_path, cache)
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502"])
-def test_random_traces_identical_through_vllm(seed: int, policy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache", CACHES)
+def test_random_traces_identical_through_vllm(
+    seed: int, policy: str, cache: str, tmp_path: Path
+) -> None:
     rng = random.Random(7000 + seed)
     config = random_config(rng)
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 20))
-    _same_results(path, policy, tmp_path)
+    _same_results(path, policy, tmp_path, cache)
     assert pl.read_parquet(tmp_path / "vllm.parquet").height == 20
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache", CACHES)
+def test_flags_of_vllms_answers_match_their_definition(
+    seed: int, policy: str, cache: str, tmp_path: Path
+) -> None:
+    """The answers come from vLLM's own coordinator; the flags the replay
+    computed for them must be what the definitions say, checked by a plain
+    fold of the rows and vLLM's masks."""
+    rng = random.Random(9000 + seed)
+    config = random_config(rng)
+    rows = random_rows(rng, config, 16)
+    path = write_trace(tmp_path / "r.parquet", config, rows)
+    result = replay_trace(path, policy=policy, coordinator="vllm", cache=cache)
+    got = {(s, f, g) for s, f, g in result.flags().select("seq", "flag", "group_id").rows()}
+    assert got == plain_flags(rows, result.results, config, cache)

@@ -57,13 +57,13 @@ def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     assert (
         '<tr><td><a href="#flag-mamba_overrun"><code>mamba_overrun</code></a></td>'
         '<td class="n">1</td><td class="n"><span class="meter" style="width:60px"></span>'
-        "100.00%</td><td>Mamba resumes recurrent state past the attention-verified prefix "
-        "(#43559)</td></tr>"
+        "100.00%</td><td>Mamba resumes recurrent state past the hit or the attention KV it "
+        "loads (#43559)</td></tr>"
     ) in page
     assert (
         '<tr><td>req-43559</td><td class="n">2</td><td class="n">64</td><td class="n">64</td>'
         "<td>1</td><td>group 1 resumes Mamba state at 64, 16 tokens past the "
-        "attention-verified prefix 48</td></tr>"
+        "attention KV loaded for 48 tokens</td></tr>"
     ) in page
     # The explain table of the example, once (eagle_not_dropped links back to it).
     assert page.count("<pre>request req-43559 (seq 2): max_length 64") == 1
@@ -97,12 +97,12 @@ def test_report_43559_markdown(tmp_path: Path, trace_43559: Path) -> None:
     assert lines[0] == "## Replay report: t43559.parquet"
     assert "| 1 | 1 | 65 | 64 | 98.46% | 1 |" in lines
     assert (
-        "| `mamba_overrun` | 1 | 100.00% | Mamba resumes recurrent state past the "
-        "attention-verified prefix (#43559) |"
+        "| `mamba_overrun` | 1 | 100.00% | Mamba resumes recurrent state past the hit or "
+        "the attention KV it loads (#43559) |"
     ) in lines
     assert (
         "- `mamba_overrun` request `req-43559` (seq 2): group 1 resumes Mamba state at 64, "
-        "16 tokens past the attention-verified prefix 48"
+        "16 tokens past the attention KV loaded for 48 tokens"
     ) in lines
     assert "  " + MAMBA_ROW in lines
     # One explain table per lookup, even when it carries two flags.
@@ -143,7 +143,7 @@ def test_report_without_trace_says_so(tmp_path: Path, trace_43559: Path) -> None
     assert f'<p class="notice">No trace: {note}.</p>' in page
     # The flags and their details still come from the results alone.
     assert '<a href="#flag-mamba_overrun"><code>mamba_overrun</code></a>' in page
-    assert "16 tokens past the attention-verified prefix 48" in page
+    assert "16 tokens past the attention KV loaded for 48 tokens" in page
     assert "<pre>request" not in page
     # ... and --trace brings the explain tables back.
     assert invoke([results, "-o", out, "--trace", trace_43559]).exit_code == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from replay.coordinator import check_config
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
@@ -43,8 +44,15 @@ def test_chunked_accepted_when_only_another_group_is_eagle() -> None:
 def test_chunked_rejected_when_its_spec_group_drops_for_eagle(
     groups: tuple[GroupSpec, ...], use_eagle: bool
 ) -> None:
+    config = _config(*groups, use_eagle=use_eagle)
     with pytest.raises(ConfigError, match=r"chunked_local_attention does not combine with EAGLE"):
-        _config(*groups, use_eagle=use_eagle)
+        check_config(config, "mooncake")
+    if use_eagle:
+        with pytest.raises(ConfigError, match=r"does not combine with EAGLE .* the gpu cache"):
+            check_config(config, "gpu")
+    else:
+        # The engine drops nothing while use_eagle is off, flagged or not.
+        check_config(config, "gpu")
 
 
 def test_config_json_round_trip() -> None:

@@ -133,7 +133,7 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                 clean({"m1": 0}),
                 {
                     "policy": "pre-49502",
-                    "flags": {"mamba_overrun": 1, "missing_block": 1, "eagle_not_dropped": 1},
+                    "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
                     "hits": {"m1": 16},
                 },
             ],
@@ -142,11 +142,59 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
     }
 
 
+def full_swa_mamba() -> TraceConfig:
+    return TraceConfig(
+        groups=(
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16, name="attn"),
+            GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=17, name="swa"),
+            GroupSpec(kind=GroupKind.MAMBA, block_size=16, mamba_cache_mode="align", name="mamba"),
+        ),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+        source={"tool": "hand-made"},
+    )
+
+
+def spiral_32802() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """Before #32802 every pass of the fixed point dropped the window's last
+    block again: with three spec groups each pass shrinks the candidate,
+    so the hit spirals from 112 to 0 (``replay explain --policy pre-32802``
+    shows the passes)."""
+    hs8 = chain(8, "spiral-32802")
+    rows: list[dict[str, Any]] = [
+        {"kind": "store", "group_id": g, "block_hashes": hs8} for g in range(3)
+    ]
+    rows.append(
+        {
+            "kind": "lookup",
+            "request_id": "s1",
+            "block_hashes": hs8,
+            "max_length": 128,
+            "num_tokens": 129,
+        }
+    )
+    expect = [
+        clean({"s1": 112}),
+        {"policy": "pre-32802", "flags": {}, "hits": {"s1": 0}},
+    ]
+    return (
+        rows,
+        expect,
+        (
+            "pre-#32802: full attention + sliding window + Mamba with EAGLE, the drop re-applied "
+            "on every pass spirals the hit from 112 to 0"
+        ),
+    )
+
+
 def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     built = []
-    for name, (rows, expect, what) in hand_made().items():
+    cases = {name: (full_mamba(), *case) for name, case in hand_made().items()}
+    cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
+    for name, (config, rows, expect, what) in cases.items():
         path = HERE / f"{name}.parquet"
-        write_trace(path, full_mamba(), rows, expect={"expect": expect, "pins": what})
+        write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         built.append((path.name, what, expect))
     return built
 
@@ -199,14 +247,14 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
 
 def replayed_expectation(path: Path) -> list[dict[str, Any]]:
     """Pin what the replay gives now, per policy (flag counts)."""
-    from analysis.flags import attach_flags, flag_counts
+    from analysis.flags import flag_counts
     from replay.coordinator import POLICIES
     from replay.engine import replay_trace
 
     out = []
     for policy in POLICIES:
         result = replay_trace(path, policy=policy)
-        out.append({"policy": policy, "flags": flag_counts(attach_flags(result))})
+        out.append({"policy": policy, "flags": flag_counts(result.flags())})
     return out
 
 
@@ -272,17 +320,19 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "",
         "## What each trace pins",
         "",
-        "| trace | vllm-0.33 | pre-49502 | what it pins |",
-        "|---|---|---|---|",
+        "| trace | vllm-0.33 | pre-49502 | pre-32802 | what it pins |",
+        "|---|---|---|---|---|",
     ]
     for name, what, expect in built:
         by = {e["policy"]: e for e in expect}
-        lines.append(
-            f"| `{name}` | {_flags_text(by['vllm-0.33'])} | {_flags_text(by['pre-49502'])} | {what} |"
-        )
+        cells = [
+            _flags_text(by[p]) if p in by else "(not pinned)"
+            for p in ("vllm-0.33", "pre-49502", "pre-32802")
+        ]
+        lines.append(f"| `{name}` | {' | '.join(cells)} | {what} |")
     lines += [
         "",
-        "`hit_beyond_max_length` has no trace: neither policy can produce it (the",
+        "`hit_beyond_max_length` has no trace: no policy can produce it (the",
         "fixed point starts at `max_length` and only shrinks). It guards against a",
         "wrong coordinator; `tests/test_flags.py` feeds it one.",
         "",

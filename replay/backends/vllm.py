@@ -1,8 +1,16 @@
-"""vLLM 0.33.0's own coordinator behind the reference ``Coordinator``'s interface.
+"""vLLM 0.33.0's own coordinators behind the reference ``Coordinator``'s interface.
 
-``VllmCoordinator`` builds real vLLM spec objects for a trace's groups and a
-``MooncakeStoreCoordinator`` over them, and answers each lookup with that
-coordinator's ``find_longest_cache_hit`` against an ``ExternalCachedBlockPool``.
+``VllmCoordinator`` builds real vLLM spec objects for a trace's groups and,
+per cache, vLLM's own coordinator over them:
+
+- ``mooncake``: a ``MooncakeStoreCoordinator``, answering each lookup with its
+  ``find_longest_cache_hit`` against an ``ExternalCachedBlockPool``;
+- ``gpu``: the engine's coordinator as ``get_kv_cache_coordinator`` builds it
+  (``UnitaryKVCacheCoordinator`` for one group, ``HybridKVCacheCoordinator``
+  otherwise) over a real ``BlockPool`` whose hash-to-block map holds, for
+  the lookup, exactly the trace's present ``(hash, group)`` keys among the
+  request's hashes (``BlockHashWithGroupId``; the finders probe no others).
+
 It is the oracle the reference is checked against (``make test-vllm``) and a
 ``replay run --coordinator vllm`` backend. vLLM is imported when one is built,
 never when this module is imported.
@@ -13,19 +21,23 @@ results format can hold) and each spec group's hit on its last finder call
 (recorded by a pass-through wrapper around the group's manager class), which
 gives ``GroupOutcome.hit_tokens`` and, for Mamba, ``state_tokens``.
 
-Lookups run one at a time (a process-wide lock): policy ``pre-49502`` swaps
-a module global of vLLM's coordinator during the call, and the recorded hits
-live on the instance.
+Lookups run one at a time (a process-wide lock): the older policies swap
+module globals of vLLM's coordinator during the call, and the recorded hits
+live on the instance. ``pre-49502`` hides ``MambaSpec`` from the margin gate;
+``pre-32802`` makes ``eagle_proof_margin`` zero and forces the drop on every
+finder call of an EAGLE spec group, as the loop did before #32802.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
+from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
 from replay.coordinator.hybrid import GroupOutcome, LookupOutcome
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.errors import ReplayError
@@ -36,7 +48,14 @@ _MISSING_VLLM = (
     "`pip install vllm==0.33.0` (CPU: ../shared/tools/vllm-oracle-env.sh)"
 )
 
-_COORDINATOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
+_COORDINATOR_MODULES = {
+    "mooncake": "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator",
+    "gpu": "vllm.v1.core.kv_cache_coordinator",
+}
+# The engine coordinator needs these to build its managers; lookups read none.
+_MAX_MODEL_LEN = 1 << 22
+_MAX_IN_FLIGHT_TOKENS = 8192
+_POOL_BLOCKS = 16
 
 # Shapes and dtypes vLLM needs to build a spec; lookup never reads them, but
 # equal trace specs must give equal vLLM specs so that groups merge as in vLLM.
@@ -74,16 +93,28 @@ class _RecordingManager:
     each ``find_longest_cache_hit`` call for its spec group; the coordinator
     keeps these to itself (``_find_hit_blocks`` returns only the masks)."""
 
-    def __init__(self, manager_cls: Any, index: int, sink: list[int]) -> None:
+    def __init__(
+        self, manager_cls: Any, index: int, sink: list[int], eagle: bool, force: list[bool]
+    ) -> None:
         self._manager_cls = manager_cls
         self._index = index
         self._sink = sink
+        self._eagle = eagle
+        self._force = force
         self.supports_fine_grained_hash_lookup = manager_cls.supports_fine_grained_hash_lookup
 
     def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        if self._force[0] and self._eagle:
+            # pre-32802: the drop on every call, not once per candidate.
+            kwargs["drop_eagle_block"] = True
         blocks, hit_length = self._manager_cls.find_longest_cache_hit(*args, **kwargs)
         self._sink[self._index] = hit_length
         return blocks, hit_length
+
+
+def _no_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
+    """``eagle_proof_margin`` before #32802: the bound was the candidate."""
+    return 0
 
 
 def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
@@ -114,13 +145,19 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
 
 
 class VllmCoordinator:
-    """vLLM's ``MooncakeStoreCoordinator`` with the reference's ``lookup``."""
+    """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
     name = "vllm"
 
-    def __init__(self, config: TraceConfig, policy: str | Policy = DEFAULT_POLICY) -> None:
+    def __init__(
+        self,
+        config: TraceConfig,
+        policy: str | Policy = DEFAULT_POLICY,
+        cache: str | Cache = DEFAULT_CACHE,
+    ) -> None:
         self.config = config
         self.policy = get_policy(policy)
+        self.cache = get_cache(cache)
         try:
             # torch and vLLM warn about their own deprecations on import:
             # noise for someone replaying a trace.
@@ -128,10 +165,12 @@ class VllmCoordinator:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 torch = importlib.import_module("torch")
                 iface = importlib.import_module("vllm.v1.kv_cache_interface")
-                module = importlib.import_module(_COORDINATOR_MODULE)
+                module = importlib.import_module(_COORDINATOR_MODULES[self.cache.name])
+                utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         except ImportError:
             raise ReplayError(_MISSING_VLLM) from None
         self._module: Any = module
+        self._utils: Any = utils
         groups = [
             iface.KVCacheGroupSpec(
                 layer_names=[g.name or f"model.layers.{gid}"],
@@ -140,27 +179,53 @@ class VllmCoordinator:
             )
             for gid, g in enumerate(config.groups)
         ]
+        self._force = [False]
         try:
-            coordinator = module.MooncakeStoreCoordinator(
-                groups,
-                config.scheduler_block_size,
-                config.hash_block_size,
-                use_eagle=config.use_eagle,
-                enable_partial_hash_hits=config.enable_partial_hash_hits,
-            )
+            if self.cache.name == "gpu":
+                coordinator = module.get_kv_cache_coordinator(
+                    iface.KVCacheConfig(
+                        num_blocks=_POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
+                    ),
+                    max_model_len=_MAX_MODEL_LEN,
+                    max_in_flight_tokens=_MAX_IN_FLIGHT_TOKENS,
+                    use_eagle=config.use_eagle,
+                    enable_caching=True,
+                    enable_kv_cache_events=False,
+                    dcp_world_size=1,
+                    pcp_world_size=1,
+                    scheduler_block_size=config.scheduler_block_size,
+                    hash_block_size=config.hash_block_size,
+                    # The trace's flag can only turn partial hits off.
+                    allow_partial_hash_hits=config.enable_partial_hash_hits,
+                )
+            else:
+                coordinator = module.MooncakeStoreCoordinator(
+                    groups,
+                    config.scheduler_block_size,
+                    config.hash_block_size,
+                    use_eagle=config.use_eagle,
+                    enable_partial_hash_hits=config.enable_partial_hash_hits,
+                )
         except AssertionError as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
-        # Record each spec group's last finder hit; the answers are unchanged.
-        self._hits: list[int] = [0] * len(coordinator.attention_groups)
-        coordinator.attention_groups = [
-            group._replace(manager_cls=_RecordingManager(group.manager_cls, i, self._hits))
-            for i, group in enumerate(coordinator.attention_groups)
-        ]
-        self._coordinator: Any = coordinator
+        self._unitary = not hasattr(coordinator, "attention_groups")
         self._spec_group_of = [0] * config.num_groups
-        for i, group in enumerate(coordinator.attention_groups):
-            for gid in group.group_ids:
-                self._spec_group_of[gid] = i
+        self._hits: list[int] = [0]
+        if not self._unitary:
+            # Record each spec group's last finder hit; the answers are unchanged.
+            self._hits = [0] * len(coordinator.attention_groups)
+            coordinator.attention_groups = [
+                group._replace(
+                    manager_cls=_RecordingManager(
+                        group.manager_cls, i, self._hits, bool(group.use_eagle), self._force
+                    )
+                )
+                for i, group in enumerate(coordinator.attention_groups)
+            ]
+            for i, group in enumerate(coordinator.attention_groups):
+                for gid in group.group_ids:
+                    self._spec_group_of[gid] = i
+        self._coordinator: Any = coordinator
 
     def lookup(
         self,
@@ -185,27 +250,68 @@ class VllmCoordinator:
         if not all(type(h) is bytes for h in hashes):
             # vLLM keys its pool by bytes(hash); fingerprints would all collide.
             raise ReplayError("the vllm coordinator needs the raw bytes block hashes (exact keys)")
-        pool = self._module.ExternalCachedBlockPool(hbs, exists=_KeyView(contains))
         block_hashes = list(hashes)
         # Every lookup holds the lock: a default-policy lookup must never run
-        # while another thread has the gate swapped out.
+        # while another thread has a gate swapped out.
         with _GATE_LOCK:
             for i in range(len(self._hits)):
                 self._hits[i] = 0
-            if self.policy.mamba_peek_margin:
-                saved = self._module.MambaSpec
-                self._module.MambaSpec = _NotMamba
-                try:
+            with self._policy_patches():
+                if self.cache.name == "gpu":
+                    blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
+                    null = self._coordinator.block_pool.null_block
+                    masks = [[b is not null for b in blks] for blks in blocks]
+                else:
+                    pool = self._module.ExternalCachedBlockPool(hbs, exists=_KeyView(contains))
                     masks, hit = self._coordinator.find_longest_cache_hit(
                         block_hashes, max_length, pool
                     )
-                finally:
-                    self._module.MambaSpec = saved
-            else:
-                masks, hit = self._coordinator.find_longest_cache_hit(
-                    block_hashes, max_length, pool
-                )
+            if self._unitary:
+                self._hits[0] = hit
             return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
+
+    def _engine_lookup(
+        self,
+        block_hashes: list[Hashable],
+        max_length: int,
+        contains: Sequence[Callable[[Hashable], bool]],
+    ) -> tuple[Any, int]:
+        """The engine's lookup over a block pool that caches exactly the
+        present keys among the request's hashes, emptied afterwards."""
+        pool = self._coordinator.block_pool
+        cached = pool.cached_block_hash_to_block
+        block_cls = self._utils.KVCacheBlock
+        key_of = self._utils.make_block_hash_with_group_id
+        next_id = _POOL_BLOCKS
+        try:
+            for gid, has in enumerate(contains):
+                for h in dict.fromkeys(block_hashes):
+                    if has(h):
+                        cached.insert(key_of(h, gid), block_cls(block_id=next_id))
+                        next_id += 1
+            blocks, hit, _uncached = self._coordinator.find_longest_cache_hit(
+                block_hashes, max_length
+            )
+        finally:
+            cached._cache.clear()
+        return blocks, hit
+
+    @contextlib.contextmanager
+    def _policy_patches(self) -> Iterator[None]:
+        saved: dict[str, Any] = {}
+        if self.policy.mamba_peek_margin:
+            saved["MambaSpec"] = self._module.MambaSpec
+            self._module.MambaSpec = _NotMamba
+        if not self.policy.verify_eagle_once:
+            saved["eagle_proof_margin"] = self._module.eagle_proof_margin
+            self._module.eagle_proof_margin = _no_margin
+            self._force[0] = True
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(self._module, name, value)
+            self._force[0] = False
 
     def _groups(self, masks: Sequence[list[bool]]) -> tuple[GroupOutcome, ...]:
         out = []

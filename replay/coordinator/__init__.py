@@ -1,5 +1,6 @@
 """The reference coordinator: vLLM 0.33.0's hybrid cache-hit semantics."""
 
+from replay.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
 from replay.coordinator.finders import FINDERS, FinderResult, block_view
 from replay.coordinator.hybrid import (
     Coordinator,
@@ -8,13 +9,21 @@ from replay.coordinator.hybrid import (
     SpecGroup,
     Step,
     build_spec_groups,
+    check_config,
+    eagle_group_ids,
+    hit_alignment,
+    lookup_spec,
+    partial_hits,
 )
 from replay.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
 
 __all__ = [
+    "CACHES",
+    "DEFAULT_CACHE",
     "DEFAULT_POLICY",
     "FINDERS",
     "POLICIES",
+    "Cache",
     "Coordinator",
     "FinderResult",
     "GroupOutcome",
@@ -24,5 +33,12 @@ __all__ = [
     "Step",
     "block_view",
     "build_spec_groups",
+    "check_config",
+    "eagle_group_ids",
+    "get_cache",
     "get_policy",
+    "hit_alignment",
+    "lookup_spec",
+    "partial_hits",
+    "trace_cache",
 ]

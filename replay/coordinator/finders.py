@@ -115,7 +115,9 @@ def sliding_window(
     hash_block_size: int,
 ) -> FinderResult:
     bs = spec.block_size
-    window = spec.coverage_window or 0
+    # The bare window: the mirror's widening is already in the spec it passes
+    # (``hybrid.lookup_spec``); the engine's finder has none.
+    window = spec.sliding_window or 0
     view = block_view(present, hash_block_size, bs)
     # The window needs this many contiguous blocks ending at the hit; with the
     # EAGLE drop one more, since the last matched block is popped afterwards.

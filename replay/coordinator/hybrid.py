@@ -5,10 +5,12 @@ Mooncake store mirror): every spec group must agree on one hit length.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
 from replay.coordinator.finders import FINDERS, FinderResult, cdiv, eagle_margin
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
+from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
@@ -79,25 +81,131 @@ class LookupOutcome:
         return max(states) if states else None
 
 
-def build_spec_groups(config: TraceConfig) -> tuple[SpecGroup, ...]:
+def lookup_spec(group: GroupSpec, cache: str | Cache = DEFAULT_CACHE) -> GroupSpec:
+    """The spec a group is looked up and merged by in this cache: the mirror
+    widens a sliding window by ``extra_retained_tokens`` (its
+    ``_coverage_spec``); the engine keeps the spec as it is."""
+    if (
+        get_cache(cache).widen_window
+        and group.kind is GroupKind.SLIDING_WINDOW
+        and group.extra_retained_tokens
+    ):
+        return replace(
+            group,
+            sliding_window=(group.sliding_window or 0) + group.extra_retained_tokens,
+            extra_retained_tokens=0,
+        )
+    return group
+
+
+def _merge_key(spec: GroupSpec) -> tuple[object, ...]:
+    # Equal specs merge; ``lookup_spec`` already folded the window for the
+    # mirror, so the raw fields are what vLLM compares in either cache.
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        return (spec.kind, spec.block_size, spec.sliding_window, spec.extra_retained_tokens)
+    if spec.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+        return (spec.kind, spec.block_size, spec.attention_chunk_size)
+    return (spec.kind, spec.block_size)
+
+
+def eagle_group_ids(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> frozenset[int]:
+    """The KV-cache groups whose finder drops a block for EAGLE before merging:
+    the flagged ones, or every group when EAGLE is on and none is flagged
+    (vLLM's conservative fallback). The engine drops nothing while
+    ``use_eagle`` is off, flags or not; the mirror honours the flags."""
+    flagged = frozenset(gid for gid, g in enumerate(config.groups) if g.is_eagle_group)
+    if config.use_eagle and not flagged:
+        flagged = frozenset(range(config.num_groups))
+    if get_cache(cache).drop_needs_use_eagle and not config.use_eagle:
+        return frozenset()
+    return flagged
+
+
+def build_spec_groups(
+    config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
+) -> tuple[SpecGroup, ...]:
+    """The spec groups of a configuration in lookup order. This is the one
+    place the EAGLE group rule lives: a spec group drops when any member
+    does (members are cached and looked up jointly)."""
+    drops = eagle_group_ids(config, cache)
     merged: list[tuple[GroupSpec, list[int], bool]] = []
     for gid, group in enumerate(config.groups):
-        key = group.spec_key()
-        for i, (spec, gids, eagle) in enumerate(merged):
-            if spec.spec_key() == key:
+        spec = lookup_spec(group, cache)
+        key = _merge_key(spec)
+        for i, (seen, gids, eagle) in enumerate(merged):
+            if _merge_key(seen) == key:
                 gids.append(gid)
-                merged[i] = (spec, gids, eagle or group.is_eagle_group)
+                merged[i] = (seen, gids, eagle or gid in drops)
                 break
         else:
-            merged.append((group, [gid], group.is_eagle_group))
+            merged.append((spec, [gid], gid in drops))
     # Full attention first; otherwise group order (a stable sort).
     merged.sort(key=lambda m: m[0].kind is not GroupKind.FULL_ATTENTION)
-    # When EAGLE is on and no group says which, every group is treated as one.
-    flag_all = config.use_eagle and not any(e for _, _, e in merged)
     return tuple(
-        SpecGroup(index=i, spec=spec, group_ids=tuple(gids), eagle=eagle or flag_all)
+        SpecGroup(index=i, spec=spec, group_ids=tuple(gids), eagle=eagle)
         for i, (spec, gids, eagle) in enumerate(merged)
     )
+
+
+def _fine_grained_everywhere(config: TraceConfig) -> bool:
+    """vLLM's ``partial_hash_hits_enabled``: an align-mode Mamba group with a
+    block larger than the hash unit, and every other group either able to
+    probe inside a block or one hash unit per block."""
+    hbs = config.hash_block_size
+    if not any(g.kind is GroupKind.MAMBA and g.block_size > hbs for g in config.groups):
+        return False
+    return all(FINDERS[g.kind].fine_grained or g.block_size == hbs for g in config.groups)
+
+
+def _unitary(config: TraceConfig, cache: Cache) -> bool:
+    return cache.unitary_single_group and config.num_groups == 1
+
+
+def partial_hits(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> bool:
+    """Whether hits may land on hash units inside a block, in this cache."""
+    c = get_cache(cache)
+    if _unitary(config, c):
+        return False  # the unitary coordinator has no partial hits
+    if c.derive_partial_hits:
+        return config.enable_partial_hash_hits and _fine_grained_everywhere(config)
+    return config.enable_partial_hash_hits
+
+
+def hit_alignment(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> int:
+    """Token granularity every hit is a multiple of, in this cache."""
+    c = get_cache(cache)
+    if _unitary(config, c):
+        return config.groups[0].block_size
+    return config.hash_block_size if partial_hits(config, c) else config.scheduler_block_size
+
+
+def check_config(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> None:
+    """The rules vLLM asserts for this cache's coordinator, as ``ConfigError``."""
+    c = get_cache(cache)
+    if _unitary(config, c):
+        bs = config.groups[0].block_size
+        if bs != config.hash_block_size:
+            raise ConfigError(
+                f"the {c.name} cache answers a single KV-cache group with vLLM's "
+                f"UnitaryKVCacheCoordinator, which needs hash_block_size equal to "
+                f"block_size {bs}, got {config.hash_block_size}"
+            )
+    alignment = hit_alignment(config, c)
+    for sg in build_spec_groups(config, c):
+        if sg.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION:
+            continue
+        gid = sg.group_ids[0]
+        if sg.eagle:
+            # vLLM's chunked finder cannot drop a block for EAGLE.
+            raise ConfigError(
+                f"kv_cache_groups[{gid}]: chunked_local_attention does not combine "
+                f"with EAGLE (vLLM rejects this hybrid in the {c.name} cache)"
+            )
+        if sg.spec.block_size != alignment:
+            raise ConfigError(
+                f"kv_cache_groups[{gid}]: chunked_local_attention needs block_size equal "
+                f"to the hit alignment {alignment}, got {sg.spec.block_size}"
+            )
 
 
 def _all_present(per_group: Sequence[bytes]) -> bytes:
@@ -116,19 +224,31 @@ class Coordinator:
 
     name = "reference"
 
-    def __init__(self, config: TraceConfig, policy: str | Policy = DEFAULT_POLICY) -> None:
+    def __init__(
+        self,
+        config: TraceConfig,
+        policy: str | Policy = DEFAULT_POLICY,
+        cache: str | Cache = DEFAULT_CACHE,
+    ) -> None:
         self.config = config
         self.policy = get_policy(policy)
-        self.spec_groups = build_spec_groups(config)
-        self.alignment = config.alignment
+        self.cache = get_cache(cache)
+        check_config(config, self.cache)
+        self.spec_groups = build_spec_groups(config, self.cache)
+        self.alignment = hit_alignment(config, self.cache)
         hbs = config.hash_block_size
-        fine = config.enable_partial_hash_hits
+        fine = partial_hits(config, self.cache)
         self._margins = tuple(
             eagle_margin(sg.spec, hbs, fine and FINDERS[sg.kind].fine_grained)
             for sg in self.spec_groups
         )
         self._simple_hybrid = (
             len(self.spec_groups) == 2 and self.spec_groups[0].kind is GroupKind.FULL_ATTENTION
+        )
+        # One finder call answers: the engine's unitary coordinator (one
+        # KV-cache group) or the mirror's single-spec shortcut.
+        self._single_call = len(self.spec_groups) == 1 and (
+            _unitary(config, self.cache) or self.cache.single_spec_shortcut
         )
 
     def _call(self, sg: SpecGroup, present: bytes, bound: int, drop: bool) -> FinderResult:
@@ -142,6 +262,8 @@ class Coordinator:
         )
 
     def _gets_margin(self, sg: SpecGroup) -> bool:
+        if not self.policy.verify_eagle_once:
+            return False  # before #32802 the bound was the candidate itself
         # No peek margin for Mamba (#49502): its finder never drops, so a
         # widened bound resumes state past the verified prefix (#43559).
         return sg.kind is not GroupKind.MAMBA or self.policy.mamba_peek_margin
@@ -167,7 +289,7 @@ class Coordinator:
         results: list[FinderResult | None] = [None] * len(self.spec_groups)
         steps: list[Step] = []
 
-        if len(self.spec_groups) == 1:
+        if self._single_call:
             sg = self.spec_groups[0]
             res = self._call(sg, merged[0], max_length, sg.eagle)
             results[0] = res
@@ -196,7 +318,7 @@ class Coordinator:
                             )
                         )
                     continue
-                drop = sg.eagle and sg.index not in verified
+                drop = sg.eagle and (sg.index not in verified or not self.policy.verify_eagle_once)
                 bound, margin = cand, 0
                 if drop and self._gets_margin(sg):
                     margin = self._margins[sg.index]

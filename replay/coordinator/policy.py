@@ -19,6 +19,12 @@ class Policy:
     #: Mamba never drops, so the widened bound lets its state land one
     #: block past the attention-verified prefix (#43559).
     mamba_peek_margin: bool = False
+    #: Each EAGLE group drops at most once per candidate length, matching one
+    #: unit past the candidate (the peek margin) so the drop lands back on it
+    #: (#32802). Before that, every finder call of an EAGLE group dropped a
+    #: block with the candidate as its bound, so a loop of three or more spec
+    #: groups spiralled the hit down one block per pass.
+    verify_eagle_once: bool = True
 
 
 POLICIES: dict[str, Policy] = {
@@ -32,6 +38,12 @@ POLICIES: dict[str, Policy] = {
             name="pre-49502",
             description="before vLLM #49502: Mamba gets the EAGLE peek margin (#43559)",
             mamba_peek_margin=True,
+        ),
+        Policy(
+            name="pre-32802",
+            description="before vLLM #32802: every EAGLE finder call drops a block, "
+            "no peek margin (the hit spirals down)",
+            verify_eagle_once=False,
         ),
     )
 }
