@@ -182,20 +182,29 @@ def _place(slots: Any, info: Any, src: Any, sbase: int, sw: int) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _rebuilt(slots: Any, info: Any, cap: int, w: int) -> Any:
-    """The live slots (some group bit set) in a table of ``cap`` slots and
-    key width ``w`` words."""
+def _rehash(slots: Any, info: Any, new: Any, cap: int, w: int) -> None:
+    """Copy the live slots (some group bit set) into ``new``, a zeroed table
+    of ``cap`` slots and key width ``w`` words."""
     old_cap, old_w, m = info[_CAP], info[_W], info[_M]
     old_stride = 1 + m + old_w
-    new = np.zeros(cap * (1 + m + w), dtype=np.uint64)
     info[_CAP], info[_W], info[_COUNT] = cap, w, 0
     for i in range(old_cap):
         base = i * old_stride
-        if slots[base] == 0:
-            continue
-        if _live(slots, base, m):
+        if slots[base] != 0 and _live(slots, base, m):
             _place(new, info, slots, base, min(old_w, w))
+
+
+@njit(nogil=True, cache=True)
+def _rebuilt(slots: Any, info: Any, cap: int, w: int) -> Any:
+    new = np.zeros(cap * (1 + info[_M] + w), dtype=np.uint64)
+    _rehash(slots, info, new, cap, w)
     return new
+
+
+@njit(nogil=True, cache=True)
+def _metas(words: Any, woff: Any, nbytes: Any, metas: Any) -> None:
+    for h in range(nbytes.shape[0]):
+        metas[h] = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
 
 
 @njit(nogil=True, cache=True)
@@ -236,23 +245,29 @@ def fold_batch(
     out: Any,
     out_off: Any,
     num_groups: int,
+    metas: Any,
+    resume_row: int,
+    resume_hash: int,
 ) -> Any:
-    """Fold one batch of rows in order; return the (possibly new) slots.
+    """Fold one batch of rows in order, from row ``resume_row`` (its hashes
+    from ``resume_hash``); return ``(slots, row, hash)``: the (possibly new)
+    slots, and where to resume after growing the table, or row -1 when done.
 
     Row ``r`` owns hashes ``row_off[r]:row_off[r + 1]``; hash ``h`` is
     ``words[woff[h]:woff[h + 1]]`` and ``nbytes[h]`` bytes long. A lookup row
     writes ``n`` presence bytes per group at ``out[out_off[r] + g * n]``:
     1 when group ``g`` holds the key of hash unit ``u`` at that point.
-    ``gids[r] == -1`` on a clear means every group.
+    ``gids[r] == -1`` on a clear means every group. ``metas[h]`` is hash
+    ``h``'s ``_key_meta``. The caller grows the table: its pages then come
+    from numpy, which asks for huge pages (fewer faults and TLB misses on a
+    table of hundreds of MB).
     """
     m = info[_M]
-    n_hashes = nbytes.shape[0]
-    metas = np.empty(n_hashes, dtype=np.uint64)
-    for h in range(n_hashes):
-        metas[h] = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
-    for r in range(kinds.shape[0]):
+    for r in range(resume_row, kinds.shape[0]):
         kind = kinds[r]
         lo, hi = row_off[r], row_off[r + 1]
+        if r == resume_row:
+            lo = max(lo, resume_hash)
         if kind == SKIP or (kind != CLEAR and lo == hi):
             continue
         g = gids[r]
@@ -264,7 +279,7 @@ def fold_batch(
                 if h + _AHEAD < hi:
                     _prefetch(slots, _home(metas[h + _AHEAD], info[_CAP]) * stride)
                 if (info[_COUNT] + 1) * _MAX_LOAD_DEN > info[_CAP] * _MAX_LOAD_NUM:
-                    slots = _rebuilt(slots, info, info[_CAP] * 2, info[_W])
+                    return slots, r, h
                 s, nw = woff[h], woff[h + 1] - woff[h]
                 meta = metas[h]
                 i = _find(slots, info[_CAP], stride, m, meta, words, s, nw)
@@ -310,7 +325,7 @@ def fold_batch(
                     continue  # out is zeroed: absent in every group
                 for gg in range(num_groups):
                     out[o + gg * n + u] = np.uint8(_bit(slots, i * stride, m, gg))
-    return slots
+    return slots, -1, 0
 
 
 @njit(nogil=True, cache=True)
@@ -360,20 +375,34 @@ class KeyTable:
                 "bytes, the most the store keys"
             )
         if max_words > self.info[_W]:
-            self.slots = _rebuilt(self.slots, self.info, int(self.info[_CAP]), max_words)
-        self.slots = fold_batch(
-            self.slots,
-            self.info,
-            kinds,
-            gids,
-            row_offsets,
-            words,
-            word_offsets,
-            nbytes,
-            out,
-            out_offsets,
-            self.num_groups,
-        )
+            self._grow(int(self.info[_CAP]), max_words)
+        metas = np.empty(nbytes.shape[0], dtype=np.uint64)
+        _metas(words, word_offsets, nbytes, metas)
+        row, at = 0, 0
+        while row >= 0:
+            self.slots, row, at = fold_batch(
+                self.slots,
+                self.info,
+                kinds,
+                gids,
+                row_offsets,
+                words,
+                word_offsets,
+                nbytes,
+                out,
+                out_offsets,
+                self.num_groups,
+                metas,
+                row,
+                at,
+            )
+            if row >= 0:
+                self._grow(int(self.info[_CAP]) * 2, int(self.info[_W]))
+
+    def _grow(self, cap: int, w: int) -> None:
+        new = np.zeros(cap * (1 + int(self.info[_M]) + w), dtype=np.uint64)
+        _rehash(self.slots, self.info, new, cap, w)
+        self.slots = new
 
     def group_counts(self) -> list[int]:
         """Keys each group holds."""
