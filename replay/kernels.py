@@ -50,6 +50,9 @@ _INLINE_GROUPS = 16
 #: Widths + 1 live in 16 bits.
 MAX_HASH_BYTES = 0xFFFE
 
+# fold_batch's requests to its caller, besides growing.
+_REBUILD, _EMPTIED = -1, -2
+
 # info[] fields
 _CAP, _COUNT, _W, _M = 0, 1, 2, 3
 
@@ -195,13 +198,6 @@ def _rehash(slots: Any, info: Any, new: Any, cap: int, w: int) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _rebuilt(slots: Any, info: Any, cap: int, w: int) -> Any:
-    new = np.zeros(cap * (1 + info[_M] + w), dtype=np.uint64)
-    _rehash(slots, info, new, cap, w)
-    return new
-
-
-@njit(nogil=True, cache=True)
 def _metas(words: Any, woff: Any, nbytes: Any, metas: Any) -> None:
     for h in range(nbytes.shape[0]):
         metas[h] = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
@@ -226,9 +222,11 @@ def _delete(slots: Any, info: Any, i: int) -> None:
         # Move j into the hole unless its home lies cyclically in (hole, j].
         stays = hole < home <= j if hole <= j else home > hole or home <= j
         if not stays:
-            slots[hole * stride : hole * stride + stride] = slots[j * stride : j * stride + stride]
+            for k in range(stride):
+                slots[hole * stride + k] = slots[j * stride + k]
             hole = j
-    slots[hole * stride : hole * stride + stride] = 0
+    for k in range(stride):
+        slots[hole * stride + k] = 0
     info[_COUNT] -= 1
 
 
@@ -250,16 +248,18 @@ def fold_batch(
     resume_hash: int,
 ) -> Any:
     """Fold one batch of rows in order, from row ``resume_row`` (its hashes
-    from ``resume_hash``); return ``(slots, row, hash)``: the (possibly new)
-    slots, and where to resume after growing the table, or row -1 when done.
+    from ``resume_hash``). Returns ``(-1, 0)`` when done, else where to
+    resume once the caller has changed the table: ``(row, hash)`` to grow
+    it, ``(row, _REBUILD)`` to rebuild it (a group was cleared),
+    ``(row, _EMPTIED)`` to start it afresh (every group was cleared).
 
     Row ``r`` owns hashes ``row_off[r]:row_off[r + 1]``; hash ``h`` is
     ``words[woff[h]:woff[h + 1]]`` and ``nbytes[h]`` bytes long. A lookup row
     writes ``n`` presence bytes per group at ``out[out_off[r] + g * n]``:
     1 when group ``g`` holds the key of hash unit ``u`` at that point.
     ``gids[r] == -1`` on a clear means every group. ``metas[h]`` is hash
-    ``h``'s ``_key_meta``. The caller grows the table: its pages then come
-    from numpy, which asks for huge pages (fewer faults and TLB misses on a
+    ``h``'s ``_key_meta``. Tables are allocated by the caller: their pages
+    then come from numpy, which asks for huge pages (fewer faults and TLB misses on a
     table of hundreds of MB).
     """
     m = info[_M]
@@ -279,7 +279,7 @@ def fold_batch(
                 if h + _AHEAD < hi:
                     _prefetch(slots, _home(metas[h + _AHEAD], info[_CAP]) * stride)
                 if (info[_COUNT] + 1) * _MAX_LOAD_DEN > info[_CAP] * _MAX_LOAD_NUM:
-                    return slots, r, h
+                    return r, h
                 s, nw = woff[h], woff[h + 1] - woff[h]
                 meta = metas[h]
                 i = _find(slots, info[_CAP], stride, m, meta, words, s, nw)
@@ -305,13 +305,11 @@ def fold_batch(
                     _delete(slots, info, i)
         elif kind == CLEAR:
             if g < 0:
-                slots = np.zeros(_INITIAL_SLOTS * stride, dtype=np.uint64)
-                info[_CAP], info[_COUNT] = _INITIAL_SLOTS, 0
-            else:
-                for i in range(info[_CAP]):
-                    if slots[i * stride] != 0:
-                        _set_bit(slots, i * stride, m, g, False)
-                slots = _rebuilt(slots, info, info[_CAP], info[_W])
+                return r + 1, _EMPTIED
+            for i in range(info[_CAP]):
+                if slots[i * stride] != 0:
+                    _set_bit(slots, i * stride, m, g, False)
+            return r + 1, _REBUILD
         elif kind == LOOKUP:
             n = hi - lo
             o = out_off[r]
@@ -325,7 +323,7 @@ def fold_batch(
                     continue  # out is zeroed: absent in every group
                 for gg in range(num_groups):
                     out[o + gg * n + u] = np.uint8(_bit(slots, i * stride, m, gg))
-    return slots, -1, 0
+    return -1, 0
 
 
 @njit(nogil=True, cache=True)
@@ -380,7 +378,7 @@ class KeyTable:
         _metas(words, word_offsets, nbytes, metas)
         row, at = 0, 0
         while row >= 0:
-            self.slots, row, at = fold_batch(
+            row, at = fold_batch(
                 self.slots,
                 self.info,
                 kinds,
@@ -396,8 +394,19 @@ class KeyTable:
                 row,
                 at,
             )
-            if row >= 0:
-                self._grow(int(self.info[_CAP]) * 2, int(self.info[_W]))
+            cap, w = int(self.info[_CAP]), int(self.info[_W])
+            if row < 0:
+                break
+            if at == _EMPTIED:
+                # Back to the initial size: a cleared store gives its memory back.
+                self.slots = np.zeros(_INITIAL_SLOTS * (1 + int(self.info[_M]) + w), np.uint64)
+                self.info[_CAP], self.info[_COUNT] = _INITIAL_SLOTS, 0
+                at = 0
+            elif at == _REBUILD:
+                self._grow(cap, w)
+                at = 0
+            else:
+                self._grow(cap * 2, w)
 
     def _grow(self, cap: int, w: int) -> None:
         new = np.zeros(cap * (1 + int(self.info[_M]) + w), dtype=np.uint64)
