@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace
+from replay.engine import fold_rows, replay_trace
 from replay.kernels import LOOKUP, STORE, KeyTable
 from replay.spec import TraceConfig
 from replay.trace import (
@@ -193,31 +194,11 @@ def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> N
             hashes.append(keys)
         probe = [universe[i] for i in rng.integers(0, len(universe), 500)]
         kinds.append(LOOKUP)
-        gids.append(-1)
+        gids.append(0)
         hashes.append(probe)
+        frame = pl.DataFrame({"group_id": gids}, schema={"group_id": pl.Int32})
         arr = pa.array(hashes, pa.list_(pa.binary()))
-        words = hash_words(arr)
-        counts = np.diff(words.row_offsets)
-        out_offsets = np.zeros(len(kinds) + 1, dtype=np.int64)
-        out_offsets[-1] = len(probe) * groups
-        out_offsets[-2] = 0
-        out = np.zeros(len(probe) * groups, dtype=np.uint8)
-        kind_arr = np.array(kinds, dtype=np.int8)
-        kind_arr.flags.writeable = False
-        gid_arr = np.array(gids, dtype=np.int32)
-        gid_arr.flags.writeable = False
-        assert counts[-1] == len(probe)
-        table.fold(
-            kind_arr,
-            gid_arr,
-            words.row_offsets,
-            words.words,
-            words.word_offsets,
-            words.nbytes,
-            words.max_words,
-            out,
-            out_offsets,
-        )
+        out, _, _ = fold_rows(table, frame, arr, np.array(kinds, dtype=np.int8))
         want = [[h in truth[g] for h in probe] for g in range(groups)]
         got = out.reshape(groups, len(probe)).astype(bool).tolist()
         assert got == want
