@@ -293,3 +293,26 @@ def test_bailian_command(tmp_path: Path) -> None:
     result = CliRunner().invoke(bailian, [str(bad), "-o", str(out)])
     assert result.exit_code == 2
     assert result.stderr == f"error: {bad}: line 1: not valid JSON (Expecting value at column 1)\n"
+
+
+def test_store_options_are_recorded(tmp_path: Path) -> None:
+    src = _write(tmp_path / "bailian.jsonl", BAILIAN_ROWS)
+    out = tmp_path / "cli.parquet"
+    args = [str(src), "-o", str(out), "--model", "full+mamba", "--eagle"]
+    args += ["--retention-interval", "none", "--max-num-batched-tokens", "64", "--cache", "gpu"]
+    result = CliRunner().invoke(bailian, args)
+    assert result.exit_code == 0, result.output
+    assert "gpu stores (dense retention, 64-token steps)" in result.output
+    source = open_trace(out).config.source
+    assert source is not None
+    assert (source["cache"], source["retention_interval"], source["max_num_batched_tokens"]) == (
+        "gpu",
+        None,
+        64,
+    )
+    bad = CliRunner().invoke(
+        mooncake, [str(src), "-o", str(tmp_path / "x.parquet"), "--cache", "disk"]
+    )
+    assert bad.exit_code == 2
+    assert bad.stderr == "error: --cache: expected one of mooncake, gpu, got 'disk'\n"
+    assert not (tmp_path / "x.parquet").exists()

@@ -181,7 +181,7 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
         "full attention + chunked local attention (Llama-4 style), no EAGLE",
     ),
     "archetype-swa-mamba": (
-        {"model": "swa+mamba", "requests": 200, "seed": 6, "eagle": True, "capacity_blocks": 4000},
+        {"model": "swa+mamba", "requests": 200, "seed": 8, "eagle": True, "capacity_blocks": 4000},
         "sliding window + Mamba with EAGLE: the overrun without full attention",
     ),
     "archetype-full-swa-mamba": (
