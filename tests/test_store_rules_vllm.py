@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +37,7 @@ pytest.importorskip(
 )
 
 from replay.backends.vllm import _vllm_spec
+from replay.coordinator import Coordinator
 from replay.sources.synth import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
@@ -106,6 +107,18 @@ def random_session(rng: random.Random, model: str, retention: str, eagle: bool) 
         attention_chunk_size=rng.choice((2, 4, 8)) * bs,
         mamba_block_size=mamba_bs,
     )
+    if rng.random() < 0.3:
+        # A flagged draft group (with EAGLE on or off): only it and the
+        # groups sharing its spec take the drop.
+        flaggable = [
+            gid
+            for gid, g in enumerate(config.groups)
+            if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION
+        ]
+        gid = rng.choice(flaggable)
+        groups = list(config.groups)
+        groups[gid] = replace(groups[gid], is_eagle_group=True)
+        config = replace(config, groups=tuple(groups))
     a = config.scheduler_block_size
     interval = {"0": 0, "dense": None, "interval": a * rng.choice((2, 3, 4))}[retention]
     budget = a * rng.choice((2, 3, 5, 8, 64))
@@ -307,6 +320,7 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
             shape["shared-prefix junction"] += junction > 0
             shape["block-aligned prompt"] += n % a == 0
             shape["EAGLE"] += s.config.use_eagle
+            shape["a flagged draft group"] += any(g.is_eagle_group for g in s.config.groups)
             shape["several prefill chunks"] += n - hit > s.budget
             for cache in ("gpu", "mooncake"):
                 got = rules[cache].stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
@@ -348,3 +362,83 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     # The cases the rules exist for must each occur many times.
     assert min(shape.values()) >= 50, shape
     assert not failures, "\n".join(failures)
+
+
+def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixture[str]) -> None:
+    """End to end: the generator's writer, with ``--cache gpu`` and an
+    unbounded store, against the engine fed the same prompts. Per request,
+    the keys the writer's ``store`` rows add are the keys the engine's
+    ``BlockStored`` events add; the writer gets its hit from the reference
+    coordinator, so a request whose hit differs from the engine's is counted
+    apart (issue #15's mirror-vs-engine differences), not compared."""
+    import numpy as np
+
+    from replay.sources.workload import WorkloadWriter
+
+    v = _vllm()
+    rng = random.Random(1515)
+    same = differ_hit = compared = 0
+    mismatches: list[str] = []
+    for s in sessions(rng)[::2]:
+        engine = Engine(v, s)
+        policy = StorePolicy(
+            retention_interval=s.retention, max_num_batched_tokens=s.budget, cache="gpu"
+        )
+        rows: list[Any] = []
+        writer = WorkloadWriter(
+            s.config,
+            rows.append,
+            lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
+            policy=policy,
+            background=False,
+        )
+        dense: dict[bytes, int] = {}
+        present: list[set[int]] = [set() for _ in s.config.groups]
+        written: list[set[int]] = [set() for _ in s.config.groups]
+        reference = Coordinator(s.config)
+        hbs = s.config.hash_block_size
+        for i, tokens in enumerate(prompts(random.Random(s.seed), s.config, REQUESTS_PER_SESSION)):
+            n = len(tokens)
+            request = v.Request(
+                "probe", tokens, v.SamplingParams(max_tokens=1), None, block_hasher=engine.hasher
+            )
+            units = [dense.setdefault(bytes(h), len(dense)) for h in request.block_hashes]
+            hit, _junction, gpu, _handed = engine.prefill(f"r{i}", tokens)
+            # The hit the writer's store gives (all its store rows so far).
+            ref_hit = reference.lookup(units, n - 1, [k.__contains__ for k in written]).hit_tokens
+            writer.add(
+                ts_us=0, request_id=f"r{i}", num_tokens=n, unit_keys=np.array(units, dtype=np.int64)
+            )
+            writer.flush()
+            table = [r for t in rows for r in t.to_pylist()]
+            rows.clear()
+            mine: list[set[int]] = [set() for _ in s.config.groups]
+            for r in table:
+                if r["kind"] == "store":
+                    mine[r["group_id"]] |= {int.from_bytes(h, "big") for h in r["block_hashes"]}
+            for gid, keys in enumerate(mine):
+                written[gid] |= keys
+            theirs: list[set[int]] = []
+            for gid, g in enumerate(s.config.groups):
+                ends = {e for e in gpu[gid] if e % g.block_size == 0}
+                keys = {units[e // hbs - 1] for e in ends} - present[gid]
+                theirs.append(keys)
+                present[gid] |= keys
+            if ref_hit != hit:
+                differ_hit += 1
+                continue
+            compared += 1
+            if mine == theirs:
+                same += 1
+            elif len(mismatches) < 5:
+                mismatches.append(
+                    f"{s.model} r={s.retention} N={n} hit={hit}: writer {mine} engine {theirs}"
+                )
+        writer.close()
+    with capsys.disabled():
+        print(
+            f"\nwriter vs engine: {same}/{compared} requests add the same keys "
+            f"({differ_hit} with a different hit not compared)"
+        )
+    assert compared >= 300
+    assert not mismatches, "\n".join(mismatches)
