@@ -239,6 +239,11 @@ class StoreRules:
             )
         self.alignment = a
         self.unitary = config.num_groups == 1
+        #: Whether the shared-prefix junction can change a store: it ends a
+        #: Mamba chunk, and pins a tail in the engine's sliding-window groups.
+        self.uses_junction = not self.unitary and (
+            self.has_mamba or (policy.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds)
+        )
         eagle_of = [False] * config.num_groups
         for sg in build_spec_groups(config):
             for gid in sg.group_ids:

@@ -585,10 +585,13 @@ class WorkloadWriter:
         views = self.group_views(unit_keys)
         present = [store.present(gid, unit_keys) for gid in range(groups)]
         outcome = self._coordinator.lookup_present(
-            [p.view(np.uint8).tobytes() for p in present], num_tokens - 1, explain=True
+            [p.view(np.uint8).tobytes() for p in present],
+            num_tokens - 1,
+            explain=self.rules.uses_junction,
         )
         hit = outcome.hit_tokens
-        chosen = self.stored_indices(num_tokens, hit, junction_tokens(outcome), extra_blocks)
+        junction = junction_tokens(outcome) if self.rules.uses_junction else 0
+        chosen = self.stored_indices(num_tokens, hit, junction, extra_blocks)
         # Touch the groups last to first, so the first group's head is the
         # most recently used entry; the prefix the hit used is refreshed, the
         # blocks the prefill computes are stored.
@@ -600,7 +603,13 @@ class WorkloadWriter:
             used_idx = np.flatnonzero(present[gid][k - 1 :: k][:used])
             idx = chosen[gid]
             if len(used_idx):
-                idx = np.union1d(used_idx, idx)
+                # The prefill stores only past the hit, so the two are disjoint
+                # and in order, unless an injected block joins them.
+                idx = (
+                    np.union1d(used_idx, idx)
+                    if extra_blocks
+                    else np.concatenate((used_idx.astype(np.int64), idx))
+                )
             keys = views[gid][idx]
             new[gid] = keys[store.touch(gid, keys, max_key)]
             touched += len(keys)
