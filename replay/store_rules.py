@@ -44,8 +44,15 @@ mask keeps it: every state when dense, the ``r``-multiples when ``r > 0``,
 plus the replay boundaries and the junction (and, for an EAGLE group, one
 block below the junction) otherwise.
 
+The prefill is stepped as if the request ran alone: in a busy engine the
+budget is shared, chunks can end earlier, and a dense retention keeps the
+states at those ends too (under retention 0 only the replay boundaries and
+the junction count, and the scheduler always stops at the checkpoint).
+
 Not modelled: partial hash hits (sub-block tails and their copy-on-write),
-multi-token prediction's re-prefilled tail, decode-time blocks, and the
+the engine's sub-block prompt-tail entries when the hash unit is finer than a
+block (keys no block-granular lookup reads), multi-token prediction's
+re-prefilled tail, decode-time blocks, and the
 engine's merging of sliding-window groups by their raw window (the spec
 groups here merge by the widened window, as the store does).
 """
