@@ -15,6 +15,7 @@ from replay.coordinator import Coordinator
 from replay.errors import ReplayError
 from replay.sources.mooncake import count_reuse, ingest_bailian, ingest_mooncake
 from replay.trace import open_trace
+from tests.conftest import check_store_options
 
 # Mooncake: one id per 512 tokens; the last, partial block has an id (ceil)
 # except in the last row, which omits it (floor).
@@ -298,18 +299,7 @@ def test_bailian_command(tmp_path: Path) -> None:
 def test_store_options_are_recorded(tmp_path: Path) -> None:
     src = _write(tmp_path / "bailian.jsonl", BAILIAN_ROWS)
     out = tmp_path / "cli.parquet"
-    args = [str(src), "-o", str(out), "--model", "full+mamba", "--eagle"]
-    args += ["--retention-interval", "none", "--max-num-batched-tokens", "64", "--cache", "gpu"]
-    result = CliRunner().invoke(bailian, args)
-    assert result.exit_code == 0, result.output
-    assert "gpu stores (dense retention, 64-token steps)" in result.output
-    source = open_trace(out).config.source
-    assert source is not None
-    assert (source["cache"], source["retention_interval"], source["max_num_batched_tokens"]) == (
-        "gpu",
-        None,
-        64,
-    )
+    check_store_options(bailian, [str(src), "-o", str(out), "--model", "full+mamba"], out, 64)
     bad = CliRunner().invoke(
         mooncake, [str(src), "-o", str(tmp_path / "x.parquet"), "--cache", "disk"]
     )

@@ -210,3 +210,18 @@ def test_hit_must_lie_inside_the_prompt() -> None:
     rules = StoreRules(archetype_config("full"))
     with pytest.raises(ReplayError, match=r"hit_tokens must be in \[0, 32\)"):
         rules.stores(num_tokens=32, hit_tokens=32)
+
+
+def test_engine_pins_a_sliding_window_tail_at_the_junction() -> None:
+    # A 96-token junction: the engine's pool keeps the 2-block tail ending
+    # there (blocks 4, 5) besides the replay boundary's (8, 9); the store's
+    # mask knows no junction.
+    swa = {"sliding_window": 32}
+    assert stores("full+swa", False, 170, junction=96, config=swa, cache="gpu")[1] == [4, 5, 8, 9]
+    assert stores("full+swa", False, 170, junction=96, config=swa)[1] == [8, 9]
+
+
+def test_chunks_without_mamba_are_budget_sized() -> None:
+    rules = StoreRules(archetype_config("full"), StorePolicy(max_num_batched_tokens=64))
+    assert rules.chunk_ends(150, 32) == [96, 150]
+    assert not rules.uses_junction

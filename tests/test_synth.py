@@ -24,6 +24,7 @@ from replay.sources.workload import (
 from replay.spec import GroupKind
 from replay.store_rules import StorePolicy
 from replay.trace import open_trace
+from tests.conftest import check_store_options
 
 F, S, C, M = (
     GroupKind.FULL_ATTENTION,
@@ -438,17 +439,7 @@ def test_writer_stores_from_the_hit_the_request_gets() -> None:
 def test_synth_store_options(tmp_path: Path) -> None:
     out = tmp_path / "cli.parquet"
     args = ["-o", str(out), "--model", "full+swa+mamba", "--requests", "60", "--eagle"]
-    args += ["--retention-interval", "none", "--max-num-batched-tokens", "512", "--cache", "gpu"]
-    result = CliRunner().invoke(synth, args)
-    assert result.exit_code == 0, result.output
-    assert "gpu stores (dense retention, 512-token steps)" in result.output
-    source = open_trace(out).config.source
-    assert source is not None
-    assert (source["cache"], source["retention_interval"], source["max_num_batched_tokens"]) == (
-        "gpu",
-        None,
-        512,
-    )
+    check_store_options(synth, args, out, 512)
     lib = synth_trace(
         tmp_path / "lib.parquet",
         model="full+swa+mamba",
