@@ -229,8 +229,8 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
         "full attention + chunked local attention (Llama-4 style), no EAGLE",
     ),
     "archetype-swa-mamba": (
-        {"model": "swa+mamba", "requests": 200, "seed": 6, "eagle": True, "capacity_blocks": 4000},
-        "sliding window + Mamba with EAGLE: the overrun without full attention",
+        {"model": "swa+mamba", "requests": 200, "seed": 8, "eagle": True, "capacity_blocks": 4000},
+        "sliding window + Mamba with EAGLE: before #49502 the window re-checks Mamba's grown candidate without the drop, so hit, state and loaded KV agree (eagle_not_dropped, no overrun)",
     ),
     "archetype-full-swa-mamba": (
         {
