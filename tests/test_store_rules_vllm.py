@@ -368,9 +368,9 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
     """End to end: the generator's writer, with ``--cache gpu`` and an
     unbounded store, against the engine fed the same prompts. Per request,
     the keys the writer's ``store`` rows add are the keys the engine's
-    ``BlockStored`` events add; the writer gets its hit from the reference
-    coordinator, so a request whose hit differs from the engine's is counted
-    apart (issue #15's mirror-vs-engine differences), not compared."""
+    ``BlockStored`` events add. The writer looks each request up with the
+    engine's coordinator (``--cache gpu``), so its hit is the engine's on
+    every request."""
     import numpy as np
 
     from replay.sources.workload import WorkloadWriter
@@ -395,7 +395,7 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
         dense: dict[bytes, int] = {}
         present: list[set[int]] = [set() for _ in s.config.groups]
         written: list[set[int]] = [set() for _ in s.config.groups]
-        reference = Coordinator(s.config)
+        reference = Coordinator(s.config, cache="gpu")
         hbs = s.config.hash_block_size
         for i, tokens in enumerate(prompts(random.Random(s.seed), s.config, REQUESTS_PER_SESSION)):
             n = len(tokens)
@@ -441,6 +441,7 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
             f"({differ_hit} with a different hit not compared)"
         )
     assert compared >= 300
+    assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
     assert not mismatches, "\n".join(mismatches)
 
 
