@@ -10,7 +10,7 @@ in its own process (peak RSS from ``getrusage``):
 - the bare ``pyarrow.parquet.read_table`` of the trace (the floor),
 - ``replay run`` as a user runs it, warm (best of ``BENCH_REPEAT``) and on a
   cold JIT cache (a fresh ``NUMBA_CACHE_DIR``: the first run after install),
-- the engine alone (``replay_trace``, no flags, no results file),
+- ``replay_trace`` alone (the replay and its flags, no results file),
 - the naive loop: rows via pyarrow, a Python set of (group, bytes) keys, the
   project's coordinator per lookup; and the same loop over vLLM's own
   ``MooncakeStoreCoordinator`` when a vLLM interpreter is there
@@ -182,7 +182,7 @@ def bench(label: str, path: Path, vllm: str | None) -> bool:
     with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
         cold = _child(RUN, env={"NUMBA_CACHE_DIR": cache}, path=str(path), out=out)
     steps.append(Step("replay run, cold JIT cache", cold["seconds"], cold["rss"], cold["hits"]))
-    steps.append(_best("engine alone (replay_trace)", ENGINE, REPEAT, path=str(path)))
+    steps.append(_best("replay_trace (no results file)", ENGINE, REPEAT, path=str(path)))
     naive = _child(NAIVE, path=str(path), backend="reference")
     steps.append(
         Step("naive loop, this coordinator", naive["seconds"], naive["rss"], naive["hits"])
