@@ -261,24 +261,36 @@ class FlagChecker:
         is absent. A block that ``end`` (the hit, or the Mamba state) lands
         inside is served by any present unit of it at or past ``end``: the
         tail block's KV is append-only, so a longer match still covers it."""
+        if stop <= first:
+            return None
         hbs = self.config.hash_block_size
         bs = self.config.groups[gid].block_size
         k = bs // hbs
-        n = len(present)
-        for j in range(first, stop):
-            block_end = (j + 1) * bs
-            if end < block_end and end > j * bs:
-                lo = -(-end // hbs) - 1  # the unit that ends at or past ``end``
-                if self.config.groups[gid].kind is GroupKind.MAMBA:
-                    ok = lo < n and present[lo] == 1
-                else:
-                    ok = present.find(1, lo, min((j + 1) * k, n)) >= 0
-            else:
-                unit = (j + 1) * k - 1
-                ok = unit < n and present[unit] == 1
-            if not ok:
-                return j
-        return None
+        # Whole blocks are keyed by their last unit; scanning that view with
+        # ``find`` keeps a 750-block lookup at C speed.
+        view = present if k == 1 else present[k - 1 :: k]
+        tail = end // bs if end % bs else -1  # the block ``end`` lands inside
+
+        def first_absent(lo: int, hi: int) -> int | None:
+            if lo >= hi:
+                return None
+            miss = view.find(0, lo, min(hi, len(view)))
+            if miss >= 0:
+                return miss
+            # Blocks past the request's own hashes cannot be present.
+            return max(lo, len(view)) if hi > len(view) else None
+
+        if not first <= tail < stop:
+            return first_absent(first, stop)
+        before = first_absent(first, tail)
+        if before is not None:
+            return before
+        lo = -(-end // hbs) - 1  # the unit that ends at or past ``end``
+        if self.config.groups[gid].kind is GroupKind.MAMBA:
+            ok = lo < len(present) and present[lo] == 1
+        else:
+            ok = present.find(1, lo, min((tail + 1) * k, len(present))) >= 0
+        return first_absent(tail + 1, stop) if ok else tail
 
     def check_outcome(
         self,
