@@ -23,6 +23,9 @@ It is inert unless ``REPLAY_LOOKUPS`` is set:
 - ``REPLAY_LOOKUPS=PATH`` appends the same records to a file, one JSON object
   per line (``replay ingest kv-events DUMP --lookups PATH``).
 - Several targets, comma-separated, each get every record.
+- With data parallelism each engine's scheduler records to its own target,
+  offset like vLLM's publisher: tcp port + rank; otherwise ``_dp{rank}``
+  appended (run one recorder per rank, as for the KV events).
 
 It is a neutral observer: it wraps methods, passes their arguments and
 results through untouched, and never loads a KV connector (a connector makes
@@ -171,6 +174,19 @@ class _ZmqSink:
         self._ctx.term()
 
 
+def rank_target(target: str, rank: int) -> str:
+    """One target per data-parallel rank, as vLLM offsets its publisher: a
+    tcp port + rank; an ipc/inproc endpoint or a file gets ``_dp{rank}``."""
+    if rank == 0:
+        return target
+    if target.startswith("tcp://"):
+        base, _, port = target.rpartition(":")
+        if port.isdigit() and int(port) != 0:
+            return f"{base}:{int(port) + rank}"
+        return target
+    return f"{target}_dp{rank}"
+
+
 class _Sinks:
     """Every target of ``REPLAY_LOOKUPS`` (comma-separated) gets every record."""
 
@@ -200,8 +216,8 @@ class _Sinks:
 Sink = _Sinks
 
 
-def open_sink(target: str) -> Sink:
-    return _Sinks([t.strip() for t in target.split(",") if t.strip()])
+def open_sink(target: str, rank: int = 0) -> Sink:
+    return _Sinks([rank_target(t.strip(), rank) for t in target.split(",") if t.strip()])
 
 
 # ---------------------------------------------------------------- observer
@@ -292,10 +308,12 @@ def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
 class LookupObserver:
     """Per ``KVCacheManager``: counts published batches and records lookups."""
 
-    def __init__(self, manager: Any, sink: Sink) -> None:
+    def __init__(self, manager: Any) -> None:
         self.instance = uuid.uuid4().hex[:12]
         self.manager = manager
-        self.sink = sink
+        # Set when the scheduler that owns the manager is built (it knows
+        # the data-parallel rank); a manager without one records nothing.
+        self.sink: Sink | None = None
         self.batches = 0
         self.lookups = 0
         self.step = 0
@@ -304,7 +322,7 @@ class LookupObserver:
         self.engine_sent = False
 
     def send_engine(self, vllm_config: Any | None) -> None:
-        if self.engine_sent:
+        if self.engine_sent or self.sink is None:
             return
         self.engine_sent = True
         facts = engine_facts(self.manager, vllm_config)
@@ -313,6 +331,8 @@ class LookupObserver:
     def lookup(self, request: Any, max_length: int, position: int, hit: int) -> None:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+        if self.sink is None:
+            return
         self.pending.append(
             {
                 "type": "lookup",
@@ -347,14 +367,16 @@ class LookupObserver:
             for rec in self.pending:
                 rec["admitted"] = rec["request_id"] in scheduled
         records, self.pending = self.pending, []
-        self.sink.send(records, watermark=self.batches, instance=self.instance)
+        if self.sink is not None:
+            self.sink.send(records, watermark=self.batches, instance=self.instance)
 
 
 # ------------------------------------------------------------ installation
 
 _observers: weakref.WeakKeyDictionary[Any, LookupObserver] = weakref.WeakKeyDictionary()
 _saved: list[tuple[Any, str, Any]] = []
-_state: dict[str, Any] = {}
+#: the open sinks, by data-parallel rank
+_sinks: dict[int, Sink] = {}
 
 
 def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -378,13 +400,15 @@ def install(target: str) -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    sink = open_sink(target)
-    _state["sink"] = sink
+    def sink_for(rank: int) -> Sink:
+        if rank not in _sinks:
+            _sinks[rank] = open_sink(target, rank)
+        return _sinks[rank]
 
     def manager_init(original: Any) -> Any:
         def init(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
-            _observers[self] = LookupObserver(self, sink)
+            _observers[self] = LookupObserver(self)
 
         return init
 
@@ -420,6 +444,7 @@ def install(target: str) -> None:
                 return publish(batch)
 
             publisher.publish = counted
+            obs.sink = sink_for(int(self.vllm_config.parallel_config.data_parallel_index or 0))
             obs.send_engine(self.vllm_config)
 
         return init
@@ -451,9 +476,8 @@ def uninstall() -> None:
     while _saved:
         owner, name, original = _saved.pop()
         setattr(owner, name, original)
-    sink = _state.pop("sink", None)
-    if sink is not None:
-        sink.close()
+    while _sinks:
+        _sinks.popitem()[1].close()
 
 
 def register() -> None:

@@ -543,3 +543,23 @@ def check_copies_as_vllm_sends_them(tmp_path: Path, config: TraceConfig, mamba: 
                 long_mamba += 1
     assert doubled > 0
     assert (long_mamba > 0) is mamba
+
+
+def test_the_plugin_is_inert_unless_replay_lookups_is_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    vllm_plugin.register()
+    assert not vllm_plugin.installed()
+    assert not hasattr(Scheduler.schedule, "__wrapped__")
+    assert not hasattr(KVCacheManager.get_computed_blocks, "__wrapped__")
+    monkeypatch.setenv(vllm_plugin.ENV, str(tmp_path / "lookups.jsonl"))
+    vllm_plugin.register()
+    try:
+        assert vllm_plugin.installed()
+        assert hasattr(KVCacheManager.get_computed_blocks, "__wrapped__")
+    finally:
+        vllm_plugin.uninstall()
+    assert not hasattr(KVCacheManager.get_computed_blocks, "__wrapped__")

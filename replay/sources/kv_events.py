@@ -845,14 +845,14 @@ def read_plugin_log(path: str | os.PathLike[str], config: TraceConfig | None) ->
                 f"'type' engine or lookup)"
             )
         objs.append((i + 1, obj))
-    engines = [obj for _, obj in objs if obj["type"] == "engine"]
+    engines = [(line, obj) for line, obj in objs if obj["type"] == "engine"]
     if config is None:
         if not engines:
             raise ReplayError(
                 f"{p}: no engine record (the plugin writes one when the scheduler starts); "
                 "pass --config"
             )
-        config = plugin_config(engines[0], str(p))
+        config = plugin_config(engines[0][1], f"{p}: line {engines[0][0]}")
     lookups = []
     for line, obj in objs:
         if obj["type"] != "lookup":
@@ -861,7 +861,7 @@ def read_plugin_log(path: str | os.PathLike[str], config: TraceConfig | None) ->
             lookups.append(parse_plugin_lookup(obj, line, config))
         except ValueError as exc:
             raise ReplayError(f"{p}: line {line}: {exc}") from None
-    return PluginLog(engines=engines, lookups=lookups, config=config)
+    return PluginLog(engines=[obj for _, obj in engines], lookups=lookups, config=config)
 
 
 _NOT_ADMITTED = "__not_admitted"

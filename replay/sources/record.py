@@ -979,7 +979,7 @@ def record(
                 source.update(_plugin_source(placer, lsub.engines, lsub.source()))
             writer.set_source(source)
         summary = proc.summary(
-            output, rows=proc.rows, filled=proc.filled, stop_reason=reason, dump=dump
+            output, rows=writer.rows_written, filled=proc.filled, stop_reason=reason, dump=dump
         )
         return summary if placer is None else replace(summary, lookups=placer.placed)
     finally:
