@@ -50,6 +50,7 @@ Records (JSON objects, ``type`` first):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -320,6 +321,7 @@ class LookupObserver:
         self.in_step = False
         self.pending: list[dict[str, Any]] = []
         self.engine_sent = False
+        self.broken = False
 
     def send_engine(self, vllm_config: Any | None) -> None:
         if self.engine_sent or self.sink is None:
@@ -357,6 +359,10 @@ class LookupObserver:
         if not self.in_step:
             self.flush(None)
 
+    def published(self) -> None:
+        if self.sink is not None:
+            self.sink.send([], watermark=self.batches, instance=self.instance)
+
     def begin_step(self) -> None:
         self.step += 1
         self.in_step = True
@@ -386,6 +392,20 @@ def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     wrapper.__wrapped__ = original
     wrapper.__name__ = getattr(original, "__name__", name)
     setattr(owner, name, wrapper)
+
+
+def guarded(obs: LookupObserver, method: Callable[..., None], *args: Any) -> None:
+    """Run an observation; if it fails, stop observing this engine (with one
+    log line) rather than disturb the scheduler it observes."""
+    if obs.broken:
+        return
+    try:
+        method(*args)
+    except Exception:
+        obs.broken = True
+        logging.getLogger(__name__).exception(
+            "replay lookup plugin: observation failed; no further lookups are recorded"
+        )
 
 
 def installed() -> bool:
@@ -424,7 +444,7 @@ def install(target: str) -> None:
             max_length = (
                 request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
             )
-            obs.lookup(request, max_length, position, int(result[1]))
+            guarded(obs, obs.lookup, request, max_length, position, int(result[1]))
             return result
 
         return wrapped
@@ -441,11 +461,16 @@ def install(target: str) -> None:
             def counted(batch: Any) -> Any:
                 # vLLM's publisher numbers batches in publish order from 0.
                 obs.batches += 1
-                return publish(batch)
+                result = publish(batch)
+                # Every lookup of this batch was sent before (at the end of
+                # its schedule() call): the recorder may write the batch now.
+                guarded(obs, obs.published)
+                return result
 
             publisher.publish = counted
-            obs.sink = sink_for(int(self.vllm_config.parallel_config.data_parallel_index or 0))
-            obs.send_engine(self.vllm_config)
+            rank = int(self.vllm_config.parallel_config.data_parallel_index or 0)
+            obs.sink = sink_for(rank)
+            guarded(obs, obs.send_engine, self.vllm_config)
 
         return init
 
@@ -454,13 +479,13 @@ def install(target: str) -> None:
             obs = _observers.get(self.kv_cache_manager)
             if obs is None:
                 return original(self, *args, **kwargs)
-            obs.begin_step()
+            guarded(obs, obs.begin_step)
             try:
                 out = original(self, *args, **kwargs)
             except BaseException:
-                obs.flush(None)
+                guarded(obs, obs.flush, None)
                 raise
-            obs.flush(out.num_scheduled_tokens)
+            guarded(obs, obs.flush, out.num_scheduled_tokens)
             return out
 
         return wrapped

@@ -30,7 +30,7 @@ import random
 import socket
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from vllm.config import (  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -145,6 +146,9 @@ class Setup:
     #: vLLM's default with EAGLE/MTP hashes lookahead tokens and drops no
     #: block; without lookahead hashes the EAGLE drop is on.
     lookahead_hashes: bool = True
+    #: vLLM's AsyncScheduler as the engine drives it with a batch queue: the
+    #: next step is scheduled before the previous one's output is in.
+    async_scheduling: bool = False
 
 
 SETUPS = [
@@ -160,6 +164,13 @@ SETUPS = [
     Setup(name="full-attention+mamba", model="nemotron_h", spec=None, num_blocks=150),
     # FA + Mamba + the MTP layer's own (EAGLE-flagged) group, vLLM's defaults.
     Setup(name="full-attention+mamba+mtp", model="nemotron_h", spec="mtp", num_blocks=170),
+    Setup(
+        name="full-attention+mamba, async scheduling",
+        model="nemotron_h",
+        spec=None,
+        num_blocks=150,
+        async_scheduling=True,
+    ),
 ]
 
 
@@ -238,6 +249,7 @@ def build_scheduler(models: Path, setup: Setup, events: KVEventsConfig) -> tuple
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
+            async_scheduling=setup.async_scheduling,
         ),
         cache_config=cache,
         device_config=DeviceConfig("cpu"),
@@ -247,7 +259,7 @@ def build_scheduler(models: Path, setup: Setup, events: KVEventsConfig) -> tuple
     kv = KVCacheConfig(
         num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups(setup)
     )
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if setup.async_scheduling else Scheduler)(
         vllm_config=vc,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(vc),
@@ -259,10 +271,14 @@ def build_scheduler(models: Path, setup: Setup, events: KVEventsConfig) -> tuple
     return scheduler, get_request_block_hasher(16, hash_fn, vc.num_hash_lookahead_tokens)
 
 
-def drive(scheduler: Any, hasher: Any, seed: int, n_requests: int = 200) -> dict[str, list[int]]:
+def drive(
+    scheduler: Any, hasher: Any, seed: int, *, depth: int = 1, n_requests: int = 200
+) -> dict[str, list[int]]:
     """Multi-turn conversations sharing a system prompt, with fake outputs.
     Returns, per request, the hit it was scheduled with at each admission
-    (``num_computed_tokens`` of the ``SchedulerOutput``)."""
+    (``num_computed_tokens`` of the ``SchedulerOutput``). ``depth`` 2 runs
+    the engine's batch queue: a step's output comes after the next step is
+    scheduled."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -276,7 +292,8 @@ def drive(scheduler: Any, hasher: Any, seed: int, n_requests: int = 200) -> dict
     num_spec = scheduler.num_spec_tokens
     submitted = 0
     steps = 0
-    while submitted < n_requests or scheduler.has_unfinished_requests():
+    inflight: deque[tuple[Any, list[str], list[list[int]]]] = deque()
+    while submitted < n_requests or scheduler.has_unfinished_requests() or inflight:
         steps += 1
         assert steps < 20_000, "the scheduler made no progress"
         while submitted < n_requests and len(scheduler.requests) < 10 and rng.random() < 0.6:
@@ -307,30 +324,35 @@ def drive(scheduler: Any, hasher: Any, seed: int, n_requests: int = 200) -> dict
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
-            req = scheduler.requests[rid]
-            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-            if req.num_computed_tokens < req.num_tokens + len(drafts):
+            if scheduler.requests[rid].is_prefill_chunk:
                 sampled.append([])  # a prefill chunk that does not end the prompt
                 continue
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             accepted = rng.randrange(len(drafts) + 1)
             sampled.append(list(drafts[:accepted]) + tokens(1))
-        result = scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-            ),
-        )
-        if num_spec:
-            live = [r for r in req_ids if r in scheduler.requests]
-            scheduler.update_draft_token_ids(DraftTokenIds(live, [tokens(num_spec) for _ in live]))
-        for outputs in result.values():
-            for o in outputs.outputs:
-                generated[o.request_id].extend(o.new_token_ids)
-                if o.finish_reason is not None and o.request_id in busy:
-                    ci = busy.pop(o.request_id)
-                    convs[ci] = convs[ci] + generated.pop(o.request_id)
+        inflight.append((out, req_ids, sampled))
+        # The engine waits for the oldest step once the queue is full, or when
+        # nothing new could be scheduled.
+        while inflight and (len(inflight) >= depth or not req_ids):
+            done, done_ids, done_sampled = inflight.popleft()
+            result = scheduler.update_from_output(
+                done,
+                ModelRunnerOutput(
+                    req_ids=done_ids,
+                    req_id_to_index={r: i for i, r in enumerate(done_ids)},
+                    sampled_token_ids=done_sampled,
+                ),
+            )
+            if num_spec:
+                live = [r for r in done_ids if r in scheduler.requests]
+                drafts = DraftTokenIds(live, [tokens(num_spec) for _ in live])
+                scheduler.update_draft_token_ids(drafts)
+            for outputs in result.values():
+                for o in outputs.outputs:
+                    generated[o.request_id].extend(o.new_token_ids)
+                    if o.finish_reason is not None and o.request_id in busy:
+                        ci = busy.pop(o.request_id)
+                        convs[ci] = convs[ci] + generated.pop(o.request_id)
     return dict(admitted)
 
 
@@ -394,7 +416,12 @@ def run(
         thread.start()
         time.sleep(1.5)  # both subscriptions are up (PUB drops what precedes them)
         try:
-            admitted = drive(scheduler, hasher, seed=sum(map(ord, setup.name)))
+            admitted = drive(
+                scheduler,
+                hasher,
+                seed=sum(map(ord, setup.name)),
+                depth=2 if setup.async_scheduling else 1,
+            )
             publisher = scheduler.kv_event_publisher
             publisher._event_queue.join()  # everything published is sent
             published = next(publisher._seq_gen)
