@@ -27,6 +27,7 @@ from tests.test_record_zmq import Publisher, Step
 from tests.test_sources_kv_events import (
     T0,
     frames,
+    one_group,
     payload,
     removed,
     stored,
@@ -304,3 +305,16 @@ def test_record_cli_says_it_binds_for_a_wildcard_endpoint(tmp_path: Path) -> Non
         "(Ctrl-C to stop)"
     )
     assert (open_trace(out).config.source or {})["endpoint_socket"] == "bound"
+
+
+def test_a_config_that_differs_from_the_engines_is_reported(tmp_path: Path) -> None:
+    lookups = write_jsonl(tmp_path / "l.jsonl", [engine_record(), lookup(0, 0, 0, 0)])
+    messages: list[str] = []
+    ingest_dumps([dump_three_batches(tmp_path)], tmp_path / "t.parquet", one_group(),
+                 lookups=lookups, report=messages.append)  # fmt: skip
+    engine = json.dumps({**two_groups().to_json(), "source": None})
+    assert messages[0] == (
+        f"{lookups}: the engine's KV-cache config differs from the one recording with "
+        f"(engine: {engine}); leave out --config to use the engine's"
+    )
+    assert open_trace(tmp_path / "t.parquet").config == one_group()

@@ -94,21 +94,6 @@ MODELS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
-    "eagle": {
-        "architectures": ["EagleLlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
     "nemotron_h": {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -133,6 +118,12 @@ MODELS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+}
+# An EAGLE draft for the Llama: one layer of the same shape.
+MODELS["eagle"] = {
+    **MODELS["llama"],
+    "architectures": ["EagleLlamaForCausalLM"],
+    "num_hidden_layers": 1,
 }
 
 

@@ -676,13 +676,16 @@ class LookupSubscriber:
         self.lost = 0
         self.malformed = 0
         self._next: int | None = None
+        self._held: list[tuple[int, Any, dict[str, Any]]] = []
 
     def receive(
         self, config: TraceConfig | None
     ) -> Iterator[tuple[str, dict[str, Any] | PlacedLookup | tuple[str, int]]]:
         """What arrived, without waiting: ``("engine", record)``,
-        ``("lookup", PlacedLookup)`` (only once a config is known) and
-        ``("watermark", (instance, batches))``."""
+        ``("lookup", PlacedLookup)`` and ``("watermark", (instance, batches))``
+        (these two held until a config is known)."""
+        if config is not None and self._held:
+            yield from self._release(config)
         while True:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -708,14 +711,29 @@ class LookupSubscriber:
                 )
             self._next = seq + 1
             instance = payload.get("instance")
+            known = {e.get("instance") for e in self.engines}
             for rec in payload["records"]:
-                if not isinstance(rec, dict):
-                    continue
-                if rec.get("type") == "engine":
-                    if not any(e.get("instance") == instance for e in self.engines):
-                        self.engines.append(rec)
-                        yield "engine", rec
-                elif rec.get("type") == "lookup" and config is not None:
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("type") == "engine"
+                    and rec.get("instance") not in known
+                ):
+                    known.add(rec.get("instance"))
+                    self.engines.append(rec)
+                    yield "engine", rec
+            # Lookups that came before the engine facts (the plugin resends
+            # them only once it sees the subscription) wait for a config.
+            self._held.append((seq, instance, payload))
+            if config is not None:
+                yield from self._release(config)
+
+    def _release(
+        self, config: TraceConfig
+    ) -> Iterator[tuple[str, dict[str, Any] | PlacedLookup | tuple[str, int]]]:
+        held, self._held = self._held, []
+        for seq, instance, payload in held:
+            for rec in payload["records"]:
+                if isinstance(rec, dict) and rec.get("type") == "lookup":
                     try:
                         yield "lookup", parse_plugin_lookup(rec, seq, config)
                     except ValueError as exc:
@@ -746,12 +764,30 @@ class LookupSubscriber:
 
 def _take_lookups(lsub: LookupSubscriber, placer: LookupPlacer, config: TraceConfig) -> None:
     for kind, item in lsub.receive(config):
-        if kind == "lookup":
+        if kind == "engine":
+            assert isinstance(item, dict)
+            _check_engine(item, config, f"--lookups {lsub.endpoint}", lsub.report)
+        elif kind == "lookup":
             assert isinstance(item, PlacedLookup)
             placer.add([item])
         elif kind == "watermark":
             assert isinstance(item, tuple)
             placer.watermark(*item)
+
+
+def _check_engine(engine: dict[str, Any], config: TraceConfig, where: str, report: Report) -> None:
+    """Say so when the engine's own view differs from the config in use."""
+    try:
+        theirs = plugin_config(engine, where)
+    except ReplayError as exc:
+        report(f"{exc}")
+        return
+    if theirs != config:
+        report(
+            f"{where}: the engine's KV-cache config differs from the one recording with "
+            f"(engine: {json.dumps({**theirs.to_json(), 'source': None})}); leave out "
+            "--config to use the engine's"
+        )
 
 
 def _plugin_source(
@@ -1013,6 +1049,8 @@ def ingest_dumps(
     plugin = None
     if lookups is not None and Path(lookups).is_file() and is_plugin_log(lookups):
         plugin = read_plugin_log(lookups, config)
+        if config is not None and plugin.engines:
+            _check_engine(plugin.engines[0], config, str(lookups), report)
         config = plugin.config
     if config is None:
         raise ReplayError(
