@@ -318,3 +318,39 @@ def test_a_config_that_differs_from_the_engines_is_reported(tmp_path: Path) -> N
         f"(engine: {engine}); leave out --config to use the engine's"
     )
     assert open_trace(tmp_path / "t.parquet").config == one_group()
+
+
+def test_a_restarted_engine_is_a_new_instance_and_a_new_epoch(tmp_path: Path) -> None:
+    dump = write_dump(
+        tmp_path / "d.kvdump",
+        [
+            (frames(0, payload(T0, stored([1]))), "live"),
+            (frames(1, payload(T0 + 1, stored([2], parent=1))), "live"),
+            (frames(0, payload(T0 + 5, stored([3]))), "live"),  # seq back: a restart
+        ],
+    )
+    lookups = write_jsonl(
+        tmp_path / "l.jsonl",
+        [
+            engine_record("e1"),
+            lookup(0, 1, 0, 16, instance="e1"),
+            engine_record("e2"),
+            lookup(0, 0, 0, 0, instance="e2"),
+            lookup(1, 0, 1, 16, instance="e2"),
+        ],
+    )
+    summary = ingest_dumps([dump], tmp_path / "t.parquet", None, lookups=lookups,
+                           report=lambda m: None)  # fmt: skip
+    assert summary.lookups == 3
+    assert [(r[1], r[2]) for r in order(tmp_path / "t.parquet")] == [
+        ("store", [u64(1)]),
+        ("lookup", "r0"),  # e1, before batch 1
+        ("store", [u64(2)]),
+        ("clear", None),
+        ("lookup", "r0"),  # e2, before its batch 0
+        ("store", [u64(3)]),
+        ("lookup", "r1"),
+    ]
+    source = open_trace(tmp_path / "t.parquet").config.source or {}
+    assert source["lookups"]["engine_instances"] == ["e1", "e2"]
+    assert [e["instance"] for e in source["engine"]] == ["e1", "e2"]

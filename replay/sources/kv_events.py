@@ -886,7 +886,7 @@ class LookupPlacer:
         self.next_seq = 0
         self.instances: list[str] = []
         self.watermarks: dict[str, int] = {}
-        self._lookups: dict[str, list[PlacedLookup]] = {}
+        self._lookups: dict[str, list[tuple[tuple[int, int, int], PlacedLookup]]] = {}
         self._pending: deque[tuple[int | None, int, list[list[Row]]]] = deque()
         self.placed = 0
         self.admitted = 0
@@ -911,7 +911,9 @@ class LookupPlacer:
                 self.late += 1
                 self._write([self._lookup_row(lk)])
                 continue
-            self._lookups[lk.instance].append(lk)
+            # (batch, position, n) is unique per instance: the lookup itself
+            # is never compared.
+            heapq.heappush(self._lookups[lk.instance], (lk.order, lk))
 
     def watermark(self, instance: str, batches: int) -> None:
         self._instance(instance)
@@ -952,12 +954,10 @@ class LookupPlacer:
     def _take(self, epoch: int, upto: tuple[int, int]) -> list[PlacedLookup]:
         if epoch >= len(self.instances):
             return []
-        lookups = self._lookups[self.instances[epoch]]
-        lookups.sort(key=lambda lk: lk.order)
-        k = 0
-        while k < len(lookups) and (lookups[k].batch, lookups[k].position) < upto:
-            k += 1
-        taken, lookups[:k] = lookups[:k], []
+        heap = self._lookups[self.instances[epoch]]
+        taken = []
+        while heap and heap[0][0][:2] < upto:
+            taken.append(heapq.heappop(heap)[1])
         return taken
 
     def _release(self, epoch: int, seq: int, per_event: list[list[Row]]) -> None:
