@@ -53,6 +53,16 @@ def _same_file(output: str, inputs: list[str]) -> str | None:
     return None
 
 
+def _optional_config(
+    config_path: str | None, block_size: int | None, lookups: str | None
+) -> TraceConfig | None:
+    """The config from the options; none given and ``--lookups`` named: the
+    plugin's engine facts are the config (checked where they are read)."""
+    if config_path is None and block_size is None and lookups is not None:
+        return None
+    return config_from_options(config_path, block_size)
+
+
 def _medium_option(func: F) -> F:
     return click.option(
         "--medium",
@@ -76,10 +86,18 @@ def _medium_option(func: F) -> F:
 )
 @click.option("--topic", default="", show_default=True, help="Topic prefix to subscribe to.")
 @click.option(
-    "--bind",
-    is_flag=True,
-    help="Bind the SUB socket instead of connecting (when vLLM's endpoint has no '*', its "
-    "publisher connects).",
+    "--bind/--connect",
+    default=None,
+    help="Bind the SUB socket (vLLM's endpoint names a concrete host: its publisher "
+    "connects) or connect to it (vLLM's endpoint has '*' or '::': it binds). Default: bind "
+    "when --endpoint itself has '*' or '::', else connect.",
+)
+@click.option(
+    "--lookups",
+    metavar="ENDPOINT",
+    help="The vLLM plugin's lookup stream (REPLAY_LOOKUPS=tcp://HOST:PORT on the vLLM side): "
+    "every lookup goes in its exact place with the hit vLLM gave it; the plugin's engine "
+    "facts replace --config.",
 )
 @click.option(
     "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
@@ -114,7 +132,8 @@ def record(
     endpoint: str,
     replay_endpoint: str | None,
     topic: str,
-    bind: bool,
+    bind: bool | None,
+    lookups: str | None,
     output: str,
     config_path: str | None,
     block_size: int | None,
@@ -135,10 +154,21 @@ def record(
     from replay.sources.record import stop_on_signals
 
     with user_errors():
-        config = config_from_options(config_path, block_size)
+        config = _optional_config(config_path, block_size, lookups)
         if dump is not None and _same_file(dump, [output]):
             raise fail(f"--dump {dump} is also the output trace")
-        click.echo(f"recording {endpoint} -> {output} (Ctrl-C to stop)", err=True)
+        from replay.sources.record import binds
+
+        if bind is None:
+            bind = binds(endpoint)
+        how = (
+            "binding it: vLLM's publisher connects here"
+            if bind
+            else "connecting: vLLM's publisher binds there"
+        )
+        click.echo(f"recording {endpoint} ({how}) -> {output} (Ctrl-C to stop)", err=True)
+        if lookups is not None:
+            click.echo(f"lookups from the vLLM plugin at {lookups}", err=True)
         stop = threading.Event()
         tty = sys.stderr.isatty()
         try:
@@ -150,6 +180,7 @@ def record(
                     replay_endpoint=replay_endpoint,
                     topic=topic,
                     bind=bind,
+                    lookups=lookups,
                     max_batches=max_batches,
                     duration=duration,
                     dump=dump,
@@ -185,8 +216,10 @@ def ingest() -> None:
 @_medium_option
 @click.option(
     "--lookups",
-    metavar="JSONL",
-    help="A lookup log to merge in by time (as `replay ingest merge` does).",
+    metavar="FILE",
+    help="The vLLM plugin's lookup file (REPLAY_LOOKUPS=PATH): every lookup in its exact "
+    "place, and its engine facts replace --config; or a JSONL lookup log, merged in by time "
+    "(as `replay ingest merge` does).",
 )
 def ingest_kv_events(
     files: tuple[str, ...],
@@ -206,7 +239,7 @@ def ingest_kv_events(
         clash = _same_file(output, [*files, *([lookups] if lookups else [])])
         if clash is not None:
             raise fail(f"-o {output} is also an input file")
-        config = config_from_options(config_path, block_size)
+        config = _optional_config(config_path, block_size, lookups)
         summary = ingest_dumps(
             list(files),
             output,

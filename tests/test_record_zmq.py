@@ -288,7 +288,8 @@ def test_record_cli_with_topic_filter_and_no_replay_endpoint(tmp_path: Path) -> 
         assert pub.done.wait(TIMEOUT)
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        f"recording {pub.endpoint} -> {out} (Ctrl-C to stop)",
+        f"recording {pub.endpoint} (connecting: vLLM's publisher binds there) -> {out} "
+        "(Ctrl-C to stop)",
         "gap: seq 1 missing (1 batch): no --replay-endpoint to ask",
         f"recorded 2 batches, 2 rows, 1 missing in 1 gap to {out}",
     ]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import signal
@@ -50,7 +51,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -63,11 +64,19 @@ from replay.errors import ReplayError
 from replay.sources.kv_events import (
     EventConverter,
     GroupMismatch,
+    KVBatch,
     LookupMerger,
+    LookupPlacer,
     MalformedBatch,
+    PlacedLookup,
     Row,
     decode_batch,
+    is_plugin_log,
+    medium_key,
+    parse_plugin_lookup,
+    plugin_config,
     read_lookup_log,
+    read_plugin_log,
 )
 from replay.spec import TraceConfig
 from replay.trace import TraceWriter
@@ -134,9 +143,13 @@ class StreamProcessor:
         report: Report = _stderr,
         tap: Callable[[Sequence[bytes], str, float], None] | None = None,
         window: int = 65_536,
+        placer: LookupPlacer | None = None,
     ) -> None:
         self.converter = EventConverter(config, media=media)
         self.sink = sink
+        # With the plugin's lookups, batches go to the placer event by event
+        # (it puts each lookup before the event at its position).
+        self.placer = placer
         self.topic = topic
         self.report = report
         self.tap = tap
@@ -304,10 +317,21 @@ class StreamProcessor:
                 self._say("event type", f"{at}: ignoring events of unknown type {name!r}")
             self.ignored_types[name] += 1
         try:
+            if self.placer is not None:
+                self._place(seq, batch)
+                return
             rows = self.converter.convert(batch)
         except GroupMismatch as exc:
             raise GroupMismatch(f"{at}: {exc}") from None
         self._emit(rows)
+
+    def _place(self, seq: int, batch: KVBatch) -> None:
+        assert self.placer is not None
+        per_event = [
+            self.converter.convert(KVBatch(ts=batch.ts, events=(event,))) for event in batch.events
+        ]
+        self.rows += sum(len(rows) for rows in per_event)
+        self.placer.batch(self.epoch, seq, per_event)
 
     def _dump(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
         if self.tap is not None:
@@ -369,7 +393,14 @@ class StreamProcessor:
             "media": None if media is None else sorted(media),
             "filtered_events": self.converter.filtered_events,
             "lookups": "none (KV events carry no lookups; see `replay ingest merge`)",
+            **self._cache(),
         }
+
+    def _cache(self) -> dict[str, Any]:
+        # Recorded KV events describe vLLM's engine prefix cache (the device
+        # tier); a recording of other tiers only does not.
+        media = self.converter.media
+        return {"cache": "gpu"} if media is None or medium_key(None) in media else {}
 
 
 # ------------------------------------------------------------------ dumps
@@ -610,6 +641,166 @@ class _ReplayClient:
         return [got[s] for s in sorted(got)], "not in the publisher's replay buffer"
 
 
+# ---------------------------------------------------------- plugin lookups
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's publisher rule, seen from the other end: a publisher endpoint
+    with ``*`` or ``::`` binds, so the recorder connects to it; given such an
+    endpoint itself (``tcp://*:5557``), the recorder binds and vLLM's
+    publisher, configured with this host's address, connects."""
+    return "*" in endpoint or "::" in endpoint
+
+
+class LookupSubscriber:
+    """The SUB side of the vLLM plugin's lookup stream (``replay.vllm_plugin``):
+    engine facts, lookups and watermarks, with lost messages reported."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, report: Report) -> None:
+        from replay.vllm_plugin import TOPIC
+
+        self.endpoint = endpoint
+        self.report = report
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ReplayError(
+                f"--lookups {endpoint}: cannot connect ({_zmq_reason(exc)})"
+            ) from None
+        self.engines: list[dict[str, Any]] = []
+        self.messages = 0
+        self.lost = 0
+        self.malformed = 0
+        self._next: int | None = None
+        self._held: list[tuple[int, Any, dict[str, Any]]] = []
+
+    def receive(
+        self, config: TraceConfig | None
+    ) -> Iterator[tuple[str, dict[str, Any] | PlacedLookup | tuple[str, int]]]:
+        """What arrived, without waiting: ``("engine", record)``,
+        ``("lookup", PlacedLookup)`` and ``("watermark", (instance, batches))``
+        (these two held until a config is known)."""
+        if config is not None and self._held:
+            yield from self._release(config)
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    raise ValueError("expected 3 frames (topic, seq, payload)")
+                seq = int.from_bytes(frames[1], "big")
+                payload = json.loads(frames[2])
+                if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
+                    raise ValueError("payload is not a lookup message")
+            except (ValueError, UnicodeDecodeError) as exc:
+                self.malformed += 1
+                self.report(f"lookups: skipped a malformed message ({exc})")
+                continue
+            self.messages += 1
+            if self._next is not None and seq > self._next:
+                self.lost += seq - self._next
+                self.report(
+                    f"lookups: {seq - self._next} message(s) from the plugin lost "
+                    f"(seq {self._next}..{seq - 1}); their lookups are missing"
+                )
+            self._next = seq + 1
+            instance = payload.get("instance")
+            known = {e.get("instance") for e in self.engines}
+            for rec in payload["records"]:
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("type") == "engine"
+                    and rec.get("instance") not in known
+                ):
+                    known.add(rec.get("instance"))
+                    self.engines.append(rec)
+                    yield "engine", rec
+            # Lookups that came before the engine facts (the plugin resends
+            # them only once it sees the subscription) wait for a config.
+            self._held.append((seq, instance, payload))
+            if config is not None:
+                yield from self._release(config)
+
+    def _release(
+        self, config: TraceConfig
+    ) -> Iterator[tuple[str, dict[str, Any] | PlacedLookup | tuple[str, int]]]:
+        held, self._held = self._held, []
+        for seq, instance, payload in held:
+            for rec in payload["records"]:
+                if isinstance(rec, dict) and rec.get("type") == "lookup":
+                    try:
+                        yield "lookup", parse_plugin_lookup(rec, seq, config)
+                    except ValueError as exc:
+                        self.malformed += 1
+                        self.report(f"lookups: message {seq}: skipped a lookup ({exc})")
+            mark = payload.get("watermark")
+            if isinstance(instance, str) and isinstance(mark, int):
+                yield "watermark", (instance, mark)
+
+    def wait_engine(self, stop: Callable[[], bool]) -> dict[str, Any] | None:
+        """Block until the plugin's engine facts arrive (or ``stop()``)."""
+        while not stop():
+            if self.sock.poll(100):
+                for kind, item in self.receive(None):
+                    if kind == "engine":
+                        assert isinstance(item, dict)
+                        return item
+        return None
+
+    def source(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "messages": self.messages,
+            "lost_messages": self.lost,
+            "malformed": self.malformed,
+        }
+
+
+def _take_lookups(lsub: LookupSubscriber, placer: LookupPlacer, config: TraceConfig) -> None:
+    for kind, item in lsub.receive(config):
+        if kind == "engine":
+            assert isinstance(item, dict)
+            _check_engine(item, config, f"--lookups {lsub.endpoint}", lsub.report)
+        elif kind == "lookup":
+            assert isinstance(item, PlacedLookup)
+            placer.add([item])
+        elif kind == "watermark":
+            assert isinstance(item, tuple)
+            placer.watermark(*item)
+
+
+def _check_engine(engine: dict[str, Any], config: TraceConfig, where: str, report: Report) -> None:
+    """Say so when the engine's own view differs from the config in use."""
+    try:
+        theirs = plugin_config(engine, where)
+    except ReplayError as exc:
+        report(f"{exc}")
+        return
+    if theirs != config:
+        report(
+            f"{where}: the engine's KV-cache config differs from the one recording with "
+            f"(engine: {json.dumps({**theirs.to_json(), 'source': None})}); leave out "
+            "--config to use the engine's"
+        )
+
+
+def _plugin_source(
+    placer: LookupPlacer, engines: list[dict[str, Any]], origin: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``source`` entries of a trace whose lookups came from the plugin."""
+    return {
+        "lookups": {**placer.source(), **origin},
+        "engine": [{"instance": e.get("instance"), **(e.get("engine") or {})} for e in engines],
+        "cache": "gpu",
+    }
+
+
 # --------------------------------------------------------------- record
 
 
@@ -626,10 +817,13 @@ class RecordSummary:
     filled: int = 0
     stop_reason: str = ""
     dump: Path | None = None
+    lookups: int | None = None
 
     def describe(self) -> str:
         n_gap = sum(g["count"] for g in self.gaps)
         parts = [f"{self.batches} batches", f"{self.rows} rows"]
+        if self.lookups is not None:
+            parts.append(f"{self.lookups} lookups placed")
         if self.filled:
             parts.append(f"{self.filled} filled from the replay endpoint")
         if self.gaps:
@@ -669,10 +863,11 @@ def record(
     *,
     endpoint: str,
     output: str | os.PathLike[str],
-    config: TraceConfig,
+    config: TraceConfig | None,
     replay_endpoint: str | None = None,
     topic: str = "",
-    bind: bool = False,
+    bind: bool | None = None,
+    lookups: str | None = None,
     max_batches: int | None = None,
     duration: float | None = None,
     dump: str | os.PathLike[str] | None = None,
@@ -685,7 +880,12 @@ def record(
     flush_seconds: float = 5.0,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
-    passed, ``stop`` is set, or Ctrl-C; then close a valid trace."""
+    passed, ``stop`` is set, or Ctrl-C; then close a valid trace.
+
+    ``bind`` None: bind when the endpoint is a bind form (:func:`binds`),
+    else connect. ``lookups``: the vLLM plugin's endpoint; every lookup goes
+    in its exact place, and without ``config`` the plugin's engine facts
+    are the config."""
     topic_bytes = topic.encode()
     started = time.time()
     deadline = None if duration is None else time.monotonic() + duration
@@ -696,6 +896,8 @@ def record(
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic_bytes)
+        if bind is None:
+            bind = binds(endpoint)
         try:
             if bind:
                 sub.bind(endpoint)
@@ -706,20 +908,40 @@ def record(
             raise ReplayError(
                 f"--endpoint {endpoint}: cannot {verb} ({_zmq_reason(exc)})"
             ) from None
+        lsub = None if lookups is None else LookupSubscriber(ctx, lookups, report)
+        if config is None:
+            if lsub is None:
+                raise ReplayError("no KV-cache config: pass --config, or --lookups (the plugin)")
+            report(f"waiting for the engine facts from {lookups} (sent at the engine's next step)")
+            engine = lsub.wait_engine(
+                lambda: (
+                    (stop is not None and stop.is_set())
+                    or (deadline is not None and time.monotonic() >= deadline)
+                )
+            )
+            if engine is None:
+                raise ReplayError(f"--lookups {lookups}: no engine facts arrived; nothing recorded")
+            config = plugin_config(engine, f"--lookups {lookups}")
         if replay_endpoint is not None:
             replay = _ReplayClient(ctx, replay_endpoint, topic_bytes, replay_timeout, report)
         with contextlib.ExitStack() as stack:
             dump_writer = stack.enter_context(DumpWriter(dump)) if dump is not None else None
             writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
             rows = _BufferedRows(writer, flush_rows=flush_rows, flush_seconds=flush_seconds)
+            placer = None if lsub is None else LookupPlacer(rows)
             proc = StreamProcessor(
                 config,
-                rows,
+                rows if placer is None else placer,
                 topic=topic_bytes,
                 media=media,
                 report=report,
                 tap=(lambda f, o, t: dump_writer.write(f, o, t)) if dump_writer else None,
+                placer=placer,
             )
+            poller = zmq.Poller()
+            poller.register(sub, zmq.POLLIN)
+            if lsub is not None:
+                poller.register(lsub.sock, zmq.POLLIN)
             fill: Fill | None = replay.fetch if replay is not None else None
             live_reason = (
                 "not in the publisher's replay buffer"
@@ -745,7 +967,10 @@ def record(
                             reason = "duration"
                             break
                         wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
-                    if sub.poll(wait_ms):
+                    ready = dict(poller.poll(wait_ms))
+                    if lsub is not None and placer is not None and lsub.sock in ready:
+                        _take_lookups(lsub, placer, config)
+                    if sub in ready:
                         for _ in range(1000):
                             try:
                                 frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -770,10 +995,14 @@ def record(
                         )
             except KeyboardInterrupt:
                 reason = "interrupted"
+            if lsub is not None and placer is not None:
+                _take_lookups(lsub, placer, config)
+                placer.finish()
             rows.finish()
             source: dict[str, Any] = {
                 "tool": "replay record",
                 "endpoint": endpoint,
+                "endpoint_socket": "bound" if bind else "connected",
                 "replay_endpoint": replay_endpoint,
                 "topic": topic,
                 "started_at": _iso(started),
@@ -782,10 +1011,13 @@ def record(
                 "dump": None if dump is None else Path(dump).name,
                 **proc.source(),
             }
+            if lsub is not None and placer is not None:
+                source.update(_plugin_source(placer, lsub.engines, lsub.source()))
             writer.set_source(source)
-        return proc.summary(
-            output, rows=proc.rows, filled=proc.filled, stop_reason=reason, dump=dump
+        summary = proc.summary(
+            output, rows=writer.rows_written, filled=proc.filled, stop_reason=reason, dump=dump
         )
+        return summary if placer is None else replace(summary, lookups=placer.placed)
     finally:
         if replay is not None:
             replay.close()
@@ -798,7 +1030,7 @@ def record(
 def ingest_dumps(
     paths: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
-    config: TraceConfig,
+    config: TraceConfig | None,
     *,
     media: Collection[str] | None = None,
     lookups: str | os.PathLike[str] | None = None,
@@ -806,16 +1038,36 @@ def ingest_dumps(
 ) -> RecordSummary:
     """Rebuild a trace from dumps, read in the order given as one stream
     (a seq going back between files is a restart, unless it repeats a batch
-    already taken). No output file on error."""
+    already taken). ``lookups``: a lookup log merged by time, or the vLLM
+    plugin's file, whose lookups go in their exact places (and whose engine
+    facts are the config when ``config`` is None). No output file on error."""
     if not paths:
         raise ReplayError("no dump files given")
     dumps = [Path(p) for p in paths]
     for p in dumps:
         _check_dump(p)
-    merger = None if lookups is None else LookupMerger(read_lookup_log(lookups, config))
+    plugin = None
+    if lookups is not None and Path(lookups).is_file() and is_plugin_log(lookups):
+        plugin = read_plugin_log(lookups, config)
+        if config is not None and plugin.engines:
+            _check_engine(plugin.engines[0], config, str(lookups), report)
+        config = plugin.config
+    if config is None:
+        raise ReplayError(
+            "no KV-cache config: pass --config kv-config.json or --block-size N "
+            "(or --lookups with the vLLM plugin's file)"
+        )
+    merger = None
+    if lookups is not None and plugin is None:
+        merger = LookupMerger(read_lookup_log(lookups, config))
     with TraceWriter(output, config) as writer:
         rows = _BufferedRows(writer, merger=merger, flush_rows=65_536, flush_seconds=math.inf)
-        proc = StreamProcessor(config, rows, media=media, report=report)
+        placer = None if plugin is None else LookupPlacer(rows, complete=True)
+        if placer is not None and plugin is not None:
+            placer.add(plugin.lookups)
+        proc = StreamProcessor(
+            config, rows if placer is None else placer, media=media, report=report, placer=placer
+        )
         for p in dumps:
             for rec in read_dump(p):
                 proc.feed(
@@ -825,12 +1077,16 @@ def ingest_dumps(
                     where=f"{p} record {rec.index}",
                     gap_reason="missing from the dump",
                 )
+        if placer is not None:
+            placer.finish()
         rows.finish()
         source: dict[str, Any] = {
             "tool": "replay ingest kv-events",
             "files": [p.name for p in dumps],
             **proc.source(),
         }
+        if placer is not None and plugin is not None and lookups is not None:
+            source.update(_plugin_source(placer, plugin.engines, {"file": Path(lookups).name}))
         if merger is not None and lookups is not None:
             source["lookups"] = {
                 "file": Path(lookups).name,
@@ -838,4 +1094,5 @@ def ingest_dumps(
                 "merged_by": "ts (a lookup goes before events with the same ts)",
             }
         writer.set_source(source)
-    return proc.summary(output, rows=writer.rows_written, filled=0, stop_reason="end of input")
+    summary = proc.summary(output, rows=writer.rows_written, filled=0, stop_reason="end of input")
+    return summary if placer is None else replace(summary, lookups=placer.placed)
