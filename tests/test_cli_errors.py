@@ -258,7 +258,7 @@ def test_output_in_an_unwritable_place(trace_43559: Path) -> None:
     assert result.exit_code == 2
     assert (
         result.stderr
-        == "error: /proc/nope/r.parquet: cannot write here (No such file or directory)\n"
+        == "error: /proc/nope/r.parquet: no such directory /proc/nope (it is not created)\n"
     )
 
 

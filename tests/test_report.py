@@ -45,6 +45,7 @@ def marks(page: str) -> dict[str, int]:
 def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     results = results_of(trace_43559)
     out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()  # an output directory is never created
     res = invoke([results, "-o", out])
     assert (res.exit_code, res.output) == (0, f"wrote {out}\n")
     page = out.read_text()
