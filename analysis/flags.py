@@ -505,15 +505,29 @@ def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
 
 
 def check_path(
-    path: str | os.PathLike[str], *, policy: str, coordinator: str = "reference"
+    path: str | os.PathLike[str], *, policy: str | None, coordinator: str = "reference"
 ) -> tuple[pl.DataFrame, str]:
-    """Flags of a trace (replayed now) or of a results file (as written).
-    Returns the flags and the policy they were computed under."""
+    """Flags of a trace (replayed now, under ``policy`` or the default) or of a
+    results file (as written; a ``policy`` other than its own is an error).
+    Returns the flags and the policy they were computed under. A trace or
+    results file without lookups has nothing to check: an error."""
+    from replay.coordinator import DEFAULT_POLICY
     from replay.engine import replay_trace
     from replay.trace import is_results_file, read_results, results_config
 
     if is_results_file(path):
         frame, info = read_results(path)
-        return compute_flags(frame, results_config(info, path)), str(info.get("policy", "?"))
-    result = replay_trace(path, policy=policy, coordinator=coordinator)
-    return compute_flags(result.results, result.config), policy
+        made_under = str(info.get("policy", "?"))
+        if policy is not None and policy != made_under:
+            raise ReplayError(
+                f"{path}: these results were made under policy {made_under}, not --policy "
+                f"{policy} (check the trace to replay it under {policy}, or drop --policy)"
+            )
+        if frame.height == 0:
+            raise ReplayError(f"{path}: no lookups, nothing to check")
+        return compute_flags(frame, results_config(info, path)), made_under
+    used = policy or DEFAULT_POLICY
+    result = replay_trace(path, policy=used, coordinator=coordinator)
+    if result.results.height == 0:
+        raise ReplayError(f"{path}: the trace has no lookups, nothing to check")
+    return compute_flags(result.results, result.config), used

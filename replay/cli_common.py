@@ -1,16 +1,23 @@
 """What every `replay` command shares: a user's mistake is one line on stderr
-(``error: ...``) and exit status 2, never a traceback."""
+(``error: ...``) and exit status 2, never a traceback; SIGINT, SIGTERM and
+SIGHUP end a command through the same cleanup as an error (no temporary
+file is left) with exit status 128 + the signal number, never 1 (which
+means "flags found")."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import signal
+import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import IO, Any, TypeVar
 
 import click
 
-from replay.errors import ReplayError
+from replay.errors import Interrupted, ReplayError
+from replay.paths import EXIT_SIGNALS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,12 +49,59 @@ def user_errors() -> Iterator[None]:
         raise fail(f"{where}{exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While a command runs, the first SIGTERM or SIGHUP raises
+    :class:`Interrupted` (SIGINT raises ``KeyboardInterrupt``) wherever the
+    command is, so every ``finally`` and ``except BaseException`` cleans up;
+    later signals are ignored until the cleanup is done. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def later(signum: int, frame: FrameType | None) -> None:
+        pass
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        for sig in EXIT_SIGNALS:
+            signal.signal(sig, later)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, first) for sig in EXIT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def exit_on_signal(signum: int) -> click.exceptions.Exit:
+    """The exit of a command a signal ended: one line, status 128 + signum."""
+    click.echo(f"interrupted by {signal.Signals(signum).name}", err=True)
+    return click.exceptions.Exit(128 + signum)
+
+
+@contextlib.contextmanager
+def command_guard() -> Iterator[None]:
+    """Around a whole command: one-line user errors and the signal exits."""
+    with signals_raise():
+        try:
+            with user_errors():
+                yield
+        except KeyboardInterrupt:
+            raise exit_on_signal(signal.SIGINT) from None
+        except Interrupted as exc:
+            raise exit_on_signal(exc.signum) from None
+
+
 def handles_user_errors(fn: F) -> F:
     """The same for one command, so it behaves alike outside the `replay` group."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with user_errors():
+        with command_guard():
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -226,7 +226,10 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
         os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as exc:  # a full disk, a quota: name the file the user gave
+            raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
         os.chmod(tmp, mode)
         pause_point("publish", tmp)
         with signals_held():
@@ -251,3 +254,19 @@ def write_text(path: PathLike, text: str, *, what: str = "text") -> OutputTarget
         if target.kind == "file":
             tmp.write_text(text, encoding="utf-8")
     return target
+
+
+def check_outputs(
+    outputs: Mapping[str, PathLike | None],
+    inputs: Sequence[PathLike | None],
+    *,
+    text: bool = False,
+    what: str = "Parquet",
+) -> None:
+    """Everything a command checks before it writes: each output (keyed by
+    its option) is a place it can write (:func:`output_target`) and none is
+    one of the inputs (:func:`refuse_overwriting_inputs`)."""
+    for path in outputs.values():
+        if path is not None:
+            output_target(path, text=text, what=what)
+    refuse_overwriting_inputs(outputs, inputs)

@@ -350,7 +350,7 @@ SIZE_LIMIT = (1 << 31) - 1
 
 def check_config_limits(config: TraceConfig, where: str) -> TraceConfig:
     """``config`` if every size in it is at most :data:`SIZE_LIMIT` tokens."""
-    sizes = [("hash_block_size", config.hash_block_size)]
+    sizes: list[tuple[str, int | None]] = [("hash_block_size", config.hash_block_size)]
     sizes.append(("scheduler_block_size", config.scheduler_block_size))
     for gid, g in enumerate(config.groups):
         for name in ("block_size", "sliding_window", "extra_retained_tokens"):
@@ -604,15 +604,13 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
             )
     hashes = _combined(raw.column("block_hashes"))
     values = hashes.flatten()
-    bad = None
+    j: int | None = None
+    what = "is null"
     if values.null_count:
-        bad = (_first(pc.is_null(values)), "is null")
+        j = _first(pc.is_null(values))
     elif len(values) and not pa.types.is_fixed_size_binary(values.type):
-        j = _first(pc.equal(pc.binary_length(values), 0))
-        if j is not None:
-            bad = (j, "is empty")
-    if bad is not None and bad[0] is not None:
-        j, what = bad
+        j, what = _first(pc.equal(pc.binary_length(values), 0)), "is empty"
+    if j is not None:
         row = int(pc.list_parent_indices(hashes)[j].as_py())
         k = j - (int(hashes.offsets[row].as_py()) - int(hashes.offsets[0].as_py()))
         raise TraceError(
@@ -795,8 +793,8 @@ _RESULTS_REQUIRED = (
     "mask_blocks",
     "loaded_blocks",
 )
-_RESULTS_INTS = ("seq", "max_length", "hit_tokens", "num_tokens", "verified_tokens")
-_RESULTS_INTS += ("mamba_state_tokens", "observed_hit_tokens")
+_RESULTS_INTS: tuple[str, ...] = ("seq", "max_length", "hit_tokens", "num_tokens")
+_RESULTS_INTS += ("verified_tokens", "mamba_state_tokens", "observed_hit_tokens")
 _RESULTS_INT_LISTS = ("mask_blocks", "loaded_blocks", "group_hit_tokens")
 
 

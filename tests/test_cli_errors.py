@@ -246,10 +246,7 @@ def test_output_path_is_a_directory(tmp_path: Path, trace_43559: Path, command: 
     }[command]
     result = run_cli(args)
     assert result.exit_code == 2
-    if command == "synth":  # click's own file-path check, a usage error
-        assert f"'{target}' is a directory" in result.stderr
-    else:
-        assert result.stderr == f"error: {target}: is a directory, expected a file path to write\n"
+    assert result.stderr == f"error: {target}: is a directory, expected a file path to write\n"
     assert list(target.iterdir()) == []
 
 

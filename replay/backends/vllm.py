@@ -31,10 +31,19 @@ from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.errors import ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
-_MISSING_VLLM = (
-    "the vllm coordinator needs vLLM installed: run `make test-vllm` or "
-    "`pip install vllm==0.33.0` (CPU: ../shared/tools/vllm-oracle-env.sh)"
-)
+
+def _missing_vllm(exc: ImportError) -> str:
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return (
+        f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
+        "run the tool inside the Python that has vLLM 0.33, e.g. "
+        f"`PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
+        "(or install vLLM here: `pip install vllm==0.33.0`)"
+    )
+
 
 _COORDINATOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
 
@@ -129,8 +138,8 @@ class VllmCoordinator:
                 torch = importlib.import_module("torch")
                 iface = importlib.import_module("vllm.v1.kv_cache_interface")
                 module = importlib.import_module(_COORDINATOR_MODULE)
-        except ImportError:
-            raise ReplayError(_MISSING_VLLM) from None
+        except ImportError as exc:
+            raise ReplayError(_missing_vllm(exc)) from None
         self._module: Any = module
         groups = [
             iface.KVCacheGroupSpec(
