@@ -198,17 +198,17 @@ def ingest_kv_events(
     """
     from replay.sources.record import ingest_dumps
 
+    # What the import reports (skipped messages, gaps, a torn last record) is
+    # shown once it succeeded: a failed import is its one error line.
+    notes: list[str] = []
     with user_errors():
         check_outputs({"-o": output}, [*files, lookups, config_path])
         config = config_from_options(config_path, block_size)
         summary = ingest_dumps(
-            list(files),
-            output,
-            config,
-            media=media or None,
-            lookups=lookups,
-            report=lambda m: click.echo(m, err=True),
+            list(files), output, config, media=media or None, lookups=lookups, report=notes.append
         )
+    for note in notes:
+        click.echo(note, err=True)
     click.echo(f"wrote {output}: {summary.describe()}", err=True)
 
 

@@ -251,9 +251,13 @@ def _open_parquet(path: str | os.PathLike[str]) -> pq.ParquetFile:
     if tail != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
     try:
-        return pq.ParquetFile(str(p))
-    except (pa.ArrowException, OSError) as exc:
+        pf = pq.ParquetFile(str(p))
+        # The footer is decoded lazily: a column name or a metadata key that
+        # is not UTF-8 (a damaged footer) fails here, not in a later reader.
+        pf.schema_arrow  # noqa: B018
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
+    return pf
 
 
 def _int_ok(typ: pa.DataType) -> bool:
@@ -327,7 +331,7 @@ def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes,
         raise TraceError(f"{path}: missing {label!r} metadata (not a {what})")
     try:
         obj = json.loads(meta[key])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON, bad UTF-8, an integer of > 4300 digits
         raise TraceError(
             f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})"
         ) from None
@@ -572,7 +576,8 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
         return
     ts = _combined(raw.column("ts"))
     per = _PER_SECOND[ts.type.unit]
-    lo, hi = (b * per for b in _TS_RANGE_S)
+    # In nanoseconds the whole int64 range is representable: clip the bounds.
+    lo, hi = (min(max(b * per, -(1 << 63)), (1 << 63) - 1) for b in _TS_RANGE_S)
     if ts.null_count == len(ts):
         return
     values = ts.cast(pa.int64())

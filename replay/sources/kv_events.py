@@ -160,9 +160,10 @@ def _is_int(value: object) -> bool:
 
 def hash_bytes(value: object) -> bytes:
     """A block hash as the trace stores it; ``ValueError`` names what is wrong."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, bytearray | memoryview):
+    if isinstance(value, bytes | bytearray | memoryview):
+        if not len(value):
+            # No block of vLLM's has an empty hash; the trace format refuses one.
+            raise ValueError("hash is empty (expected non-empty bytes)")
         return bytes(value)
     if _is_int(value):
         assert isinstance(value, int)
@@ -566,9 +567,12 @@ def _lookup_ts(value: object) -> datetime:
 def _lookup_hash(value: object) -> bytes:
     if isinstance(value, str):
         try:
-            return bytes.fromhex(value)
+            data = bytes.fromhex(value)
         except ValueError:
-            raise ValueError(f"{value!r} is not a hex string") from None
+            raise ValueError(f"{value[:40]!r} is not a hex string") from None
+        if not data:
+            raise ValueError("hash is empty (expected a non-empty hex string)")
+        return data
     if _is_int(value):
         return hash_bytes(value)
     raise ValueError(
