@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from replay.errors import Interrupted, ReplayError
-from replay.paths import EXIT_SIGNALS
+from replay.paths import EXIT_SIGNALS, note_signal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,6 +65,7 @@ def signals_raise() -> Iterator[None]:
     def first(signum: int, frame: FrameType | None) -> None:
         for sig in EXIT_SIGNALS:
             signal.signal(sig, later)
+        note_signal()
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise Interrupted(signum)

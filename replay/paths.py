@@ -25,7 +25,6 @@ import stat
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,13 +190,25 @@ def signals_held() -> Iterator[None]:
 def pause_point(stage: str, tmp: Path) -> None:
     """The test hook of :data:`PAUSE_ENV` (a no-op unless it is set)."""
     hook = os.environ.get(PAUSE_ENV)
-    if not hook:
+    if not hook or _paused:
         return
     want, _, marker = hook.partition(":")
     if want != stage or not marker:
         return
+    _paused.append(stage)  # once: cleanup after the signal may write again
     Path(marker).write_text(str(tmp))
-    time.sleep(60)
+    # A writer thread cannot see the signal: it waits for the main thread's
+    # handler to say one came (the main thread itself is interrupted anyway).
+    _signalled.wait(60)
+
+
+_paused: list[str] = []
+_signalled = threading.Event()
+
+
+def note_signal() -> None:
+    """Called by the CLI's signal handler; ends a :func:`pause_point`."""
+    _signalled.set()
 
 
 @contextlib.contextmanager
