@@ -10,7 +10,6 @@ trace larger than memory can be read and a bad row is reported by its
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -159,6 +158,7 @@ class TraceWriter:
         )
         self.rows_written = 0
         self._last_seq: int | None = None
+        self._finished = False
 
     def set_source(self, source: Mapping[str, Any]) -> None:
         """Replace the ``source`` metadata (e.g. a recorder's gap report); it is
@@ -190,14 +190,23 @@ class TraceWriter:
         self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
         self._writer.close()
         self._writer = None
+        self._finished = True
         self._cm.__exit__(None, None, None)
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        with contextlib.suppress(FileNotFoundError):
-            self._tmp.unlink()
+        writer, self._writer = self._writer, None
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if writer is not None:
+                writer.close()
+        except (pa.ArrowException, OSError):
+            pass  # the file is discarded anyway
+        finally:
+            # The output helper removes its temporary file, and never touches
+            # a target it did not create (/dev/null).
+            self._cm.__exit__(TraceError, TraceError("aborted"), None)
 
     def __enter__(self) -> Self:
         return self
@@ -455,7 +464,10 @@ class TraceReader:
                 batch, last_seq = validate_rows(str(self.path), self.config, raw, last_seq)
                 yield batch
         except (pa.ArrowException, OSError) as exc:
-            raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+            raise TraceError(
+                f"{self.path}: {_unreadable_column(self._pf, self.columns)}"
+                f"unreadable Parquet data ({_one_line(exc)})"
+            ) from None
 
     def iter_frames(
         self, columns: Sequence[str] | None = None, batch_size: int = 65_536
@@ -588,6 +600,21 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
             "epoch is outside the representable range (expected a time between "
             "0001-01-01 and 9999-12-31)"
         )
+
+
+def _unreadable_column(pf: pq.ParquetFile, columns: Sequence[str]) -> str:
+    """Which column a read failed on (``"column 'x': "``), found by reading
+    each alone: the error path only. Arrow checks UTF-8 itself when it
+    decodes a dictionary-encoded string column."""
+    for i in range(pf.metadata.num_row_groups):
+        for name in columns:
+            try:
+                pf.read_row_group(i, columns=[name])
+            except (pa.ArrowException, OSError) as exc:
+                if "utf8" in str(exc).lower().replace("-", ""):
+                    return f"column {name!r} is not valid UTF-8 text: "
+                return f"column {name!r}: "
+    return ""
 
 
 def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table) -> pa.Array:
