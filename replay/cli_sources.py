@@ -130,7 +130,6 @@ def record(
     with user_errors():
         check_outputs({"-o": output, "--dump": dump}, [config_path])
         config = config_from_options(config_path, block_size)
-        click.echo(f"recording {endpoint} -> {output} (Ctrl-C to stop)", err=True)
         stop = threading.Event()
         tty = sys.stderr.isatty()
         try:
@@ -148,6 +147,7 @@ def record(
                     media=media or None,
                     replay_timeout=replay_timeout,
                     stop=stop,
+                    announce=lambda m: click.echo(m, err=True),
                     report=lambda m: click.echo(("\n" if tty else "") + m, err=True),
                     progress=(lambda m: click.echo("\r" + m, err=True, nl=False)) if tty else None,
                 )

@@ -594,8 +594,10 @@ def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _is_text(value: str) -> bool:
-    """JSON may escape lone surrogates ("\\ud800"); no trace can hold them."""
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be written as UTF-8: JSON may escape lone
+    surrogates ("\\ud800") and a command line may hold undecodable bytes;
+    no trace can hold either."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -617,7 +619,7 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
     request_id = obj["request_id"]
     if not isinstance(request_id, str | int) or isinstance(request_id, bool):
         raise ValueError(f"field 'request_id': expected a string, got {_type_name(request_id)}")
-    if isinstance(request_id, str) and not _is_text(request_id):
+    if isinstance(request_id, str) and not is_text(request_id):
         raise ValueError("field 'request_id': holds a lone surrogate escape (not text)")
     try:
         ts = _lookup_ts(obj["ts"])

@@ -65,6 +65,7 @@ import numpy as np
 
 from replay.errors import ReplayError
 from replay.paths import check_input
+from replay.sources.kv_events import is_text
 from replay.sources.synth import archetype_config
 from replay.sources.workload import (
     Digests,
@@ -187,13 +188,8 @@ def _parse(fmt: _Format, path: Path, line_no: int, text: str) -> _Row:
         )
     if length > TOKEN_LIMIT:
         raise ReplayError(f"{where}: field 'input_length' must be at most 2**48, got {length}")
-    if fmt is BAILIAN and isinstance(obj["chat_id"], str):
-        try:
-            obj["chat_id"].encode("utf-8")
-        except UnicodeEncodeError:
-            raise ReplayError(
-                f"{where}: field 'chat_id' holds a lone surrogate escape (not text)"
-            ) from None
+    if fmt is BAILIAN and isinstance(obj["chat_id"], str) and not is_text(obj["chat_id"]):
+        raise ReplayError(f"{where}: field 'chat_id' holds a lone surrogate escape (not text)")
     ids = obj["hash_ids"]
     for i, h in enumerate(ids):
         if not _check_type(h, _INT) or not 0 <= h < _U64:

@@ -68,6 +68,7 @@ from replay.sources.kv_events import (
     MalformedBatch,
     Row,
     decode_batch,
+    is_text,
     read_lookup_log,
 )
 from replay.spec import TraceConfig
@@ -805,6 +806,7 @@ def record(
     flush_seconds: float = 5.0,
     silence_seconds: float = 10.0,
     reorder_seconds: float = 2.0,
+    announce: Report | None = None,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
     passed, ``stop`` is set, or Ctrl-C; then close a valid trace. Batches
@@ -812,6 +814,9 @@ def record(
     so a late one goes in its place. Nothing
     received for ``silence_seconds`` is reported once (a wrong endpoint or
     topic looks exactly like an idle engine otherwise)."""
+    for option, value in (("--endpoint", endpoint), ("--replay-endpoint", replay_endpoint), ("--topic", topic)):  # fmt: skip
+        if value is not None and not is_text(value):
+            raise ReplayError(f"{option} {value!r}: not valid text (undecodable bytes)")
     topic_bytes = topic.encode()
     started = time.time()
     deadline = None if duration is None else time.monotonic() + duration
@@ -832,6 +837,8 @@ def record(
             raise ReplayError(
                 f"--endpoint {endpoint}: cannot {verb} ({_zmq_reason(exc)})"
             ) from None
+        if announce is not None:
+            announce(f"recording {endpoint} -> {output} (Ctrl-C to stop)")
         if replay_endpoint is not None:
             replay = _ReplayClient(ctx, replay_endpoint, topic_bytes, replay_timeout, report)
         with contextlib.ExitStack() as stack:
