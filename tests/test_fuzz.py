@@ -407,7 +407,10 @@ def mutated_meta(draw: st.DrawFn, meta: dict[bytes, bytes]) -> dict[bytes, bytes
             )
         )
         return meta
-    obj = json.loads(meta[key])
+    try:
+        obj = json.loads(meta[key])
+    except (ValueError, RecursionError):  # already damaged by an earlier mutation
+        return meta
     if how == "drop" and isinstance(obj, dict) and obj:
         del obj[draw(st.sampled_from(sorted(obj)))]
     elif how == "group" and isinstance(obj, dict):
@@ -447,9 +450,21 @@ def byte_damage(draw: st.DrawFn, data: bytes) -> bytes:
     return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
 
 
-def write_table(path: Path, table: pa.Table, meta: dict[bytes, bytes], row_group: int) -> None:
-    table = table.replace_schema_metadata(meta)
-    pq.write_table(table, path, row_group_size=row_group)
+def write_mutated(data: st.DataObject, base: Path, path: Path) -> str | None:
+    """A mutated copy of the Parquet file ``base`` at ``path`` (maybe in
+    several row groups, maybe damaged bytes); its label, or None when Parquet
+    cannot hold the mutated table."""
+    table, meta, label = data.draw(mutated_table(pq.read_table(base)))
+    try:
+        pq.write_table(
+            table.replace_schema_metadata(meta),
+            path,
+            row_group_size=data.draw(st.sampled_from([2, 3, 64])),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+    path.write_bytes(data.draw(byte_damage(path.read_bytes())))
+    return label
 
 
 # ------------------------------------------------------------------ traces
@@ -458,15 +473,11 @@ def write_table(path: Path, table: pa.Table, meta: dict[bytes, bytes], row_group
 @FUZZ
 @given(data=st.data())
 def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
-    base = pq.read_table(valid["trace"])
-    table, meta, label = data.draw(mutated_table(base))
     with Case() as case:
         trace = case.inputs / "t.parquet"
-        try:
-            write_table(trace, table, meta, data.draw(st.sampled_from([3, 64])))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        label = write_mutated(data, valid["trace"], trace)
+        if label is None:
             return  # not a file Parquet can hold
-        trace.write_bytes(data.draw(byte_damage(trace.read_bytes())))
         log = case.inputs / "lookups.jsonl"
         log.write_bytes(valid["log"].read_bytes())
         TRIED["traces"] += 1
@@ -500,15 +511,11 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
 @FUZZ
 @given(data=st.data())
 def test_mutated_results(valid: dict[str, Path], data: st.DataObject) -> None:
-    base = pq.read_table(valid["results"])
-    table, meta, label = data.draw(mutated_table(base))
     with Case() as case:
         results = case.inputs / "r.results.parquet"
-        try:
-            write_table(results, table, meta, data.draw(st.sampled_from([2, 64])))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        label = write_mutated(data, valid["results"], results)
+        if label is None:
             return
-        results.write_bytes(data.draw(byte_damage(results.read_bytes())))
         trace = case.inputs / "t.parquet"  # the trace the results name, beside them
         trace.write_bytes(valid["trace"].read_bytes())
         good = case.inputs / "good.results.parquet"

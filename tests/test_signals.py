@@ -54,6 +54,18 @@ def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.02)
 
 
+def finish(proc: subprocess.Popen[str], sig: signal.Signals) -> str:
+    """Send ``sig``, wait for the exit (killing a process that hangs); its stderr."""
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    return err
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -127,13 +139,7 @@ def test_a_signal_mid_write_leaves_no_temporary_file_and_keeps_the_old_output(
     tmp = Path(marker.read_text())
     # The signal arrives while the write is in progress: its temporary file is there.
     assert tmp.parent == out and tmp.name.startswith(f".{target.name}.") and tmp.exists()
-    proc.send_signal(sig)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
+    err = finish(proc, sig)
     assert proc.returncode == 128 + sig, err
     assert err.splitlines()[-1] == f"interrupted by {sig.name}"
     assert sorted(p.name for p in out.iterdir()) == [target.name]
@@ -173,15 +179,10 @@ def test_record_closes_a_valid_trace_on_a_signal_and_exits_128_plus_it(
     out, dump = tmp_path / "t.parquet", tmp_path / "d.kvdump"
     with Publisher(steps, with_replay=False) as pub:
         proc = _recorder(pub, out, dump)
-        try:
-            assert pub.done.wait(TIMEOUT), "the recorder never subscribed"
-            time.sleep(0.5)  # let the last batch arrive
-            proc.send_signal(sig)
-            _, err = proc.communicate(timeout=TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(TIMEOUT)
+        subscribed = pub.done.wait(TIMEOUT)
+        time.sleep(0.5)  # let the last batch arrive
+        err = finish(proc, sig)
+    assert subscribed, "the recorder never subscribed"
     assert proc.returncode == 128 + sig, err
     assert err.splitlines()[-2:] == [f"recorded 3 batches, 3 rows to {out}", f"interrupted by {sig.name}"]  # fmt: skip
     assert open_trace(out).read_frame().height == 3
