@@ -47,7 +47,7 @@ FUZZ = settings(
     derandomize=True,
     database=None,
     deadline=None,
-    max_examples=int(os.environ.get("REPLAY_FUZZ_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("REPLAY_FUZZ_EXAMPLES", "100")),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TRIED: Counter[str] = Counter()
@@ -129,7 +129,11 @@ def valid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_results(result, results)
     log = d / "lookups.jsonl"
     log.write_text("".join(json.dumps(x) + "\n" for x in lookup_log_lines()))
-    return {"trace": trace, "results": results, "log": log}
+    dump = d / "d.kvdump"
+    with DumpWriter(dump) as writer:
+        for seq, body in enumerate(dump_payloads()):
+            writer.write([b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode(body)], "live", T0)
+    return {"trace": trace, "results": results, "log": log, "dump": dump}
 
 
 # --------------------------------------------------------------- checking
@@ -480,6 +484,10 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
             return  # not a file Parquet can hold
         log = case.inputs / "lookups.jsonl"
         log.write_bytes(valid["log"].read_bytes())
+        results = case.inputs / "t.results.parquet"
+        results.write_bytes(valid["results"].read_bytes())
+        dump = case.inputs / "d.kvdump"
+        dump.write_bytes(valid["dump"].read_bytes())
         TRIED["traces"] += 1
         before = snapshot(case.inputs)
         t = str(trace)
@@ -495,6 +503,8 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
             ("diff", ["diff", t, "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{o}/d.parquet"], {"d.parquet": read_parquet}),
             ("minimize", ["minimize", t, "--request", "req-43559", "-o", "{o}/m.parquet"], {"m.parquet": read_trace_fully}),
             ("merge", ["ingest", "merge", t, str(log), "-o", "{o}/x.parquet"], {"x.parquet": read_trace_fully}),
+            ("report", ["report", str(results), "--trace", t, "-o", "{o}/r.md"], {"r.md": lambda p: p.read_text(encoding="utf-8")}),
+            ("config", ["ingest", "kv-events", str(dump), "--config", t, "-o", "{o}/c.parquet"], {"c.parquet": read_trace_fully}),
         ]:  # fmt: skip
             out = case.out()
             argv = [a.format(o=out) for a in args]
@@ -637,7 +647,7 @@ def dump_payloads() -> list[Any]:
 
     return [
         [T0, [{"type": "BlockStored", "block_hashes": [h(1), h(2)], "parent_block_hash": None, "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU", "group_idx": 0}], 0],
-        [T0 + 1, [["BlockStored", [h(1), h(2)], None, list(range(32)), 16, None, "GPU", None, 1]], 0],
+        [T0 + 1, [["BlockStored", [h(1), h(2)], None, list(range(32)), 16, None, "GPU", None, None, 1]], 0],
         [T0 + 2, [{"type": "BlockRemoved", "block_hashes": [h(2)], "medium": "GPU", "group_idx": 0}, {"type": "AllBlocksCleared"}]],
         [T0 + 3, [{"type": "BlockStored", "block_hashes": [5, 2**64 - 1], "medium": None, "group_idx": 1}], 0],
     ]  # fmt: skip
