@@ -143,6 +143,8 @@ def report(
     data = build_report(results, trace=trace, examples=max(examples, 0))
     check_outputs({"-o": out}, [results, data.trace_path], text=True)
     target = write_report(data, out, fmt)
+    note = f" ({data.trace_note})" if data.trace_note else ""
     if target.kind != "stdout":
-        note = f" ({data.trace_note})" if data.trace_note else ""
         click.echo(f"wrote {out}{note}")
+    elif note:  # standard output holds the report alone
+        click.echo(f"report{note}", err=True)

@@ -565,6 +565,22 @@ def test_text_goes_to_standard_output_and_parquet_is_refused_there(
         ), command
 
 
+def test_an_output_symlink_is_followed_and_the_mode_kept(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    real = tmp_path / "real.parquet"
+    real.write_bytes(b"old")
+    real.chmod(0o640)
+    link = tmp_path / "link.parquet"
+    link.symlink_to(real)
+    result = run_cli(["run", str(inputs["trace"]), "-o", str(link), "-q"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and link.resolve() == real
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert real.read_bytes()[:4] == b"PAR1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "link.parquet", "real.parquet"]
+
+
 def test_report_format_follows_the_extension(inputs: dict[str, Path], tmp_path: Path) -> None:
     md, html = tmp_path / "r.md", tmp_path / "r.html"
     assert run_cli(["report", str(inputs["results"]), "-o", str(md)]).exit_code == 0
