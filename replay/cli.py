@@ -13,7 +13,7 @@ import click
 
 from analysis.flags import FLAG_KINDS
 from replay import __version__
-from replay.cli_common import command_guard, fail
+from replay.cli_common import command_guard, fail, run_main
 from replay.coordinator import DEFAULT_POLICY, POLICIES
 from replay.engine import (
     COORDINATORS,
@@ -444,7 +444,7 @@ _register()
 
 def main() -> None:
     """The ``replay`` console script and ``python -m replay``."""
-    cli(prog_name="replay")
+    run_main(cli, "replay")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -51,10 +52,11 @@ def user_errors() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
-    """While a command runs, the first SIGTERM or SIGHUP raises
-    :class:`Interrupted` (SIGINT raises ``KeyboardInterrupt``) wherever the
-    command is, so every ``finally`` and ``except BaseException`` cleans up;
-    later signals are ignored until the cleanup is done. Main thread only."""
+    """While a command runs, the first SIGINT, SIGTERM or SIGHUP raises
+    :class:`Interrupted` wherever the command is, so every ``finally`` and
+    ``except BaseException`` cleans up; later signals are ignored until the
+    cleanup is done. Not ``KeyboardInterrupt`` for SIGINT: click turns that
+    into "Aborted!" and exit status 1. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -66,8 +68,6 @@ def signals_raise() -> Iterator[None]:
         for sig in EXIT_SIGNALS:
             signal.signal(sig, later)
         note_signal()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, first) for sig in EXIT_SIGNALS}
@@ -82,6 +82,30 @@ def exit_on_signal(signum: int) -> click.exceptions.Exit:
     """The exit of a command a signal ended: one line, status 128 + signum."""
     click.echo(f"interrupted by {signal.Signals(signum).name}", err=True)
     return click.exceptions.Exit(128 + signum)
+
+
+def run_main(command: click.Command, prog_name: str) -> None:
+    """The console script: the signal rules hold from the first argument
+    parsed to the process's exit."""
+    try:
+        with signals_raise():
+            try:
+                command(prog_name=prog_name)
+            except Interrupted as exc:  # arrived outside a command (parsing, exiting)
+                raise exit_on_signal(exc.signum) from None
+    except click.exceptions.Exit as exc:
+        code: int | str | None = exc.exit_code
+    except SystemExit as exc:
+        code = exc.code
+    # The outputs are complete: a signal from here on ends the process at
+    # once, with the status a signal gives.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from replay.entry import exit_now
+
+    for sig in EXIT_SIGNALS:
+        signal.signal(sig, exit_now)
+    sys.exit(code)
 
 
 @contextlib.contextmanager
