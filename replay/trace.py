@@ -666,9 +666,20 @@ def validate_rows(
     return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
 
 
-def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
-    frame = pl.from_arrow(batch)
+def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    """``data`` as a polars frame, leaving its schema and field metadata
+    behind: polars panics on metadata that is not UTF-8 (a damaged footer),
+    and the columns are all the frame needs."""
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    plain = pa.Table.from_arrays(data.columns, names=data.column_names)
+    frame = pl.from_arrow(plain)
     assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    frame = _to_polars(batch)
     exprs = []
     for name, dtype in _EMPTY_POLARS.items():
         if name in frame.columns:
@@ -872,8 +883,7 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     for name in table.column_names:
         _check_utf8(path, table, name)
     _check_ts(path, table)
-    frame = pl.from_arrow(table)
-    assert isinstance(frame, pl.DataFrame)
+    frame = _to_polars(table)
     casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
     casts += [pl.col(n).cast(pl.List(pl.Int64)) for n in _RESULTS_INT_LISTS if n in frame.columns]
     for name in ("policy", "coordinator", "request_id"):

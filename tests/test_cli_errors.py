@@ -888,3 +888,18 @@ def test_coordinator_vllm_without_vllm_says_where_to_run(trace_43559: Path) -> N
     line = result.stderr
     assert line.count("\n") == 1 and line.startswith("error: --coordinator vllm: vLLM does not import in this Python")  # fmt: skip
     assert "-m replay ..." in line
+
+
+def test_foreign_metadata_that_is_not_utf8_is_left_alone(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    """polars panicked converting a batch whose schema metadata held such bytes."""
+    for name in ("trace", "results"):
+        table = pq.read_table(inputs[name])
+        damaged = tmp_path / f"{name}.parquet"
+        meta = {**(table.schema.metadata or {}), b"another.tool": b"\xff\xfe"}
+        pq.write_table(table.replace_schema_metadata(meta), damaged)
+        inputs[name] = damaged
+    assert run_cli(["validate", str(inputs["trace"])]).exit_code == 0
+    assert run_cli(["run", str(inputs["trace"]), "-o", "/dev/null", "-q"]).exit_code == 0
+    assert run_cli(["check", str(inputs["results"])]).exit_code == 1
