@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 FLAGGED = $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['request_id'][0])")
 
 demo: $(STAMP)
+	@mkdir -p out
 	@echo "== replay info: the bundled trace (full attention + Mamba, EAGLE, LRU store)"
 	$(BIN)/replay info $(DEMO_TRACE)
 	@echo

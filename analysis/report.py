@@ -29,11 +29,11 @@ from replay import __version__
 from replay.coordinator import POLICIES
 from replay.engine import explain_lookups
 from replay.errors import ReplayError
+from replay.paths import OutputTarget, write_text
 from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.spec import GroupKind, TraceConfig
 from replay.summary import hit_figures, prompt_tokens_expr
 from replay.trace import (
-    atomic_path,
     is_results_file,
     open_trace,
     read_results,
@@ -300,15 +300,6 @@ def build_report(
         )
     res, info = read_results(rpath)
     config = results_config(info, rpath)
-    bad_width = res.filter(
-        (pl.col("mask_blocks").list.len() != config.num_groups)
-        | (pl.col("loaded_blocks").list.len() != config.num_groups)
-    )
-    if bad_width.height:
-        raise ReplayError(
-            f"{rpath}: seq {bad_width['seq'][0]}: mask_blocks/loaded_blocks need one entry per "
-            f"KV-cache group ({config.num_groups})"
-        )
     trace_path, note = _resolve_trace(rpath, info, config, Path(trace) if trace else None)
     if trace_path is not None:
         tframe = open_trace(trace_path).read_frame(["seq", "kind", "request_id"])
@@ -1099,17 +1090,10 @@ def default_report_path(results: str | os.PathLike[str], fmt: str) -> Path:
     return p.with_name(f"{name}.report.{fmt}")
 
 
-def write_report(data: ReportData, out: str | os.PathLike[str], fmt: str = "html") -> Path:
-    """Render and write atomically (no partial file on any error)."""
+def write_report(data: ReportData, out: str | os.PathLike[str], fmt: str = "html") -> OutputTarget:
+    """Render and write atomically (no partial file on any error); ``-``
+    writes to standard output, ``/dev/null`` nowhere."""
     if fmt not in FORMATS:
         raise ReplayError(f"unknown report format {fmt!r}, expected one of {', '.join(FORMATS)}")
-    target = Path(out)
-    if target.is_dir():
-        raise ReplayError(f"{target}: is a directory, expected a file path for the report")
     text = render_html(data) if fmt == "html" else render_markdown(data)
-    try:
-        with atomic_path(target) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ReplayError(f"{target}: cannot write the report ({exc.strerror or exc})") from None
-    return target
+    return write_text(out, text, what="a report")

@@ -13,7 +13,7 @@ import click
 
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay import __version__
-from replay.cli_common import fail, user_errors
+from replay.cli_common import command_guard, fail, run_main
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import (
     COORDINATORS,
@@ -31,8 +31,14 @@ from replay.summary import run_summary, trace_info
 
 class ReplayGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
-        with user_errors():
+        with command_guard():
             return super().invoke(ctx)
+
+
+def _given(name: str) -> bool:
+    """Whether the user gave option ``name`` (not its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, click.core.ParameterSource.DEFAULT)
 
 
 TRACE = click.argument("trace", type=click.Path(path_type=Path))
@@ -148,6 +154,9 @@ def info(trace: Path, as_json: bool) -> None:
 )
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
+    from replay.paths import check_outputs
+
+    check_outputs({"-o": output}, [trace])
     config, store = state_at(trace, at)
     if group is not None and not 0 <= group < config.num_groups:
         raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")
@@ -244,7 +253,10 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import flag_counts, flag_examples
+    from replay.paths import check_outputs
 
+    out = output or default_results_path(trace)
+    check_outputs({"-o": out}, [trace])
     bar = _progress(quiet or as_json)
     try:
         result = replay_trace(
@@ -259,7 +271,6 @@ def run(
         if bar is not None:
             bar.close()
     flags = result.flags()
-    out = output or default_results_path(trace)
     save_results(result, out)
     counts = flag_counts(flags)
     summary = run_summary(result, counts)
@@ -304,22 +315,41 @@ def _print_summary(s: dict[str, Any]) -> None:
         click.echo("flags: none")
 
 
+SEQ = click.option(
+    "--seq",
+    type=int,
+    default=None,
+    help="The seq of the lookup, when the request_id occurs in several.",
+)
+
+
 @cli.command()
 @TRACE
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
+@SEQ
 @POLICY
 @CACHE
 @COORDINATOR
-def explain(trace: Path, request_id: str, policy: str, cache: str | None, coordinator: str) -> None:
+def explain(
+    trace: Path,
+    request_id: str,
+    seq: int | None,
+    policy: str,
+    cache: str | None,
+    coordinator: str,
+) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags."""
+    from replay.lookup_choice import choose_lookup
+
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
     )
-    if not found:
-        raise fail(f"{trace}: no lookup with request_id {request_id!r}")
+    chosen = choose_lookup(trace, request_id, [lk.seq for lk, _, _ in found], seq)
     used = resolve_cache(config, cache)
     for lookup, outcome, flags in found:
+        if lookup.seq != chosen:
+            continue
         click.echo(explain_header(config, lookup, policy, used))
         for line in config_lines(config, used):
             click.echo(line)
@@ -358,7 +388,12 @@ def check(
     """
     from analysis.flags import check_path, flag_counts, flag_examples
 
-    flags, policy_used = check_path(path, policy=policy, coordinator=coordinator, cache=cache)
+    flags, policy_used = check_path(
+        path,
+        policy=policy if _given("policy") else None,
+        coordinator=coordinator,
+        cache=cache,
+    )
     counts = flag_counts(flags)
     if as_json:
         rows = flags.to_dicts()
@@ -386,6 +421,7 @@ def check(
 @click.option(
     "--request", "request_id", required=True, help="The request_id whose lookup is flagged."
 )
+@SEQ
 @click.option(
     "--flag",
     type=click.Choice(list(FLAG_KINDS)),
@@ -410,6 +446,7 @@ def check(
 def minimize(
     trace: Path,
     request_id: str,
+    seq: int | None,
     flag: str | None,
     policy: str,
     cache: str | None,
@@ -418,8 +455,10 @@ def minimize(
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
     from replay.minimize import minimize as run_minimize
+    from replay.paths import check_outputs
 
-    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache)
+    check_outputs({"-o": output}, [trace])
+    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)
     click.echo(
         f"{trace}: {info['events_before']} events -> {output}: {info['events_after']} events"
     )
@@ -446,7 +485,8 @@ _register()
 
 
 def main() -> None:
-    cli(prog_name="replay")
+    """The ``replay`` console script and ``python -m replay``."""
+    run_main(cli, "replay")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ def diff(
     each change. Exit status 0 (a report), 2 on bad input.
     """
     from analysis.diff import diff_inputs, render_text, write_diff
+    from replay.paths import check_outputs
 
+    check_outputs({"-o": output}, list(inputs))
     result = diff_inputs(list(inputs), policies, coordinators, caches)
     if output is not None:
         write_diff(result, output)
@@ -117,9 +119,9 @@ def diff(
     "--format",
     "fmt",
     type=click.Choice(["html", "md"]),
-    default="html",
-    show_default=True,
-    help="html: one self-contained page with charts; md: a summary for a pull request.",
+    default=None,
+    help="html: one self-contained page with charts; md: a summary for a pull request. "
+    "Default: from the -o extension (.md is Markdown), else html.",
 )
 @click.option(
     "--examples",
@@ -129,14 +131,26 @@ def diff(
     help="Flagged lookups shown (and explained) per flag kind.",
 )
 @handles_user_errors
-def report(results: Path, output: Path | None, trace: Path | None, fmt: str, examples: int) -> None:
+def report(
+    results: Path, output: Path | None, trace: Path | None, fmt: str | None, examples: int
+) -> None:
     """Write a report of a RESULTS file: hit ratio over time, hit lengths,
     tokens loaded per group, flags with examples and their explain tables,
-    and the configuration."""
+    and the configuration. `-o -` prints it on standard output."""
     from analysis.report import build_report, default_report_path, write_report
+    from replay.paths import check_outputs
 
-    data = build_report(results, trace=trace, examples=max(examples, 0))
+    if fmt is None:
+        fmt = (
+            "md" if output is not None and output.suffix.lower() in (".md", ".markdown") else "html"
+        )
     out = output or default_report_path(results, fmt)
-    write_report(data, out, fmt)
+    check_outputs({"-o": out}, [results, trace], text=True)
+    data = build_report(results, trace=trace, examples=max(examples, 0))
+    check_outputs({"-o": out}, [results, data.trace_path], text=True)
+    target = write_report(data, out, fmt)
     note = f" ({data.trace_note})" if data.trace_note else ""
-    click.echo(f"wrote {out}{note}")
+    if target.kind != "stdout":
+        click.echo(f"wrote {out}{note}")
+    elif note:  # standard output holds the report alone
+        click.echo(f"report{note}", err=True)

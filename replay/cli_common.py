@@ -1,16 +1,24 @@
 """What every `replay` command shares: a user's mistake is one line on stderr
-(``error: ...``) and exit status 2, never a traceback."""
+(``error: ...``) and exit status 2, never a traceback; SIGINT, SIGTERM and
+SIGHUP end a command through the same cleanup as an error (no temporary
+file is left) with exit status 128 + the signal number, never 1 (which
+means "flags found")."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import IO, Any, TypeVar
 
 import click
 
-from replay.errors import ReplayError
+from replay.errors import Interrupted, ReplayError
+from replay.paths import EXIT_SIGNALS, note_signal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,12 +50,83 @@ def user_errors() -> Iterator[None]:
         raise fail(f"{where}{exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While a command runs, the first SIGINT, SIGTERM or SIGHUP raises
+    :class:`Interrupted` wherever the command is, so every ``finally`` and
+    ``except BaseException`` cleans up; later signals are ignored until the
+    cleanup is done. Not ``KeyboardInterrupt`` for SIGINT: click turns that
+    into "Aborted!" and exit status 1. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def later(signum: int, frame: FrameType | None) -> None:
+        pass
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        for sig in EXIT_SIGNALS:
+            signal.signal(sig, later)
+        note_signal()
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, first) for sig in EXIT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def exit_on_signal(signum: int) -> click.exceptions.Exit:
+    """The exit of a command a signal ended: one line, status 128 + signum."""
+    click.echo(f"interrupted by {signal.Signals(signum).name}", err=True)
+    return click.exceptions.Exit(128 + signum)
+
+
+def run_main(command: click.Command, prog_name: str) -> None:
+    """The console script: the signal rules hold from the first argument
+    parsed to the process's exit."""
+    try:
+        with signals_raise():
+            try:
+                command(prog_name=prog_name)
+            except Interrupted as exc:  # arrived outside a command (parsing, exiting)
+                raise exit_on_signal(exc.signum) from None
+    except click.exceptions.Exit as exc:
+        code: int | str | None = exc.exit_code
+    except SystemExit as exc:
+        code = exc.code
+    # The outputs are complete: a signal from here on ends the process at
+    # once, with the status a signal gives.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from replay.entry import exit_now
+
+    for sig in EXIT_SIGNALS:
+        signal.signal(sig, exit_now)
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def command_guard() -> Iterator[None]:
+    """Around a whole command: one-line user errors and the signal exits."""
+    with signals_raise():
+        try:
+            with user_errors():
+                yield
+        except KeyboardInterrupt:
+            raise exit_on_signal(signal.SIGINT) from None
+        except Interrupted as exc:
+            raise exit_on_signal(exc.signum) from None
+
+
 def handles_user_errors(fn: F) -> F:
     """The same for one command, so it behaves alike outside the `replay` group."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with user_errors():
+        with command_guard():
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

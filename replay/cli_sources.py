@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from replay.cli_common import fail, user_errors
+from replay.cli_common import exit_on_signal, fail, handles_user_errors, user_errors
+from replay.paths import check_outputs
 from replay.spec import TraceConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,14 +43,6 @@ def config_from_options(config_path: str | None, block_size: int | None) -> Trac
     from replay.sources.kv_events import load_config
 
     return load_config(config_path, block_size)
-
-
-def _same_file(output: str, inputs: list[str]) -> str | None:
-    out = Path(output).resolve()
-    for name in inputs:
-        if Path(name).resolve() == out:
-            return name
-    return None
 
 
 def _optional_config(
@@ -128,6 +120,7 @@ def _medium_option(func: F) -> F:
     metavar="SECONDS",
     help="How long to wait for each replay reply.",
 )
+@handles_user_errors
 def record(
     endpoint: str,
     replay_endpoint: str | None,
@@ -154,25 +147,12 @@ def record(
     from replay.sources.record import stop_on_signals
 
     with user_errors():
+        check_outputs({"-o": output, "--dump": dump}, [config_path])
         config = _optional_config(config_path, block_size, lookups)
-        if dump is not None and _same_file(dump, [output]):
-            raise fail(f"--dump {dump} is also the output trace")
-        from replay.sources.record import binds
-
-        if bind is None:
-            bind = binds(endpoint)
-        how = (
-            "binding it: vLLM's publisher connects here"
-            if bind
-            else "connecting: vLLM's publisher binds there"
-        )
-        click.echo(f"recording {endpoint} ({how}) -> {output} (Ctrl-C to stop)", err=True)
-        if lookups is not None:
-            click.echo(f"lookups from the vLLM plugin at {lookups}", err=True)
         stop = threading.Event()
         tty = sys.stderr.isatty()
         try:
-            with stop_on_signals(stop):
+            with stop_on_signals(stop) as received:
                 summary = record_stream(
                     endpoint=endpoint,
                     output=output,
@@ -187,6 +167,7 @@ def record(
                     media=media or None,
                     replay_timeout=replay_timeout,
                     stop=stop,
+                    announce=lambda m: click.echo(m, err=True),
                     report=lambda m: click.echo(("\n" if tty else "") + m, err=True),
                     progress=(lambda m: click.echo("\r" + m, err=True, nl=False)) if tty else None,
                 )
@@ -200,6 +181,9 @@ def record(
     if tty:
         click.echo("", err=True)
     click.echo(f"recorded {summary.describe()} to {output}", err=True)
+    if received:
+        # The trace is complete and valid; the status still says a signal ended it.
+        raise exit_on_signal(received[0])
 
 
 @click.group()
@@ -221,6 +205,7 @@ def ingest() -> None:
     "place, and its engine facts replace --config; or a JSONL lookup log, merged in by time "
     "(as `replay ingest merge` does).",
 )
+@handles_user_errors
 def ingest_kv_events(
     files: tuple[str, ...],
     output: str,
@@ -235,19 +220,17 @@ def ingest_kv_events(
     """
     from replay.sources.record import ingest_dumps
 
+    # What the import reports (skipped messages, gaps, a torn last record) is
+    # shown once it succeeded: a failed import is its one error line.
+    notes: list[str] = []
     with user_errors():
-        clash = _same_file(output, [*files, *([lookups] if lookups else [])])
-        if clash is not None:
-            raise fail(f"-o {output} is also an input file")
+        check_outputs({"-o": output}, [*files, lookups, config_path])
         config = _optional_config(config_path, block_size, lookups)
         summary = ingest_dumps(
-            list(files),
-            output,
-            config,
-            media=media or None,
-            lookups=lookups,
-            report=lambda m: click.echo(m, err=True),
+            list(files), output, config, media=media or None, lookups=lookups, report=notes.append
         )
+    for note in notes:
+        click.echo(note, err=True)
     click.echo(f"wrote {output}: {summary.describe()}", err=True)
 
 
@@ -257,6 +240,7 @@ def ingest_kv_events(
 @click.option(
     "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
 )
+@handles_user_errors
 def ingest_merge(trace: str, lookups: str, output: str) -> None:
     """Merge a lookup log (JSONL) into a trace by time.
 
@@ -268,8 +252,7 @@ def ingest_merge(trace: str, lookups: str, output: str) -> None:
     from replay.sources.kv_events import merge_lookups
 
     with user_errors():
-        if _same_file(output, [lookups]):
-            raise fail(f"-o {output} is also the lookup log")
+        check_outputs({"-o": output}, [trace, lookups])
         summary = merge_lookups(trace, lookups, output)
     click.echo(
         f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged", err=True

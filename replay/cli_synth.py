@@ -18,6 +18,7 @@ import click
 
 from replay.cli_common import fail, handles_user_errors
 from replay.coordinator import CACHES
+from replay.paths import check_outputs
 from replay.sources.mooncake import ingest
 from replay.sources.synth import ARCHETYPES, synth_trace
 from replay.store_rules import StorePolicy
@@ -161,7 +162,7 @@ _MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in A
     "-o",
     "--output",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     help="Trace file to write (Parquet).",
 )
 @click.option("--model", required=True, type=click.Choice(list(ARCHETYPES)), help=_MODEL_HELP)
@@ -220,6 +221,7 @@ def synth(
     cache: str,
 ) -> None:
     """Generate a production-style synthetic trace, reproducible from --seed."""
+    check_outputs({"-o": output}, [])
     with _progress(requests, "synth") as progress:
         summary = synth_trace(
             output,
@@ -243,12 +245,12 @@ def synth(
 def _ingest_options(fn: Callable[..., None]) -> Callable[..., None]:
     for decorator in reversed(
         [
-            click.argument("trace", type=click.Path(dir_okay=False, path_type=Path)),
+            click.argument("trace", type=click.Path(path_type=Path)),
             click.option(
                 "-o",
                 "--output",
                 required=True,
-                type=click.Path(dir_okay=False, path_type=Path),
+                type=click.Path(path_type=Path),
                 help="Trace file to write (Parquet).",
             ),
             click.option(
@@ -294,6 +296,7 @@ def _ingest_command(format_name: str, doc: str) -> click.Command:
         max_num_batched_tokens: int,
         cache: str,
     ) -> None:
+        check_outputs({"-o": output}, [trace])
         summary = ingest(
             format_name,
             trace,

@@ -33,3 +33,13 @@ class ConfigError(ReplayError):
 
 class TraceError(ReplayError):
     """A trace or results file that does not follow format v1."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived (SIGINT is ``KeyboardInterrupt``). A
+    ``BaseException`` like ``KeyboardInterrupt``: only cleanup code sees it,
+    and the CLI exits with status 128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -83,18 +83,22 @@ def minimize(
     flag: str | None = None,
     policy: str = "pre-49502",
     cache: str | None = None,
+    seq: int | None = None,
 ) -> dict[str, Any]:
     """``cache`` (default: the trace's own) answers every replay, and the
-    expectations name it when it was asked for."""
+    expectations name it when it was asked for; ``seq`` picks the lookup when
+    the request id occurs in several."""
+    from replay.lookup_choice import choose_lookup
+
     reader = open_trace(trace)
     config = reader.config
     rows = _rows(trace)
-    targets = [
-        i for i, r in enumerate(rows) if r["kind"] == "lookup" and r["request_id"] == request_id
-    ]
-    if not targets:
-        raise ReplayError(f"{trace}: no lookup with request_id {request_id!r}")
-    t = targets[-1]
+    targets = {
+        r["seq"]: i
+        for i, r in enumerate(rows)
+        if r["kind"] == "lookup" and r["request_id"] == request_id
+    }
+    t = targets[choose_lookup(trace, request_id, list(targets), seq)]
     hashes = _hashes(trace, rows[t]["seq"])
     wanted = set(hashes)
 

@@ -10,10 +10,8 @@ trace larger than memory can be read and a bad row is reported by its
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ import pyarrow.parquet as pq
 
 from replay.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
 from replay.errors import ConfigError, ReplayError, TraceError
+from replay.paths import atomic_output, check_input, pause_point
 from replay.spec import TraceConfig
 
 TRACE_META_KEY = b"replay.trace"
@@ -101,33 +100,8 @@ def _one_line(text: object) -> str:
 # ---------------------------------------------------------------- writing
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it over ``path`` on success,
-    delete it on any error."""
-    target = Path(path)
-    if target.is_dir():
-        raise ReplayError(f"{target}: is a directory, expected a file path to write")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as exc:
-        raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        # mkstemp makes the file private; give it the mode any new file gets.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
-        try:
-            os.replace(tmp_path, target)
-        except OSError as exc:
-            raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+#: Every writer of this module publishes through the one output helper.
+atomic_path = atomic_output
 
 
 #: Row groups the project writes stay below both bounds, so a reader holds
@@ -181,7 +155,29 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
             if name == "seq" and value is None:
                 value = index
             columns[name].append(value)
-    return pa.table(columns, schema=trace_schema(config))
+    schema = trace_schema(config)
+    arrays = []
+    for f in schema:
+        try:
+            arrays.append(pa.array(columns[f.name], type=f.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
+            raise TraceError(
+                f"column {f.name!r}: a value does not fit {_EXPECTED_TYPE[f.name]} "
+                f"({_one_line(exc)})"
+            ) from None
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with the trace columns in the contract's types, or a one-line error."""
+    names = set(table.column_names)
+    missing = [n for n in TRACE_COLUMNS if n not in names]
+    if missing:
+        raise TraceError(f"{path}: missing column {missing[0]!r} in the rows to write")
+    try:
+        return table.select(list(TRACE_COLUMNS)).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise TraceError(f"{path}: rows do not fit the trace format ({_one_line(exc)})") from None
 
 
 class TraceWriter:
@@ -214,6 +210,7 @@ class TraceWriter:
         )
         self.rows_written = 0
         self._last_seq: int | None = None
+        self._finished = False
 
     def set_source(self, source: Mapping[str, Any]) -> None:
         """Replace the ``source`` metadata (e.g. a recorder's gap report); it is
@@ -223,19 +220,14 @@ class TraceWriter:
     def write_table(self, table: pa.Table) -> None:
         if self._writer is None:
             raise TraceError(f"{self.path}: writer already closed")
-        table = table.select(list(TRACE_COLUMNS)).cast(self._schema)
+        table = _conform(self.path, table, self._schema)
         if table.num_rows == 0:
             return
-        seqs = table.column("seq")
-        first = seqs[0].as_py()
-        if self._last_seq is not None and first <= self._last_seq:
-            raise TraceError(
-                f"{self.path}: seq {first}: out of order, expected a seq greater than "
-                f"{self._last_seq}"
-            )
-        self._last_seq = seqs[-1].as_py()
+        # A writer never makes a trace the readers would refuse.
+        _, self._last_seq = validate_rows(str(self.path), self.config, table, self._last_seq)
         write_bounded(self._writer, table)
         self.rows_written += table.num_rows
+        pause_point("rows", self._tmp)
 
     def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self.write_table(events_table(rows, self.config))
@@ -250,14 +242,23 @@ class TraceWriter:
         self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
         self._writer.close()
         self._writer = None
+        self._finished = True
         self._cm.__exit__(None, None, None)
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        with contextlib.suppress(FileNotFoundError):
-            self._tmp.unlink()
+        writer, self._writer = self._writer, None
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if writer is not None:
+                writer.close()
+        except (pa.ArrowException, OSError):
+            pass  # the file is discarded anyway
+        finally:
+            # The output helper removes its temporary file, and never touches
+            # a target it did not create (/dev/null).
+            self._cm.__exit__(TraceError, TraceError("aborted"), None)
 
     def __enter__(self) -> Self:
         return self
@@ -284,11 +285,8 @@ def write_trace(
     if expect is not None:
         meta = {**schema.metadata, EXPECT_META_KEY: json.dumps(expect, sort_keys=True).encode()}
         schema = schema.with_metadata(meta)
-    table = table.select(list(TRACE_COLUMNS)).cast(schema)
-    frame = _canonical_frame(table.drop_columns(["block_hashes"])).with_columns(
-        pl.Series("n_hashes", pc.list_value_length(table.column("block_hashes")), dtype=pl.Int64)
-    )
-    _validate_batch(str(path), config, frame, None)
+    table = _conform(path, table, schema)
+    validate_rows(str(path), config, table, None)
     with (
         atomic_path(path) as tmp,
         pq.ParquetWriter(str(tmp), table.schema, compression="zstd") as writer,
@@ -301,11 +299,10 @@ def write_trace(
 
 
 def _open_parquet(path: str | os.PathLike[str]) -> pq.ParquetFile:
-    p = Path(path)
-    if not p.exists():
-        raise TraceError(f"{p}: no such file")
-    if p.is_dir():
-        raise TraceError(f"{p}: is a directory, expected a Parquet file")
+    try:
+        p = check_input(path, "a Parquet file")
+    except ReplayError as exc:
+        raise TraceError(str(exc)) from None
     size = p.stat().st_size
     if size == 0:
         raise TraceError(f"{p}: empty file, expected a Parquet file")
@@ -318,34 +315,63 @@ def _open_parquet(path: str | os.PathLike[str]) -> pq.ParquetFile:
     if tail != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
     try:
-        return pq.ParquetFile(str(p))
-    except (pa.ArrowException, OSError) as exc:
+        pf = pq.ParquetFile(str(p))
+        # The footer is decoded lazily: a column name or a metadata key that
+        # is not UTF-8 (a damaged footer) fails here, not in a later reader.
+        pf.schema_arrow  # noqa: B018
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
+    return pf
+
+
+def _int_ok(typ: pa.DataType) -> bool:
+    # An unsigned 64-bit column may hold values int64 cannot: refused by type.
+    return bool(pa.types.is_integer(typ)) and not pa.types.is_uint64(typ)
+
+
+def _string_ok(typ: pa.DataType) -> bool:
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ))
+
+
+def _hashes_ok(typ: pa.DataType) -> bool:
+    if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+        return False
+    value = typ.value_type
+    if pa.types.is_fixed_size_binary(value):
+        return bool(value.byte_width > 0)
+    return bool(pa.types.is_binary(value) or pa.types.is_large_binary(value))
 
 
 def _type_ok(name: str, typ: pa.DataType) -> bool:
-    if name == "seq" or name in ("max_length", "num_tokens", "observed_hit_tokens"):
-        return bool(pa.types.is_integer(typ))
-    if name == "group_id":
-        return bool(pa.types.is_integer(typ))
+    if name in ("seq", "group_id", "max_length", "num_tokens", "observed_hit_tokens"):
+        return _int_ok(typ)
     if name == "ts":
         return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
     if name in ("kind", "request_id", "medium"):
-        if pa.types.is_dictionary(typ):
-            typ = typ.value_type
-        return bool(
-            pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)
-        )
+        return _string_ok(typ)
     if name == "block_hashes":
-        if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
-            return False
-        value = typ.value_type
-        return bool(
-            pa.types.is_binary(value)
-            or pa.types.is_large_binary(value)
-            or pa.types.is_fixed_size_binary(value)
-        )
+        return _hashes_ok(typ)
     return True
+
+
+def check_schema(path: str | os.PathLike[str], schema: pa.Schema) -> list[str]:
+    """The trace columns present, after checking the required ones exist and
+    every one has a type of format v1 (the reader calls it on the footer)."""
+    for name in REQUIRED_COLUMNS:
+        if name not in schema.names:
+            raise TraceError(f"{path}: missing column {name!r} (expected {_EXPECTED_TYPE[name]})")
+    for name in TRACE_COLUMNS:
+        if name in schema.names:
+            if schema.get_field_index(name) < 0:
+                raise TraceError(f"{path}: column {name!r} appears more than once")
+            if not _type_ok(name, schema.field(name).type):
+                raise TraceError(
+                    f"{path}: column {name!r} has type {schema.field(name).type}, "
+                    f"expected {_EXPECTED_TYPE[name]}"
+                )
+    return [n for n in TRACE_COLUMNS if n in schema.names]
 
 
 _EXPECTED_TYPE = {
@@ -368,11 +394,41 @@ def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes,
     if key not in meta:
         raise TraceError(f"{path}: missing {label!r} metadata (not a {what})")
     try:
-        return json.loads(meta[key])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        obj = json.loads(meta[key])
+    except ValueError as exc:  # bad JSON, bad UTF-8, an integer of > 4300 digits
         raise TraceError(
             f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})"
         ) from None
+    except RecursionError:
+        raise TraceError(f"{path}: {label!r} metadata is nested too deeply") from None
+    try:
+        # Python reads "\ud800" escapes into strings no file can hold.
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise TraceError(
+            f"{path}: {label!r} metadata holds a lone surrogate escape (not text)"
+        ) from None
+    return obj
+
+
+#: Sizes in tokens above this are refused: derived bounds (a lookup's
+#: (len(block_hashes) + 1) * hash_block_size, windows, alignments) must fit int64.
+SIZE_LIMIT = (1 << 31) - 1
+
+
+def check_config_limits(config: TraceConfig, where: str) -> TraceConfig:
+    """``config`` if every size in it is at most :data:`SIZE_LIMIT` tokens."""
+    sizes: list[tuple[str, int | None]] = [("hash_block_size", config.hash_block_size)]
+    sizes.append(("scheduler_block_size", config.scheduler_block_size))
+    for gid, g in enumerate(config.groups):
+        for name in ("block_size", "sliding_window", "extra_retained_tokens"):
+            sizes.append((f"kv_cache_groups[{gid}]: {name}", getattr(g, name)))
+        sizes.append((f"kv_cache_groups[{gid}]: attention_chunk_size", g.attention_chunk_size))
+    for name, value in sizes:
+        # Fields a group's kind does not use are not checked by the spec.
+        if isinstance(value, int) and value > SIZE_LIMIT:
+            raise TraceError(f"{where}: {name} {value} is above {SIZE_LIMIT} tokens")
+    return config
 
 
 def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
@@ -383,7 +439,7 @@ def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig
         check_config(config, trace_cache(config.source))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
-    return config
+    return check_config_limits(config, f"{path}: replay.trace metadata")
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,7 +559,12 @@ def prefetched(batches: Iterator[T]) -> Iterator[T]:
     worker.start()
     try:
         while True:
-            batch, exc = q.get()
+            try:
+                # Short waits: a signal the kernel gave a worker thread is
+                # handled only once the main thread runs Python again.
+                batch, exc = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
             if exc is not None:
                 raise exc
             if batch is None:
@@ -525,19 +586,7 @@ class TraceReader:
         self.path = Path(path)
         self._pf = _open_parquet(self.path)
         self.config = read_config(self._pf, self.path)
-        schema = self._pf.schema_arrow
-        for name in REQUIRED_COLUMNS:
-            if name not in schema.names:
-                raise TraceError(
-                    f"{self.path}: missing column {name!r} (expected {_EXPECTED_TYPE[name]})"
-                )
-        for name in TRACE_COLUMNS:
-            if name in schema.names and not _type_ok(name, schema.field(name).type):
-                raise TraceError(
-                    f"{self.path}: column {name!r} has type {schema.field(name).type}, "
-                    f"expected {_EXPECTED_TYPE[name]}"
-                )
-        self.columns = [n for n in TRACE_COLUMNS if n in schema.names]
+        self.columns = check_schema(self.path, self._pf.schema_arrow)
 
     @property
     def num_rows(self) -> int:
@@ -562,16 +611,13 @@ class TraceReader:
         last_seq: int | None = None
         try:
             for raw in self._batches(batch_size):
-                hashes = raw.column("block_hashes")
-                if isinstance(hashes, pa.ChunkedArray):
-                    hashes = hashes.combine_chunks()
-                frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
-                    pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)
-                )
-                last_seq = _validate_batch(str(self.path), self.config, frame, last_seq)
-                yield TraceBatch(frame=frame, hashes=hashes)
+                batch, last_seq = validate_rows(str(self.path), self.config, raw, last_seq)
+                yield batch
         except (pa.ArrowException, OSError) as exc:
-            raise TraceError(f"{self.path}: unreadable Parquet data ({_one_line(exc)})") from None
+            raise TraceError(
+                f"{self.path}: {_unreadable_column(self._pf, self.columns)}"
+                f"unreadable Parquet data ({_one_line(exc)})"
+            ) from None
 
     def iter_frames(
         self, columns: Sequence[str] | None = None, batch_size: int = 65_536
@@ -628,9 +674,163 @@ _EMPTY_POLARS: dict[str, Any] = {
 }
 
 
-def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
-    frame = pl.from_arrow(batch)
+#: Token counts above this are refused: sums over millions of lookups
+#: (hit ratios, report totals) must stay inside int64.
+TOKEN_LIMIT = 1 << 48
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+#: What Python's datetime can hold (the commands turn timestamps into it).
+_TS_RANGE_S = (-62_135_596_800, 253_402_300_799)  # 0001-01-01 .. 9999-12-31T23:59:59
+_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def _combined(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def _where(raw: pa.RecordBatch | pa.Table, i: int) -> str:
+    seq = _combined(raw.column("seq"))[i].as_py() if "seq" in raw.column_names else None
+    return f"seq {seq}" if seq is not None else f"row {i}"
+
+
+def _first(mask: pa.Array) -> int | None:
+    idx = pc.indices_nonzero(pc.fill_null(mask, False))
+    return int(idx[0].as_py()) if len(idx) else None
+
+
+def _bad_utf8(arr: pa.Array) -> int | None:
+    """The first row whose string is not valid UTF-8 (the rare error path)."""
+    if pa.types.is_dictionary(arr.type):
+        bad = _bad_utf8(arr.dictionary)
+        return None if bad is None else _first(pc.equal(arr.indices, bad))
+    view = arr.view(pa.large_binary() if pa.types.is_large_string(arr.type) else pa.binary())
+    for i, value in enumerate(view):
+        data = value.as_py()
+        if data is not None:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+    return None
+
+
+def _check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
+    """Column ``name`` holds only valid UTF-8 (nested strings included: a
+    results file's ``flags``); the row is named where the column is flat."""
+    if name not in raw.column_names:
+        return
+    col = _combined(raw.column(name))
+    try:
+        col.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        i = _bad_utf8(col) if _string_ok(col.type) else None
+        if "utf8" not in str(exc).lower():
+            raise TraceError(f"{path}: column {name!r}: invalid data ({_one_line(exc)})") from None
+        where = "" if i is None else f"{_where(raw, i)}: "
+        raise TraceError(f"{path}: {where}column {name!r} is not valid UTF-8 text") from None
+
+
+def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
+    if "ts" not in raw.column_names or not pa.types.is_timestamp(raw.schema.field("ts").type):
+        return
+    ts = _combined(raw.column("ts"))
+    per = _PER_SECOND[ts.type.unit]
+    # In nanoseconds the whole int64 range is representable: clip the bounds.
+    lo, hi = (min(max(b * per, -(1 << 63)), (1 << 63) - 1) for b in _TS_RANGE_S)
+    if ts.null_count == len(ts):
+        return
+    values = ts.cast(pa.int64())
+    i = _first(pc.or_(pc.less(values, lo), pc.greater(values, hi)))
+    if i is not None:
+        raise TraceError(
+            f"{path}: {_where(raw, i)}: ts {values[i].as_py()} {ts.type.unit} since the "
+            "epoch is outside the representable range (expected a time between "
+            "0001-01-01 and 9999-12-31)"
+        )
+
+
+def _unreadable_column(pf: pq.ParquetFile, columns: Sequence[str]) -> str:
+    """Which column a read failed on (``"column 'x': "``), found by reading
+    each alone: the error path only. Arrow checks UTF-8 itself when it
+    decodes a dictionary-encoded string column."""
+    for i in range(pf.metadata.num_row_groups):
+        for name in columns:
+            try:
+                pf.read_row_group(i, columns=[name])
+            except (pa.ArrowException, OSError) as exc:
+                if "utf8" in str(exc).lower().replace("-", ""):
+                    return f"column {name!r} is not valid UTF-8 text: "
+                return f"column {name!r}: "
+    return ""
+
+
+def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table) -> pa.Array:
+    """What must hold before a batch is decoded (polars panics or wraps on
+    these): strings are UTF-8, timestamps fit a datetime, group_id fits
+    int32, and every hash is non-null, non-empty bytes. Returns the batch's
+    ``block_hashes`` as one Arrow array."""
+    for name in ("kind", "request_id", "medium"):
+        _check_utf8(path, raw, name)
+    _check_ts(path, raw)
+    gid = _combined(raw.column("group_id"))
+    narrow = pa.types.is_integer(gid.type) and gid.type.bit_width < 32
+    if not narrow and gid.null_count < len(gid) and not pa.types.is_null(gid.type):
+        i = _first(pc.or_(pc.less(gid, _INT32[0]), pc.greater(gid, _INT32[1])))
+        if i is not None:
+            n = config.num_groups
+            raise TraceError(
+                f"{path}: {_where(raw, i)}: group_id {gid[i].as_py()} names no group "
+                f"(the trace has {n}: 0..{n - 1})"
+            )
+    hashes = _combined(raw.column("block_hashes"))
+    values = hashes.flatten()
+    j: int | None = None
+    what = "is null"
+    if values.null_count:
+        j = _first(pc.is_null(values))
+    elif len(values) and not pa.types.is_fixed_size_binary(values.type):
+        # An empty value is two equal offsets: far cheaper than binary_length.
+        width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+        offsets = np.frombuffer(values.buffers()[1], dtype=width)
+        offsets = offsets[values.offset : values.offset + len(values) + 1]
+        empty = np.flatnonzero(offsets[1:] == offsets[:-1])
+        j, what = (int(empty[0]) if empty.size else None), "is empty"
+    if j is not None:
+        row = int(pc.list_parent_indices(hashes)[j].as_py())
+        k = j - (int(hashes.offsets[row].as_py()) - int(hashes.offsets[0].as_py()))
+        raise TraceError(
+            f"{path}: {_where(raw, row)}: block_hashes[{k}] {what} "
+            "(expected a hash: non-empty bytes)"
+        )
+    return hashes
+
+
+def validate_rows(
+    path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table, last_seq: int | None
+) -> tuple[TraceBatch, int | None]:
+    """Every check of format v1 on one batch of trace rows, in file order
+    after ``last_seq``; the reader and every writer go through it. Returns
+    the decoded batch and its last seq."""
+    hashes = check_arrow_batch(path, config, raw)
+    frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
+        pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)
+    )
+    return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
+
+
+def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    """``data`` as a polars frame, leaving its schema and field metadata
+    behind: polars panics on metadata that is not UTF-8 (a damaged footer),
+    and the columns are all the frame needs."""
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    plain = pa.Table.from_arrays(data.columns, names=data.column_names)
+    frame = pl.from_arrow(plain)
     assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    frame = _to_polars(batch)
     exprs = []
     for name, dtype in _EMPTY_POLARS.items():
         if name in frame.columns:
@@ -701,6 +901,23 @@ def _validate_batch(
             "lookup has a negative max_length {max_length}",
         ),
     ]
+    max_length, num_tokens = frame["max_length"], frame["num_tokens"]
+    observed = frame["observed_hit_tokens"]
+    checks += [
+        (num_tokens < 0, "num_tokens {num_tokens} is negative"),
+        (
+            num_tokens < max_length,
+            "num_tokens {num_tokens} cannot hold max_length {max_length} "
+            "(expected num_tokens >= max_length)",
+        ),
+        (observed < 0, "observed_hit_tokens {observed} is negative"),
+    ]
+    for name, col in (
+        ("max_length", max_length),
+        ("num_tokens", num_tokens),
+        ("observed_hit_tokens", observed),
+    ):
+        checks.append((col > TOKEN_LIMIT, f"{name} {{{name}}} is above 2**48 tokens"))
     # vLLM indexes a group's hash view up to max_length // block_size, so a
     # lookup may not ask for more than its hashes can cover (vLLM's scheduler
     # always asks for num_tokens - 1, below (len + 1) * hash_block_size).
@@ -720,7 +937,13 @@ def _validate_batch(
         if mask.any():
             i = int(mask.arg_true()[0])
             text = message.format(
-                kind=kind[i], gid=gid[i], max_length=frame["max_length"][i], n_hashes=n_hashes[i]
+                kind=kind[i],
+                gid=gid[i],
+                max_length=max_length[i],
+                n_hashes=n_hashes[i],
+                num_tokens=num_tokens[i],
+                observed=observed[i],
+                observed_hit_tokens=observed[i],
             )
             raise TraceError(f"{path}: seq {int(seq[i])}: {text}")
     return int(seq[-1])
@@ -757,30 +980,174 @@ def is_results_file(path: str | os.PathLike[str]) -> bool:
     return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
 
 
+_RESULTS_REQUIRED = (
+    "seq",
+    "request_id",
+    "max_length",
+    "hit_tokens",
+    "mask_blocks",
+    "loaded_blocks",
+)
+_RESULTS_INTS: tuple[str, ...] = ("seq", "max_length", "hit_tokens", "num_tokens")
+_RESULTS_INTS += ("verified_tokens", "mamba_state_tokens", "observed_hit_tokens")
+_RESULTS_INT_LISTS = ("mask_blocks", "loaded_blocks", "group_hit_tokens")
+
+
+_RESULTS_OPTIONAL: dict[str, Any] = {
+    **{n: pl.Int64 for n in _RESULTS_INTS},
+    "group_hit_tokens": pl.List(pl.Int64),
+    "observed_match": pl.Boolean,
+    "ts": pl.Datetime("us", "UTC"),
+    "policy": pl.String,
+    "coordinator": pl.String,
+}
+
+
+def _results_type_ok(name: str, typ: pa.DataType) -> bool:
+    def is_list(t: pa.DataType) -> bool:
+        return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
+
+    if name in _RESULTS_INTS:
+        return _int_ok(typ)
+    if name in _RESULTS_INT_LISTS:
+        return is_list(typ) and (_int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
+    if name in ("request_id", "policy", "coordinator"):
+        return _string_ok(typ)
+    if name == "ts":
+        return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
+    if name == "observed_match":
+        return bool(pa.types.is_boolean(typ) or pa.types.is_null(typ))
+    if name == "flags":
+        return is_list(typ) and _string_ok(typ.value_type)
+    if name == "unit_present":
+        return (
+            is_list(typ)
+            and is_list(typ.value_type)
+            and (pa.types.is_boolean(typ.value_type.value_type))
+        )
+    return True
+
+
+def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFrame:
+    """The results rows as a frame in the contract's types, after the checks
+    a trace gets: types, nulls, ``seq`` order, one entry per group."""
+    for name in table.column_names:
+        _check_utf8(path, table, name)
+    _check_ts(path, table)
+    frame = _to_polars(table)
+    casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
+    casts += [pl.col(n).cast(pl.List(pl.Int64)) for n in _RESULTS_INT_LISTS if n in frame.columns]
+    for name in ("policy", "coordinator", "request_id"):
+        if name in frame.columns:
+            casts.append(pl.col(name).cast(pl.String))
+    if "ts" in frame.columns:
+        casts.append(pl.col("ts").cast(pl.Datetime("us", "UTC")))
+    frame = frame.with_columns(casts)
+    # Absent optional columns read as nulls, as a trace's do; ``flags`` and
+    # ``unit_present`` stay absent (their absence means an older writer).
+    absent = [(n, d) for n, d in _RESULTS_OPTIONAL.items() if n not in frame.columns]
+    frame = frame.with_columns(pl.lit(None, dtype=d).alias(n) for n, d in absent)
+    if frame.height == 0:
+        return frame
+    seq = frame["seq"]
+    if seq.null_count():
+        raise TraceError(f"{path}: column 'seq': null value (every row needs a seq)")
+    bad = (seq <= seq.shift(1)).fill_null(False)
+    if bad.any():
+        i = int(bad.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: seq not strictly increasing (comes after seq "
+            f"{int(seq[i - 1])})"
+        )
+    n = config.num_groups
+    checks: list[tuple[pl.Expr, str]] = [
+        (pl.col("request_id").is_null(), "request_id is null"),
+    ]
+    for name in ("max_length", "hit_tokens"):
+        checks.append((pl.col(name).is_null(), f"{name} is null"))
+    for name in _RESULTS_INTS[1:]:
+        checks.append((pl.col(name) < 0, f"{name} is negative"))
+        checks.append((pl.col(name) > TOKEN_LIMIT, f"{name} is above 2**48 tokens"))
+    for name in _RESULTS_INT_LISTS:
+        col = pl.col(name)
+        if name != "group_hit_tokens":
+            checks.append((col.is_null(), f"{name} is null (expected one entry per group)"))
+        checks.append((col.list.len() != n, f"{name} needs one entry per KV-cache group ({n})"))
+        checks.append((col.list.eval(pl.element().is_null()).list.any(), f"{name} holds a null"))
+        checks.append((col.list.min() < 0, f"{name} holds a negative number"))
+        limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
+        checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
+    if "unit_present" in frame.columns:
+        up = pl.col("unit_present")
+        checks.append((up.is_null(), "unit_present is null (expected one list per group)"))
+        checks.append((up.list.len() != n, f"unit_present needs one list per KV-cache group ({n})"))
+        lens = up.list.eval(pl.element().list.len())
+        checks.append(
+            (lens.list.max() != lens.list.min(), "unit_present lists differ in length by group")
+        )
+        checks.append(
+            (
+                up.list.eval(pl.element().list.eval(pl.element().is_null()).list.any()).list.any(),
+                "unit_present holds a null",
+            )
+        )
+    exprs = [mask.fill_null(False).alias(f"c{i}") for i, (mask, _) in enumerate(checks)]
+    found = frame.select(exprs)
+    for i, (_, message) in enumerate(checks):
+        hit = found[f"c{i}"]
+        if hit.any():
+            row = int(hit.arg_true()[0])
+            raise TraceError(f"{path}: seq {int(seq[row])}: {message}")
+    over = frame.select(
+        pl.any_horizontal(
+            pl.col("loaded_blocks").list.get(g) > pl.col("mask_blocks").list.get(g)
+            for g in range(n)
+        )
+    ).to_series()
+    if over.any():
+        row = int(over.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[row])}: loaded_blocks exceeds mask_blocks "
+            "(a group loads at most the blocks of its mask)"
+        )
+    return frame.with_columns(
+        pl.col("mask_blocks", "loaded_blocks").cast(pl.List(pl.Int32)),
+    )
+
+
 def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """A results file, validated like a trace (see ``_check_results``)."""
     pf = _open_parquet(path)
     info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
     if not isinstance(info, dict):
         raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
-    missing = [
-        n
-        for n in ("seq", "request_id", "max_length", "hit_tokens", "mask_blocks", "loaded_blocks")
-        if n not in pf.schema_arrow.names
-    ]
+    schema = pf.schema_arrow
+    missing = [n for n in _RESULTS_REQUIRED if n not in schema.names]
     if missing:
         raise TraceError(f"{path}: missing column {missing[0]!r} (not a results file v1)")
+    for name in schema.names:
+        if schema.get_field_index(name) < 0:
+            raise TraceError(f"{path}: column {name!r} appears more than once")
+        typ = schema.field(name).type
+        if not _results_type_ok(name, typ):
+            expected = str(UNIT_PRESENT_FIELD.type) if name == "unit_present" else None
+            if expected is None:
+                expected = str(RESULTS_SCHEMA.field(name).type)
+            raise TraceError(f"{path}: column {name!r} has type {typ}, expected {expected}")
+    config = results_config(info, path)
     try:
-        frame = pl.read_parquet(str(path))
-    except Exception as exc:  # polars raises several types for corrupt data
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path}: unreadable Parquet data ({_one_line(exc)})") from None
-    return frame, info
+    return _check_results(str(path), table, config), info
 
 
 def results_config(info: Mapping[str, Any], path: str | os.PathLike[str]) -> TraceConfig:
     try:
-        return TraceConfig.from_json(info.get("trace_config"))
+        config = TraceConfig.from_json(info.get("trace_config"))
     except ConfigError as exc:
         raise TraceError(f"{path}: replay.results metadata: trace_config: {exc}") from None
+    return check_config_limits(config, f"{path}: replay.results metadata: trace_config")
 
 
 def results_cache(info: Mapping[str, Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import settings
 
 from replay.cli import cli
 from replay.spec import GroupKind, GroupSpec, TraceConfig
@@ -15,6 +16,11 @@ from replay.trace import write_trace
 from traces.build import chain
 
 pytest_plugins = ("pytester",)
+
+# Property tests run on a shared 2-core machine: a slow example is load, not a
+# bug, so no per-example deadline (the example counts stay bounded).
+settings.register_profile("replay", deadline=None)
+settings.load_profile("replay")
 
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW

@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
-from collections.abc import Callable
+import os
+import signal
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +202,138 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
         lambda tmp: _rows(tmp, [{"kind": "store", "block_hashes": HS}]),
         "{p}: seq 0: store has no group_id (store and remove name the group whose keys change)",
     ),
+    "request_id_not_utf8": (
+        lambda tmp: _retype_column(
+            tmp, "request_id", pa.array([None, None, b"r\xff"], pa.binary()).view(pa.string())
+        ),
+        "{p}: seq 2: column 'request_id' is not valid UTF-8 text",
+    ),
+    "kind_not_utf8": (
+        lambda tmp: _retype_column(
+            tmp,
+            "kind",
+            pa.DictionaryArray.from_arrays(
+                pa.array([0, 0, 1], pa.int8()),
+                pa.array([b"store", b"look\xc0up"], pa.binary()).view(pa.string()),
+            ),
+        ),
+        # Arrow checks a dictionary's strings as it reads them: no row to name.
+        "{p}: column 'kind' is not valid UTF-8 text: unreadable Parquet data (Invalid UTF8 payload)",
+    ),
+    "ts_beyond_year_9999": (
+        lambda tmp: _retype_column(tmp, "ts", pa.array([0, 10**15, 1], pa.timestamp("s"))),
+        # Parquet stores seconds as milliseconds.
+        "{p}: seq 1: ts 1000000000000000000 ms since the epoch is outside the representable range (expected a time between 0001-01-01 and 9999-12-31)",
+    ),
+    "unsigned_64_bit_seq": (
+        lambda tmp: _retype_column(tmp, "seq", pa.array([0, 1, 2**63], pa.uint64())),
+        "{p}: column 'seq' has type uint64, expected int64",
+    ),
+    "group_id_beyond_int32": (
+        lambda tmp: _retype_column(tmp, "group_id", pa.array([0, 2**40, None], pa.int64())),
+        "{p}: seq 1: group_id 1099511627776 names no group (the trace has 2: 0..1)",
+    ),
+    "null_hash_element": (
+        lambda tmp: _retype_column(
+            tmp, "block_hashes", pa.array([HS, [HS[0], None], HS], pa.list_(pa.binary()))
+        ),
+        "{p}: seq 1: block_hashes[1] is null (expected a hash: non-empty bytes)",
+    ),
+    "empty_hash": (
+        lambda tmp: _retype_column(
+            tmp, "block_hashes", pa.array([[b""], HS, HS], pa.list_(pa.binary()))
+        ),
+        "{p}: seq 0: block_hashes[0] is empty (expected a hash: non-empty bytes)",
+    ),
+    "duplicate_column": (
+        lambda tmp: _write(
+            tmp / "t.parquet",
+            _table().append_column("seq", pa.array([0, 1, 2])),
+            json.dumps(GOOD_META).encode(),
+        ),
+        "{p}: column 'seq' appears more than once",
+    ),
+    "num_tokens_below_max_length": (
+        lambda tmp: _rows(
+            tmp,
+            [
+                {
+                    "kind": "lookup",
+                    "request_id": "a",
+                    "max_length": 16,
+                    "num_tokens": 15,
+                    "block_hashes": HS,
+                }
+            ],
+        ),
+        "{p}: seq 0: num_tokens 15 cannot hold max_length 16 (expected num_tokens >= max_length)",
+    ),
+    "negative_num_tokens": (
+        lambda tmp: _rows(
+            tmp,
+            [
+                {
+                    "kind": "lookup",
+                    "request_id": "a",
+                    "max_length": 0,
+                    "num_tokens": -3,
+                    "block_hashes": HS,
+                }
+            ],
+        ),
+        "{p}: seq 0: num_tokens -3 is negative",
+    ),
+    "negative_observed_hit_tokens": (
+        lambda tmp: _rows(
+            tmp,
+            [
+                {
+                    "kind": "lookup",
+                    "request_id": "a",
+                    "max_length": 16,
+                    "observed_hit_tokens": -1,
+                    "block_hashes": HS,
+                }
+            ],
+        ),
+        "{p}: seq 0: observed_hit_tokens -1 is negative",
+    ),
+    "num_tokens_beyond_what_sums_hold": (
+        lambda tmp: _rows(
+            tmp,
+            [
+                {
+                    "kind": "lookup",
+                    "request_id": "a",
+                    "max_length": 16,
+                    "num_tokens": 2**62,
+                    "block_hashes": HS,
+                }
+            ],
+        ),
+        "{p}: seq 0: num_tokens 4611686018427387904 is above 2**48 tokens",
+    ),
+    "block_size_beyond_int32": (
+        lambda tmp: _with_meta(
+            tmp,
+            hash_block_size=2**32,
+            scheduler_block_size=2**32,
+            kv_cache_groups=[{"kind": "full_attention", "block_size": 2**32}],
+        ),
+        "{p}: replay.trace metadata: hash_block_size 4294967296 is above 2147483647 tokens",
+    ),
+    "metadata_lone_surrogate": (
+        lambda tmp: _write(
+            tmp / "t.parquet",
+            _table(),
+            json.dumps({**GOOD_META, "source": {"x": "\ud800"}}).encode(),
+        ),
+        "{p}: 'replay.trace' metadata holds a lone surrogate escape (not text)",
+    ),
+    "metadata_integer_of_5000_digits": (
+        lambda tmp: _write(tmp / "t.parquet", _table(), b'{"version": ' + b"1" * 5000 + b"}"),
+        "{p}: 'replay.trace' metadata is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
+    ),
     "group_id_names_no_group": (
         lambda tmp: _rows(tmp, [{"kind": "remove", "group_id": 2, "block_hashes": HS}]),
         "{p}: seq 0: group_id 2 names no group (the trace has 2: 0..1)",
@@ -246,10 +383,7 @@ def test_output_path_is_a_directory(tmp_path: Path, trace_43559: Path, command: 
     }[command]
     result = run_cli(args)
     assert result.exit_code == 2
-    if command == "synth":  # click's own file-path check, a usage error
-        assert f"'{target}' is a directory" in result.stderr
-    else:
-        assert result.stderr == f"error: {target}: is a directory, expected a file path to write\n"
+    assert result.stderr == f"error: {target}: is a directory, expected a file path to write\n"
     assert list(target.iterdir()) == []
 
 
@@ -258,7 +392,7 @@ def test_output_in_an_unwritable_place(trace_43559: Path) -> None:
     assert result.exit_code == 2
     assert (
         result.stderr
-        == "error: /proc/nope/r.parquet: cannot write here (No such file or directory)\n"
+        == "error: /proc/nope/r.parquet: no such directory /proc/nope (it is not created)\n"
     )
 
 
@@ -274,3 +408,498 @@ def test_negative_counts_are_refused(trace_43559: Path, args: list[str]) -> None
     result = run_cli([a.format(t=trace_43559) for a in args])
     assert result.exit_code == 2
     assert "is not in the range x>=0" in result.stderr
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def _digests(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    """One of each input a command reads, in one folder."""
+    from replay.engine import replay_trace, save_results
+    from replay.sources.record import DumpWriter
+    from replay.trace import write_trace
+    from tests.test_sources_kv_events import T0, payload, stored
+
+    d = tmp_path / "in"
+    d.mkdir()
+    trace = write_trace(d / "t.parquet", full_mamba(), issue_43559_rows())
+    results = d / "t.results.parquet"
+    save_results(replay_trace(trace, policy="pre-49502", unit_present=True), results)
+    dump = d / "d.kvdump"
+    with DumpWriter(dump) as w:
+        w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([1]))], "live", T0)
+    lookups = d / "l.jsonl"
+    lookups.write_text(
+        json.dumps({"request_id": "x", "ts": T0, "block_hashes": [1], "max_length": 15}) + "\n"
+    )
+    config = d / "kv.json"
+    config.write_text(
+        json.dumps({k: v for k, v in full_mamba().to_json().items() if k != "version"})
+    )
+    mooncake = d / "m.jsonl"
+    mooncake.write_text(
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]})
+        + "\n"
+    )
+    return {"trace": trace, "results": results, "dump": dump, "lookups": lookups, "config": config, "mooncake": mooncake}  # fmt: skip
+
+
+# (command line with {out} for the output, the input {out} may be made equal to)
+WRITERS = {
+    "run": (["run", "{trace}", "-o", "{out}", "-q"], "trace"),
+    "state": (["state", "{trace}", "-o", "{out}"], "trace"),
+    "minimize": (["minimize", "{trace}", "--request", "req-43559", "-o", "{out}"], "trace"),
+    "diff-trace": (["diff", "{trace}", "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{out}"], "trace"),
+    "diff-results": (["diff", "{results}", "{results}", "-o", "{out}"], "results"),
+    "report-results": (["report", "{results}", "-o", "{out}"], "results"),
+    "report-trace": (["report", "{results}", "--trace", "{trace}", "-o", "{out}"], "trace"),
+    "kv-events-dump": (["ingest", "kv-events", "{dump}", "-o", "{out}", "--block-size", "16"], "dump"),
+    "kv-events-lookups": (["ingest", "kv-events", "{dump}", "--lookups", "{lookups}", "-o", "{out}", "--block-size", "16"], "lookups"),
+    "kv-events-config": (["ingest", "kv-events", "{dump}", "-o", "{out}", "--config", "{config}"], "config"),
+    "merge-trace": (["ingest", "merge", "{trace}", "{lookups}", "-o", "{out}"], "trace"),
+    "merge-lookups": (["ingest", "merge", "{trace}", "{lookups}", "-o", "{out}"], "lookups"),
+    "mooncake": (["ingest", "mooncake", "{mooncake}", "-o", "{out}"], "mooncake"),
+    "record-config": (["record", "--endpoint", "tcp://127.0.0.1:1", "-o", "{out}", "--config", "{config}"], "config"),
+}  # fmt: skip
+
+
+def _args(template: list[str], inputs: dict[str, Path], out: str | Path) -> list[str]:
+    return [a.format(out=out, **{k: str(v) for k, v in inputs.items()}) for a in template]
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link"])
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_an_output_that_is_an_input_is_refused_before_anything_is_written(
+    tmp_path: Path, inputs: dict[str, Path], command: str, how: str
+) -> None:
+    template, victim = WRITERS[command]
+    target = inputs[victim]
+    out = {"same path": target, "symlink": tmp_path / "link", "hard link": tmp_path / "hard"}[how]
+    if how == "symlink":
+        out.symlink_to(target)
+    elif how == "hard link":
+        os.link(target, out)
+    before = _digests(target.parent)
+    result = run_cli(_args(template, inputs, out))
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"error: -o {out}: is the input {target}; refusing to overwrite it (give another output path)\n"
+    )
+    assert _digests(target.parent) == before
+
+
+def test_record_refuses_a_dump_that_is_its_trace(tmp_path: Path) -> None:
+    out = tmp_path / "t.parquet"
+    out.write_bytes(b"old")
+    result = run_cli(["record", "--endpoint", "tcp://127.0.0.1:1", "-o", str(out), "--dump", str(out), "--block-size", "16"])  # fmt: skip
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: --dump {out}: is also the output of -o; refusing to overwrite it (give another output path)\n",
+    )
+    assert out.read_bytes() == b"old"
+
+
+NULL_OK = [
+    "run", "state", "minimize", "diff-trace", "diff-results", "report-results", "kv-events-dump",
+    "mooncake",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", NULL_OK)
+def test_dev_null_discards_the_output_and_stays_a_device(
+    inputs: dict[str, Path], command: str
+) -> None:
+    before = os.stat("/dev/null")
+    result = run_cli(_args(WRITERS[command][0], inputs, "/dev/null"))
+    assert result.exit_code == 0, result.output
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (
+        before.st_ino,
+        before.st_rdev,
+    )
+
+
+@pytest.mark.parametrize("command", ["kv-events-dump", "mooncake", "run"])
+def test_a_failed_write_to_dev_null_leaves_the_device_alone(
+    tmp_path: Path, inputs: dict[str, Path], command: str
+) -> None:
+    """Run as root, an aborted write once removed /dev/null itself."""
+    broken = {"kv-events-dump": "dump", "mooncake": "mooncake", "run": "trace"}[command]
+    data = inputs[broken].read_bytes()
+    inputs[broken].write_bytes(data[: len(data) // 2] + (b"x" if command == "mooncake" else b""))
+    before = os.stat("/dev/null")
+    args = _args(WRITERS[command][0], inputs, "/dev/null")
+    if command == "kv-events-dump":  # a group the config lacks: fatal after the writer opened
+        from replay.sources.record import DumpWriter
+        from tests.test_sources_kv_events import T0, payload, stored
+
+        with DumpWriter(inputs["dump"]) as w:
+            w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([1], group=5))], "live", T0)
+    result = run_cli(args)
+    assert result.exit_code == 2, result.output
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (
+        before.st_ino,
+        before.st_rdev,
+    )
+
+
+@pytest.mark.parametrize("name", ["-", "/dev/stdout"])
+def test_text_goes_to_standard_output_and_parquet_is_refused_there(
+    inputs: dict[str, Path], name: str
+) -> None:
+    result = run_cli(["report", str(inputs["results"]), "-o", name, "--format", "md"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("## Replay report: t.parquet\n")
+    assert "wrote" not in result.output
+    for command in ("run", "state", "diff-trace", "mooncake", "kv-events-dump"):
+        result = run_cli(_args(WRITERS[command][0], inputs, name))
+        assert (result.exit_code, result.stderr) == (
+            2,
+            f"error: {name}: standard output takes text only, this output is Parquet; give a file path (or /dev/null to discard it)\n",
+        ), command
+
+
+def test_an_output_symlink_is_followed_and_the_mode_kept(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    real = tmp_path / "real.parquet"
+    real.write_bytes(b"old")
+    real.chmod(0o640)
+    link = tmp_path / "link.parquet"
+    link.symlink_to(real)
+    result = run_cli(["run", str(inputs["trace"]), "-o", str(link), "-q"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and link.resolve() == real
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert real.read_bytes()[:4] == b"PAR1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "link.parquet", "real.parquet"]
+
+
+def test_report_format_follows_the_extension(inputs: dict[str, Path], tmp_path: Path) -> None:
+    md, html = tmp_path / "r.md", tmp_path / "r.html"
+    assert run_cli(["report", str(inputs["results"]), "-o", str(md)]).exit_code == 0
+    assert md.read_text().startswith("## Replay report: t.parquet\n")
+    assert run_cli(["report", str(inputs["results"]), "-o", str(html)]).exit_code == 0
+    assert html.read_text().startswith("<!DOCTYPE html>")
+    assert (
+        run_cli(["report", str(inputs["results"]), "-o", str(md), "--format", "html"]).exit_code
+        == 0
+    )
+    assert md.read_text().startswith("<!DOCTYPE html>")
+
+
+@contextlib.contextmanager
+def _no_blocking(seconds: int = 10) -> Iterator[None]:
+    def fire(signum: int, frame: object) -> None:
+        raise AssertionError("blocked on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_fifos_are_refused_without_blocking(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = {
+        ("validate", str(fifo)): f"error: {fifo}: is a FIFO, expected a Parquet file (a regular file)",
+        ("ingest", "kv-events", str(fifo), "-o", str(tmp_path / "o.parquet"), "--block-size", "16"): f"error: {fifo}: is a FIFO, expected a KV-event dump (a regular file)",
+        ("ingest", "mooncake", str(fifo), "-o", str(tmp_path / "o.parquet")): f"error: {fifo}: is a FIFO, expected a mooncake JSONL file (a regular file)",
+        ("ingest", "merge", str(inputs["trace"]), str(fifo), "-o", str(tmp_path / "o.parquet")): f"error: {fifo}: is a FIFO, expected a JSONL lookup log (a regular file)",
+        ("ingest", "kv-events", str(inputs["dump"]), "-o", str(tmp_path / "o.parquet"), "--config", str(fifo)): f"error: {fifo}: is a FIFO, expected a KV-cache config JSON (a regular file)",
+        ("run", str(inputs["trace"]), "-o", str(fifo)): f"error: {fifo}: is a FIFO, expected a file path to write (or /dev/null to discard the output)",
+        ("report", str(inputs["results"]), "-o", str(fifo)): f"error: {fifo}: is a FIFO, expected a file path to write (or /dev/null to discard the output)",
+    }  # fmt: skip
+    with _no_blocking():
+        for args, message in cases.items():
+            result = run_cli(list(args))
+            assert (result.exit_code, result.stderr) == (2, message + "\n"), args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "in"]
+
+
+@pytest.mark.parametrize(
+    "command", ["run", "state", "report-results", "kv-events-dump", "mooncake", "diff-trace"]
+)
+def test_a_missing_output_directory_is_an_error_not_created(
+    tmp_path: Path, inputs: dict[str, Path], command: str
+) -> None:
+    out = tmp_path / "nope" / "deeper" / "o.out"
+    result = run_cli(_args(WRITERS[command][0], inputs, out))
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {out}: no such directory {out.parent} (it is not created)\n",
+    )
+    assert not (tmp_path / "nope").exists()
+
+
+def test_directories_given_as_inputs_are_one_line_errors(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    d, out = inputs["trace"].parent, tmp_path / "o.parquet"
+    cases = {
+        ("validate", str(d)): f"{d}: is a directory, expected a Parquet file",
+        ("ingest", "kv-events", str(d), "-o", str(out), "--block-size", "16"): f"{d}: is a directory, expected a KV-event dump",
+        ("ingest", "bailian", str(d), "-o", str(out)): f"{d}: is a directory, expected a bailian JSONL file",
+        ("ingest", "kv-events", str(inputs["dump"]), "-o", str(out), "--lookups", str(d), "--block-size", "16"): f"{d}: is a directory, expected a JSONL lookup log",
+        ("record", "--endpoint", "tcp://127.0.0.1:1", "-o", str(out), "--config", str(d)): f"{d}: is a directory, expected a KV-cache config JSON",
+    }  # fmt: skip
+    for args, message in cases.items():
+        result = run_cli(list(args))
+        assert (result.exit_code, result.stderr) == (2, f"error: {message}\n"), args
+    assert not out.exists()
+
+
+# ---------------------------------------------- hashes of different widths
+
+
+def test_hashes_of_different_widths_in_one_trace_are_valid_everywhere(tmp_path: Path) -> None:
+    from replay.engine import replay_trace
+    from replay.trace import write_trace
+
+    wide, narrow, odd = chain(3, "w"), [(i + 1).to_bytes(8, "big") for i in range(3)], [b"\x01", b"\x02" * 100]  # fmt: skip
+    rows = [
+        {"kind": "store", "group_id": 0, "block_hashes": [wide[0], narrow[1], *odd]},
+        {"kind": "store", "group_id": 1, "block_hashes": [wide[0], narrow[1], *odd]},
+        {"kind": "lookup", "request_id": "mixed", "block_hashes": [wide[0], narrow[1], odd[0]], "max_length": 47, "num_tokens": 48},
+        {"kind": "lookup", "request_id": "other", "block_hashes": [*odd, wide[2]], "max_length": 40},
+    ]  # fmt: skip
+    trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    # The store keys on the whole hash, whatever its width.
+    assert replay_trace(trace).results["hit_tokens"].to_list() == [32, 16]
+    results = tmp_path / "r.parquet"
+    for args, code in [
+        (["validate", str(trace)], 0),
+        (["info", str(trace), "--json"], 0),
+        (["run", str(trace), "-o", str(results), "-q"], 0),
+        (["run", str(trace), "-o", "/dev/null", "-q", "--unit-present"], 0),
+        (["check", str(trace)], 0),
+        (["check", str(results)], 0),
+        (["check", str(trace), "--policy", "pre-49502"], 1),
+        (["explain", str(trace), "--request", "mixed"], 0),
+        (["state", str(trace), "--at", "2", "-o", str(tmp_path / "k.parquet")], 0),
+        (["diff", str(trace), "--policy", "vllm-0.33", "--policy", "pre-49502"], 0),
+        (["report", str(results), "--trace", str(trace), "-o", str(tmp_path / "r.md")], 0),
+    ]:
+        result = run_cli(args)
+        assert result.exit_code == code, (args, result.output)
+    keys = pq.read_table(tmp_path / "k.parquet").column("hash").to_pylist()
+    assert sorted(keys) == sorted([wide[0], narrow[1], *odd] * 2)
+
+
+# ------------------------------------------------------------------ results
+
+
+def _bad_results(tmp: Path, source: Path, change: Callable[[pa.Table], pa.Table]) -> Path:
+    table = pq.read_table(source)
+    out = tmp / "bad.results.parquet"
+    pq.write_table(change(table).replace_schema_metadata(table.schema.metadata), out)
+    return out
+
+
+def _set(
+    name: str, values: list[Any], typ: pa.DataType | None = None
+) -> Callable[[pa.Table], pa.Table]:
+    def change(t: pa.Table) -> pa.Table:
+        i = t.schema.get_field_index(name)
+        return t.set_column(i, name, pa.array(values, typ or t.schema.field(name).type))
+
+    return change
+
+
+RESULTS_CASES = {
+    "mask_blocks_per_group": (_set("mask_blocks", [[4]]), "seq 2: mask_blocks needs one entry per KV-cache group (2)"),
+    "duplicate_seq": (lambda t: pa.concat_tables([t, t]), "seq 2: seq not strictly increasing (comes after seq 2)"),
+    "hit_tokens_as_text": (_set("hit_tokens", ["64"], pa.string()), "column 'hit_tokens' has type string, expected int64"),
+    "null_request_id": (_set("request_id", [None]), "seq 2: request_id is null"),
+    "loaded_beyond_mask": (_set("loaded_blocks", [[4, 5]]), "seq 2: loaded_blocks exceeds mask_blocks (a group loads at most the blocks of its mask)"),
+    "unit_present_per_group": (_set("unit_present", [[[True]]]), "seq 2: unit_present needs one list per KV-cache group (2)"),
+    "negative_hit": (_set("hit_tokens", [-16]), "seq 2: hit_tokens is negative"),
+    "request_id_not_utf8": (_set("request_id", [b"\xff"], pa.binary()), "column 'request_id' has type binary, expected string"),
+    "unsigned_64_bit_seq": (_set("seq", [2], pa.uint64()), "column 'seq' has type uint64, expected int64"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(RESULTS_CASES))
+def test_bad_results_files_are_refused_by_check_report_and_diff(
+    tmp_path: Path, inputs: dict[str, Path], case: str
+) -> None:
+    change, message = RESULTS_CASES[case]
+    bad = _bad_results(tmp_path, inputs["results"], change)
+    out = tmp_path / "out.any"
+    for args in (
+        ["check", str(bad)],
+        ["report", str(bad), "-o", str(out)],
+        ["diff", str(inputs["results"]), str(bad), "-o", str(out)],
+    ):
+        result = run_cli(args)
+        assert (result.exit_code, result.stderr) == (2, f"error: {bad}: {message}\n"), args
+        assert not out.exists()
+
+
+# ---------------------------------------------------------------- importers
+
+
+def test_a_config_written_by_hand_may_leave_out_the_version(
+    inputs: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "o.parquet"
+    result = run_cli(["ingest", "kv-events", str(inputs["dump"]), "-o", str(out), "--config", str(inputs["config"])])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "version" not in json.loads(inputs["config"].read_text())
+
+
+BAD_LINES = {
+    "mooncake": [
+        ({"timestamp": 1e300, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}, "field 'timestamp' must be a finite number >= 0 (at most 253402300799000, the year 9999), got 1e+300"),
+        ({"timestamp": 0, "input_length": 2**60, "output_length": 1, "hash_ids": [1, 2]}, "field 'input_length' must be at most 2**48, got 1152921504606846976"),
+    ],
+    "bailian": [
+        ({"chat_id": "\ud800", "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1, "type": "text", "turn": 1, "hash_ids": [1]}, "field 'chat_id' holds a lone surrogate escape (not text)"),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(BAD_LINES))
+def test_importers_range_check_every_field(tmp_path: Path, fmt: str) -> None:
+    for obj, message in BAD_LINES[fmt]:
+        src = tmp_path / "in.jsonl"
+        src.write_bytes(json.dumps(obj).encode() + b"\n")
+        out = tmp_path / "o.parquet"
+        result = run_cli(["ingest", fmt, str(src), "-o", str(out)])
+        assert (result.exit_code, result.stderr) == (2, f"error: {src}: line 1: {message}\n")
+        assert not out.exists()
+
+
+def test_lookup_logs_range_check_every_field(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    log = tmp_path / "l.jsonl"
+    out = tmp_path / "o.parquet"
+    for line, message in [
+        (b'{"request_id": "\\udc00", "ts": 1, "block_hashes": [1], "max_length": 3}', "field 'request_id': holds a lone surrogate escape (not text)"),
+        (b'{"request_id": "a", "ts": "0001-01-01T00:00:00+01:00", "block_hashes": [1], "max_length": 3}', "field 'ts': '0001-01-01T00:00:00+01:00' is outside the representable time range"),
+        (b'{"request_id": "a", "ts": 1, "block_hashes": [""], "max_length": 3}', "field 'block_hashes'[0]: hash is empty (expected a non-empty hex string)"),
+        (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": 3, "num_tokens": 2}', "num_tokens 2 cannot hold max_length 3 (expected num_tokens >= max_length)"),
+        (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": ' + b"9" * 5000 + b"}", "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)"),
+    ]:  # fmt: skip
+        log.write_bytes(line + b"\n")
+        result = run_cli(["ingest", "merge", str(inputs["trace"]), str(log), "-o", str(out)])
+        assert (result.exit_code, result.stderr) == (2, f"error: {log}: line 1: {message}\n")
+        assert not out.exists()
+
+
+def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Path) -> None:
+    from replay.sources.record import DumpWriter
+    from tests.test_sources_kv_events import T0, payload, stored
+
+    dump = tmp_path / "d.kvdump"
+    with DumpWriter(dump) as w:
+        w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([b""]))], "live", T0)
+        w.write([b"", (1).to_bytes(8, "big"), payload(T0, stored([7]))], "live", T0)
+    out = tmp_path / "o.parquet"
+    result = run_cli(["ingest", "kv-events", str(dump), "-o", str(out), "--block-size", "16"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == (
+        f"skipped: {dump} record 0: seq 0: event 0 (BlockStored): field 'block_hashes'[0]: "
+        "hash is empty (expected non-empty bytes)"
+    )
+    assert run_cli(["validate", str(out)]).exit_code == 0
+
+
+# ---------------------------------------------------------- one behaviour
+
+
+def test_check_with_no_lookups_has_nothing_to_check(tmp_path: Path) -> None:
+    from replay.engine import replay_trace, save_results
+    from replay.trace import write_trace
+
+    trace = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows()[:2])
+    result = run_cli(["check", str(trace)])
+    assert (result.exit_code, result.stderr) == (2, f"error: {trace}: the trace has no lookups, nothing to check\n")  # fmt: skip
+    results = tmp_path / "r.parquet"
+    save_results(replay_trace(trace), results)
+    result = run_cli(["check", str(results)])
+    assert (result.exit_code, result.stderr) == (2, f"error: {results}: no lookups, nothing to check\n")  # fmt: skip
+
+
+def test_check_results_under_another_policy_names_both(inputs: dict[str, Path]) -> None:
+    r = inputs["results"]
+    result = run_cli(["check", str(r), "--policy", "vllm-0.33"])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {r}: these results were made under policy pre-49502, not --policy vllm-0.33 "
+        "(check the trace to replay it under vllm-0.33, or drop --policy)\n",
+    )
+    assert run_cli(["check", str(r), "--policy", "pre-49502"]).exit_code == 1
+    assert run_cli(["check", str(r)]).exit_code == 1
+
+
+def test_a_request_id_in_several_lookups_needs_seq(tmp_path: Path) -> None:
+    from replay.trace import write_trace
+
+    rows = issue_43559_rows()
+    trace = write_trace(
+        tmp_path / "t.parquet", full_mamba(), [*rows, {**rows[2], "max_length": 63}]
+    )
+    out = tmp_path / "m.parquet"
+    for command in (["explain"], ["minimize", "-o", str(out)]):
+        result = run_cli([*command, str(trace), "--request", "req-43559"])
+        assert (result.exit_code, result.stderr) == (
+            2,
+            f"error: {trace}: request_id 'req-43559' occurs in 2 lookups (seq 2, 3); pick one with --seq\n",
+        ), command
+        result = run_cli([*command, str(trace), "--request", "req-43559", "--seq", "1"])
+        assert (result.exit_code, result.stderr) == (
+            2,
+            f"error: {trace}: no lookup with request_id 'req-43559' at seq 1 (its lookups: seq 2, 3)\n",
+        ), command
+        assert not out.exists()
+    result = run_cli(["explain", str(trace), "--request", "req-43559", "--seq", "3"])
+    assert result.exit_code == 0 and result.stdout.startswith(
+        "request req-43559 (seq 3): max_length 63"
+    )
+    assert run_cli(["minimize", str(trace), "--request", "req-43559", "--seq", "2", "-o", str(out)]).exit_code == 0  # fmt: skip
+
+
+def test_python_dash_m_replay_is_the_same_command_line() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "replay", "--version"],
+        capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, "replay, version 0.1.0\n")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_coordinator_vllm_without_vllm_says_where_to_run(trace_43559: Path) -> None:
+    result = run_cli(["run", str(trace_43559), "--coordinator", "vllm", "-o", "/dev/null", "-q"])
+    assert result.exit_code == 2
+    line = result.stderr
+    assert line.count("\n") == 1 and line.startswith("error: --coordinator vllm: vLLM does not import in this Python")  # fmt: skip
+    assert "-m replay ..." in line
+
+
+def test_foreign_metadata_that_is_not_utf8_is_left_alone(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    """polars panicked converting a batch whose schema metadata held such bytes."""
+    for name in ("trace", "results"):
+        table = pq.read_table(inputs[name])
+        damaged = tmp_path / f"{name}.parquet"
+        meta = {**(table.schema.metadata or {}), b"another.tool": b"\xff\xfe"}
+        pq.write_table(table.replace_schema_metadata(meta), damaged)
+        inputs[name] = damaged
+    assert run_cli(["validate", str(inputs["trace"])]).exit_code == 0
+    assert run_cli(["run", str(inputs["trace"]), "-o", "/dev/null", "-q"]).exit_code == 0
+    assert run_cli(["check", str(inputs["results"])]).exit_code == 1

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -519,9 +521,13 @@ def test_vllm_backend_without_vllm_names_the_fix() -> None:
 
     with pytest.raises(ReplayError) as info:
         VllmCoordinator(config(fa()))
+    missing = "torch" if importlib.util.find_spec("torch") is None else "vllm"
+    root = Path(__file__).resolve().parents[1]
     assert str(info.value) == (
-        "the vllm coordinator needs vLLM installed: run `make test-vllm` or "
-        "`pip install vllm==0.33.0` (CPU: ../shared/tools/vllm-oracle-env.sh)"
+        f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: "
+        f"No module named '{missing}'); run the tool inside the Python that has vLLM 0.33, "
+        f"e.g. `PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
+        "(or install vLLM here: `pip install vllm==0.33.0`)"
     )
 
 

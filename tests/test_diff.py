@@ -480,6 +480,8 @@ def test_bad_results_that_saw_different_stores(tmp_path: Path) -> None:
     rows = issue_43559_rows()
     t1 = tmp_path / "one" / "t.parquet"
     t2 = tmp_path / "two" / "t.parquet"
+    t1.parent.mkdir()
+    t2.parent.mkdir()
     write_trace(t1, full_mamba(), rows)
     write_trace(
         t2,

@@ -153,6 +153,8 @@ def test_cli_ingest_with_the_plugin_file_needs_no_config(tmp_path: Path) -> None
         ([engine_record(), {**lookup(0, 0, 0, 0), "admitted": "yes"}], "",
          "line 2: field 'admitted': expected a boolean, got str"),
         ([engine_record(), {**lookup(0, 0, 0, 0), "max_length": 99}], "",
+         "line 2: num_tokens 33 cannot hold max_length 99 (expected num_tokens >= max_length)"),
+        ([engine_record(), {**lookup(0, 0, 0, 0), "max_length": 99, "num_tokens": 100}], "",
          "line 2: max_length 99 exceeds what its 2 block_hashes cover (expected below "
          "(len(block_hashes) + 1) * hash_block_size = 48)"),
         ([engine_record(), {"type": "other"}], "",

@@ -45,6 +45,7 @@ def marks(page: str) -> dict[str, int]:
 def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     results = results_of(trace_43559)
     out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()  # an output directory is never created
     res = invoke([results, "-o", out])
     assert (res.exit_code, res.output) == (0, f"wrote {out}\n")
     page = out.read_text()
@@ -299,7 +300,7 @@ def test_bad_explicit_trace_other_lookups(tmp_path: Path, trace_43559: Path) -> 
 def test_bad_output_is_directory(tmp_path: Path, trace_43559: Path) -> None:
     results = results_of(trace_43559)
     assert _error([results, "-o", tmp_path]) == (
-        f"error: {tmp_path}: is a directory, expected a file path for the report"
+        f"error: {tmp_path}: is a directory, expected a file path to write"
     )
 
 
@@ -317,7 +318,7 @@ def test_no_partial_file_when_writing_fails(
 
     monkeypatch.setattr(Path, "write_text", half_then_fail)
     assert _error([results, "-o", out / "r.html"]) == (
-        f"error: {out / 'r.html'}: cannot write the report (No space left on device)"
+        f"error: {out / 'r.html'}: cannot write here (No space left on device)"
     )
     assert list(out.iterdir()) == []
 

@@ -444,7 +444,7 @@ def test_load_config_errors(tmp_path: Path) -> None:
     cases = [
         ((None, None), "no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
         ((str(bad), 16), "pass either --config or --block-size, not both"),
-        ((str(tmp_path / "nope.json"), None), f"{tmp_path}/nope.json: no such file (expected a KV-cache config JSON)"),
+        ((str(tmp_path / "nope.json"), None), f"{tmp_path}/nope.json: no such file"),
         ((str(bad), None), f"{bad}: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
         ((str(wrong), None), f"{wrong}: missing field 'hash_block_size'"),
     ]  # fmt: skip
@@ -560,8 +560,6 @@ def test_ingest_errors_are_one_line_with_exit_2_and_no_output(tmp_path: Path) ->
     good = write_dump(tmp_path / "good.kvdump", [(frames(0, payload(T0, stored([1]))), "live")])
     notdump = tmp_path / "notdump.bin"
     notdump.write_bytes(b"PAR1 something else")
-    truncated = tmp_path / "trunc.kvdump"
-    truncated.write_bytes(good.read_bytes()[:-3])
     badrec = tmp_path / "badrec.kvdump"
     badrec.write_bytes(DUMP_MAGIC + (3).to_bytes(4, "big") + msgspec.msgpack.encode([1, 2]))
     future = tmp_path / "future.kvdump"
@@ -570,16 +568,14 @@ def test_ingest_errors_are_one_line_with_exit_2_and_no_output(tmp_path: Path) ->
         tmp_path / "g.kvdump", [(frames(0, payload(T0, stored([1], group=3))), "live")]
     )
     out = tmp_path / "out.parquet"
-    size = len(good.read_bytes()) - 8
     cases = [
         (["kv-events", str(good), "-o", str(out)], "error: no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
-        (["kv-events", str(tmp_path / "missing.kvdump"), "-o", str(out), "--block-size", "16"], f"error: {tmp_path}/missing.kvdump: no such file (expected a KV-event dump)"),
+        (["kv-events", str(tmp_path / "missing.kvdump"), "-o", str(out), "--block-size", "16"], f"error: {tmp_path}/missing.kvdump: no such file"),
         (["kv-events", str(notdump), "-o", str(out), "--block-size", "16"], f"error: {notdump}: not a KV-event dump (expected the magic bytes RKVDUMP1 at the start; `replay record --dump FILE` writes one)"),
         (["kv-events", str(future), "-o", str(out), "--block-size", "16"], f"error: {future}: dump layout version '2' is not supported (expected RKVDUMP1)"),
-        (["kv-events", str(truncated), "-o", str(out), "--block-size", "16"], f"error: {truncated}: record 0 at byte 8: truncated (expected {size - 4} bytes, the file ends after {size - 7})"),
         (["kv-events", str(badrec), "-o", str(out), "--block-size", "16"], f"error: {badrec}: record 0 at byte 8: expected a msgpack array [recv_ts, origin, frames]"),
         (["kv-events", str(wrong_group), "-o", str(out), "--block-size", "16"], f"error: {wrong_group} record 0 (seq 0): BlockStored names group_idx 3, but the config has 1 KV-cache group (0..0)"),
-        (["kv-events", str(good), "-o", str(good), "--block-size", "16"], f"error: -o {good} is also an input file"),
+        (["kv-events", str(good), "-o", str(good), "--block-size", "16"], f"error: -o {good}: is the input {good}; refusing to overwrite it (give another output path)"),
     ]  # fmt: skip
     for args, message in cases:
         result = run_ingest(args)

@@ -43,10 +43,19 @@ from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.errors import ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
-_MISSING_VLLM = (
-    "the vllm coordinator needs vLLM installed: run `make test-vllm` or "
-    "`pip install vllm==0.33.0` (CPU: ../shared/tools/vllm-oracle-env.sh)"
-)
+
+def _missing_vllm(exc: ImportError) -> str:
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return (
+        f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
+        "run the tool inside the Python that has vLLM 0.33, e.g. "
+        f"`PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
+        "(or install vLLM here: `pip install vllm==0.33.0`)"
+    )
+
 
 _COORDINATOR_MODULES = {
     "mooncake": "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator",
@@ -167,8 +176,8 @@ class VllmCoordinator:
                 iface = importlib.import_module("vllm.v1.kv_cache_interface")
                 module = importlib.import_module(_COORDINATOR_MODULES[self.cache.name])
                 utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
-        except ImportError:
-            raise ReplayError(_MISSING_VLLM) from None
+        except ImportError as exc:
+            raise ReplayError(_missing_vllm(exc)) from None
         self._module: Any = module
         self._utils: Any = utils
         groups = [

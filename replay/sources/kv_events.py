@@ -161,9 +161,10 @@ def _is_int(value: object) -> bool:
 
 def hash_bytes(value: object) -> bytes:
     """A block hash as the trace stores it; ``ValueError`` names what is wrong."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, bytearray | memoryview):
+    if isinstance(value, bytes | bytearray | memoryview):
+        if not len(value):
+            # No block of vLLM's has an empty hash; the trace format refuses one.
+            raise ValueError("hash is empty (expected non-empty bytes)")
         return bytes(value)
     if _is_int(value):
         assert isinstance(value, int)
@@ -478,25 +479,31 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
     if path is not None and block_size is not None:
         raise ConfigError("pass either --config or --block-size, not both")
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"{p}: no such file (expected a KV-cache config JSON)")
-        if p.is_dir():
-            raise ConfigError(f"{p}: is a directory (expected a KV-cache config JSON)")
+        from replay.paths import check_input
+        from replay.trace import check_config_limits, open_trace
+
+        try:
+            p = check_input(path, "a KV-cache config JSON")
+        except ReplayError as exc:
+            raise ConfigError(str(exc)) from None
         data = p.read_bytes()
         if data[:4] == b"PAR1":
-            from replay.trace import open_trace
-
             config = open_trace(p).config
         else:
             try:
                 obj = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{p}: not valid JSON ({exc})") from None
+            except ValueError as exc:  # bad JSON, bad UTF-8, an integer of > 4300 digits
+                raise ConfigError(f"{p}: not valid JSON ({_one_line(exc)})") from None
+            except RecursionError:
+                raise ConfigError(f"{p}: not a KV-cache config (JSON nested too deeply)") from None
+            if isinstance(obj, dict):
+                # A person writing the config by hand may leave the version out.
+                obj = {"version": 1, **obj}
             try:
                 config = TraceConfig.from_json(obj)
             except ConfigError as exc:
                 raise ConfigError(f"{p}: {exc}") from None
+            check_config_limits(config, str(p))
         return TraceConfig.from_json({**config.to_json(), "source": None})
     if block_size is not None:
         return TraceConfig(
@@ -549,7 +556,10 @@ def _lookup_ts(value: object) -> datetime:
             ts = datetime.fromisoformat(value)
         except ValueError:
             raise ValueError(f"{value!r} is not an ISO 8601 time") from None
-        return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+        try:
+            return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+        except OverflowError:
+            raise ValueError(f"{value!r} is outside the representable time range") from None
     raise ValueError(
         f"expected seconds since the epoch or an ISO 8601 string, got {_type_name(value)}"
     )
@@ -558,9 +568,12 @@ def _lookup_ts(value: object) -> datetime:
 def _lookup_hash(value: object) -> bytes:
     if isinstance(value, str):
         try:
-            return bytes.fromhex(value)
+            data = bytes.fromhex(value)
         except ValueError:
-            raise ValueError(f"{value!r} is not a hex string") from None
+            raise ValueError(f"{value[:40]!r} is not a hex string") from None
+        if not data:
+            raise ValueError("hash is empty (expected a non-empty hex string)")
+        return data
     if _is_int(value):
         return hash_bytes(value)
     raise ValueError(
@@ -569,13 +582,32 @@ def _lookup_hash(value: object) -> bytes:
 
 
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
+    from replay.trace import TOKEN_LIMIT
+
     value = obj.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"field {name!r}: expected an integer >= 0, got {value!r}")
+    if not _is_int(value) or not 0 <= value <= TOKEN_LIMIT:
+        raise ValueError(
+            f"field {name!r}: expected an integer in 0..2**48, got {_one_line(repr(value))[:40]}"
+        )
     assert isinstance(value, int)
     return value
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be written as UTF-8: JSON may escape lone
+    surrogates ("\\ud800") and a command line may hold undecodable bytes;
+    no trace can hold either."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
 
 
 def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
@@ -588,6 +620,8 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
     request_id = obj["request_id"]
     if not isinstance(request_id, str | int) or isinstance(request_id, bool):
         raise ValueError(f"field 'request_id': expected a string, got {_type_name(request_id)}")
+    if isinstance(request_id, str) and not is_text(request_id):
+        raise ValueError("field 'request_id': holds a lone surrogate escape (not text)")
     try:
         ts = _lookup_ts(obj["ts"])
     except ValueError as exc:
@@ -612,6 +646,11 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
             raise ValueError("missing field 'max_length' (or 'num_tokens', giving num_tokens - 1)")
         # vLLM's scheduler asks for at most num_tokens - 1 (one token is recomputed).
         max_length = max(num_tokens - 1, 0)
+    if num_tokens is not None and num_tokens < max_length:
+        raise ValueError(
+            f"num_tokens {num_tokens} cannot hold max_length {max_length} "
+            "(expected num_tokens >= max_length)"
+        )
     limit = (len(hashes) + 1) * config.hash_block_size
     if max_length >= limit:
         raise ValueError(
@@ -631,11 +670,9 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
 
 def read_lookup_log(path: str | os.PathLike[str], config: TraceConfig) -> list[LookupRecord]:
     """A JSONL lookup log, sorted by time (file order among equal times)."""
-    p = Path(path)
-    if not p.exists():
-        raise ReplayError(f"{p}: no such file (expected a JSONL lookup log)")
-    if p.is_dir():
-        raise ReplayError(f"{p}: is a directory (expected a JSONL lookup log)")
+    from replay.paths import check_input
+
+    p = check_input(path, "a JSONL lookup log")
     out: list[LookupRecord] = []
     with open(p, "rb") as fh:
         for line_no, raw in enumerate(fh, start=1):
@@ -643,8 +680,10 @@ def read_lookup_log(path: str | os.PathLike[str], config: TraceConfig) -> list[L
                 continue
             try:
                 obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ReplayError(f"{p}: line {line_no}: not valid JSON ({exc})") from None
+            except ValueError as exc:  # bad JSON, bad UTF-8, an integer of > 4300 digits
+                raise ReplayError(
+                    f"{p}: line {line_no}: not valid JSON ({_one_line(exc)})"
+                ) from None
             except RecursionError:
                 raise ReplayError(f"{p}: line {line_no}: JSON nested too deeply") from None
             try:

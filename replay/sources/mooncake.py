@@ -65,6 +65,8 @@ from typing import Any
 import numpy as np
 
 from replay.errors import ReplayError
+from replay.paths import check_input
+from replay.sources.kv_events import is_text
 from replay.sources.synth import archetype_config
 from replay.sources.workload import (
     Digests,
@@ -76,7 +78,10 @@ from replay.sources.workload import (
     lane_salts,
 )
 from replay.store_rules import StorePolicy
-from replay.trace import TraceWriter
+from replay.trace import TOKEN_LIMIT, TraceWriter
+
+#: Timestamps are kept relative to the epoch; the last one a trace can hold.
+_MAX_TS_US = 253_402_300_799 * 1_000_000
 
 MOONCAKE_BLOCK_TOKENS = 512
 BAILIAN_BLOCK_TOKENS = 16
@@ -155,6 +160,10 @@ def _parse(fmt: _Format, path: Path, line_no: int, text: str) -> _Row:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReplayError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise ReplayError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ReplayError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ReplayError(f"{where}: expected a JSON object, got {_json_type(obj)}")
     for name, types in fmt.fields:
@@ -174,8 +183,15 @@ def _parse(fmt: _Format, path: Path, line_no: int, text: str) -> _Row:
             f"{where}: field 'output_length' must be >= 0, got {obj['output_length']}"
         )
     ts = obj["timestamp"]
-    if not math.isfinite(ts) or ts < 0:
-        raise ReplayError(f"{where}: field 'timestamp' must be a finite number >= 0, got {ts}")
+    if not math.isfinite(ts) or ts < 0 or ts * fmt.ts_scale > _MAX_TS_US:
+        raise ReplayError(
+            f"{where}: field 'timestamp' must be a finite number >= 0 (at most "
+            f"{_MAX_TS_US / fmt.ts_scale:.0f}, the year 9999), got {ts}"
+        )
+    if length > TOKEN_LIMIT:
+        raise ReplayError(f"{where}: field 'input_length' must be at most 2**48, got {length}")
+    if fmt is BAILIAN and isinstance(obj["chat_id"], str) and not is_text(obj["chat_id"]):
+        raise ReplayError(f"{where}: field 'chat_id' holds a lone surrogate escape (not text)")
     ids = obj["hash_ids"]
     for i, h in enumerate(ids):
         if not _check_type(h, _INT) or not 0 <= h < _U64:
@@ -211,10 +227,7 @@ def _parse(fmt: _Format, path: Path, line_no: int, text: str) -> _Row:
 
 
 def _rows(fmt: _Format, path: Path) -> Iterator[_Row]:
-    if not path.exists():
-        raise ReplayError(f"{path}: no such file")
-    if path.is_dir():
-        raise ReplayError(f"{path}: is a directory, expected a {fmt.name} JSONL file")
+    check_input(path, f"a {fmt.name} JSONL file")
     with open(path, encoding="utf-8", errors="strict") as fh:
         try:
             for line_no, text in enumerate(fh, start=1):

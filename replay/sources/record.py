@@ -61,6 +61,7 @@ import msgspec
 import zmq
 
 from replay.errors import ReplayError
+from replay.paths import check_input, output_target, signals_held
 from replay.sources.kv_events import (
     EventConverter,
     GroupMismatch,
@@ -72,6 +73,7 @@ from replay.sources.kv_events import (
     Row,
     decode_batch,
     is_plugin_log,
+    is_text,
     medium_key,
     parse_plugin_lookup,
     plugin_config,
@@ -84,6 +86,9 @@ from replay.trace import TraceWriter
 DUMP_MAGIC = b"RKVDUMP1"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 ORIGINS = ("live", "replay")
+#: The gap reason when the replay endpoint was silent: the gap's batches
+#: may still arrive late, so later ones are held for a while.
+NO_ANSWER = "the replay endpoint did not answer"
 
 # Bounded reporting: the first few of each kind go to stderr, all are counted.
 _MAX_REPORTED = 20
@@ -144,6 +149,8 @@ class StreamProcessor:
         tap: Callable[[Sequence[bytes], str, float], None] | None = None,
         window: int = 65_536,
         placer: LookupPlacer | None = None,
+        reorder_seconds: float = 0.0,
+        reorder_batches: int = 10_000,
     ) -> None:
         self.converter = EventConverter(config, media=media)
         self.sink = sink
@@ -172,6 +179,16 @@ class StreamProcessor:
         self._seen: dict[int, bytes] = {}
         self._seen_order: deque[int] = deque()
         self._pending_clear: datetime | None = None
+        # Live batches past a gap nobody could answer for (no replay
+        # endpoint, or it was silent), held up to ``reorder_seconds`` by
+        # receive time so a late batch of the gap still goes in its place.
+        # They are dumped when taken, so a dump read back (no holding) takes
+        # the same order: seq -> (frames, payload, digest, where, recv_ts,
+        # origin, gap_reason).
+        self.reorder_seconds = reorder_seconds
+        self.reorder_batches = reorder_batches
+        self._held: dict[int, tuple[Sequence[bytes], bytes, bytes, str, float, str, str]] = {}
+        self.late = 0
 
     # -- reporting
 
@@ -259,26 +276,106 @@ class StreamProcessor:
         if not topic.startswith(self.topic):
             self.other_topics += 1
             return
+        self.tick(recv_ts)
         digest = hashlib.blake2b(payload, digest_size=8).digest()
-        if seq < self.expected:
-            if self._seen.get(seq) == digest:
+        if seq < self.expected or seq in self._held:
+            held = self._held.get(seq)
+            if self._seen.get(seq) == digest or (held is not None and held[2] == digest):
                 self._dump(frames, origin, recv_ts)
                 self.duplicates += 1
                 return
+            if self._in_gap(seq):
+                self._dump(frames, origin, recv_ts)
+                self._take_late(seq, payload, digest, where)
+                return
+            self.release()
             self._restart(seq, payload, recv_ts)
-        if seq > self.expected and fill is not None:
+        answered = False
+        if seq > self.expected and fill is not None and not self._held:
             filled, gap_reason = fill(self.expected, seq)
+            answered = gap_reason != NO_ANSWER
             for f_frames, f_ts in filled:
                 self.filled += 1
                 self.feed(
                     f_frames, origin="replay", recv_ts=f_ts, where=where, gap_reason=gap_reason
                 )
+        holding = origin == "live" and self.reorder_seconds > 0
+        if seq > self.expected and holding and (self._held or not answered):
+            # The gap's batches may still come (late): hold this one.
+            self._held[seq] = (frames, payload, digest, where, recv_ts, origin, gap_reason)
+            if len(self._held) > self.reorder_batches:
+                self.release(1)
+            return
         # Dumped in the order taken (a fill before the message that asked for
         # it), so reading the dump back takes the same path.
         self._dump(frames, origin, recv_ts)
         if seq > self.expected:
             self._missing(self.expected, seq - 1, gap_reason)
         self._take(seq, payload, digest, where)
+        self._drain()
+
+    def _take_held(self, seq: int) -> None:
+        frames, payload, digest, where, recv_ts, origin, _ = self._held.pop(seq)
+        self._dump(frames, origin, recv_ts)
+        self._take(seq, payload, digest, where)
+
+    def _drain(self) -> None:
+        while self.expected in self._held:
+            self._take_held(self.expected)
+
+    def release(self, count: int | None = None) -> None:
+        """Give up waiting for an open gap (``count`` times; None: every
+        gap): report it missing and take the held batches after it."""
+        while self._held and (count is None or count > 0):
+            first = min(self._held)
+            self._missing(self.expected, first - 1, self._held[first][6])
+            self._take_held(first)
+            self._drain()
+            if count is not None:
+                count -= 1
+
+    def tick(self, now: float) -> None:
+        """Release what was held longer than ``reorder_seconds``."""
+        while self._held:
+            oldest = min(entry[4] for entry in self._held.values())
+            if now - oldest < self.reorder_seconds:
+                return
+            self.release(1)
+
+    def finish(self) -> None:
+        """The end of the stream: nothing held stays unwritten."""
+        self.release()
+
+    def _in_gap(self, seq: int) -> bool:
+        """A seq this epoch never took, in a gap already reported, within the
+        publisher's replay window: a late batch, not a restart."""
+        if seq < self.expected - self._window:
+            return False
+        return any(g["epoch"] == self.epoch and g["first"] <= seq <= g["last"] for g in self.gaps)
+
+    def _take_late(self, seq: int, payload: bytes, digest: bytes, where: str) -> None:
+        """A late batch of a gap already reported: its rows come now (the
+        ones after it are written), and the gap shrinks by it."""
+        for i, g in enumerate(self.gaps):
+            if g["epoch"] == self.epoch and g["first"] <= seq <= g["last"]:
+                parts = [
+                    {**g, "first": a, "last": b, "count": b - a + 1}
+                    for a, b in ((g["first"], seq - 1), (seq + 1, g["last"]))
+                    if a <= b
+                ]
+                self.gaps[i : i + 1] = parts
+                break
+        self.late += 1
+        self._say(
+            "late batch",
+            f"late batch: seq {seq} came after seq {self.expected - 1} was written; "
+            "taken where it arrived",
+        )
+        expected, last = self.expected, self.epochs[-1]["last_seq"] if self.epochs else None
+        self._take(seq, payload, digest, where)
+        self.expected = expected
+        if last is not None:
+            self.epochs[-1]["last_seq"] = last
 
     def catch_up(self, fill: Fill, where: str = "") -> None:
         """Start from everything the replay endpoint still buffers."""
@@ -378,6 +475,7 @@ class StreamProcessor:
             "rows": self.rows,
             "filled_from_replay": self.filled,
             "duplicates": self.duplicates,
+            "late_batches": self.late,
             "epochs": self.epochs,
             "gaps": self.gaps,
             "missing_batches": sum(g["count"] for g in self.gaps),
@@ -407,42 +505,58 @@ class StreamProcessor:
 
 
 class DumpWriter:
-    """The raw-frame dump (layout in the module docstring). Written to a
-    temporary file and renamed on close, which happens on every exit: the
-    frames taken so far are a valid dump even when recording failed."""
+    """The raw-frame dump (layout in the module docstring): an append-only log
+    that is valid after every record. The magic is written to a temporary
+    file that replaces ``path`` at once, then records are appended and
+    flushed as they come, so whatever stops the recorder (an error, a
+    signal, even SIGKILL) leaves a dump that reads back up to its last
+    complete record (:func:`read_dump` drops a torn last one)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
-        self._tmp = Path(tmp)
-        self._fh = os.fdopen(fd, "wb")
-        self._fh.write(DUMP_MAGIC)
-        self._encoder = msgspec.msgpack.Encoder()
+        target = output_target(self.path, text=False, what="a KV-event dump")
         self.records = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        if target.kind == "null":
+            self._fh = open(os.devnull, "wb")  # noqa: SIM115 (closed by close())
+            return
+        with signals_held():
+            fd, tmp = tempfile.mkstemp(
+                prefix=f".{target.real.name}.", suffix=".tmp", dir=target.real.parent
+            )
+            try:
+                os.write(fd, DUMP_MAGIC)
+                os.fchmod(fd, 0o666 & ~_umask())
+                os.replace(tmp, target.real)
+            except BaseException:
+                os.close(fd)
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        self._fh = os.fdopen(fd, "ab")
 
     def write(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
         data = self._encoder.encode([recv_ts, origin, [bytes(f) for f in frames]])
-        self._fh.write(struct.pack(">I", len(data)))
-        self._fh.write(data)
+        self._fh.write(struct.pack(">I", len(data)) + data)
         self.records += 1
 
     def flush(self) -> None:
         self._fh.flush()
 
     def close(self) -> None:
-        if self._fh.closed:
-            return
-        self._fh.close()
-        os.replace(self._tmp, self.path)
+        if not self._fh.closed:
+            self._fh.close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -455,10 +569,7 @@ class DumpRecord:
 
 
 def _check_dump(path: Path) -> None:
-    if not path.exists():
-        raise ReplayError(f"{path}: no such file (expected a KV-event dump)")
-    if path.is_dir():
-        raise ReplayError(f"{path}: is a directory (expected a KV-event dump)")
+    check_input(path, "a KV-event dump")
     with open(path, "rb") as fh:
         magic = fh.read(len(DUMP_MAGIC))
     if magic != DUMP_MAGIC:
@@ -473,8 +584,10 @@ def _check_dump(path: Path) -> None:
         )
 
 
-def read_dump(path: str | os.PathLike[str]) -> Iterator[DumpRecord]:
-    """The records of a dump, validated one by one (errors name the record)."""
+def read_dump(path: str | os.PathLike[str], report: Report = _stderr) -> Iterator[DumpRecord]:
+    """The records of a dump, validated one by one (errors name the record).
+    A torn last record (a recorder killed mid-write) is dropped, saying so
+    in one line through ``report``."""
     p = Path(path)
     _check_dump(p)
     decoder = msgspec.msgpack.Decoder()
@@ -487,14 +600,18 @@ def read_dump(path: str | os.PathLike[str]) -> Iterator[DumpRecord]:
             if not head:
                 return
             where = f"{p}: record {index} at byte {offset}"
-            if len(head) < 4:
-                raise ReplayError(f"{where}: truncated (a record starts with a 4-byte length)")
-            (length,) = struct.unpack(">I", head)
-            data = fh.read(length)
-            if len(data) < length:
-                raise ReplayError(
-                    f"{where}: truncated (expected {length} bytes, the file ends after {len(data)})"
+            data = b""
+            if len(head) == 4:
+                (length,) = struct.unpack(">I", head)
+                data = fh.read(length)
+            if len(head) < 4 or len(data) < length:
+                torn = len(head) + len(data)
+                report(
+                    f"{where}: truncated (the file ends {torn} bytes into it, as when the "
+                    f"recorder was killed): read {index} complete records, dropped the last "
+                    f"{torn} bytes"
                 )
+                return
             try:
                 obj = decoder.decode(data)
             except msgspec.DecodeError as exc:
@@ -625,7 +742,7 @@ class _ReplayClient:
                     f"replay endpoint {self.endpoint} did not answer within "
                     f"{self.timeout:g} s (asked from seq {start})"
                 )
-                return [got[s] for s in sorted(got)], "the replay endpoint did not answer"
+                return [got[s] for s in sorted(got)], NO_ANSWER
             msg = sock.recv_multipart()
             if len(msg) == 4 and msg[0] == b"" and msg[2] == END_SEQ:
                 break
@@ -840,20 +957,24 @@ class RecordSummary:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT and SIGTERM set ``stop`` (the recorder then closes a valid
-    file); a second Ctrl-C interrupts at once. Only in the main thread."""
+def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGINT, SIGTERM and SIGHUP set ``stop`` (the recorder then closes a
+    valid file) and are listed in the yielded list (the CLI exits with 128 +
+    the first); a second Ctrl-C interrupts at once. Only in the main thread."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
-        yield
+        yield received
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -878,14 +999,24 @@ def record(
     progress: Report | None = None,
     flush_rows: int = 10_000,
     flush_seconds: float = 5.0,
+    silence_seconds: float = 10.0,
+    reorder_seconds: float = 2.0,
+    announce: Report | None = None,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
-    passed, ``stop`` is set, or Ctrl-C; then close a valid trace.
+    passed, ``stop`` is set, or Ctrl-C; then close a valid trace. Batches
+    after a gap no replay endpoint answered for are held ``reorder_seconds``
+    so a late one goes in its place. Nothing received for ``silence_seconds``
+    is reported once (a wrong endpoint or topic looks exactly like an idle
+    engine otherwise).
 
     ``bind`` None: bind when the endpoint is a bind form (:func:`binds`),
     else connect. ``lookups``: the vLLM plugin's endpoint; every lookup goes
     in its exact place, and without ``config`` the plugin's engine facts
     are the config."""
+    for option, value in (("--endpoint", endpoint), ("--replay-endpoint", replay_endpoint), ("--topic", topic)):  # fmt: skip
+        if value is not None and not is_text(value):
+            raise ReplayError(f"{option} {value!r}: not valid text (undecodable bytes)")
     topic_bytes = topic.encode()
     started = time.time()
     deadline = None if duration is None else time.monotonic() + duration
@@ -908,6 +1039,16 @@ def record(
             raise ReplayError(
                 f"--endpoint {endpoint}: cannot {verb} ({_zmq_reason(exc)})"
             ) from None
+        if announce is not None:
+            # Said once the endpoint is known good, so a bad one is the only line.
+            how = (
+                "binding it: vLLM's publisher connects here"
+                if bind
+                else "connecting: vLLM's publisher binds there"
+            )
+            announce(f"recording {endpoint} ({how}) -> {output} (Ctrl-C to stop)")
+            if lookups is not None:
+                announce(f"lookups from the vLLM plugin at {lookups}")
         lsub = None if lookups is None else LookupSubscriber(ctx, lookups, report)
         if config is None:
             if lsub is None:
@@ -935,6 +1076,7 @@ def record(
                 topic=topic_bytes,
                 media=media,
                 report=report,
+                reorder_seconds=reorder_seconds,
                 tap=(lambda f, o, t: dump_writer.write(f, o, t)) if dump_writer else None,
                 placer=placer,
             )
@@ -950,6 +1092,8 @@ def record(
             )
             reason = "stopped"
             last_progress = 0.0
+            last_message = time.monotonic()
+            silence_said = False
             try:
                 if fill is not None:
                     proc.catch_up(fill)
@@ -971,6 +1115,7 @@ def record(
                     if lsub is not None and placer is not None and lsub.sock in ready:
                         _take_lookups(lsub, placer, config)
                     if sub in ready:
+                        last_message = time.monotonic()
                         for _ in range(1000):
                             try:
                                 frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -985,7 +1130,18 @@ def record(
                             )
                             if max_batches is not None and proc.batches >= max_batches:
                                 break
-                    if rows.maybe_flush() and dump_writer is not None:
+                    elif not silence_said and time.monotonic() - last_message >= silence_seconds:
+                        silence_said = True
+                        report(
+                            f"nothing received on {endpoint} (topic {topic!r}) for "
+                            f"{silence_seconds:g} s: is the engine publishing KV events there "
+                            "(kv_events_config), and is the topic right? Still recording."
+                        )
+                    proc.tick(time.time())
+                    rows.maybe_flush()
+                    if dump_writer is not None:
+                        # Every loop: a recorder killed with SIGKILL loses at
+                        # most the last moment of its dump.
                         dump_writer.flush()
                     if progress is not None and time.monotonic() - last_progress >= 1.0:
                         last_progress = time.monotonic()
@@ -997,6 +1153,8 @@ def record(
                 reason = "interrupted"
             if lsub is not None and placer is not None:
                 _take_lookups(lsub, placer, config)
+            proc.finish()
+            if placer is not None:
                 placer.finish()
             rows.finish()
             source: dict[str, Any] = {
@@ -1069,7 +1227,7 @@ def ingest_dumps(
             config, rows if placer is None else placer, media=media, report=report, placer=placer
         )
         for p in dumps:
-            for rec in read_dump(p):
+            for rec in read_dump(p, report):
                 proc.feed(
                     rec.frames,
                     origin=rec.origin,
@@ -1077,6 +1235,7 @@ def ingest_dumps(
                     where=f"{p} record {rec.index}",
                     gap_reason="missing from the dump",
                 )
+        proc.finish()
         if placer is not None:
             placer.finish()
         rows.finish()
