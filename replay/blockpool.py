@@ -228,6 +228,8 @@ class BlockPool:
 class RequestResult:
     hit_tokens: int
     outcome: LookupOutcome
+    #: what the lookup saw: per group, a byte per hash unit (1 = key held)
+    present: list[bytes]
     #: False: the prompt never fits the pool, so vLLM never schedules it.
     admitted: bool
     #: False: admitted, but a later chunk found too few free blocks (vLLM
@@ -438,8 +440,9 @@ class GpuCache:
         """Look the prompt up, prefill it chunk by chunk, free it."""
         config, pool = self.config, self.pool
         pool.cached.now = now
+        present = self.present(unit_hashes)
         outcome = self.coordinator.lookup_present(
-            self.present(unit_hashes), max_length, explain=self.rules.uses_junction
+            present, max_length, explain=self.rules.uses_junction
         )
         hit = outcome.hit_tokens
         views = [
@@ -453,7 +456,7 @@ class GpuCache:
             row.extend(pool.first_copy(gid, views[gid][i]) for i in range(nulls, go.mask_blocks))
             hit_blocks.append(row)
         if self._admission_blocks(num_tokens, hit, hit_blocks) > pool.num_free():
-            return RequestResult(hit_tokens=0, outcome=outcome, admitted=False)
+            return RequestResult(hit_tokens=0, outcome=outcome, present=present, admitted=False)
         junction = junction_tokens(outcome) if self.rules.uses_junction else 0
         stores = self.rules.stores(num_tokens=num_tokens, hit_tokens=hit, junction_tokens=junction)
         stored = [frozenset(int(i) for i in s) for s in stores]
@@ -466,7 +469,9 @@ class GpuCache:
             if start != hit and self._running_blocks(tables, end) > pool.num_free():
                 for table in tables:
                     pool.free(reversed(table.blocks))
-                return RequestResult(hit_tokens=0, outcome=outcome, admitted=True, completed=False)
+                return RequestResult(
+                    hit_tokens=0, outcome=outcome, present=present, admitted=True, completed=False
+                )
             if start == hit:
                 for gid, table in enumerate(tables):
                     self._add_hit(gid, table, hit, hit_blocks[gid])
@@ -477,4 +482,4 @@ class GpuCache:
             start = end
         for table in tables:
             pool.free(reversed(table.blocks))
-        return RequestResult(hit_tokens=hit, outcome=outcome, admitted=True)
+        return RequestResult(hit_tokens=hit, outcome=outcome, present=present, admitted=True)
