@@ -60,12 +60,14 @@ class EvictionOrder:
     ``lru``: the order items were added (vLLM's free-queue tail); ``fifo``:
     the order their content arrived (``reset``); ``lfu``: fewest uses, then
     add order; ``belady``: the furthest next use (``next_use(item, now)``,
-    re-asked when the use it was filed under has passed), then add order."""
+    re-asked when the use it was filed under has come), then add order."""
 
     def __init__(
         self,
         policy: str,
         next_use: Callable[[int, int], int] | None = None,
+        *,
+        newest_first: bool = False,
     ) -> None:
         if policy not in EVICTIONS:
             raise ReplayError(
@@ -74,6 +76,11 @@ class EvictionOrder:
         if policy == "belady" and next_use is None:
             raise ReplayError("belady eviction needs the trace's future uses")
         self.policy = policy
+        #: Ties go newest first (else oldest first). Of equally distant keys
+        #: the deepest in its prompt should go first, since the hashes chain:
+        #: a store adds a prompt's keys shallow to deep (newest first), a
+        #: finished request frees its blocks deep to shallow (oldest first).
+        self.newest_first = newest_first
         self.now = 0
         self._next_use = next_use
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -100,7 +107,7 @@ class EvictionOrder:
             self._lru[item] = None
             return
         self._stamp += 1
-        stamp = self._stamp
+        stamp = -self._stamp if self.newest_first else self._stamp
         self._live[item] = stamp
         heapq.heappush(self._heap, (self._priority(item), stamp, item))
 
@@ -111,6 +118,13 @@ class EvictionOrder:
             return self._uses.get(item, 0)
         assert self._next_use is not None
         return -self._next_use(item, self.now)
+
+    def refile(self, item: int) -> None:
+        """Belady: the item's key is used now; file it under its next use.
+        (A stale entry looks needed soonest, so it would never surface.)"""
+        if self.policy == "belady" and item in self._live:
+            self.discard(item)
+            self.add(item)
 
     def discard(self, item: int) -> None:
         if self.policy == "lru":
@@ -125,8 +139,8 @@ class EvictionOrder:
             priority, stamp, item = heapq.heappop(self._heap)
             if self._live.get(item) != stamp:
                 continue
-            if self.policy == "belady" and -priority < self.now:
-                # Filed under a use that has passed without touching it: re-file.
+            if self.policy == "belady" and -priority <= self.now:
+                # Filed under a use that has come without touching it: re-file.
                 heapq.heappush(self._heap, (self._priority(item), stamp, item))
                 continue
             del self._live[item]
@@ -449,6 +463,12 @@ class GpuCache:
             block_view(unit_hashes, self._hbs, g.block_size)  # type: ignore[arg-type]
             for g in config.groups
         ]
+        if pool.cached.policy == "belady":
+            for gid, view in enumerate(views):
+                copies = pool.copies[gid]
+                for h in view:
+                    for block in copies.get(h, ()):
+                        pool.cached.refile(block)
         hit_blocks: list[list[int]] = []
         for gid, go in enumerate(outcome.groups):
             nulls = go.mask_blocks - go.loaded_blocks

@@ -265,7 +265,9 @@ class _Log:
                 "ts": r.ts[i],
                 "kind": "lookup",
                 "request_id": r.request_id[i],
-                "block_hashes": r.digests.take(pa.array(r.unit_ids(i))).to_pylist(),
+                "block_hashes": r.digests.take(
+                    pa.array(r.unit_ids(i), type=pa.int64())
+                ).to_pylist(),
                 "max_length": r.max_length[i],
                 "num_tokens": r.num_tokens[i],
                 "observed_hit_tokens": hit,
@@ -314,13 +316,13 @@ class MooncakeStore:
         self.evicted = 0
         self._num_groups = num_groups
 
-    def _item(self, gid: int, key: int) -> int:
+    def item(self, gid: int, key: int) -> int:
         return key * self._num_groups + gid
 
     def touch(self, gid: int, key: int) -> None:
-        item = self._item(gid, key)
+        item = self.item(gid, key)
         self.order.used(item)
-        if self.order.policy in ("lru", "lfu"):
+        if self.order.policy != "fifo":
             self.order.discard(item)
             self.order.add(item)
 
@@ -328,7 +330,7 @@ class MooncakeStore:
         if key in self.present[gid]:
             self.touch(gid, key)
             return
-        item = self._item(gid, key)
+        item = self.item(gid, key)
         self.present[gid].add(key)
         self.order.reset(item)
         self.order.add(item)
@@ -378,7 +380,11 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
         def item_next_use(item: int, now: int) -> int:
             return requests.next_use(item // groups, now)
 
-        order = EvictionOrder(spec.eviction, item_next_use if spec.eviction == "belady" else None)
+        order = EvictionOrder(
+            spec.eviction,
+            item_next_use if spec.eviction == "belady" else None,
+            newest_first=spec.eviction == "belady",
+        )
         if spec.capacity_bytes is not None:
             assert spec.page_bytes is not None
             capacity, costs = spec.capacity_bytes, spec.page_bytes
@@ -411,6 +417,11 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
             assert store is not None
             store.order.now = i
             present = [bytes(u in keys for u in units) for keys in store.present]
+            if spec.eviction == "belady":
+                for gid, g in enumerate(config.groups):
+                    for key in block_view(units, hbs, g.block_size):  # type: ignore[arg-type]
+                        if key in store.present[gid]:
+                            store.order.refile(store.item(gid, key))
             outcome = coordinator.lookup_present(present, max_length, explain=rules.uses_junction)
             hit = outcome.hit_tokens
             if log is not None:

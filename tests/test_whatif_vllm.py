@@ -34,6 +34,7 @@ from replay.blockpool import GpuCache
 from replay.sources.synth import archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
+from tests.prompts import random_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -256,26 +257,6 @@ def test_block_pool_hits_match_vllm(name: str, capsys: pytest.CaptureFixture[str
                 f"retention {policy.retention_interval}: {agree}/{len(prompts)} hits agree "
                 f"({hits} hit tokens, {evicted} cached blocks evicted, {rejected} not admitted)"
             )
-
-
-def random_prompts(rng: random.Random, block: int, count: int) -> list[list[int]]:
-    """Prompts sharing prefixes with earlier ones (resends, extensions,
-    branches), some block-aligned."""
-    fresh = iter(range(10**6, 10**9))
-    out: list[list[int]] = []
-    for _ in range(count):
-        n = rng.randrange(2, 30 * block)
-        if rng.random() < 0.25:
-            n = max(block, n // block * block)
-        base: list[int] = []
-        if out and rng.random() < 0.8:
-            parent = rng.choice(out[-12:])
-            base = parent[: rng.randrange(0, len(parent) + 1)]
-        prompt = (base + [next(fresh) for _ in range(max(0, n - len(base)))])[:n]
-        if out and rng.random() < 0.15:
-            prompt = list(rng.choice(out[-12:]))
-        out.append(prompt)
-    return out
 
 
 def random_config(rng: random.Random) -> TraceConfig:
