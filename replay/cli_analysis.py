@@ -138,8 +138,20 @@ def diff(
 def report(results: Path, output: Path | None, trace: Path | None, fmt: str, examples: int) -> None:
     """Write a report of a RESULTS file: hit ratio over time, hit lengths,
     tokens loaded per group, flags with examples and their explain tables,
-    and the configuration."""
+    and the configuration. Of a what-if SWEEP file (replay whatif): hit
+    ratio against capacity per eviction policy, and the table (-o x.md:
+    Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
+    from replay.whatif import is_sweep_file
+
+    if is_sweep_file(results):
+        from analysis.sweep_report import sweep_report_format, write_sweep_report
+
+        source = click.get_current_context().get_parameter_source("fmt")
+        fmt = sweep_report_format(output, fmt, source is not click.core.ParameterSource.DEFAULT)
+        out = output or default_report_path(results, fmt)
+        click.echo(f"wrote {write_sweep_report(results, out, fmt)}")
+        return
 
     data = build_report(results, trace=trace, examples=max(examples, 0))
     out = output or default_report_path(results, fmt)

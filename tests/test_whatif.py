@@ -312,3 +312,29 @@ def test_cli_refuses_to_write_over_its_input(tmp_path: Path) -> None:
     result = run_cli(["whatif", str(trace), "--capacity-blocks", "10", "-o", str(trace)])
     assert result.exit_code == 2 and "is the input trace" in result.output
     assert trace.read_bytes() == before
+
+
+def test_report_charts_one_line_per_policy_and_writes_the_markdown_table(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    sweep_file = tmp_path / "sweep.parquet"
+    args = ["whatif", str(trace), "--capacity-blocks", "300,100,200", "-o", str(sweep_file)]
+    assert run_cli([*args, "--eviction", "lru,belady", "--jobs", "1"]).exit_code == 0
+    html_out, md_out = tmp_path / "sweep.html", tmp_path / "sweep.md"
+    assert run_cli(["report", str(sweep_file), "-o", str(html_out)]).exit_code == 0
+    page = html_out.read_text()
+    assert page.count("<polyline") == 2 and page.count('class="mark"') == 6
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org", "")
+    result = run_cli(["report", str(sweep_file), "-o", str(md_out)])
+    assert result.exit_code == 0, result.output
+    frame, _ = read_sweep(sweep_file)
+    lines = md_out.read_text().splitlines()
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].startswith("| capacity (blocks) | eviction | hit ratio | hit tokens |")
+    expected = frame.sort("capacity_blocks", maintain_order=True)
+    got = [[c.strip() for c in line.split("|")[1:5]] for line in table[2:]]
+    assert got == [
+        [f"{c:,}", e, f"{100 * r:.2f}%", f"{h:,}"]
+        for c, e, r, h in expected.select(
+            "capacity_blocks", "eviction", "hit_ratio", "hit_tokens"
+        ).iter_rows()
+    ]
