@@ -26,9 +26,7 @@ from replay.whatif import (
     sweep,
 )
 from tests.conftest import run_cli
-from tests.prompts import random_prompts, unit_hashes
-
-MODELS = ("full", "full+mamba", "full+swa", "full+swa+mamba", "swa+mamba")
+from tests.prompts import random_config, random_prompts, unit_hashes
 
 
 def rules_trace(
@@ -70,22 +68,13 @@ def rules_trace(
     return write_trace(path, config, rows)
 
 
-def random_case(rng: random.Random) -> tuple[TraceConfig, StorePolicy]:
-    model = rng.choice(MODELS)
-    bs = rng.choice((16, 32))
-    config = archetype_config(
-        model,
-        bs,
-        bs,
-        rng.random() < 0.6,
-        sliding_window=rng.choice((bs + 1, 2 * bs, 100, 256)),
-        extra_retained_tokens=rng.choice((0, bs // 2)),
-    )
+def random_case(rng: random.Random, cache: str) -> tuple[TraceConfig, StorePolicy]:
+    config = random_config(rng)
     sparse = config.num_groups > 1
     return config, StorePolicy(
         retention_interval=rng.choice((0, None)) if sparse else 0,
         max_num_batched_tokens=config.scheduler_block_size * rng.choice((1, 3, 64)),
-        cache="mooncake",
+        cache=cache,
     )
 
 
@@ -110,12 +99,7 @@ def test_unbounded_capacity_reproduces_the_traces_own_hits(cache: str, tmp_path:
     rng = random.Random(1600 + len(cache))
     compared = nonzero = 0
     for case in range(12):
-        config, policy = random_case(rng)
-        policy = StorePolicy(
-            retention_interval=policy.retention_interval,
-            max_num_batched_tokens=policy.max_num_batched_tokens,
-            cache=cache,
-        )
+        config, policy = random_case(rng, cache)
         prompts = random_prompts(rng, config.scheduler_block_size, 30)
         trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, policy, prompts)
         own = replay_trace(trace, cache=cache).results["hit_tokens"].to_list()
@@ -135,12 +119,7 @@ def test_emitted_runs_replay_to_exactly_their_hits(cache: str, tmp_path: Path) -
     rng = random.Random(1616)
     evicted = 0
     for case in range(4):
-        config, policy = random_case(rng)
-        policy = StorePolicy(
-            retention_interval=policy.retention_interval,
-            max_num_batched_tokens=policy.max_num_batched_tokens,
-            cache=cache,
-        )
+        config, policy = random_case(rng, cache)
         prompts = random_prompts(rng, config.scheduler_block_size, 40)
         trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, policy, prompts)
         requests = load_requests(trace)

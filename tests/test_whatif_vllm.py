@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,7 +33,7 @@ from replay.blockpool import GpuCache
 from replay.sources.synth import archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
-from tests.prompts import random_prompts
+from tests.prompts import random_config, random_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -257,25 +256,6 @@ def test_block_pool_hits_match_vllm(name: str, capsys: pytest.CaptureFixture[str
                 f"retention {policy.retention_interval}: {agree}/{len(prompts)} hits agree "
                 f"({hits} hit tokens, {evicted} cached blocks evicted, {rejected} not admitted)"
             )
-
-
-def random_config(rng: random.Random) -> TraceConfig:
-    model = rng.choice(["full", "full+mamba", "full+swa", "full+swa+mamba", "swa+mamba"])
-    bs = rng.choice((16, 32))
-    config = archetype_config(
-        model,
-        bs,
-        bs,
-        rng.random() < 0.6,
-        sliding_window=rng.choice((bs + 1, 2 * bs, 3 * bs - 5, 100, 256)),
-        extra_retained_tokens=rng.choice((0, 0, bs // 2)),
-    )
-    if config.num_groups > 1 and rng.random() < 0.3:
-        groups = list(config.groups)
-        gid = rng.randrange(len(groups))
-        groups[gid] = replace(groups[gid], is_eagle_group=True)
-        config = replace(config, groups=tuple(groups))
-    return config
 
 
 def test_block_pool_matches_vllm_on_random_sessions(capsys: pytest.CaptureFixture[str]) -> None:
