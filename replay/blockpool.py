@@ -85,8 +85,10 @@ class EvictionOrder:
         self._next_use = next_use
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._heap: list[tuple[int, int, int]] = []
-        self._live: dict[int, int] = {}
+        self._live: dict[int, tuple[int, int, int]] = {}
         self._stamp = 0
+        #: fifo and lfu order by arrival and use counts; the others need neither
+        self._counts = policy in ("fifo", "lfu")
         self._born: dict[int, int] = {}
         self._uses: dict[int, int] = {}
 
@@ -95,12 +97,15 @@ class EvictionOrder:
 
     def reset(self, item: int) -> None:
         """The item holds new content: its arrival and its use count start now."""
+        if not self._counts:
+            return
         self._stamp += 1
         self._born[item] = self._stamp
         self._uses[item] = 0
 
     def used(self, item: int) -> None:
-        self._uses[item] = self._uses.get(item, 0) + 1
+        if self._counts:
+            self._uses[item] = self._uses.get(item, 0) + 1
 
     def add(self, item: int) -> None:
         if self.policy == "lru":
@@ -108,8 +113,14 @@ class EvictionOrder:
             return
         self._stamp += 1
         stamp = -self._stamp if self.newest_first else self._stamp
-        self._live[item] = stamp
-        heapq.heappush(self._heap, (self._priority(item), stamp, item))
+        entry = (self._priority(item), stamp, item)
+        self._live[item] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._live) + 4096:
+            # Taken-out items leave their entries behind: drop them now and
+            # then, or a big cache that rarely evicts grows without bound.
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
 
     def _priority(self, item: int) -> int:
         if self.policy == "fifo":
@@ -136,14 +147,20 @@ class EvictionOrder:
         if self.policy == "lru":
             return self._lru.popitem(last=False)[0]
         while True:
-            priority, stamp, item = heapq.heappop(self._heap)
-            if self._live.get(item) != stamp:
+            entry = heapq.heappop(self._heap)
+            priority, stamp, item = entry
+            if self._live.get(item) is not entry:
                 continue
             if self.policy == "belady" and -priority <= self.now:
                 # Filed under a use that has come without touching it: re-file.
-                heapq.heappush(self._heap, (self._priority(item), stamp, item))
+                entry = (self._priority(item), stamp, item)
+                self._live[item] = entry
+                heapq.heappush(self._heap, entry)
                 continue
             del self._live[item]
+            if self._counts:
+                self._born.pop(item, None)
+                self._uses.pop(item, None)
             return item
 
 

@@ -105,7 +105,8 @@ class _SweepBar:
     default=("lru",),
     show_default=True,
     help="Eviction policies, repeated or comma-separated: lru (gpu: vLLM's own free-queue "
-    "order), fifo, lfu, belady (the offline optimum: evicts the key used furthest ahead).",
+    "order), fifo, lfu, belady (offline: evicts the key whose next use is furthest ahead; "
+    "the optimum for independent keys, a near-upper bound for prefix chains).",
 )
 @click.option(
     "--cache",

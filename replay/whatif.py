@@ -16,7 +16,11 @@ concurrency model.
   and while the store is over capacity the policy's victim goes.
 
 ``belady`` evicts the key whose next use (the next request whose prompt
-holds its hash) is furthest: the offline upper bound.
+holds its hash) is furthest, deepest first among equals. That is the
+offline optimum for independent keys; a prefix hit also needs every key
+before it, so here it is a strong offline reference, not a proven bound
+(``tests/test_whatif.py`` checks it never loses to ``lru`` for full
+attention on random streams).
 
 Each run can be written as a trace (``emit``): its lookups and the key
 appearances and disappearances in order, which ``replay run`` replays to the
