@@ -60,11 +60,20 @@ def _retention(text: str) -> int | None:
 
 
 class _SweepBar:
-    def __init__(self) -> None:
+    """Progress over the runs: a bar on a terminal, else a line per run."""
+
+    def __init__(self, tty: bool) -> None:
         self.started = time.perf_counter()
         self.shown = False
+        self.tty = tty
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.tty:
+            if done:
+                elapsed = time.perf_counter() - self.started
+                sys.stderr.write(f"{done}/{total} runs done, {elapsed:,.1f} s\n")
+                sys.stderr.flush()
+            return
         width = 24
         filled = width * done // max(total, 1)
         elapsed = time.perf_counter() - self.started
@@ -75,7 +84,7 @@ class _SweepBar:
         self.shown = True
 
     def close(self) -> None:
-        if self.shown:
+        if self.shown and self.tty:
             sys.stderr.write("\n")
 
 
@@ -220,7 +229,7 @@ def whatif(
                     emit=emit_path(emit_traces, spec),
                 )
             specs.append(spec)
-    bar = None if quiet or not sys.stderr.isatty() else _SweepBar()
+    bar = None if quiet else _SweepBar(sys.stderr.isatty())
     started = time.perf_counter()
     try:
         rows = sweep(requests, specs, jobs=jobs or os.cpu_count() or 1, progress=bar)
