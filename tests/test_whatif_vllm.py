@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import polars as pl
 import pytest
 
 pytest.importorskip(
@@ -33,6 +34,8 @@ from replay.blockpool import GpuCache
 from replay.sources.synth import archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
+from replay.trace import open_trace, write_trace
+from replay.whatif import RunSpec, load_requests, simulate
 from tests.prompts import random_config, random_prompts
 
 pytestmark = pytest.mark.vllm
@@ -184,9 +187,10 @@ def run_both(
     capacity: int,
     policy: StorePolicy,
     prompts: list[list[int]],
+    hashes_out: list[list[bytes]] | None = None,
 ) -> tuple[list[int | None], list[int | None], int]:
     """Per request: vLLM's hit and the model's (None: not admitted); the
-    model's evicted cached blocks."""
+    model's evicted cached blocks. ``hashes_out`` collects vLLM's hashes."""
     budget = policy.max_num_batched_tokens
     engine = Engine(v, config, capacity, budget, policy.retention_interval)
     model = GpuCache(config, capacity, store_policy=policy)
@@ -195,10 +199,51 @@ def run_both(
     for i, tokens in enumerate(prompts):
         request = engine.request(f"r{i}", tokens)
         unit_hashes = list(request.block_hashes)
+        if hashes_out is not None:
+            hashes_out.append([bytes(h) for h in unit_hashes])
         theirs.append(engine.prefill(request))
         got = model.request(unit_hashes, len(tokens), len(tokens) - 1)
         mine.append(None if not got.admitted else (got.hit_tokens if got.completed else PREEMPTED))
     return theirs, mine, model.pool.evicted_blocks
+
+
+def whatif_hits(
+    tmp: Path,
+    config: TraceConfig,
+    capacity: int,
+    policy: StorePolicy,
+    prompts: list[list[int]],
+    hashes: list[list[bytes]],
+) -> tuple[list[int], int]:
+    """The same requests through ``replay whatif``'s own path: a trace of
+    the lookups (vLLM's hashes), one ``gpu``/``lru`` run emitted as a trace;
+    per lookup the emitted hit, and the run's hit tokens."""
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": units,
+            "max_length": len(tokens) - 1,
+            "num_tokens": len(tokens),
+        }
+        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
+    ]
+    trace = write_trace(tmp / "lookups.parquet", config, rows)
+    emitted = tmp / "run.parquet"
+    row = simulate(
+        load_requests(trace),
+        RunSpec(
+            cache="gpu",
+            eviction="lru",
+            capacity_blocks=capacity,
+            retention_interval=policy.retention_interval,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            emit=str(emitted),
+        ),
+    )
+    frame = open_trace(emitted).read_frame(["kind", "observed_hit_tokens"])
+    observed = frame.filter(pl.col("kind") == "lookup")["observed_hit_tokens"].to_list()
+    return observed, int(row["hit_tokens"])
 
 
 CONFIGS = {
@@ -209,7 +254,9 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_block_pool_hits_match_vllm(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_block_pool_hits_match_vllm(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     v = _vllm()
     config = CONFIGS[name]()
     prompts = mooncake_prompts(REQUESTS)
@@ -229,7 +276,14 @@ def test_block_pool_hits_match_vllm(name: str, capsys: pytest.CaptureFixture[str
     report = []
     unbounded_hits = 0
     for capacity, policy in runs:
-        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts)
+        hashes: list[list[bytes]] = []
+        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts, hashes)
+        # ``replay whatif --cache gpu --eviction lru`` itself: the same hit
+        # for every request vLLM served, and the same total.
+        observed, served = whatif_hits(tmp_path, config, capacity, policy, prompts, hashes)
+        done = [(i, h) for i, h in enumerate(theirs) if h is not None and h != PREEMPTED]
+        assert [observed[i] for i, _ in done] == [h for _, h in done]
+        assert served == sum(h for _, h in done)
         agree = sum(a == b for a, b in zip(theirs, mine, strict=True))
         hits = sum(a or 0 for a in theirs)
         report.append((capacity, policy, agree, evicted, theirs.count(None), hits))
