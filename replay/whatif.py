@@ -153,6 +153,9 @@ class Requests:
     #: Belady's future: for each id, the requests holding it, ascending
     _uses: npt.NDArray[np.int64] | None = field(default=None, repr=False)
     _use_starts: npt.NDArray[np.int64] | None = field(default=None, repr=False)
+    _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    _now: int = field(default=-1, repr=False)
+    _soon: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -161,19 +164,42 @@ class Requests:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
         return ids
 
-    def next_use(self, key: Hashable, now: int) -> int:
-        """The first request after ``now`` whose prompt holds ``key``."""
+    def _future(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         if self._uses is None:
             owner = np.repeat(np.arange(len(self.seq), dtype=np.int64), np.diff(self.offsets))
             order = np.lexsort((owner, self.ids))
-            self._uses = owner[order]
+            ids, uses = self.ids[order], owner[order]
+            self._uses = uses
             self._use_starts = np.searchsorted(
-                self.ids[order], np.arange(len(self.digests) + 1, dtype=np.int64)
+                ids, np.arange(len(self.digests) + 1, dtype=np.int64)
             )
-        assert self._use_starts is not None and isinstance(key, int)
-        lo, hi = int(self._use_starts[key]), int(self._use_starts[key + 1])
-        j = bisect.bisect_right(self._uses, now, lo, hi)
-        return int(self._uses[j]) if j < hi else NEVER
+            # Per unit, the next request holding its hash (a hash twice in one
+            # prompt defers to its later copy's next request).
+            after = np.full(len(ids), NEVER, dtype=np.int64)
+            same = ids[1:] == ids[:-1]
+            after[:-1][same] = uses[1:][same]
+            for k in np.flatnonzero(after == uses)[::-1].tolist():
+                after[k] = after[k + 1]
+            self._after = np.empty_like(after)
+            self._after[order] = after
+        assert self._use_starts is not None
+        return self._uses, self._use_starts
+
+    def next_use(self, key: Hashable, now: int) -> int:
+        """The first request after ``now`` whose prompt holds ``key``."""
+        uses, starts = self._future()
+        if now != self._now:
+            # The keys asked about are mostly the running request's own.
+            o, e = int(self.offsets[now]), int(self.offsets[now + 1])
+            self._now = now
+            self._soon = dict(zip(self.ids[o:e].tolist(), self._after[o:e].tolist(), strict=True))
+        hit = self._soon.get(key)  # type: ignore[call-overload]
+        if hit is not None:
+            return int(hit)
+        assert isinstance(key, int)
+        lo, hi = int(starts[key]), int(starts[key + 1])
+        j = bisect.bisect_right(uses, now, lo, hi)
+        return int(uses[j]) if j < hi else NEVER
 
 
 def load_requests(path: str | os.PathLike[str]) -> Requests:
