@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,12 +195,3 @@ def sweep_report_format(out: Path | None, fmt: str, explicit: bool) -> str:
     if not explicit and out is not None and out.suffix == ".md":
         return "md"
     return fmt
-
-
-__all__: Sequence[str] = (
-    "render_sweep_html",
-    "render_sweep_markdown",
-    "sweep_report_format",
-    "sweep_svg",
-    "write_sweep_report",
-)

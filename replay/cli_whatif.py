@@ -205,7 +205,7 @@ def whatif(
         pages = page_sizes(config, page_bytes)
         for part in capacity_bytes.split(","):
             size = parse_bytes(part)
-            sizes.append((blocks_for_bytes(size, pages, cache_name), size))
+            sizes.append((blocks_for_bytes(size, pages), size))
     if emit_traces is not None:
         if emit_traces.exists() and not emit_traces.is_dir():
             raise fail(f"{emit_traces}: not a directory")

@@ -33,7 +33,7 @@ import bisect
 import os
 import re
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -121,11 +121,10 @@ def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int], cache: str) -> int:
+def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
     """Blocks of ``capacity_bytes``: the gpu pool gives every group one page
     size, so a block costs the largest page; the mooncake store counts each
     key's own page against the bytes, and this is only its nominal size."""
-    del cache
     blocks = capacity_bytes // max(pages)
     if blocks < 1:
         raise ReplayError(f"{capacity_bytes} bytes hold no block of {max(pages)} bytes")
@@ -231,10 +230,17 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
         n if n is not None else m + 1
         for n, m in zip(frame.get_column("num_tokens").to_list(), max_length, strict=True)
     ]
+    seqs = frame.get_column("seq").to_list()
+    for seq, n, m in zip(seqs, num_tokens, max_length, strict=True):
+        if not 0 <= m < n:
+            raise ReplayError(
+                f"{path}: seq {seq}: max_length {m} must be in [0, num_tokens {n}) for the "
+                "what-if (vLLM recomputes a prompt's last token)"
+            )
     return Requests(
         config=reader.config,
         path=str(path),
-        seq=frame.get_column("seq").to_list(),
+        seq=seqs,
         request_id=frame.get_column("request_id").to_list(),
         max_length=max_length,
         num_tokens=num_tokens,
@@ -627,14 +633,3 @@ def read_sweep(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, An
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
     return str(Path(directory) / f"whatif-{spec.label()}.parquet")
-
-
-def iter_specs(
-    capacities: Sequence[int],
-    evictions: Sequence[str],
-    cache: str,
-    **common: Any,
-) -> Iterator[RunSpec]:
-    for capacity in capacities:
-        for eviction in evictions:
-            yield RunSpec(cache=cache, eviction=eviction, capacity_blocks=capacity, **common)

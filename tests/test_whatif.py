@@ -317,3 +317,30 @@ def test_report_charts_one_line_per_policy_and_writes_the_markdown_table(tmp_pat
             "capacity_blocks", "eviction", "hit_ratio", "hit_tokens"
         ).iter_rows()
     ]
+
+
+def test_cli_names_the_lookup_whose_max_length_reaches_its_prompt(tmp_path: Path) -> None:
+    config = archetype_config("full", 16)
+    units = unit_hashes(list(range(64)), 16)
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": "a",
+            "block_hashes": units,
+            "max_length": 63,
+            "num_tokens": 64,
+        },
+        {
+            "kind": "lookup",
+            "request_id": "b",
+            "block_hashes": units,
+            "max_length": 64,
+            "num_tokens": 64,
+        },
+    ]
+    trace = write_trace(tmp_path / "bad.parquet", config, rows)
+    out = tmp_path / "sweep.parquet"
+    result = run_cli(["whatif", str(trace), "--capacity-blocks", "10", "-o", str(out)])
+    assert result.exit_code == 2
+    assert "seq 1: max_length 64 must be in [0, num_tokens 64)" in result.output
+    assert not out.exists()
