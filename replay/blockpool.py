@@ -30,8 +30,10 @@ drives them chunk by chunk:
 
 Assumptions (the what-if's, stated in ``replay whatif --help``): requests run
 alone, prefill only (no decode blocks, no lookahead slots), vLLM's
-``max_in_flight_tokens`` is one batch, ``num_speculative_blocks`` is 0, no
-partial hash hits and no chunked-local groups. Pure Python: no I/O.
+``max_in_flight_tokens`` is one batch, ``num_speculative_blocks`` is 0, every
+block one hash unit (so no partial hash hits and no sub-block tail entries),
+no chunked-local groups. A request that runs out of blocks after admission
+is preempted (freed) and not retried. Pure Python: no I/O.
 """
 
 from __future__ import annotations
@@ -302,6 +304,13 @@ class GpuCache:
                 raise ConfigError(
                     f"kv_cache_groups[{gid}]: the GPU block-pool model does not cover "
                     "chunked_local_attention groups"
+                )
+            if g.block_size != config.hash_block_size:
+                # vLLM then also keys a prompt's sub-block tail, which changes
+                # where the block goes when freed; not modelled.
+                raise ConfigError(
+                    f"kv_cache_groups[{gid}]: the GPU block-pool model needs block_size "
+                    f"{g.block_size} equal to hash_block_size {config.hash_block_size}"
                 )
         sp = store_policy or StorePolicy(cache="gpu")
         if sp.cache != "gpu":

@@ -163,6 +163,11 @@ def test_chunked_local_groups_are_refused() -> None:
         GpuCache(archetype_config("full+chunked", 16), 10)
 
 
+def test_blocks_larger_than_the_hash_unit_are_refused() -> None:
+    with pytest.raises(ConfigError, match="block_size 32 equal to hash_block_size 16"):
+        GpuCache(archetype_config("full+swa", 32, 16), 10)
+
+
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ReplayError, match="at least one block"):
         pool(0)
