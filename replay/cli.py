@@ -471,6 +471,7 @@ def _register() -> None:
     from replay.cli_analysis import diff, report
     from replay.cli_sources import ingest, record
     from replay.cli_synth import bailian, mooncake, synth
+    from replay.cli_whatif import whatif
 
     cli.add_command(diff)
     cli.add_command(report)
@@ -479,6 +480,7 @@ def _register() -> None:
     ingest.add_command(mooncake)
     ingest.add_command(bailian)
     cli.add_command(ingest)
+    cli.add_command(whatif)
 
 
 _register()

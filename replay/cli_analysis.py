@@ -136,9 +136,28 @@ def report(
 ) -> None:
     """Write a report of a RESULTS file: hit ratio over time, hit lengths,
     tokens loaded per group, flags with examples and their explain tables,
-    and the configuration. `-o -` prints it on standard output."""
+    and the configuration. `-o -` prints it on standard output. Of a what-if
+    SWEEP file (replay whatif): hit ratio against capacity per eviction
+    policy, and the table (-o x.md: Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
     from replay.paths import check_outputs
+    from replay.whatif import is_sweep_file
+
+    if is_sweep_file(results):
+        from analysis.sweep_report import write_sweep_report
+
+        if fmt is None:
+            fmt = (
+                "md"
+                if output is not None and output.suffix.lower() in (".md", ".markdown")
+                else "html"
+            )
+        out = output or default_report_path(results, fmt)
+        check_outputs({"-o": out}, [results], text=True)
+        target = write_sweep_report(results, out, fmt)
+        if target.kind != "stdout":
+            click.echo(f"wrote {out}")
+        return
 
     if fmt is None:
         fmt = (

@@ -1,0 +1,643 @@
+"""What-if sweeps: a trace's request stream re-simulated against another cache.
+
+The trace's ``store`` / ``remove`` / ``clear`` rows are dropped; its lookups,
+in ``seq`` order, are the requests. For each, the hit is computed against
+the simulated cache by the project's exact coordinator, then the request
+leaves behind what vLLM 0.33 would store for that hit (``replay.store_rules``),
+evicting per the policy when the cache is full. One request at a time: no
+concurrency model.
+
+* ``gpu``: vLLM's engine block pool (``replay.blockpool.GpuCache``): N
+  allocatable blocks shared by every group, admission and eviction exactly as
+  vLLM does them under ``lru``; ``fifo``, ``lfu`` and ``belady`` pick another
+  cached block to evict from the same pool.
+* ``mooncake``: a capacity-bounded external store of keys: a hit refreshes
+  the keys the lookup loads, a store adds the keys of the request's stores,
+  and while the store is over capacity the policy's victim goes.
+
+``belady`` evicts the key whose next use (the next request whose prompt
+holds its hash) is furthest, deepest first among equals. That is the
+offline optimum for independent keys; a prefix hit also needs every key
+before it, so here it is a strong offline reference, not a proven bound
+(``tests/test_whatif.py`` checks it never loses to ``lru`` for full
+attention on random streams).
+
+Each run can be written as a trace (``emit``): its lookups and the key
+appearances and disappearances in order, which ``replay run`` replays to the
+same hits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from analysis.flags import FLAG_KINDS, FlagChecker
+from replay.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
+from replay.coordinator import DEFAULT_POLICY, Coordinator, get_policy
+from replay.coordinator.finders import block_view
+from replay.errors import ReplayError
+from replay.spec import TraceConfig
+from replay.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.trace import TraceWriter, atomic_path, open_trace
+
+WHATIF_CACHES = ("gpu", "mooncake")
+SWEEP_META_KEY = b"replay.sweep"
+SWEEP_COLUMNS = (
+    "capacity_blocks",
+    "capacity_bytes",
+    "eviction",
+    "cache",
+    "policy",
+    "lookups",
+    "prompt_tokens",
+    "hit_tokens",
+    "hit_ratio",
+    "evicted_blocks",
+    "not_admitted",
+    "preempted",
+    "seconds",
+    *FLAG_KINDS,
+)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+
+
+def parse_bytes(text: str) -> int:
+    """``64GiB``, ``500MB``, ``4096``: a byte count (``Ki`` = 1024, ``K`` = 1000)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ReplayError(f"size {text!r}: expected a number with an optional unit such as 64GiB")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    base = unit[:1]
+    factor = 1024 ** "_kmgtp".index(base) if unit[1:2] == "i" else _UNITS[base]
+    value = int(number * factor)
+    if value <= 0:
+        raise ReplayError(f"size {text!r}: must be positive")
+    return value
+
+
+def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
+    """Per group, the bytes of one block (all of its layers): ``--page-bytes``
+    (one size for every group, or one per group, comma-separated), else the
+    trace's ``source.page_bytes``."""
+    if page_bytes is None:
+        source = config.source or {}
+        given = source.get("page_bytes")
+        if given is None:
+            raise ReplayError(
+                "--capacity-bytes needs the groups' page sizes: give --page-bytes "
+                "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
+            )
+        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
+    else:
+        parts = [p for p in page_bytes.split(",") if p.strip()]
+    sizes = [parse_bytes(p) for p in parts]
+    if len(sizes) == 1:
+        sizes *= config.num_groups
+    if len(sizes) != config.num_groups:
+        raise ReplayError(
+            f"--page-bytes: {len(sizes)} sizes for {config.num_groups} KV-cache groups"
+        )
+    return tuple(sizes)
+
+
+def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
+    """Blocks of ``capacity_bytes``: the gpu pool gives every group one page
+    size, so a block costs the largest page; the mooncake store counts each
+    key's own page against the bytes, and this is only its nominal size."""
+    blocks = capacity_bytes // max(pages)
+    if blocks < 1:
+        raise ReplayError(f"{capacity_bytes} bytes hold no block of {max(pages)} bytes")
+    return blocks
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(slots=True, kw_only=True)
+class Requests:
+    """A trace's lookups, keyed by dense integer ids of their hashes."""
+
+    config: TraceConfig
+    path: str
+    seq: list[int]
+    request_id: list[str]
+    max_length: list[int]
+    num_tokens: list[int]
+    ts: list[Any]
+    offsets: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.int64]
+    #: id -> the hash bytes (for emitted traces)
+    digests: pa.Array
+    #: Belady's future: for each id, the requests holding it, ascending
+    _uses: npt.NDArray[np.int64] | None = field(default=None, repr=False)
+    _use_starts: npt.NDArray[np.int64] | None = field(default=None, repr=False)
+    _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    _now: int = field(default=-1, repr=False)
+    _soon: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def unit_ids(self, i: int) -> list[int]:
+        ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
+        return ids
+
+    def _future(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        if self._uses is None:
+            owner = np.repeat(np.arange(len(self.seq), dtype=np.int64), np.diff(self.offsets))
+            order = np.lexsort((owner, self.ids))
+            ids, uses = self.ids[order], owner[order]
+            self._uses = uses
+            self._use_starts = np.searchsorted(
+                ids, np.arange(len(self.digests) + 1, dtype=np.int64)
+            )
+            # Per unit, the next request holding its hash (a hash twice in one
+            # prompt defers to its later copy's next request).
+            after = np.full(len(ids), NEVER, dtype=np.int64)
+            same = ids[1:] == ids[:-1]
+            after[:-1][same] = uses[1:][same]
+            for k in np.flatnonzero(after == uses)[::-1].tolist():
+                after[k] = after[k + 1]
+            self._after = np.empty_like(after)
+            self._after[order] = after
+        assert self._use_starts is not None
+        return self._uses, self._use_starts
+
+    def next_use(self, key: Hashable, now: int) -> int:
+        """The first request after ``now`` whose prompt holds ``key``."""
+        uses, starts = self._future()
+        if now != self._now:
+            # The keys asked about are mostly the running request's own.
+            o, e = int(self.offsets[now]), int(self.offsets[now + 1])
+            self._now = now
+            self._soon = dict(zip(self.ids[o:e].tolist(), self._after[o:e].tolist(), strict=True))
+        hit = self._soon.get(key)  # type: ignore[call-overload]
+        if hit is not None:
+            return int(hit)
+        assert isinstance(key, int)
+        lo, hi = int(starts[key]), int(starts[key + 1])
+        j = bisect.bisect_right(uses, now, lo, hi)
+        return int(uses[j]) if j < hi else NEVER
+
+
+def load_requests(path: str | os.PathLike[str]) -> Requests:
+    """The lookups of a trace (its cache events are ignored). A lookup
+    without ``num_tokens`` is taken as ``max_length + 1`` tokens, vLLM's
+    ``get_computed_blocks`` bound."""
+    reader = open_trace(path)
+    frame = reader.read_frame(
+        ["seq", "ts", "kind", "block_hashes", "request_id", "max_length", "num_tokens"]
+    ).filter(pl.col("kind") == "lookup")
+    if frame.height == 0:
+        raise ReplayError(f"{path}: no lookup rows, nothing to simulate")
+    hashes = frame.get_column("block_hashes")
+    lengths = hashes.list.len().to_numpy().astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = hashes.explode().drop_nulls()
+    # Dense ids in order of first appearance, by the exact bytes.
+    uniq = pl.DataFrame({"h": flat}).unique("h", keep="first", maintain_order=True)
+    digests = uniq.get_column("h")
+    ids = (
+        pl.DataFrame({"h": flat})
+        .join(uniq.with_row_index("id"), on="h", how="left", maintain_order="left")
+        .get_column("id")
+        .to_numpy()
+        .astype(np.int64)
+    )
+    max_length = frame.get_column("max_length").to_list()
+    num_tokens = [
+        n if n is not None else m + 1
+        for n, m in zip(frame.get_column("num_tokens").to_list(), max_length, strict=True)
+    ]
+    seqs = frame.get_column("seq").to_list()
+    for seq, n, m in zip(seqs, num_tokens, max_length, strict=True):
+        if not 0 <= m < n:
+            raise ReplayError(
+                f"{path}: seq {seq}: max_length {m} must be in [0, num_tokens {n}) for the "
+                "what-if (vLLM recomputes a prompt's last token)"
+            )
+    return Requests(
+        config=reader.config,
+        path=str(path),
+        seq=seqs,
+        request_id=frame.get_column("request_id").to_list(),
+        max_length=max_length,
+        num_tokens=num_tokens,
+        ts=frame.get_column("ts").to_list(),
+        offsets=offsets,
+        ids=ids,
+        digests=digests.to_arrow(),
+    )
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    cache: str
+    eviction: str
+    capacity_blocks: int
+    capacity_bytes: int | None = None
+    policy: str = DEFAULT_POLICY
+    retention_interval: int | None = 0
+    max_num_batched_tokens: int = 8192
+    #: per group, bytes of one block (mooncake with a byte capacity)
+    page_bytes: tuple[int, ...] | None = None
+    emit: str | None = None
+
+    def store_policy(self) -> StorePolicy:
+        return StorePolicy(
+            retention_interval=self.retention_interval,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            cache=self.cache,
+        )
+
+    def label(self) -> str:
+        return f"{self.cache}-{self.eviction}-{self.capacity_blocks}"
+
+
+class _Log:
+    """The emitted trace's rows: each lookup, then the key changes its
+    request caused (seq is the row's position)."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests
+        self.rows: list[dict[str, Any]] = []
+        self.request_id: str | None = None
+        self._mark = 0
+
+    def begin(self, i: int) -> None:
+        self.request_id = self.requests.request_id[i]
+        self._mark = len(self.rows)
+
+    def lookup(self, i: int, hit: int) -> None:
+        """The request's lookup row, before the key changes it caused."""
+        r = self.requests
+        self.rows.insert(
+            self._mark,
+            {
+                "ts": r.ts[i],
+                "kind": "lookup",
+                "request_id": r.request_id[i],
+                "block_hashes": r.digests.take(
+                    pa.array(r.unit_ids(i), type=pa.int64())
+                ).to_pylist(),
+                "max_length": r.max_length[i],
+                "num_tokens": r.num_tokens[i],
+                "observed_hit_tokens": hit,
+            },
+        )
+
+    def key(self, kind: str, group_id: int, key: Hashable) -> None:
+        digest = self.requests.digests[key].as_py()
+        last = self.rows[-1] if len(self.rows) > self._mark else None
+        if last is not None and last["kind"] == kind and last["group_id"] == group_id:
+            last["block_hashes"].append(digest)
+            return
+        self.rows.append(
+            {
+                "kind": kind,
+                "group_id": group_id,
+                "block_hashes": [digest],
+                "request_id": self.request_id,
+            }
+        )
+
+    def write(self, path: str, config: TraceConfig) -> None:
+        with TraceWriter(path, config) as writer:
+            for k in range(0, len(self.rows), 4096):
+                chunk = self.rows[k : k + 4096]
+                writer.write_rows([{"seq": k + n, **row} for n, row in enumerate(chunk)])
+
+
+class MooncakeStore:
+    """A capacity-bounded external key store with an eviction policy."""
+
+    def __init__(
+        self,
+        num_groups: int,
+        order: EvictionOrder,
+        capacity: int,
+        costs: Sequence[int],
+        on_key: Callable[[str, int, Hashable], None] | None,
+    ) -> None:
+        self.present: list[set[int]] = [set() for _ in range(num_groups)]
+        self.order = order
+        self.capacity = capacity
+        self.costs = costs
+        self.size = 0
+        self.on_key = on_key
+        self.evicted = 0
+        self._num_groups = num_groups
+
+    def item(self, gid: int, key: int) -> int:
+        return key * self._num_groups + gid
+
+    def touch(self, gid: int, key: int) -> None:
+        item = self.item(gid, key)
+        self.order.used(item)
+        if self.order.policy != "fifo":
+            self.order.discard(item)
+            self.order.add(item)
+
+    def put(self, gid: int, key: int) -> None:
+        if key in self.present[gid]:
+            self.touch(gid, key)
+            return
+        item = self.item(gid, key)
+        self.present[gid].add(key)
+        self.order.reset(item)
+        self.order.add(item)
+        self.size += self.costs[gid]
+        if self.on_key is not None:
+            self.on_key("store", gid, key)
+        while self.size > self.capacity:
+            victim = self.order.pop()
+            vg, vk = victim % self._num_groups, victim // self._num_groups
+            self.present[vg].discard(vk)
+            self.size -= self.costs[vg]
+            self.evicted += 1
+            if self.on_key is not None:
+                self.on_key("remove", vg, vk)
+
+
+def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``); with
+    ``spec.emit``, the run written there as a trace."""
+    started = time.perf_counter()
+    config = requests.config
+    log = _Log(requests) if spec.emit else None
+    on_key = log.key if log is not None else None
+    checker = FlagChecker(config, spec.cache)
+    flags = dict.fromkeys(FLAG_KINDS, 0)
+    hit_tokens = prompt_tokens = not_admitted = preempted = 0
+    hbs = config.hash_block_size
+
+    def next_use(key: Hashable, now: int) -> int:
+        return requests.next_use(key, now)
+
+    gpu: GpuCache | None = None
+    store: MooncakeStore | None = None
+    if spec.cache == "gpu":
+        gpu = GpuCache(
+            config,
+            spec.capacity_blocks,
+            policy=spec.policy,
+            eviction=spec.eviction,
+            store_policy=spec.store_policy(),
+            next_use=next_use if spec.eviction == "belady" else None,
+            on_key=on_key,
+        )
+    elif spec.cache == "mooncake":
+        groups = config.num_groups
+
+        def item_next_use(item: int, now: int) -> int:
+            return requests.next_use(item // groups, now)
+
+        order = EvictionOrder(
+            spec.eviction,
+            item_next_use if spec.eviction == "belady" else None,
+            newest_first=spec.eviction == "belady",
+        )
+        if spec.capacity_bytes is not None:
+            assert spec.page_bytes is not None
+            capacity, costs = spec.capacity_bytes, spec.page_bytes
+        else:
+            capacity, costs = spec.capacity_blocks, (1,) * groups
+        store = MooncakeStore(groups, order, capacity, costs, on_key)
+        rules = StoreRules(config, spec.store_policy())
+        coordinator = Coordinator(config, spec.policy, "mooncake")
+    else:
+        raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
+
+    for i in range(len(requests)):
+        units = requests.unit_ids(i)
+        n, max_length = requests.num_tokens[i], requests.max_length[i]
+        prompt_tokens += n
+        if log is not None:
+            log.begin(i)
+        if gpu is not None:
+            result = gpu.request(units, n, max_length, now=i)
+            present, outcome = result.present, result.outcome
+            if log is not None:
+                log.lookup(i, outcome.hit_tokens)
+            if not result.admitted:
+                not_admitted += 1
+            elif not result.completed:
+                preempted += 1
+            else:
+                hit_tokens += result.hit_tokens
+        else:
+            assert store is not None
+            store.order.now = i
+            present = [bytes(u in keys for u in units) for keys in store.present]
+            if spec.eviction == "belady":
+                for gid, g in enumerate(config.groups):
+                    for key in block_view(units, hbs, g.block_size):  # type: ignore[arg-type]
+                        if key in store.present[gid]:
+                            store.order.refile(store.item(gid, key))
+            outcome = coordinator.lookup_present(present, max_length, explain=rules.uses_junction)
+            hit = outcome.hit_tokens
+            if log is not None:
+                log.lookup(i, hit)
+            hit_tokens += hit
+            for gid, (g, go) in enumerate(zip(config.groups, outcome.groups, strict=True)):
+                view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
+                for j in range(go.mask_blocks - go.loaded_blocks, go.mask_blocks):
+                    store.touch(gid, view[j])
+            junction = junction_tokens(outcome) if rules.uses_junction else 0
+            stores = rules.stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
+            for gid, (g, blocks) in enumerate(zip(config.groups, stores, strict=True)):
+                view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
+                for j in blocks:
+                    store.put(gid, view[int(j)])
+        for flag in checker.check_outcome(present, max_length, outcome, None):
+            flags[flag.flag] += 1
+
+    evicted = gpu.pool.evicted_blocks if gpu is not None else store.evicted  # type: ignore[union-attr]
+    if log is not None and spec.emit is not None:
+        source = {
+            "importer": "replay whatif",
+            "trace": os.path.basename(requests.path),
+            "cache": spec.cache,
+            "eviction": spec.eviction,
+            "capacity_blocks": spec.capacity_blocks,
+            "capacity_bytes": spec.capacity_bytes,
+            "policy": spec.policy,
+            "retention_interval": spec.retention_interval,
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+        }
+        log.write(spec.emit, TraceConfig.from_json({**config.to_json(), "source": source}))
+    return {
+        "capacity_blocks": spec.capacity_blocks,
+        "capacity_bytes": spec.capacity_bytes,
+        "eviction": spec.eviction,
+        "cache": spec.cache,
+        "policy": spec.policy,
+        "lookups": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "hit_ratio": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_blocks": evicted,
+        "not_admitted": not_admitted,
+        "preempted": preempted,
+        "seconds": time.perf_counter() - started,
+        **flags,
+    }
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+#: A worker's copy of the sweep's requests, sent once when it starts.
+_LOADED: Requests | None = None
+
+
+def _load(requests: Requests) -> None:
+    global _LOADED
+    _LOADED = requests
+
+
+def _run_loaded(spec: RunSpec) -> dict[str, Any]:
+    if _LOADED is None:
+        raise RuntimeError("a what-if worker ran before its requests were loaded")
+    return simulate(_LOADED, spec)
+
+
+def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
+    """Refuse what a run would only find out after minutes."""
+    config = requests.config
+    for spec in specs:
+        get_policy(spec.policy)
+        if spec.eviction not in EVICTIONS:
+            raise ReplayError(
+                f"unknown eviction {spec.eviction!r}, expected one of {', '.join(EVICTIONS)}"
+            )
+        if spec.cache not in WHATIF_CACHES:
+            raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
+        if spec.capacity_blocks < 1:
+            raise ReplayError(f"capacity must be at least one block, got {spec.capacity_blocks}")
+        StoreRules(config, spec.store_policy())
+        if spec.cache == "gpu":
+            GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
+        else:
+            Coordinator(config, spec.policy, "mooncake")
+
+
+def sweep(
+    requests: Requests,
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every run, in ``specs`` order; ``jobs`` > 1 runs them in worker
+    processes, each sent the requests once. Spawned, not forked: a fork of
+    a process whose Arrow or numba threads hold a lock can hang the child."""
+    check_specs(requests, specs)
+    rows: list[dict[str, Any] | None] = [None] * len(specs)
+    done = 0
+    if progress is not None:
+        progress(0, len(specs))
+    jobs = max(1, min(jobs, len(specs)))
+    if jobs == 1:
+        for k, spec in enumerate(specs):
+            rows[k] = simulate(requests, spec)
+            done += 1
+            if progress is not None:
+                progress(done, len(specs))
+    else:
+        with ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=get_context("spawn"),
+            initializer=_load,
+            initargs=(requests,),
+        ) as pool:
+            futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
+            for future in as_completed(futures):
+                rows[futures[future]] = future.result()
+                done += 1
+                if progress is not None:
+                    progress(done, len(specs))
+    return [r for r in rows if r is not None]
+
+
+def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    schema: dict[str, Any] = {
+        "capacity_blocks": pl.Int64,
+        "capacity_bytes": pl.Int64,
+        "eviction": pl.String,
+        "cache": pl.String,
+        "policy": pl.String,
+        "lookups": pl.Int64,
+        "prompt_tokens": pl.Int64,
+        "hit_tokens": pl.Int64,
+        "hit_ratio": pl.Float64,
+        "evicted_blocks": pl.Int64,
+        "not_admitted": pl.Int64,
+        "preempted": pl.Int64,
+        "seconds": pl.Float64,
+        **dict.fromkeys(FLAG_KINDS, pl.Int64),
+    }
+    return pl.DataFrame([{c: r[c] for c in SWEEP_COLUMNS} for r in rows], schema=schema)
+
+
+def write_sweep(
+    path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], metadata: dict[str, Any]
+) -> Path:
+    import json
+
+    table = sweep_frame(rows).to_arrow()
+    table = table.replace_schema_metadata({SWEEP_META_KEY: json.dumps(metadata).encode()})
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp))
+    return Path(path)
+
+
+def is_sweep_file(path: str | os.PathLike[str]) -> bool:
+    try:
+        meta = pq.read_schema(str(path)).metadata or {}
+    except (OSError, pa.ArrowInvalid):
+        return False
+    return SWEEP_META_KEY in meta
+
+
+def read_sweep(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
+    import json
+
+    if not is_sweep_file(path):
+        raise ReplayError(f"{path}: not a sweep file (replay whatif writes them)")
+    table = pq.read_table(str(path))
+    meta = json.loads((table.schema.metadata or {})[SWEEP_META_KEY])
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    missing = [c for c in SWEEP_COLUMNS if c not in frame.columns and c not in FLAG_KINDS]
+    if missing:
+        raise ReplayError(f"{path}: sweep file lacks column {missing[0]!r}")
+    return frame, meta
+
+
+def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
+    return str(Path(directory) / f"whatif-{spec.label()}.parquet")

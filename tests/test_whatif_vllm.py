@@ -1,0 +1,348 @@
+"""The GPU block-pool model (``replay.blockpool``) against vLLM 0.33.0's own
+``KVCacheManager`` (real ``BlockPool``, prefix caching on).
+
+The requests are the first rows of the Mooncake conversation trace, their
+tokens built from the rows' ``hash_ids`` (a 512-token block per id, so equal
+ids give equal prefixes), one request at a time: ``get_computed_blocks``,
+then ``allocate_slots`` per prefill chunk as the scheduler splits it (the
+first with ``full_sequence_must_fit``, vLLM's ``scheduler_reserve_full_isl``;
+Mamba chunks by vLLM's own ``Scheduler._mamba_block_aligned_split``), then
+``free``. The model gets vLLM's own block hashes for the same prompts, so
+per request the hits (and whether the request was admitted) must be equal.
+Capacities: one with no eviction, two with many (the pool is ``capacity + 1``
+blocks, the null block included). Runs only where vLLM imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import polars as pl
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
+)
+
+from replay.backends.vllm import _vllm_spec
+from replay.blockpool import GpuCache
+from replay.sources.synth import archetype_config
+from replay.spec import GroupKind, TraceConfig
+from replay.store_rules import StorePolicy
+from replay.trace import open_trace, write_trace
+from replay.whatif import RunSpec, load_requests, simulate
+from tests.prompts import random_config, random_prompts
+
+pytestmark = pytest.mark.vllm
+
+MOONCAKE = Path(
+    os.environ.get(
+        "MOONCAKE_TRACE",
+        Path(__file__).resolve().parents[2] / "shared/data/mooncake/conversation_trace.jsonl",
+    )
+)
+REQUESTS = 520
+SOURCE_BLOCK = 512
+PREEMPTED = -1
+
+
+def _vllm() -> SimpleNamespace:
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1 import kv_cache_interface as iface
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256)
+    return SimpleNamespace(
+        torch=torch,
+        iface=iface,
+        utils=kv_cache_utils,
+        sha256=sha256,
+        KVCacheManager=KVCacheManager,
+        Scheduler=Scheduler,
+        Request=Request,
+        SamplingParams=SamplingParams,
+    )
+
+
+def mooncake_prompts(count: int) -> list[list[int]]:
+    if not MOONCAKE.exists():
+        pytest.skip(f"{MOONCAKE} not found (set MOONCAKE_TRACE)")
+    out: list[list[int]] = []
+    with MOONCAKE.open() as f:
+        for line in f:
+            row = json.loads(line)
+            tokens: list[int] = []
+            for h in row["hash_ids"]:
+                tokens.extend(range(h * SOURCE_BLOCK, (h + 1) * SOURCE_BLOCK))
+            out.append(tokens[: row["input_length"]])
+            if len(out) == count:
+                break
+    return out
+
+
+class Engine:
+    """vLLM's ``KVCacheManager``, one request at a time, as the scheduler drives it."""
+
+    def __init__(
+        self,
+        v: SimpleNamespace,
+        config: TraceConfig,
+        capacity: int,
+        budget: int,
+        retention: int | None,
+    ) -> None:
+        self.v, self.config, self.budget = v, config, budget
+        groups = [
+            v.iface.KVCacheGroupSpec(
+                layer_names=[f"layer.{gid}"],
+                kv_cache_spec=_vllm_spec(g, v.iface, v.torch.bfloat16),
+                is_eagle_group=g.is_eagle_group,
+            )
+            for gid, g in enumerate(config.groups)
+        ]
+        kv_config = v.iface.KVCacheConfig(
+            num_blocks=capacity + 1,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=retention,
+        )
+        self.manager = v.KVCacheManager(
+            kv_config,
+            max_model_len=1 << 20,
+            max_in_flight_tokens=budget,
+            scheduler_block_size=config.scheduler_block_size,
+            hash_block_size=config.hash_block_size,
+            enable_caching=True,
+            use_eagle=config.use_eagle,
+        )
+        self.hasher = v.utils.get_request_block_hasher(config.hash_block_size, v.sha256)
+        self.has_mamba = any(g.kind is GroupKind.MAMBA for g in config.groups)
+        a = config.scheduler_block_size
+        self.split_state = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=a),
+            block_size=a,
+            hash_block_size=config.hash_block_size,
+            mamba_partial_cache_hit=False,
+            use_eagle_block_drop=config.use_eagle,
+            num_hash_lookahead_tokens=0,
+            mamba_has_prefill_checkpoint_blocks=False,
+            mamba_prefill_checkpoint_alignment=None,
+            max_num_scheduled_tokens=budget,
+            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+            mamba_shared_prefix_checkpoint=False,
+        )
+
+    def request(self, rid: str, tokens: list[int]) -> Any:
+        v = self.v
+        return v.Request(
+            rid, tokens, v.SamplingParams(max_tokens=1), None, block_hasher=self.hasher
+        )
+
+    def prefill(self, request: Any) -> int | None:
+        """The request's hit, None when it is not admitted, ``PREEMPTED`` when
+        a later chunk finds too few blocks."""
+        v, mgr = self.v, self.manager
+        n = request.num_tokens
+        blocks, hit, junction = mgr.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction
+        local, first = hit, True
+        while request.num_computed_tokens + local < n:
+            mgr.new_step_starts()
+            todo = min(self.budget, n - request.num_computed_tokens - local)
+            if self.has_mamba:
+                todo = v.Scheduler._mamba_block_aligned_split(
+                    self.split_state, request, todo, local, 0
+                )
+            got = mgr.allocate_slots(
+                request,
+                todo,
+                num_new_computed_tokens=local,
+                new_computed_blocks=blocks if first else None,
+                full_sequence_must_fit=first,
+            )
+            if got is None:
+                if first:
+                    return None
+                mgr.free(request)  # the scheduler preempts it, which frees it
+                return PREEMPTED
+            request.num_computed_tokens += local + todo
+            local, first = 0, False
+        mgr.free(request)
+        return int(hit)
+
+
+def run_both(
+    v: SimpleNamespace,
+    config: TraceConfig,
+    capacity: int,
+    policy: StorePolicy,
+    prompts: list[list[int]],
+    hashes_out: list[list[bytes]] | None = None,
+) -> tuple[list[int | None], list[int | None], int]:
+    """Per request: vLLM's hit and the model's (None: not admitted); the
+    model's evicted cached blocks. ``hashes_out`` collects vLLM's hashes."""
+    budget = policy.max_num_batched_tokens
+    engine = Engine(v, config, capacity, budget, policy.retention_interval)
+    model = GpuCache(config, capacity, store_policy=policy)
+    theirs: list[int | None] = []
+    mine: list[int | None] = []
+    for i, tokens in enumerate(prompts):
+        request = engine.request(f"r{i}", tokens)
+        unit_hashes = list(request.block_hashes)
+        if hashes_out is not None:
+            hashes_out.append([bytes(h) for h in unit_hashes])
+        theirs.append(engine.prefill(request))
+        got = model.request(unit_hashes, len(tokens), len(tokens) - 1)
+        mine.append(None if not got.admitted else (got.hit_tokens if got.completed else PREEMPTED))
+    return theirs, mine, model.pool.evicted_blocks
+
+
+def whatif_hits(
+    tmp: Path,
+    config: TraceConfig,
+    capacity: int,
+    policy: StorePolicy,
+    prompts: list[list[int]],
+    hashes: list[list[bytes]],
+) -> tuple[list[int], int]:
+    """The same requests through ``replay whatif``'s own path: a trace of
+    the lookups (vLLM's hashes), one ``gpu``/``lru`` run emitted as a trace;
+    per lookup the emitted hit, and the run's hit tokens."""
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": units,
+            "max_length": len(tokens) - 1,
+            "num_tokens": len(tokens),
+        }
+        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
+    ]
+    trace = write_trace(tmp / "lookups.parquet", config, rows)
+    emitted = tmp / "run.parquet"
+    row = simulate(
+        load_requests(trace),
+        RunSpec(
+            cache="gpu",
+            eviction="lru",
+            capacity_blocks=capacity,
+            retention_interval=policy.retention_interval,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            emit=str(emitted),
+        ),
+    )
+    frame = open_trace(emitted).read_frame(["kind", "observed_hit_tokens"])
+    observed = frame.filter(pl.col("kind") == "lookup")["observed_hit_tokens"].to_list()
+    return observed, int(row["hit_tokens"])
+
+
+CONFIGS = {
+    "full": lambda: archetype_config("full", 64, 64, False),
+    "full+mamba eagle": lambda: archetype_config("full+mamba", 64, 64, True),
+    "full+swa eagle": lambda: archetype_config("full+swa", 64, 64, True, sliding_window=1024),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_block_pool_hits_match_vllm(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    v = _vllm()
+    config = CONFIGS[name]()
+    prompts = mooncake_prompts(REQUESTS)
+    bs = config.groups[0].block_size
+    longest = max(-(-len(p) // bs) for p in prompts)
+    largest = longest * config.num_groups
+    total = sum(-(-len(p) // bs) for p in prompts) * config.num_groups
+    sparse = config.num_groups > 1
+    runs = [
+        (total, StorePolicy(cache="gpu")),
+        (largest + largest // 4, StorePolicy(cache="gpu", max_num_batched_tokens=2048)),
+        (3 * largest, StorePolicy(cache="gpu")),
+        (longest * 2 // 3, StorePolicy(cache="gpu", max_num_batched_tokens=4096)),
+    ]
+    if sparse:
+        runs.append((2 * largest, StorePolicy(cache="gpu", retention_interval=None)))
+    report = []
+    unbounded_hits = 0
+    for capacity, policy in runs:
+        hashes: list[list[bytes]] = []
+        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts, hashes)
+        # ``replay whatif --cache gpu --eviction lru`` itself: the same hit
+        # for every request vLLM served, and the same total.
+        observed, served = whatif_hits(tmp_path, config, capacity, policy, prompts, hashes)
+        done = [(i, h) for i, h in enumerate(theirs) if h is not None and h != PREEMPTED]
+        assert [observed[i] for i, _ in done] == [h for _, h in done]
+        assert served == sum(h for _, h in done)
+        agree = sum(a == b for a, b in zip(theirs, mine, strict=True))
+        hits = sum(a or 0 for a in theirs)
+        report.append((capacity, policy, agree, evicted, theirs.count(None), hits))
+        first_bad = next(
+            ((i, a, b) for i, (a, b) in enumerate(zip(theirs, mine, strict=True)) if a != b), None
+        )
+        assert first_bad is None, (
+            f"{name} capacity {capacity} {policy}: request {first_bad[0]}: vLLM {first_bad[1]}, "
+            f"model {first_bad[2]} ({agree}/{len(prompts)} agree)"
+        )
+        if capacity == total:
+            assert evicted == 0
+            unbounded_hits = hits
+        else:
+            # Evictions cost hits: the bounded runs are not the unbounded one.
+            assert evicted > 10 * largest
+            assert hits < unbounded_hits
+        if capacity < longest:
+            assert theirs.count(None) > 0
+    with capsys.disabled():
+        for capacity, policy, agree, evicted, rejected, hits in report:
+            print(
+                f"\n{name}: capacity {capacity} blocks, budget {policy.max_num_batched_tokens}, "
+                f"retention {policy.retention_interval}: {agree}/{len(prompts)} hits agree "
+                f"({hits} hit tokens, {evicted} cached blocks evicted, {rejected} not admitted)"
+            )
+
+
+def test_block_pool_matches_vllm_on_random_sessions(capsys: pytest.CaptureFixture[str]) -> None:
+    """Random hybrids, prompts, budgets, retention settings and capacities."""
+    v = _vllm()
+    rng = random.Random(16)
+    agree = total = admitted_off = evicted_total = preempted = 0
+    for _ in range(60):
+        config = random_config(rng)
+        a = config.scheduler_block_size
+        sparse = config.num_groups > 1
+        retention = rng.choice((0, None, 2 * a)) if sparse else 0
+        policy = StorePolicy(
+            cache="gpu",
+            retention_interval=retention,
+            max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
+        )
+        prompts = random_prompts(rng, a, 40)
+        longest = max(-(-len(p) // config.groups[0].block_size) for p in prompts)
+        capacity = rng.randrange(longest * 2 // 3 + 1, longest * config.num_groups * 4)
+        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts)
+        good = sum(x == y for x, y in zip(theirs, mine, strict=True))
+        assert good == len(prompts), (
+            f"{config.to_json()} {policy} capacity {capacity}: vLLM {theirs} model {mine}"
+        )
+        agree += good
+        total += len(prompts)
+        admitted_off += theirs.count(None)
+        preempted += theirs.count(PREEMPTED)
+        evicted_total += evicted
+    with capsys.disabled():
+        print(
+            f"\nrandom sessions: {agree}/{total} hits agree ({evicted_total} cached blocks "
+            f"evicted, {admitted_off} requests not admitted, {preempted} preempted)"
+        )
+    assert evicted_total > 1000 and admitted_off > 0
