@@ -331,10 +331,6 @@ class GpuCache:
             capacity, config.num_groups, EvictionOrder(eviction, keyed_next_use), on_key
         )
         self._hbs = config.hash_block_size
-        a = config.scheduler_block_size
-        self._alignment = a
-        self._unitary = config.num_groups == 1
-        self._eagle = tuple(g.engine_eagle for g in self.rules.groups)
 
     # -- the per-kind rules
 
@@ -346,15 +342,6 @@ class GpuCache:
         if g.kind is GroupKind.MAMBA:
             return computed - 1
         return 0
-
-    def _cacheable(self, gid: int, tokens: int) -> int:
-        """``get_num_cacheable_tokens`` of the coordinator that runs."""
-        if self._unitary:
-            return tokens
-        out = tokens // self._alignment * self._alignment
-        if self._eagle[gid] and out > 0:
-            out = min(tokens, out + self.config.groups[gid].block_size)
-        return out
 
     def _admission_blocks(self, num_tokens: int, hit: int, hit_blocks: Sequence[list[int]]) -> int:
         """``get_num_blocks_to_allocate`` for the whole prompt, admission cap on."""
@@ -459,7 +446,7 @@ class GpuCache:
         keys: Sequence[Hashable],
     ) -> None:
         bs = self.config.groups[gid].block_size
-        full = min(self._cacheable(gid, tokens), hashed) // bs
+        full = min(self.rules.cacheable_tokens(self.rules.groups[gid], tokens), hashed) // bs
         if table.cached >= full:
             return
         for i in range(table.cached, full):

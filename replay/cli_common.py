@@ -130,3 +130,16 @@ def handles_user_errors(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def retention_interval(text: str) -> int | None:
+    """``--retention-interval N|none``: vLLM's prefix_cache_retention_interval."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        interval = int(text)
+    except ValueError:
+        interval = -1
+    if interval < 0:
+        raise fail(f"--retention-interval: expected an integer >= 0 or 'none', got {text!r}")
+    return interval

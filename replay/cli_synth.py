@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from replay.cli_common import fail, handles_user_errors
+from replay.cli_common import fail, handles_user_errors, retention_interval
 from replay.coordinator import CACHES
 from replay.paths import check_outputs
 from replay.sources.mooncake import ingest
@@ -81,15 +81,7 @@ def ingest_summary_text(s: dict[str, Any]) -> str:
 
 
 def _retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int | None:
-    if value.strip().lower() == "none":
-        return None
-    try:
-        interval = int(value)
-    except ValueError:
-        interval = -1
-    if interval < 0:
-        raise fail(f"--retention-interval: expected an integer >= 0 or 'none', got {value!r}")
-    return interval
+    return retention_interval(value)
 
 
 def _budget(_ctx: click.Context, _param: click.Parameter, value: str) -> int:

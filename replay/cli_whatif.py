@@ -12,6 +12,7 @@ import click
 
 from replay.blockpool import EVICTIONS
 from replay.cli_common import fail, handles_user_errors
+from replay.cli_common import retention_interval as parse_retention
 from replay.coordinator import DEFAULT_POLICY, POLICIES
 from replay.engine import resolve_cache
 from replay.whatif import (
@@ -49,14 +50,6 @@ def _names(values: tuple[str, ...]) -> list[str]:
             if name not in out:
                 out.append(name)
     return out
-
-
-def _retention(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    if not text.isdigit():
-        raise fail(f"--retention-interval: expected an integer >= 0 or none, got {text!r}")
-    return int(text)
 
 
 class _SweepBar:
@@ -190,7 +183,7 @@ def whatif(
     if output.resolve() == trace.resolve():
         raise fail(f"{output}: is the input trace; choose another output")
     names = _names(evictions)
-    retention = _retention(retention_interval)
+    retention = parse_retention(retention_interval)
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)

@@ -295,17 +295,20 @@ class StoreRules:
 
     # -- per group
 
-    def _cacheable(self, group: _Group, tokens: int, hashed: int) -> int:
+    def cacheable_tokens(self, group: _Group, tokens: int) -> int:
         """Tokens of the prompt the engine lets a group cache after ``tokens``
-        computed ones (``get_num_cacheable_tokens``), capped at the hashed ones."""
+        computed ones (``get_num_cacheable_tokens``)."""
         if self.unitary:
-            out = tokens
-        else:
-            out = tokens // self.alignment * self.alignment
-            if group.engine_eagle and out > 0:
-                # EAGLE matches one block past the aligned boundary and drops it.
-                out = min(tokens, out + group.block_size)
-        return min(out, hashed)
+            return tokens
+        out = tokens // self.alignment * self.alignment
+        if group.engine_eagle and out > 0:
+            # EAGLE matches one block past the aligned boundary and drops it.
+            out = min(tokens, out + group.block_size)
+        return out
+
+    def _cacheable(self, group: _Group, tokens: int, hashed: int) -> int:
+        """:meth:`cacheable_tokens`, capped at the prompt's hashed tokens."""
+        return min(self.cacheable_tokens(group, tokens), hashed)
 
     def _mamba_keeps(self, block: int, group: _Group, boundaries: Sequence[int]) -> bool:
         """``MambaManager.reachable_block_mask`` for one state block."""
