@@ -1,0 +1,322 @@
+"""Key-sharded presence: the replay split by key, not by time (issue 13).
+
+Which hash units of a lookup are present depends only on the events before
+it that touch those units' keys, so the store can be split by key into K
+shards that never need each other: shard ``k`` folds the stores and removes
+of its keys (a clear goes to every shard) and answers its keys' probes of
+every lookup. The presence bytes then come back to the lookup, which runs
+the coordinator's fixed point and the flags exactly as the serial engine
+does. Memory per shard is the store / K; nothing is shipped twice; and since
+presence does not depend on the policy or the cache, each extra variant
+costs only its fixed point.
+
+A key's shard is a mix of its **whole** hash (the Mooncake importer's 16-byte
+hashes share their first 8 bytes, so a prefix would put them all in one
+shard). Every group's key of one hash lands in the same shard: the compiled
+table keeps one slot per hash with a bit per group, so a shard's probe of a
+unit answers every group at once, as the serial fold does. One shard is the
+serial replay: its piece is the batch itself and gathering is the identity.
+
+The stages (``scatter``, ``ShardFold.fold``, ``gather``, ``Answers.add``)
+are the same whether they run here, one batch after another
+(``replay_sharded``), or as Ray tasks and actors over a directory's files
+(``replay.cluster``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+from numba import njit
+
+from analysis.flags import FlagChecker
+from replay.coordinator import Coordinator
+from replay.engine import (
+    _LOOKUP_COLUMNS,
+    KIND_CODES,
+    Progress,
+    ReplayResult,
+    _Outcomes,
+    _results_frame,
+    fold_rows,
+    resolve_cache,
+)
+from replay.errors import ReplayError
+from replay.kernels import LOOKUP, KeyTable, _key_meta, _mix
+from replay.spec import TraceConfig
+from replay.trace import TraceBatch, hash_words, open_trace
+
+#: Decorrelates the shard from the table slot, which uses the same key
+#: meta's high bits: without it a shard's keys would crowd 1/K of its table.
+_SHARD_SEED = np.uint64(0x5851F42D4C957F2D)
+MAX_SHARDS = 4096
+
+
+@njit(nogil=True, cache=True)
+def _shard_ids(words: Any, woff: Any, nbytes: Any, shards: Any, out: Any) -> None:
+    for h in range(nbytes.shape[0]):
+        meta = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
+        z = _mix(meta ^ _SHARD_SEED) >> np.uint64(32)
+        out[h] = (z * shards) >> np.uint64(32)
+
+
+def shard_of(hashes: pa.Array, shards: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
+    """The shard of each hash of ``hashes`` (a list array), flattened in order."""
+    words = hash_words(hashes)
+    out = np.zeros(words.nbytes.shape[0], dtype=np.uint16)
+    _shard_ids(words.words, words.word_offsets, words.nbytes, np.uint64(shards), out)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPiece:
+    """One batch as one shard sees it: every row, with only its keys' hashes."""
+
+    kinds: np.ndarray[Any, np.dtype[np.int8]]
+    group_ids: np.ndarray[Any, np.dtype[np.int32]]
+    hashes: pa.Array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kinds.nbytes + self.group_ids.nbytes + self.hashes.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupBatch:
+    """What a batch's lookups need once their presence is known."""
+
+    rows: pl.DataFrame
+    #: Hash units of each lookup.
+    units: np.ndarray[Any, np.dtype[np.int64]]
+    #: The shard of each lookup unit (lookups in order); None for one shard.
+    shards: np.ndarray[Any, np.dtype[np.uint16]] | None
+    events: int
+    counts: dict[str, int]
+    first_seq: int | None
+    last_seq: int | None
+    hash_entries: int
+
+    @property
+    def nbytes(self) -> int:
+        size = int(self.rows.estimated_size() + self.units.nbytes)
+        return size + (int(self.shards.nbytes) if self.shards is not None else 0)
+
+
+def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBatch]:
+    """Split one validated batch into its shards' pieces and its lookups."""
+    frame = batch.frame
+    kinds = frame["kind"].replace_strict(KIND_CODES, return_dtype=pl.Int8).to_numpy()
+    gids = frame["group_id"].fill_null(-1).to_numpy().astype(np.int32)
+    is_lookup = kinds == LOOKUP
+    n_hashes = frame["n_hashes"].fill_null(0).to_numpy().astype(np.int64)
+    counts = {name: int(n) for name, n in frame.group_by("kind").len().iter_rows()}
+    seq = frame["seq"]
+    lookups_rows = frame.filter(pl.Series(is_lookup)).select(_LOOKUP_COLUMNS)
+    units = n_hashes[is_lookup]
+    if shards == 1:
+        pieces = [ShardPiece(kinds=kinds, group_ids=gids, hashes=batch.hashes)]
+        lookup_shards = None
+    else:
+        sid = shard_of(batch.hashes, shards)
+        row_of = np.repeat(np.arange(frame.height), n_hashes)
+        lookup_shards = sid[is_lookup[row_of]] if sid.size else sid
+        order = np.argsort(sid, kind="stable")
+        values = batch.hashes.flatten().take(pa.array(order))
+        bounds = np.searchsorted(sid[order], np.arange(shards + 1))
+        pieces = []
+        for k in range(shards):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            per_row = np.bincount(row_of[order[lo:hi]], minlength=frame.height)
+            offsets = np.zeros(frame.height + 1, dtype=np.int32)
+            np.cumsum(per_row, out=offsets[1:])
+            hashes = pa.ListArray.from_arrays(pa.array(offsets), values.slice(lo, hi - lo))
+            pieces.append(ShardPiece(kinds=kinds, group_ids=gids, hashes=hashes))
+    lookups = LookupBatch(
+        rows=lookups_rows,
+        units=units,
+        shards=lookup_shards,
+        events=frame.height,
+        counts=counts,
+        first_seq=int(seq[0]) if frame.height else None,
+        last_seq=int(seq[-1]) if frame.height else None,
+        hash_entries=int(n_hashes.sum()),
+    )
+    return pieces, lookups
+
+
+class ShardFold:
+    """One shard's store: the compiled table of its keys."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.table = KeyTable(num_groups)
+
+    def fold(self, piece: ShardPiece) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Fold a piece in; the presence bytes of its lookup rows, in the
+        kernel's layout (per lookup, per group, its units in this shard)."""
+        frame = pl.DataFrame({"group_id": pl.Series(piece.group_ids, dtype=pl.Int32)})
+        out, _, _ = fold_rows(self.table, frame, piece.hashes, piece.kinds)
+        return out
+
+
+def gather(
+    lookups: LookupBatch, presences: Sequence[np.ndarray[Any, Any]], num_groups: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Every shard's presence bytes put back where the serial fold writes them
+    (per lookup, per group, all its units)."""
+    if lookups.shards is None:
+        return presences[0]
+    n = lookups.units
+    starts = np.zeros(n.size + 1, dtype=np.int64)
+    np.cumsum(n, out=starts[1:])
+    full = np.zeros(int(starts[-1]) * num_groups, dtype=np.uint8)
+    lookup_of = np.repeat(np.arange(n.size), n)
+    for k, present in enumerate(presences):
+        mine = np.flatnonzero(lookups.shards == k)
+        if mine.size == 0:
+            continue
+        j = lookup_of[mine]
+        n_k = np.bincount(j, minlength=n.size)
+        k_starts = np.zeros(n.size + 1, dtype=np.int64)
+        np.cumsum(n_k, out=k_starts[1:])
+        src = num_groups * k_starts[j] + np.arange(mine.size) - k_starts[j]
+        dst = num_groups * starts[j] + mine - starts[j]
+        for g in range(num_groups):
+            full[dst + g * n[j]] = present[src + g * n_k[j]]
+    return full
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """One way to answer the lookups: a policy in a cache."""
+
+    policy: str
+    cache: str
+
+
+class Answers:
+    """The fixed point and the flags of every lookup, for each variant, from
+    the same presence bytes."""
+
+    def __init__(self, config: TraceConfig, variants: Sequence[Variant]) -> None:
+        self.config = config
+        self.variants = list(variants)
+        self.coordinators = [Coordinator(config, v.policy, v.cache) for v in self.variants]
+        self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
+        self.outcomes = [_Outcomes(config.num_groups) for _ in self.variants]
+        self.rows: list[pl.DataFrame] = []
+        self.events = 0
+        self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
+
+    def add(self, lookups: LookupBatch, present: np.ndarray[Any, Any]) -> None:
+        num_groups = self.config.num_groups
+        buf = present.tobytes()
+        sizes = lookups.units.tolist()
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(lookups.units * num_groups, out=offsets[1:])
+        max_lengths = lookups.rows["max_length"].fill_null(0).to_list()
+        observed = lookups.rows["observed_hit_tokens"].to_list()
+        answerers = list(zip(self.coordinators, self.checkers, self.outcomes, strict=True))
+        for o, n, max_length, seen in zip(
+            offsets[:-1].tolist(), sizes, max_lengths, observed, strict=True
+        ):
+            present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
+            for coord, checker, outcomes in answerers:
+                res = coord.lookup_present(present_g, max_length)
+                outcomes.add(res, checker.check_outcome(present_g, max_length, res, seen))
+        if lookups.rows.height:
+            self.rows.append(lookups.rows)
+        self.events += lookups.events
+        for name, count in lookups.counts.items():
+            self.counts[name] += count
+
+    def frames(self) -> list[pl.DataFrame]:
+        """The results of each variant, one row per lookup in seq order."""
+        return [
+            _results_frame(self.rows, outcomes, v.policy, "reference", v.cache)
+            for v, outcomes in zip(self.variants, self.outcomes, strict=True)
+        ]
+
+
+def variants_for(
+    config: TraceConfig, policies: Sequence[str], cache: str | None
+) -> list[Variant]:
+    """The variants asked for, the cache resolved as the serial run does."""
+    if not policies:
+        raise ReplayError("no policy to replay under")
+    used = resolve_cache(config, cache)
+    return [Variant(policy=p, cache=used) for p in dict.fromkeys(policies)]
+
+
+def results_of(
+    config: TraceConfig,
+    variants: Sequence[Variant],
+    frames: Sequence[pl.DataFrame],
+    *,
+    events: int,
+    counts: dict[str, int],
+    seconds: float,
+    trace_path: str | os.PathLike[str],
+) -> list[ReplayResult]:
+    return [
+        ReplayResult(
+            config=config,
+            policy=v.policy,
+            coordinator="reference",
+            cache=v.cache,
+            results=frame,
+            events=events,
+            events_by_kind=dict(counts),
+            seconds=seconds,
+            trace_path=str(trace_path),
+        )
+        for v, frame in zip(variants, frames, strict=True)
+    ]
+
+
+def replay_sharded(
+    path: str | os.PathLike[str],
+    *,
+    policies: Sequence[str],
+    cache: str | None = None,
+    shards: int = 1,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+) -> list[ReplayResult]:
+    """Replay in this process with the store split into ``shards`` shards,
+    under each policy from one fold: the results are those of
+    ``replay_trace`` for every shard count."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
+    reader = open_trace(path)
+    config = reader.config
+    variants = variants_for(config, policies, cache)
+    folds = [ShardFold(config.num_groups) for _ in range(shards)]
+    answers = Answers(config, variants)
+    state = Progress(total_events=reader.num_rows)
+    started = last = time.perf_counter()
+    for batch in reader.iter_batches(prefetch=True):
+        pieces, lookups = scatter(batch, shards)
+        presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
+        answers.add(lookups, gather(lookups, presences, config.num_groups))
+        state.events, state.lookups = answers.events, answers.counts["lookup"]
+        if progress is not None and time.perf_counter() - last >= progress_every:
+            progress(state)
+            last = time.perf_counter()
+    if progress is not None:
+        progress(state)
+    return results_of(
+        config,
+        variants,
+        answers.frames(),
+        events=answers.events,
+        counts=answers.counts,
+        seconds=time.perf_counter() - started,
+        trace_path=path,
+    )
