@@ -67,9 +67,7 @@ def import_ray() -> Any:
     return ray
 
 
-def _scatter_file(
-    path: str, shards: int
-) -> tuple[list[list[ShardPiece]] | list[LookupBatch] | dict[str, Any], ...]:
+def _scatter_file(path: str, shards: int) -> tuple[Any, ...]:
     """Read one file; each shard's pieces, then the lookups, then what the
     driver checks and counts (bytes shipped, the file's seq range)."""
     per_shard: list[list[ShardPiece]] = [[] for _ in range(shards)]
@@ -275,8 +273,7 @@ def _run(
             raise cause from None  # bad input found by a task: its one-line error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ClusterError(
-            f"{path}: the replay on Ray failed ({type(exc).__name__}: {first}); "
-            "no results written"
+            f"{path}: the replay on Ray failed ({type(exc).__name__}: {first}); no results written"
         ) from None
     if progress is not None:
         progress(state)

@@ -244,9 +244,7 @@ class Answers:
         ]
 
 
-def variants_for(
-    config: TraceConfig, policies: Sequence[str], cache: str | None
-) -> list[Variant]:
+def variants_for(config: TraceConfig, policies: Sequence[str], cache: str | None) -> list[Variant]:
     """The variants asked for, the cache resolved as the serial run does."""
     if not policies:
         raise ReplayError("no policy to replay under")
