@@ -271,9 +271,14 @@ def _run(
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ReplayError):
             raise cause from None  # bad input found by a task: its one-line error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = cause if isinstance(cause, BaseException) else exc
+        if isinstance(why, ray.exceptions.RayActorError):
+            what = f"a shard's worker died, and its keys with it ({type(why).__name__})"
+        else:
+            text = str(why).strip()
+            what = f"{type(why).__name__}: {text.splitlines()[0] if text else 'no detail'}"
         raise ClusterError(
-            f"{path}: the replay on Ray failed ({type(exc).__name__}: {first}); no results written"
+            f"{path}: the replay on Ray failed ({what}); no results written"
         ) from None
     if progress is not None:
         progress(state)

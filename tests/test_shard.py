@@ -4,17 +4,21 @@ results identical for any shard count, file count, hash width and policy."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pytest
 
+from replay.cli_scale import results_paths
 from replay.engine import replay_trace
 from replay.errors import ReplayError
 from replay.shard import replay_sharded, shard_of
 from replay.trace import TraceWriter, write_trace
+from tests.conftest import run_cli
 from tests.randtrace import random_config, random_rows
 
 POLICIES = ("vllm-0.33", "pre-49502")
@@ -95,3 +99,50 @@ def test_shard_count_out_of_range(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config))
     with pytest.raises(ReplayError, match="0 shards: expected 1 to 4096"):
         replay_sharded(path, policies=POLICIES, shards=0)
+
+
+@pytest.mark.parametrize("option", [["--workers", "2"], ["--ray", "auto"]])
+def test_without_ray_the_cluster_options_say_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: list[str]
+) -> None:
+    # As on a machine without the extra: `import ray` fails.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    rng = random.Random(4)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config))
+    out = tmp_path / "r.parquet"
+    result = run_cli(["run", str(path), *option, "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "error: --workers and --ray need Ray: pip install 'cache-trace-replay[ray]'\n"
+    )
+    assert not out.exists()
+
+
+def test_several_policies_in_one_process_write_one_file_each(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 30))
+    result = run_cli(["run", str(path), "--policy", "pre-49502", "--policy", "vllm-0.33", "-q"])
+    assert result.exit_code == 0, result.stderr
+    for policy in ("pre-49502", "vllm-0.33"):
+        got = pl.read_parquet(tmp_path / f"t.{policy}.results.parquet")
+        assert got.equals(replay_trace(path, policy=policy).results)
+    assert not (tmp_path / "t.results.parquet").exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "names"),
+    [
+        (None, ["t.a.results.parquet", "t.b.results.parquet"]),
+        ("out.parquet", ["out.a.parquet", "out.b.parquet"]),
+        ("out", ["out.a", "out.b"]),
+    ],
+)
+def test_results_paths_put_the_policy_before_the_suffix(
+    output: str | None, names: list[str]
+) -> None:
+    got = results_paths(Path("d/t.parquet"), Path("d", output) if output else None, ["a", "b"])
+    assert got == [Path("d", n) for n in names]
+    assert results_paths(Path("d/t.parquet"), None, ["a"]) == [Path("d/t.results.parquet")]
