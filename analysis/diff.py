@@ -572,21 +572,19 @@ def diff_results_files(
             la, lb = str(path_a), str(path_b)
     frame_a = _with_flags(frame_a, config_a, info_a)
     frame_b = _with_flags(frame_b, config_b, info_b)
-    a = Side(
-        label=la,
-        policy=pol_a,
-        coordinator=co_a,
-        source=str(path_a),
-        results=frame_a,
-        cache=results_cache(info_a),
-    )
-    b = Side(
-        label=lb,
-        policy=pol_b,
-        coordinator=co_b,
-        source=str(path_b),
-        results=frame_b,
-        cache=results_cache(info_b),
+    a, b = (
+        Side(
+            label=label,
+            policy=policy,
+            coordinator=coordinator,
+            source=str(path),
+            results=frame,
+            cache=results_cache(info),
+        )
+        for label, policy, coordinator, path, frame, info in (
+            (la, pol_a, co_a, path_a, frame_a, info_a),
+            (lb, pol_b, co_b, path_b, frame_b, info_b),
+        )
     )
     return diff_sides(a, b, config_a, str(trace_a))
 

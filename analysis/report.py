@@ -830,6 +830,7 @@ def render_html(data: ReportData) -> str:
         "</head><body><main>",
         f"<h1>{_e(data.title)}</h1>",
         f'<p class="sub">policy <code>{_e(policy)}</code> · {_e(coord)} coordinator · '
+        f"{_e(results_cache(info))} cache · "
         f"results <code>{_e(Path(data.results_path).name)}</code></p>",
         '<div class="cards">'
         + "".join(
@@ -961,6 +962,7 @@ def render_html(data: ReportData) -> str:
         ["trace", data.trace_path or f"not found ({data.trace_note})"],
         ["policy", f"{policy}: {info.get('policy_description', '')}".rstrip(": ")],
         ["coordinator", coord],
+        ["cache", f"{results_cache(info)}: {info.get('cache_description', '')}".rstrip(": ")],
         ["keys", info.get("keys", "-")],
     ]
     out.append(_table_html(None, meta_rows))
@@ -996,8 +998,8 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
     out = [
         f"## {data.title}",
         "",
-        f"Policy `{policy}`, {info.get('coordinator', '?')} coordinator, results "
-        f"`{Path(data.results_path).name}`.",
+        f"Policy `{policy}`, {info.get('coordinator', '?')} coordinator, "
+        f"{results_cache(info)} cache, results `{Path(data.results_path).name}`.",
         "",
         _md_table(
             ["lookups", "with a hit", "prompt tokens", "hit tokens", "hit ratio", "flagged"],

@@ -99,7 +99,8 @@ def info(trace: Path, as_json: bool) -> None:
 
     config = TraceConfig.from_json(data["config"])
     click.echo(f"trace: {trace}")
-    for line in config_lines(config):
+    # The cache the trace's events describe, which replays answer by default.
+    for line in config_lines(config, resolve_cache(config, None)):
         click.echo(line)
     k = data["events_by_kind"]
     click.echo(

@@ -16,9 +16,11 @@ from typing import Any
 
 import click
 
-from replay.cli_common import handles_user_errors
+from replay.cli_common import fail, handles_user_errors
+from replay.coordinator import CACHES
 from replay.sources.mooncake import ingest
 from replay.sources.synth import ARCHETYPES, synth_trace
+from replay.store_rules import StorePolicy
 
 
 @contextmanager
@@ -43,10 +45,17 @@ def _events_text(s: dict[str, Any]) -> str:
     )
 
 
+def _rules_text(s: dict[str, Any]) -> str:
+    r = s["retention_interval"]
+    retention = "dense retention" if r is None else f"retention interval {r}"
+    return f"{s['cache']} stores ({retention}, {s['max_num_batched_tokens']:,}-token steps)"
+
+
 def synth_summary_text(s: dict[str, Any]) -> str:
     text = (
         f"Wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
-        f"{_store_text(s['capacity_blocks'])}, seed {s['seed']}, {s['requests']:,} requests: "
+        f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, seed {s['seed']}, "
+        f"{s['requests']:,} requests: "
         f"{_events_text(s)}."
     )
     injected = s["injected_overruns"]
@@ -64,9 +73,83 @@ def ingest_summary_text(s: dict[str, Any]) -> str:
     return (
         f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
         f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
-        f"{_store_text(s['capacity_blocks'])}, block size {s['block_size']}: "
+        f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
         f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
         f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
+    )
+
+
+def _retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int | None:
+    if value.strip().lower() == "none":
+        return None
+    try:
+        interval = int(value)
+    except ValueError:
+        interval = -1
+    if interval < 0:
+        raise fail(f"--retention-interval: expected an integer >= 0 or 'none', got {value!r}")
+    return interval
+
+
+def _budget(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens <= 0:
+        raise fail(f"--max-num-batched-tokens: expected a positive integer, got {value!r}")
+    return tokens
+
+
+def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if value not in CACHES:
+        raise fail(f"--cache: expected one of {', '.join(CACHES)}, got {value!r}")
+    return value
+
+
+def _store_options(fn: Callable[..., None]) -> Callable[..., None]:
+    """The store rules' options (``replay.store_rules.StorePolicy``)."""
+    for decorator in reversed(
+        [
+            click.option(
+                "--retention-interval",
+                default="0",
+                show_default=True,
+                callback=_retention,
+                metavar="N|none",
+                help="vLLM's prefix_cache_retention_interval: 0 keeps only the states and "
+                "sliding-window tails a replay can resume at (vLLM's default), N also one "
+                "per N tokens, none all of them (dense).",
+            ),
+            click.option(
+                "--max-num-batched-tokens",
+                default="8192",
+                show_default=True,
+                callback=_budget,
+                metavar="N",
+                help="vLLM's token budget per step: the longest prefill chunk (Mamba "
+                "states are kept only at chunk ends).",
+            ),
+            click.option(
+                "--cache",
+                default="mooncake",
+                show_default=True,
+                callback=_cache,
+                metavar="|".join(CACHES),
+                help="Which cache's stores to emit: the Mooncake store connector's, or the "
+                "GPU block pool's BlockStored events.",
+            ),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
+def _policy(retention_interval: int | None, max_num_batched_tokens: int, cache: str) -> StorePolicy:
+    return StorePolicy(
+        retention_interval=retention_interval,
+        max_num_batched_tokens=max_num_batched_tokens,
+        cache=cache,
     )
 
 
@@ -119,6 +202,7 @@ _MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in A
     type=click.IntRange(min=1),
     help="Emit a clear event before every N-th request.",
 )
+@_store_options
 @handles_user_errors
 def synth(
     output: Path,
@@ -131,6 +215,9 @@ def synth(
     hash_block_size: int | None,
     inject_overrun: int,
     clear_every: int | None,
+    retention_interval: int | None,
+    max_num_batched_tokens: int,
+    cache: str,
 ) -> None:
     """Generate a production-style synthetic trace, reproducible from --seed."""
     with _progress(requests, "synth") as progress:
@@ -145,6 +232,9 @@ def synth(
             hash_block_size=hash_block_size,
             inject_overrun=inject_overrun,
             clear_every=clear_every,
+            retention_interval=retention_interval,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cache=cache,
             progress=progress,
         )
     click.echo(synth_summary_text(summary))
@@ -191,6 +281,7 @@ def _ingest_options(fn: Callable[..., None]) -> Callable[..., None]:
 def _ingest_command(format_name: str, doc: str) -> click.Command:
     @click.command(format_name, help=doc)
     @_ingest_options
+    @_store_options
     @handles_user_errors
     def command(
         trace: Path,
@@ -199,6 +290,9 @@ def _ingest_command(format_name: str, doc: str) -> click.Command:
         block_size: int,
         eagle: bool,
         capacity_blocks: int | None,
+        retention_interval: int | None,
+        max_num_batched_tokens: int,
+        cache: str,
     ) -> None:
         summary = ingest(
             format_name,
@@ -208,6 +302,7 @@ def _ingest_command(format_name: str, doc: str) -> click.Command:
             block_size=block_size,
             eagle=eagle,
             capacity_blocks=capacity_blocks,
+            policy=_policy(retention_interval, max_num_batched_tokens, cache),
         )
         click.echo(ingest_summary_text(summary))
 

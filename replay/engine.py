@@ -35,7 +35,7 @@ from replay.coordinator import (
     get_policy,
     trace_cache,
 )
-from replay.errors import ReplayError
+from replay.errors import ConfigError, ReplayError
 from replay.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable
 from replay.spec import TraceConfig
 from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
@@ -73,12 +73,22 @@ def resolve_cache(config: TraceConfig, cache: str | None) -> str:
 
 
 def make_coordinator(
-    config: TraceConfig, policy: str, coordinator: str, cache: str | None = None
+    config: TraceConfig,
+    policy: str,
+    coordinator: str,
+    cache: str | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
 ) -> LookupCoordinator:
     get_policy(policy)  # unknown names fail the same way for both backends
     cache = resolve_cache(config, cache)
     if coordinator == "reference":
-        return Coordinator(config, policy, cache)
+        try:
+            return Coordinator(config, policy, cache)
+        except ConfigError as exc:
+            # A trace valid for one cache may not be for the other.
+            where = f"{path}: " if path is not None else ""
+            raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
     if coordinator == "vllm":
         from replay.backends.vllm import VllmCoordinator
 
@@ -252,7 +262,7 @@ def replay_trace(
     reader = open_trace(path)
     config = reader.config
     cache = resolve_cache(config, cache)
-    coord = make_coordinator(config, policy, coordinator, cache)
+    coord = make_coordinator(config, policy, coordinator, cache, path=path)
     checker = FlagChecker(config, cache)
     num_groups = config.num_groups
     table = KeyTable(num_groups)
@@ -474,7 +484,7 @@ def explain_lookups(
     stands."""
     config = open_trace(path).config
     cache = resolve_cache(config, cache)
-    coord = make_coordinator(config, policy, coordinator, cache)
+    coord = make_coordinator(config, policy, coordinator, cache, path=path)
     checker = FlagChecker(config, cache)
     store: Store[bytes] = Store(config.num_groups)
     contains = [s.__contains__ for s in store.present]

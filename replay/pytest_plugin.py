@@ -9,8 +9,10 @@ A trace opts in with an Arrow metadata key ``replay.expect`` (JSON)::
     ]}
 
 ``flags`` is the exact count of flagged lookups per flag kind (``{}``: clean);
-``hits`` pins the replayed hit of named requests (the last lookup of each).
-Either may be left out. Registered through the ``pytest11`` entry point, so
+``hit_tokens`` the total hit over every lookup; ``group_hit_tokens`` per
+group the total of that group's own finder hit; ``hits`` pins the replayed hit
+of named requests (the last lookup of each); ``cache`` picks the cache that
+answers (default: the trace's own). Any may be left out. Registered through the ``pytest11`` entry point, so
 ``pip install cache-trace-replay`` then ``pytest traces/`` runs a corpus.
 """
 
@@ -60,6 +62,11 @@ class TraceFile(pytest.File):
             yield TraceItem.from_parent(self, name=f"{self.path.stem}[{label}]", entry=entry)
 
 
+#: How many wrong requests a failure lists, and how many it explains.
+SHOWN = 10
+EXPLAINED = 3
+
+
 class ExpectationMismatch(Exception):
     pass
 
@@ -86,17 +93,35 @@ class TraceItem(pytest.Item):
             if got != want:
                 problems.append(f"flags: expected {want or 'none'}, replayed {got or 'none'}")
                 explain_ids += flags["request_id"].unique(maintain_order=True).head(3).to_list()
-        for request_id, want_hit in (self.entry.get("hits") or {}).items():
-            rows = result.results.filter(result.results["request_id"] == request_id)
-            if rows.height == 0:
-                problems.append(f"request {request_id}: not in the trace")
-                continue
-            got_hit = int(rows["hit_tokens"][-1])
-            if got_hit != int(want_hit):
+        res = result.results
+        if "hit_tokens" in self.entry:
+            got_total = int(res["hit_tokens"].sum() or 0)
+            if got_total != int(self.entry["hit_tokens"]):
                 problems.append(
-                    f"request {request_id}: expected hit {want_hit}, replayed {got_hit}"
+                    f"hit tokens: expected {self.entry['hit_tokens']} in all, replayed {got_total}"
+                )
+        if "group_hit_tokens" in self.entry:
+            per_lookup = res["group_hit_tokens"].to_list()
+            got_groups = [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
+            if got_groups != [int(v) for v in self.entry["group_hit_tokens"]]:
+                problems.append(
+                    f"group hit tokens: expected {self.entry['group_hit_tokens']} per group, "
+                    f"replayed {got_groups}"
+                )
+        last = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
+        wrong: list[str] = []
+        for request_id, want_hit in (self.entry.get("hits") or {}).items():
+            if request_id not in last:
+                wrong.append(f"request {request_id}: not in the trace")
+            elif int(last[request_id]) != int(want_hit):
+                wrong.append(
+                    f"request {request_id}: expected hit {want_hit}, replayed {last[request_id]}"
                 )
                 explain_ids.append(request_id)
+        problems += wrong[:SHOWN]
+        if len(wrong) > SHOWN:
+            problems.append(f"... and {len(wrong) - SHOWN} more requests with another hit")
+        explain_ids = list(dict.fromkeys(explain_ids))[:EXPLAINED]
         if problems:
             raise ExpectationMismatch("\n".join(problems + self._explain(explain_ids)))
 

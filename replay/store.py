@@ -2,8 +2,10 @@
 
 The state is the set of present ``(group_id, hash)`` keys, kept as one set of
 hashes per group. ``apply`` is the projection step; ``fold`` runs it over an
-event log up to a point. A hash can be the raw bytes (exact) or any hashable
-stand-in for them, such as the 64-bit fingerprints the engine uses.
+event log up to a point. This is the plain definition, used where one
+lookup's state is shown (``replay explain``, ``replay state``); the replay
+itself folds the same events in compiled code (``replay.kernels``), and the
+tests hold the two to identical answers.
 """
 
 from __future__ import annotations

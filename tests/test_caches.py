@@ -233,3 +233,24 @@ def test_43559_is_the_same_in_both_caches(tmp_path: Path) -> None:
         assert replay_trace(path, cache=cache).results["hit_tokens"].to_list() == [48]
         pre = replay_trace(path, policy="pre-49502", cache=cache)
         assert pre.results["hit_tokens"].to_list() == [64]
+
+
+def test_a_trace_the_chosen_cache_cannot_answer_is_one_line(tmp_path: Path) -> None:
+    config = TraceConfig(
+        groups=(GroupSpec(kind=FULL, block_size=32),), hash_block_size=16, scheduler_block_size=32
+    )
+    path = write_trace(
+        tmp_path / "one.parquet",
+        config,
+        [{"kind": "lookup", "request_id": "a", "block_hashes": chain(1), "max_length": 16}],
+    )
+    out = tmp_path / "r.parquet"
+    res = run_cli(["run", str(path), "--cache", "gpu", "-o", str(out)])
+    assert (res.exit_code, res.stdout) == (2, "")
+    assert res.stderr == (
+        f"error: {path}: replay.trace metadata: the gpu cache answers a single KV-cache group "
+        "with vLLM's UnitaryKVCacheCoordinator, which needs hash_block_size equal to "
+        "block_size 32, got 16\n"
+    )
+    assert not out.exists()
+    assert run_cli(["run", str(path), "--cache", "mooncake", "-o", str(out), "-q"]).exit_code == 0

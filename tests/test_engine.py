@@ -133,3 +133,18 @@ def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, 
             writer.write_rows([row])
     want = naive_replay(rows, config, "vllm-0.33")
     assert _replayed(path, "vllm-0.33") == want
+
+
+def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Path) -> None:
+    from tests.conftest import run_cli
+
+    plain, raw = tmp_path / "plain.parquet", tmp_path / "raw.parquet"
+    assert run_cli(["run", str(trace_43559), "-o", str(plain), "-q"]).exit_code == 0
+    assert run_cli(["run", str(trace_43559), "-o", str(raw), "-q", "--unit-present"]).exit_code == 0
+    a, _ = read_results(plain)
+    b, _ = read_results(raw)
+    assert "unit_present" not in a.columns
+    assert b["unit_present"].to_list() == [[[True] * 4, [True] * 4]]
+    assert a.equals(b.drop("unit_present"))
+    # A results file with the raw state can have its flags recomputed.
+    assert run_cli(["check", str(raw)]).exit_code == 0

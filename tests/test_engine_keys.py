@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace
+from replay.engine import fold_rows, replay_trace
 from replay.kernels import LOOKUP, STORE, KeyTable
 from replay.spec import TraceConfig
 from replay.trace import (
@@ -193,31 +194,11 @@ def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> N
             hashes.append(keys)
         probe = [universe[i] for i in rng.integers(0, len(universe), 500)]
         kinds.append(LOOKUP)
-        gids.append(-1)
+        gids.append(0)
         hashes.append(probe)
+        frame = pl.DataFrame({"group_id": gids}, schema={"group_id": pl.Int32})
         arr = pa.array(hashes, pa.list_(pa.binary()))
-        words = hash_words(arr)
-        counts = np.diff(words.row_offsets)
-        out_offsets = np.zeros(len(kinds) + 1, dtype=np.int64)
-        out_offsets[-1] = len(probe) * groups
-        out_offsets[-2] = 0
-        out = np.zeros(len(probe) * groups, dtype=np.uint8)
-        kind_arr = np.array(kinds, dtype=np.int8)
-        kind_arr.flags.writeable = False
-        gid_arr = np.array(gids, dtype=np.int32)
-        gid_arr.flags.writeable = False
-        assert counts[-1] == len(probe)
-        table.fold(
-            kind_arr,
-            gid_arr,
-            words.row_offsets,
-            words.words,
-            words.word_offsets,
-            words.nbytes,
-            words.max_words,
-            out,
-            out_offsets,
-        )
+        out, _, _ = fold_rows(table, frame, arr, np.array(kinds, dtype=np.int8))
         want = [[h in truth[g] for h in probe] for g in range(groups)]
         got = out.reshape(groups, len(probe)).astype(bool).tolist()
         assert got == want
@@ -277,3 +258,56 @@ def test_writers_bound_their_row_groups(tmp_path: Path) -> None:
         write_bounded(writer, pa.table({"block_hashes": big}, schema=schema))
     meta = pq.ParquetFile(out).metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2, 1]
+
+
+@pytest.mark.parametrize(
+    "hash_type",
+    [
+        pa.list_(pa.binary()),
+        pa.large_list(pa.large_binary()),
+        pa.list_(pa.binary(16)),
+        pa.list_(pa.binary(12)),
+    ],
+    ids=["list-binary", "large-list-large-binary", "fixed-16", "fixed-12"],
+)
+def test_every_block_hashes_type_the_format_allows(tmp_path: Path, hash_type: pa.DataType) -> None:
+    """A trace whose writer chose another Arrow type for ``block_hashes``
+    replays exactly as the canonical one."""
+    rng = random.Random(77)
+    config = random_config(rng)
+    width = 12 if hash_type.value_type == pa.binary(12) else 16
+    rows = _rehashed(random_rows(rng, config, 20), _odd(width))
+    canonical = write_trace(tmp_path / "c.parquet", config, rows)
+    table = pq.read_table(canonical)
+    i = table.schema.get_field_index("block_hashes")
+    table = table.set_column(
+        i, pa.field("block_hashes", hash_type), table["block_hashes"].cast(hash_type)
+    )
+    other = tmp_path / "o.parquet"
+    pq.write_table(table, other)
+    columns = ["seq", "hit_tokens", "mask_blocks", "loaded_blocks", "flags", "unit_present"]
+    a = replay_trace(canonical, unit_present=True).results.select(columns)
+    b = replay_trace(other, unit_present=True).results.select(columns)
+    assert a.equals(b)
+    assert a.height == 20
+
+
+def test_hash_words_of_a_sliced_array_name_each_hash_exactly() -> None:
+    rng = random.Random(3)
+    lists = [
+        [rng.randbytes(rng.choice([8, 12, 16, 32])) for _ in range(rng.randint(0, 5))]
+        for _ in range(40)
+    ]
+    for typ in (pa.list_(pa.binary()), pa.large_list(pa.large_binary())):
+        arr = pa.array(lists, typ).slice(7, 20)
+        w = hash_words(arr)
+        got = []
+        for r in range(len(arr)):
+            row = []
+            for h in range(w.row_offsets[r], w.row_offsets[r + 1]):
+                raw = w.words[w.word_offsets[h] : w.word_offsets[h + 1]].tobytes()
+                row.append(raw[: w.nbytes[h]])
+                assert raw[w.nbytes[h] :] == bytes(len(raw) - w.nbytes[h])
+            got.append(row)
+        assert got == lists[7:27]
+        assert not w.words.flags.writeable

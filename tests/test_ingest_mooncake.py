@@ -15,6 +15,7 @@ from replay.coordinator import Coordinator
 from replay.errors import ReplayError
 from replay.sources.mooncake import count_reuse, ingest_bailian, ingest_mooncake
 from replay.trace import open_trace
+from tests.conftest import check_store_options
 
 # Mooncake: one id per 512 tokens; the last, partial block has an id (ceil)
 # except in the last row, which omits it (floor).
@@ -293,3 +294,15 @@ def test_bailian_command(tmp_path: Path) -> None:
     result = CliRunner().invoke(bailian, [str(bad), "-o", str(out)])
     assert result.exit_code == 2
     assert result.stderr == f"error: {bad}: line 1: not valid JSON (Expecting value at column 1)\n"
+
+
+def test_store_options_are_recorded(tmp_path: Path) -> None:
+    src = _write(tmp_path / "bailian.jsonl", BAILIAN_ROWS)
+    out = tmp_path / "cli.parquet"
+    check_store_options(bailian, [str(src), "-o", str(out), "--model", "full+mamba"], out, 64)
+    bad = CliRunner().invoke(
+        mooncake, [str(src), "-o", str(tmp_path / "x.parquet"), "--cache", "disk"]
+    )
+    assert bad.exit_code == 2
+    assert bad.stderr == "error: --cache: expected one of mooncake, gpu, got 'disk'\n"
+    assert not (tmp_path / "x.parquet").exists()

@@ -95,6 +95,10 @@ def test_report_43559_markdown(tmp_path: Path, trace_43559: Path) -> None:
     assert res.exit_code == 0, res.output
     lines = out.read_text().splitlines()
     assert lines[0] == "## Replay report: t43559.parquet"
+    assert lines[2] == (
+        "Policy `pre-49502`, reference coordinator, mooncake cache, results "
+        "`t43559.results.parquet`."
+    )
     assert "| 1 | 1 | 65 | 64 | 98.46% | 1 |" in lines
     assert (
         "| `mamba_overrun` | 1 | 100.00% | Mamba resumes recurrent state past the hit or "

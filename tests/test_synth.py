@@ -17,15 +17,14 @@ from replay.errors import ReplayError
 from replay.sources.synth import ARCHETYPES, archetype_config, synth_trace
 from replay.sources.workload import (
     DigestTable,
-    StorePolicy,
     WorkloadWriter,
     digest_keys,
     lane_salts,
-    replay_boundaries,
-    stored_blocks,
 )
-from replay.spec import GroupKind, GroupSpec
+from replay.spec import GroupKind
+from replay.store_rules import StorePolicy
 from replay.trace import open_trace
+from tests.conftest import check_store_options
 
 F, S, C, M = (
     GroupKind.FULL_ATTENTION,
@@ -104,80 +103,6 @@ def test_unknown_model() -> None:
         "unknown model 'mamba-only', expected one of full, full+mamba, full+swa, "
         "full+chunked, swa+mamba, full+swa+mamba"
     )
-
-
-# ---------------------------------------------------------------- store rules
-
-
-def test_replay_boundaries() -> None:
-    assert replay_boundaries(100, 16, False) == (99,)
-    assert replay_boundaries(100, 16, True) == (80,)
-    assert replay_boundaries(96, 16, True) == (64, 80)
-
-
-def _mamba_blocks(num_tokens: int, eagle: bool, **policy: Any) -> list[int]:
-    spec = GroupSpec(kind=M, block_size=16, mamba_cache_mode="align")
-    sel = stored_blocks(
-        spec,
-        num_blocks=num_tokens // 16,
-        num_tokens=num_tokens,
-        alignment=16,
-        group_eagle=eagle,
-        any_eagle=eagle,
-        policy=StorePolicy(**policy),
-    )
-    assert sel is not None
-    return [int(b) for b in sel]
-
-
-def test_mamba_keeps_states_only_at_reachable_boundaries() -> None:
-    # Without EAGLE: the resend hit (num_tokens - 1, aligned down).
-    assert _mamba_blocks(100, False) == [5]
-    assert _mamba_blocks(96, False) == [4]
-    # With EAGLE: one block below the resend and the extension hits.
-    assert _mamba_blocks(100, True) == [4]
-    assert _mamba_blocks(96, True) == [3, 4]
-    # Prefill chunk ends (dense retention), and a retention interval instead.
-    assert _mamba_blocks(100, False, prefill_chunk_tokens=32) == [1, 3, 5]
-    assert _mamba_blocks(100, True, retention_interval=48) == [2, 4, 5]
-    assert _mamba_blocks(100, True, retention_interval=0) == [4]
-
-
-def _swa_blocks(eagle: bool, alignment: int, **policy: Any) -> list[int] | None:
-    spec = GroupSpec(kind=S, block_size=16, sliding_window=32)
-    sel = stored_blocks(
-        spec,
-        num_blocks=10,
-        num_tokens=170,
-        alignment=alignment,
-        group_eagle=eagle,
-        any_eagle=eagle,
-        policy=StorePolicy(**policy),
-    )
-    return None if sel is None else sel.tolist()
-
-
-def test_sliding_window_keeps_the_window_tail_at_aligned_boundaries() -> None:
-    # Window 32 needs ceil(31 / 16) = 2 blocks ending at each 64-token boundary...
-    assert _swa_blocks(False, 64) == [2, 3, 6, 7]
-    # ...with EAGLE one more, the run ending one block past the boundary.
-    assert _swa_blocks(True, 64) == [2, 3, 4, 6, 7, 8]
-    # Block-sized alignment: every block ends a window (vLLM keeps them all).
-    assert _swa_blocks(False, 16) is None
-    # Only the replay boundary (169 -> 128): the tail ending at block 8.
-    assert _swa_blocks(False, 64, retention_interval=0) == [6, 7]
-
-
-def test_sparse_stores_serve_the_resend_hit() -> None:
-    # Mamba blocks of 64 tokens make the hit alignment 64, so the sliding
-    # window (32 tokens) keeps only the tails ending at 64-token boundaries.
-    config = archetype_config("full+swa+mamba", sliding_window=32, mamba_block_size=64)
-    writer = WorkloadWriter(config, lambda _t: None, lambda k: np.zeros((len(k), 16), np.uint8))
-    units = np.arange(10, dtype=np.int64)  # a 170-token prompt
-    stored = [set(writer.group_keys(g, units, 170).tolist()) for g in range(3)]
-    assert stored == [set(range(10)), {2, 3, 6, 7}, {7}]
-    outcome = Coordinator(config).lookup(units.tolist(), 169, [s.__contains__ for s in stored])
-    assert outcome.hit_tokens == 128
 
 
 # ---------------------------------------------------------------- generated traces
@@ -456,3 +381,116 @@ def test_digests_are_distinct_and_seeded() -> None:
     assert len({bytes(row) for row in a}) == 100_000
     assert not np.array_equal(a, digest_keys(keys, lane_salts(1, 2)))
     assert np.array_equal(a, digest_keys(keys, lane_salts(0, 2)))
+
+
+def _store_rows(
+    config: Any, requests: list[tuple[str, list[int], int]], **policy: Any
+) -> list[Any]:
+    tables: list[Any] = []
+    writer = WorkloadWriter(
+        config,
+        tables.append,
+        lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
+        policy=StorePolicy(**policy),
+    )
+    for rid, units, num_tokens in requests:
+        keys = np.array(units, dtype=np.int64)
+        writer.add(ts_us=0, request_id=rid, num_tokens=num_tokens, unit_keys=keys)
+    writer.close()
+    return [
+        (
+            r["kind"],
+            r["group_id"],
+            r["request_id"],
+            [int.from_bytes(h, "big") for h in r["block_hashes"]],
+        )
+        for t in tables
+        for r in t.to_pylist()
+        if r["kind"] == "store"
+    ]
+
+
+def test_writer_stores_from_the_hit_the_request_gets() -> None:
+    # Full attention + Mamba with EAGLE. "a": 96 tokens (units 0..5) keeps its
+    # blocks and the state at 80 (block 4), none at 64. "b": 200 tokens sharing
+    # a's 96; its lookup hits 80 (full attention drops a block, the state at
+    # 80 is there), so its prefill runs from 80: full attention stores blocks
+    # 6..11 (5 is present), Mamba the checkpoint 176 (block 10).
+    config = archetype_config("full+mamba", use_eagle=True)
+    a = list(range(6))
+    b = a + list(range(100, 106))
+    rows = _store_rows(config, [("a", a, 96), ("b", b, 200)])
+    assert rows == [
+        ("store", 0, "a", a),
+        ("store", 1, "a", [4]),
+        ("store", 0, "b", b[6:12]),
+        ("store", 1, "b", [b[10]]),
+    ]
+    # Dense retention: the state at 96 too, and b's prefill resumes there.
+    dense = _store_rows(config, [("a", a, 96), ("b", b, 200)], retention_interval=None)
+    assert dense == [
+        ("store", 0, "a", a),
+        ("store", 1, "a", [4, 5]),
+        ("store", 0, "b", b[6:12]),
+        ("store", 1, "b", [b[10]]),
+    ]
+
+
+def test_synth_store_options(tmp_path: Path) -> None:
+    out = tmp_path / "cli.parquet"
+    args = ["-o", str(out), "--model", "full+swa+mamba", "--requests", "60", "--eagle"]
+    check_store_options(synth, args, out, 512)
+    lib = synth_trace(
+        tmp_path / "lib.parquet",
+        model="full+swa+mamba",
+        requests=60,
+        eagle=True,
+        retention_interval=None,
+        max_num_batched_tokens=512,
+        cache="gpu",
+    )
+    assert out.read_bytes() == (tmp_path / "lib.parquet").read_bytes()
+    # vLLM's default keeps fewer Mamba states than dense retention (the
+    # 4096-token window covers these prompts' every block either way).
+    sparse = synth_trace(
+        tmp_path / "sparse.parquet", model="full+swa+mamba", requests=60, eagle=True
+    )
+    assert sparse["stored_keys"][1] == lib["stored_keys"][1]
+    assert sparse["stored_keys"][2] < lib["stored_keys"][2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--retention-interval", "-16"],
+            "--retention-interval: expected an integer >= 0 or 'none', got '-16'",
+        ),
+        (
+            ["--retention-interval", "some"],
+            "--retention-interval: expected an integer >= 0 or 'none', got 'some'",
+        ),
+        (
+            ["--retention-interval", "40"],
+            "retention interval 40 must be a multiple of the scheduler block size 16",
+        ),
+        (
+            ["--max-num-batched-tokens", "0"],
+            "--max-num-batched-tokens: expected a positive integer, got '0'",
+        ),
+        (
+            ["--max-num-batched-tokens", "8"],
+            "max_num_batched_tokens 8 must be at least the scheduler block size 16: a Mamba "
+            "prefill chunk ends on a block",
+        ),
+        (["--cache", "cpu"], "--cache: expected one of mooncake, gpu, got 'cpu'"),
+    ],
+)
+def test_synth_store_option_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "t.parquet"
+    result = CliRunner().invoke(
+        synth, ["-o", str(out), "--model", "full+mamba", "--requests", "5", *args]
+    )
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {message}\n"
+    assert list(tmp_path.iterdir()) == []

@@ -49,7 +49,7 @@ def clean(hits: dict[str, int]) -> dict[str, Any]:
 # name -> (rows, expect list, what it pins)
 def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], str]]:
     hs4, hs5 = chain(4, "43559"), chain(5, "unaligned")
-    mamba_only = chain(3, "mamba-only")
+    mamba_only, both = chain(3, "mamba-only"), chain(3, "both-groups")
     return {
         "issue-43559": (
             [
@@ -65,6 +65,8 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             ],
             [
                 clean({"req-43559": 48}),
+                # A simple hybrid stops after one pass: nothing to spiral.
+                {"policy": "pre-32802", "flags": {}, "hits": {"req-43559": 48}},
                 {
                     "policy": "pre-49502",
                     "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
@@ -88,6 +90,7 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             ],
             [
                 {"policy": "vllm-0.33", "flags": {"observed_mismatch": 1}, "hits": {"prod-1": 48}},
+                {"policy": "pre-32802", "flags": {"observed_mismatch": 1}, "hits": {"prod-1": 48}},
                 {
                     "policy": "pre-49502",
                     "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
@@ -110,6 +113,9 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             ],
             [
                 clean({"r79": 64}),
+                # No peek margin before #32802: full attention's bound is 79, it
+                # matches four blocks and drops one, 48.
+                {"policy": "pre-32802", "flags": {}, "hits": {"r79": 48}},
                 {
                     "policy": "pre-49502",
                     "flags": {"mamba_overrun": 1, "mamba_state_mismatch": 1, "hit_misaligned": 1},
@@ -128,13 +134,27 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                     "max_length": 47,
                     "num_tokens": 48,
                 },
+                # A request that does hit, beside it: attention holds three
+                # blocks, Mamba its states at 16 and 32. Its drop lands on a
+                # stored state under every policy (no flag); pre-32802's
+                # bound of 47 drops a second block.
+                {"kind": "store", "group_id": 0, "block_hashes": both},
+                {"kind": "store", "group_id": 1, "block_hashes": both[:2]},
+                {
+                    "kind": "lookup",
+                    "request_id": "m2",
+                    "block_hashes": both,
+                    "max_length": 47,
+                    "num_tokens": 48,
+                },
             ],
             [
-                clean({"m1": 0}),
+                clean({"m1": 0, "m2": 32}),
+                {"policy": "pre-32802", "flags": {}, "hits": {"m1": 0, "m2": 16}},
                 {
                     "policy": "pre-49502",
                     "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
-                    "hits": {"m1": 16},
+                    "hits": {"m1": 16, "m2": 32},
                 },
             ],
             "pre-#49502: no attention block stored, yet Mamba's peek finds a state and the hit relies on absent attention blocks",
@@ -193,7 +213,16 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     cases = {name: (full_mamba(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
     for name, (config, rows, expect, what) in cases.items():
+        for entry in expect:
+            # One lookup per request in these traces: the total is their sum.
+            entry["hit_tokens"] = sum(entry["hits"].values())
         path = HERE / f"{name}.parquet"
+        write_trace(path, config, rows, expect={"expect": expect, "pins": what})
+        # Pinned at build time, like the synthetic traces: each group's own
+        # hits, so that a zero hit is told apart from a coordinator that
+        # never hits (review the diff of the trace when they change).
+        for entry in expect:
+            entry["group_hit_tokens"] = replayed_group_hits(path, entry["policy"])
         write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         built.append((path.name, what, expect))
     return built
@@ -229,8 +258,8 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
         "full attention + chunked local attention (Llama-4 style), no EAGLE",
     ),
     "archetype-swa-mamba": (
-        {"model": "swa+mamba", "requests": 200, "seed": 6, "eagle": True, "capacity_blocks": 4000},
-        "sliding window + Mamba with EAGLE: the overrun without full attention",
+        {"model": "swa+mamba", "requests": 200, "seed": 8, "eagle": True, "capacity_blocks": 4000},
+        "sliding window + Mamba with EAGLE: before #49502 the window re-checks Mamba's grown candidate without the drop, so hit, state and loaded KV agree (eagle_not_dropped, no overrun)",
     ),
     "archetype-full-swa-mamba": (
         {
@@ -245,8 +274,22 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+def _group_totals(results: Any) -> list[int]:
+    """Per group_id, the sum over every lookup of that group's own hit."""
+    per_lookup = results["group_hit_tokens"].to_list()
+    return [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
+
+
+def replayed_group_hits(path: Path, policy: str) -> list[int]:
+    from replay.engine import replay_trace
+
+    return _group_totals(replay_trace(path, policy=policy).results)
+
+
 def replayed_expectation(path: Path) -> list[dict[str, Any]]:
-    """Pin what the replay gives now, per policy (flag counts)."""
+    """Pin what the replay gives now, per policy: flag counts, the total hit
+    tokens and every request's hit, so a coordinator that answers wrongly
+    fails every item, not only those with flags."""
     from analysis.flags import flag_counts
     from replay.coordinator import POLICIES
     from replay.engine import replay_trace
@@ -254,7 +297,17 @@ def replayed_expectation(path: Path) -> list[dict[str, Any]]:
     out = []
     for policy in POLICIES:
         result = replay_trace(path, policy=policy)
-        out.append({"policy": policy, "flags": flag_counts(result.flags())})
+        res = result.results
+        hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
+        out.append(
+            {
+                "policy": policy,
+                "flags": flag_counts(result.flags()),
+                "hit_tokens": int(res["hit_tokens"].sum()),
+                "group_hit_tokens": _group_totals(res),
+                "hits": hits,
+            }
+        )
     return out
 
 
@@ -287,7 +340,8 @@ def build_synth() -> list[tuple[str, str, list[dict[str, Any]]]]:
 
 def _flags_text(entry: dict[str, Any]) -> str:
     flags = entry.get("flags") or {}
-    return ", ".join(f"{k} {v}" for k, v in sorted(flags.items())) or "clean"
+    text = ", ".join(f"{k} {v}" for k, v in sorted(flags.items())) or "clean"
+    return f"{text}; {entry['hit_tokens']} hit tokens"
 
 
 def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
@@ -312,7 +366,12 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "",
         "- `policy`: a policy name (`replay run --help` lists them).",
         "- `flags`: the exact number of flagged lookups per flag kind; `{}` means clean.",
-        "- `hits` (optional): the replayed hit, in tokens, of named requests (their last lookup).",
+        "- `hit_tokens`: the total replayed hit over every lookup.",
+        "- `group_hit_tokens`: per group_id, the total of that group's own finder hit",
+        "  (tells a true zero hit from a coordinator that never hits).",
+        "- `hits`: the replayed hit, in tokens, of each request (its last lookup); the",
+        "  synthetic traces pin every request.",
+        "- `cache` (optional): the cache that answers; default the trace's `source.cache`.",
         "- Other keys (`pins`, `synth`, `minimized_from`) are notes for people.",
         "",
         "`replay minimize TRACE --request ID -o traces/NAME.parquet` writes a trace",

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from replay.errors import ReplayError
+from replay.errors import named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,12 +77,7 @@ DEFAULT_CACHE = "mooncake"
 
 
 def get_cache(name: str | Cache) -> Cache:
-    if isinstance(name, Cache):
-        return name
-    try:
-        return CACHES[name]
-    except KeyError:
-        raise ReplayError(f"unknown cache {name!r}, expected one of {', '.join(CACHES)}") from None
+    return name if isinstance(name, Cache) else named(CACHES, name, "cache")
 
 
 def trace_cache(source: Mapping[str, Any] | None) -> str:

@@ -147,7 +147,7 @@ def build_spec_groups(
     )
 
 
-def _fine_grained_everywhere(config: TraceConfig) -> bool:
+def engine_derives_partial_hits(config: TraceConfig) -> bool:
     """vLLM's ``partial_hash_hits_enabled``: an align-mode Mamba group with a
     block larger than the hash unit, and every other group either able to
     probe inside a block or one hash unit per block."""
@@ -167,7 +167,7 @@ def partial_hits(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> boo
     if _unitary(config, c):
         return False  # the unitary coordinator has no partial hits
     if c.derive_partial_hits:
-        return config.enable_partial_hash_hits and _fine_grained_everywhere(config)
+        return config.enable_partial_hash_hits and engine_derives_partial_hits(config)
     return config.enable_partial_hash_hits
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replay.errors import ReplayError
+from replay.errors import named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,11 +51,4 @@ DEFAULT_POLICY = "vllm-0.33"
 
 
 def get_policy(name: str | Policy) -> Policy:
-    if isinstance(name, Policy):
-        return name
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ReplayError(
-            f"unknown policy {name!r}, expected one of {', '.join(POLICIES)}"
-        ) from None
+    return name if isinstance(name, Policy) else named(POLICIES, name, "policy")

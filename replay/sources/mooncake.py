@@ -17,7 +17,8 @@ for ``S``-token source blocks.
 Each row becomes, in file order, a ``lookup`` (``request_id`` = the
 ``chat_id``, or ``line-N`` for Mooncake; ``max_length = input_length - 1``)
 followed by the stores its prefill leaves behind for the chosen archetype,
-through the same store logic as the generator (``replay.sources.workload``).
+through the same store logic as the generator (``replay.sources.workload``,
+``replay.store_rules``).
 Timestamps are kept relative: the trace's time zero is written as the Unix
 epoch.
 
@@ -74,6 +75,7 @@ from replay.sources.workload import (
     digest_pairs,
     lane_salts,
 )
+from replay.store_rules import StorePolicy
 from replay.trace import TraceWriter
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -362,20 +364,27 @@ def ingest(
     block_size: int = 16,
     eagle: bool = False,
     capacity_blocks: int | None = None,
+    policy: StorePolicy | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Import a JSONL trace in ``format_name`` (``mooncake`` or ``bailian``);
-    return a summary with the trace's own prefix-reuse ratio."""
+    return a summary with the trace's own prefix-reuse ratio. ``policy``
+    chooses the store rules (default: vLLM's defaults, the Mooncake store)."""
     fmt = _FORMATS[format_name]
     path = Path(src)
     fine, coarse = _granularity(fmt, block_size)
     config = archetype_config(model, block_size, None, eagle)
+    policy = policy or StorePolicy()
     keymap = _KeyMap(fine, coarse)
     counter = _ReuseCounter(fine, coarse, block_size)
     with (
         TraceWriter(out, config) as trace,
         WorkloadWriter(
-            config, trace.write_table, keymap.digest, capacity_blocks=capacity_blocks
+            config,
+            trace.write_table,
+            keymap.digest,
+            capacity_blocks=capacity_blocks,
+            policy=policy,
         ) as writer,
     ):
         done = 0
@@ -402,6 +411,7 @@ def ingest(
                 "source_block_tokens": fmt.block_tokens,
                 "model": model,
                 "capacity_blocks": capacity_blocks,
+                **policy.as_source(),
                 "reuse_ratio": reuse.ratio,
                 "reused_tokens": reuse.reused_tokens,
                 "input_tokens": reuse.input_tokens,
@@ -417,6 +427,7 @@ def ingest(
         "eagle": eagle,
         "block_size": block_size,
         "capacity_blocks": capacity_blocks,
+        **policy.as_source(),
         "rows": reuse.rows,
         **stats.as_dict(),
         "bytes": Path(out).stat().st_size,

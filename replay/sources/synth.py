@@ -28,8 +28,9 @@ medians of 800 / 200 / 250 tokens (system / user message / answer), 3 turns
 on average, prompts up to 32k tokens: a mean prompt of about 2.7k tokens,
 p99 about 10k. Request ids are ``s{session}-t{turn}``; time starts at
 2025-01-01T00:00:00Z. Each request's rows (lookup, evictions, stores) come
-from ``replay.sources.workload``, which documents exactly which blocks each
-kind of group stores and why.
+from ``replay.sources.workload``; which blocks each kind of group stores,
+and why, is ``replay.store_rules`` (vLLM 0.33.0's rules for the chosen
+cache, retention interval and token budget).
 
 Hashes: vLLM chains ``hash(parent, token block)``; here every generated
 token block is fresh content, so a counter over created hash units already
@@ -73,13 +74,13 @@ from replay.sources.workload import (
     Digests,
     DigestTable,
     Keys,
-    StorePolicy,
     WorkloadWriter,
     digest_keys,
     lane_salts,
     lcm,
 )
 from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.store_rules import StorePolicy
 from replay.trace import TraceWriter
 
 #: 2025-01-01T00:00:00Z in microseconds: where synthetic time starts.
@@ -349,9 +350,10 @@ def _overrun_expectations(
         for gid, g in enumerate(config.groups)
         if g.kind is GroupKind.MAMBA
     }
+    views = writer.group_views(units)
     present = [
-        set(writer.group_keys(gid, units, num_tokens, extra.get(gid, ())).tolist())
-        for gid in range(config.num_groups)
+        set(views[gid][idx].tolist())
+        for gid, idx in enumerate(writer.stored_indices(num_tokens, extra_blocks=extra))
     ]
     contains = [s.__contains__ for s in present]
     hashes = units.tolist()
@@ -378,8 +380,9 @@ def synth_trace(
     extra_retained_tokens: int = 0,
     attention_chunk_size: int = 8192,
     mamba_block_size: int | None = None,
-    retention_interval: int | None = None,
-    prefill_chunk_tokens: int = 8192,
+    retention_interval: int | None = 0,
+    max_num_batched_tokens: int = 8192,
+    cache: str = "mooncake",
     hash_bytes: int = 16,
     session_model: SessionModel | None = None,
     progress: Callable[[int], None] | None = None,
@@ -390,8 +393,9 @@ def synth_trace(
     ``requests`` counts the workload's requests; each injected scenario adds
     two more lookups. ``capacity_blocks`` bounds the store (None: unbounded),
     ``clear_every`` emits a ``clear`` row before every that-many-th request.
-    ``progress`` is called with the number of requests done since its last
-    call."""
+    ``retention_interval``, ``max_num_batched_tokens`` and ``cache`` choose
+    the store rules (``replay.store_rules.StorePolicy``). ``progress`` is
+    called with the number of requests done since its last call."""
     if requests < 0:
         raise ReplayError(f"requests must be >= 0, got {requests}")
     if inject_overrun < 0:
@@ -400,7 +404,9 @@ def synth_trace(
         raise ReplayError(f"hash_bytes must be 16 or 32, got {hash_bytes}")
     sm = session_model or SessionModel()
     policy = StorePolicy(
-        retention_interval=retention_interval, prefill_chunk_tokens=prefill_chunk_tokens
+        retention_interval=retention_interval,
+        max_num_batched_tokens=max_num_batched_tokens,
+        cache=cache,
     )
     config = archetype_config(
         model,
@@ -460,17 +466,7 @@ def synth_trace(
                     "hit_tokens_vllm_033": fixed,
                 }
             )
-            need = sum(
-                len(
-                    probe.group_keys(
-                        g,
-                        np.arange(num_tokens // hbs, dtype=np.int64),
-                        num_tokens,
-                        extra.get(g, ()),
-                    )
-                )
-                for g in range(config.num_groups)
-            )
+            need = sum(len(idx) for idx in probe.stored_indices(num_tokens, extra_blocks=extra))
             if capacity_blocks is not None and capacity_blocks < need:
                 raise ReplayError(
                     f"--capacity-blocks {capacity_blocks} is too small for the injected "
@@ -484,10 +480,7 @@ def synth_trace(
         "requests": requests,
         "capacity_blocks": capacity_blocks,
         "clear_every": clear_every,
-        "store_policy": {
-            "retention_interval": retention_interval,
-            "prefill_chunk_tokens": prefill_chunk_tokens,
-        },
+        **policy.as_source(),
         "session_model": asdict(sm),
         "hash_bytes": hash_bytes,
         "injected_overruns": expected,
@@ -581,6 +574,7 @@ def synth_trace(
         "eagle": eagle,
         "requests": requests,
         "capacity_blocks": capacity_blocks,
+        **policy.as_source(),
         **stats.as_dict(),
         "distinct_units": counter - 1,
         "bytes": size,

@@ -24,41 +24,11 @@ shows for it, in this order:
    present are refreshed in the LRU but not re-stored, as vLLM's
    ``BlockStored`` events only name newly cached blocks.
 
-What each kind of group stores after a prefill of ``N`` tokens (block size
-``B``, hit alignment ``A`` = the scheduler block size). These follow the
-masks vLLM 0.33.0's Mooncake store connector writes
-(``MooncakeStoreCoordinator.store_mask`` over each manager's
-``reachable_block_mask``, and the Mamba ``boundary_state_offloads``), with
-``retention_interval`` playing ``prefix_cache_retention_interval``:
-
-* full attention, chunked local attention: every full block of the prompt
-  (their managers keep all blocks; only the finders skip some).
-* sliding window (window widened by ``extra_retained_tokens``): the tail of
-  ``need = ceil((W - 1) / B)`` blocks (one more with EAGLE, whose run ends
-  one block past the boundary) that ends at each aligned boundary, i.e.
-  block ``i`` is kept iff ``i >= shift`` and ``(i - shift) % (A / B) >=
-  A / B - need``. With the default dense retention and ``A == B`` that is
-  every block, which is what vLLM does. With a retention interval the
-  segments are that many tokens long (``0``: none) and the tails ending at
-  the replay boundaries below are added.
-* Mamba (``align`` mode): a recurrent state only where align mode has one
-  and a later hit can resume from it:
-
-  - the *replay boundaries* (vLLM's ``replay_boundaries``): without EAGLE
-    the resend position ``(N - 1) // A * A``; with EAGLE the positions one
-    block below the resend and the extension hits (``resend - A`` and
-    ``N // A * A - A``), since EAGLE drops one block from the attention
-    hit and the state must sit where that hit lands;
-  - the ends of the prefill chunks, where align mode snapshots the state
-    between scheduler steps: approximated as every multiple of
-    ``prefill_chunk_tokens`` (rounded down to ``A``) inside the prompt,
-    counted from token 0 rather than from the request's own prefix hit
-    (dense retention); every ``retention_interval`` tokens instead when
-    one is set, none when it is ``0``.
-
-  Not modelled: vLLM's shared-prefix junction checkpoints
-  (``shared_prefix_boundary``), partial-tail hash units, and decode-time
-  blocks (only what the prefill leaves behind is stored).
+Which keys a request stores is decided by ``replay.store_rules`` (vLLM
+0.33.0's rules for the chosen cache, retention interval and token budget),
+from the hit the request's own lookup gets against the store as it stands
+(the reference coordinator) and the shared-prefix junction that lookup finds.
+The prefix the hit used is refreshed in the LRU.
 
 The store: a set of ``(group, key)`` entries, unbounded, or an LRU of
 ``capacity_blocks`` entries counted across all groups (a Mamba state counts
@@ -85,8 +55,10 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from replay.coordinator import Coordinator
 from replay.errors import ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.spec import TraceConfig
+from replay.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
 from replay.trace import EVENT_KINDS, trace_schema
 
 Keys = npt.NDArray[np.int64]
@@ -206,127 +178,6 @@ class DigestTable:
         return rows.view(np.uint8).reshape(len(keys), self.width)
 
 
-# ---------------------------------------------------------------- what a prefill stores
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def replay_boundaries(num_tokens: int, alignment: int, use_eagle: bool) -> tuple[int, ...]:
-    """Token positions a later request replaying this prompt can resume at
-    (vLLM 0.33.0 ``replay_boundaries``): the resend hit, capped at
-    ``num_tokens - 1``; with EAGLE one block below it and below the extension
-    hit of a longer sibling, since EAGLE drops one block from the hit."""
-    if not use_eagle:
-        return (max(num_tokens - 1, 0),)
-    resend = (num_tokens - 1) // alignment * alignment
-    extension = num_tokens // alignment * alignment
-    return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
-
-
-def eagle_groups(config: TraceConfig) -> tuple[bool, ...]:
-    """Which groups drop a block for EAGLE: the flagged ones, or all of them when
-    ``use_eagle`` is on and none is flagged (the coordinator's rule)."""
-    flagged = tuple(g.is_eagle_group for g in config.groups)
-    if config.use_eagle and not any(flagged):
-        return tuple(True for _ in config.groups)
-    return flagged
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StorePolicy:
-    """The connector-side knobs that decide which blocks a prefill leaves behind."""
-
-    #: vLLM's ``prefix_cache_retention_interval``: None = dense (the default),
-    #: 0 = only the replay boundaries, k > 0 = one tail or state per k tokens.
-    retention_interval: int | None = None
-    #: Scheduler token budget per step (``max_num_batched_tokens``): align-mode
-    #: Mamba snapshots its state at the end of each prefill chunk.
-    prefill_chunk_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.retention_interval is not None and self.retention_interval < 0:
-            raise ReplayError(
-                f"retention_interval must be >= 0 or unset, got {self.retention_interval}"
-            )
-        if self.prefill_chunk_tokens <= 0:
-            raise ReplayError(
-                f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}"
-            )
-
-
-def stored_blocks(
-    spec: GroupSpec,
-    *,
-    num_blocks: int,
-    num_tokens: int,
-    alignment: int,
-    group_eagle: bool,
-    any_eagle: bool,
-    policy: StorePolicy,
-) -> npt.NDArray[np.int64] | None:
-    """Indices (in the group's blocks) of the blocks a prefill of ``num_tokens``
-    tokens stores for this group, ascending; ``None`` means all
-    ``num_blocks`` full blocks. See the module docstring for the rules."""
-    if spec.kind in (GroupKind.FULL_ATTENTION, GroupKind.CHUNKED_LOCAL_ATTENTION):
-        return None
-    bs = spec.block_size
-    retention = policy.retention_interval
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        if alignment % bs:
-            return None  # vLLM falls back to dense when the mask cannot be block-exact
-        window = spec.coverage_window or 0
-        need = cdiv(window - 1, bs) + (1 if group_eagle else 0)
-        shift = 1 if group_eagle else 0
-        mask = np.zeros(num_blocks, dtype=bool)
-        segment = alignment if retention is None else (retention or None)
-        if segment is not None:
-            per_segment = segment // bs
-            if need >= per_segment:
-                return None
-            idx = np.arange(num_blocks, dtype=np.int64)
-            mask |= (idx >= shift) & ((idx - shift) % per_segment >= per_segment - need)
-        if retention is not None:
-            for boundary in replay_boundaries(num_tokens, alignment, any_eagle):
-                end = boundary // alignment * alignment // bs + shift
-                mask[max(0, end - need) : max(0, min(num_blocks, end))] = True
-        return np.flatnonzero(mask).astype(np.int64)
-    # Mamba: the states align mode keeps and a later hit can resume from.
-    step = mamba_state_step(policy, alignment)
-    blocks = mamba_state_blocks(num_blocks, num_tokens, bs, alignment, any_eagle, step)
-    return np.array(blocks, dtype=np.int64)
-
-
-def mamba_state_step(policy: StorePolicy, alignment: int) -> int:
-    """Tokens between the Mamba states kept inside a prompt (0: none): the
-    prefill chunk (dense retention) or the retention interval, aligned."""
-    step = (
-        policy.prefill_chunk_tokens
-        if policy.retention_interval is None
-        else policy.retention_interval
-    )
-    return max(step // alignment * alignment, alignment) if step else 0
-
-
-def mamba_state_blocks(
-    num_blocks: int, num_tokens: int, block_size: int, alignment: int, any_eagle: bool, step: int
-) -> list[int]:
-    """Block indices (ascending) of the Mamba states a prefill keeps: the
-    replay boundaries and every ``step`` tokens (see the module docstring)."""
-    a = alignment
-    limit = num_blocks * block_size
-    resend = (num_tokens - 1) // a * a
-    if any_eagle:
-        extension = num_tokens // a * a
-        positions = [resend - a] if extension == resend else [resend - a, extension - a]
-    else:
-        positions = [resend]
-    if step and step <= limit:
-        positions = sorted({*positions, *range(step, limit + 1, step)})
-    return [p // block_size - 1 for p in positions if 0 < p <= limit and p % block_size == 0]
-
-
 # ---------------------------------------------------------------- the writer
 
 
@@ -426,25 +277,13 @@ class DenseStore:
             self._len = end
         return absent
 
-    def touch_few(self, gid: int, keys: list[int]) -> list[bool]:
-        """``touch`` for a handful of keys, with scalar operations."""
-        if keys and max(keys) >> self.shift:
-            self._restride(max(keys))
-        base = gid << self.shift
-        present = self._present
-        absent = [not present[base + k] for k in keys]
-        for k in keys:
-            present[base + k] = True
-        self.count += sum(absent)
-        if self.capacity is not None:
-            self._reserve(len(keys))
-            log, last, pos = self._log, self._last, self._len
-            for k in reversed(keys):
-                log[pos] = base + k
-                last[base + k] = pos
-                pos += 1
-            self._len = pos
-        return absent
+    def present(self, gid: int, keys: Keys) -> npt.NDArray[np.bool_]:
+        """Which of a group's keys are present (no LRU effect)."""
+        out = np.zeros(len(keys), dtype=bool)
+        inside = keys < (1 << self.shift)
+        idx = keys[inside] + (gid << self.shift)
+        out[inside] = self._present[idx]
+        return out
 
     def evict(self, n: int) -> Keys:
         """Remove and return the ``n`` least recently used entries, oldest first
@@ -551,18 +390,11 @@ class WorkloadWriter:
         self._flush_hashes = flush_hashes
         self._flush_events = flush_events
         self._hbs = config.hash_block_size
-        self._alignment = config.scheduler_block_size
-        self._eagle = eagle_groups(config)
-        self._any_eagle = any(self._eagle)
+        self.rules = StoreRules(config, self.policy)
+        # The hit each request's prefill starts from, as a lookup of the store
+        # finds it (``explain`` for the steps that give the junction).
+        self._coordinator = Coordinator(config, cache=self.policy.cache)
         self._store = DenseStore(config.num_groups, capacity_blocks)
-        # Mamba keeps a handful of states per prompt: scalar store operations.
-        self._few = tuple(g.kind is GroupKind.MAMBA for g in config.groups)
-        self._mamba_step = mamba_state_step(self.policy, self._alignment)
-        # Kinds whose managers keep every block (see ``stored_blocks``).
-        self._dense = tuple(
-            g.kind in (GroupKind.FULL_ATTENTION, GroupKind.CHUNKED_LOCAL_ATTENTION)
-            for g in config.groups
-        )
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
         self._clear_due = False
@@ -673,64 +505,36 @@ class WorkloadWriter:
 
     # -- the store
 
-    def group_keys(
-        self,
-        gid: int,
-        unit_keys: Keys,
-        num_tokens: int,
-        extra_blocks: Sequence[int] = (),
-    ) -> Keys:
-        """The unit keys of the blocks group ``gid`` stores for this prompt, in
-        block order (``extra_blocks``: more block indices to store)."""
-        spec = self.config.groups[gid]
-        k = spec.block_size // self._hbs
-        view = unit_keys[k - 1 :: k] if k > 1 else unit_keys
-        if not extra_blocks:
-            if self._dense[gid]:
-                return view
-            if spec.kind is GroupKind.MAMBA:
-                return view[
-                    mamba_state_blocks(
-                        len(view),
-                        num_tokens,
-                        spec.block_size,
-                        self._alignment,
-                        self._any_eagle,
-                        self._mamba_step,
-                    )
-                ]
-        sel = stored_blocks(
-            spec,
-            num_blocks=len(view),
-            num_tokens=num_tokens,
-            alignment=self._alignment,
-            group_eagle=self._eagle[gid],
-            any_eagle=self._any_eagle,
-            policy=self.policy,
-        )
-        if extra_blocks:
-            base = np.arange(len(view), dtype=np.int64) if sel is None else sel
-            bad = [b for b in extra_blocks if not 0 <= b < len(view)]
-            if bad:
-                raise ReplayError(
-                    f"group {gid}: extra block {bad[0]} outside the prompt's {len(view)} blocks"
-                )
-            sel = np.union1d(base, np.array(extra_blocks, dtype=np.int64))
-        return view if sel is None else view[sel]
+    def group_views(self, unit_keys: Keys) -> list[Keys]:
+        """Each group's per-block keys of a prompt."""
+        return [group_block_keys(g, unit_keys, self._hbs) for g in self.config.groups]
 
-    def _few_keys(self, gid: int, unit_keys: Keys, num_tokens: int) -> list[int]:
-        """``group_keys`` of a Mamba group, as Python ints."""
-        spec = self.config.groups[gid]
-        k = spec.block_size // self._hbs
-        blocks = mamba_state_blocks(
-            len(unit_keys) // k,
-            num_tokens,
-            spec.block_size,
-            self._alignment,
-            self._any_eagle,
-            self._mamba_step,
+    def stored_indices(
+        self,
+        num_tokens: int,
+        hit_tokens: int = 0,
+        junction_tokens: int = 0,
+        extra_blocks: Mapping[int, Sequence[int]] | None = None,
+    ) -> list[npt.NDArray[np.int64]]:
+        """Per group, the block indices the request's prefill stores (the store
+        rules, ``replay.store_rules``), plus any ``extra_blocks``, ascending."""
+        chosen = self.rules.stores(
+            num_tokens=num_tokens, hit_tokens=hit_tokens, junction_tokens=junction_tokens
         )
-        return [int(unit_keys[(b + 1) * k - 1]) for b in blocks]
+        out = []
+        for gid, sel in enumerate(chosen):
+            idx = np.arange(sel.start, sel.stop, dtype=np.int64) if isinstance(sel, range) else sel
+            extra = (extra_blocks or {}).get(gid, ())
+            if extra:
+                blocks = num_tokens // self.config.groups[gid].block_size
+                bad = [b for b in extra if not 0 <= b < blocks]
+                if bad:
+                    raise ReplayError(
+                        f"group {gid}: extra block {bad[0]} outside the prompt's {blocks} blocks"
+                    )
+                idx = np.union1d(idx, np.array(extra, dtype=np.int64))
+            out.append(idx)
+        return out
 
     def clear(self, ts_us: int | None) -> int:
         """A ``clear`` row for every group: the store forgets everything."""
@@ -778,21 +582,37 @@ class WorkloadWriter:
         seq = self._event(ts_us, LOOKUP, None, unit_keys, request_id, num_tokens - 1, num_tokens)
         groups = self.config.num_groups
         store = self._store
+        views = self.group_views(unit_keys)
+        present = [store.present(gid, unit_keys) for gid in range(groups)]
+        outcome = self._coordinator.lookup_present(
+            [p.view(np.uint8).tobytes() for p in present],
+            num_tokens - 1,
+            explain=self.rules.uses_junction,
+        )
+        hit = outcome.hit_tokens
+        junction = junction_tokens(outcome) if self.rules.uses_junction else 0
+        chosen = self.stored_indices(num_tokens, hit, junction, extra_blocks)
         # Touch the groups last to first, so the first group's head is the
-        # most recently used entry.
-        new: list[Keys | list[int]] = [_EMPTY_KEYS] * groups
+        # most recently used entry; the prefix the hit used is refreshed, the
+        # blocks the prefill computes are stored.
+        new: list[Keys] = [_EMPTY_KEYS] * groups
         touched = 0
         for gid in range(groups - 1, -1, -1):
-            extra = extra_blocks.get(gid, ()) if extra_blocks else ()
-            if self._few[gid] and not extra:
-                few = self._few_keys(gid, unit_keys, num_tokens)
-                absent_few = store.touch_few(gid, few)
-                new[gid] = [k for k, a in zip(few, absent_few, strict=True) if a]
-                touched += len(few)
-            else:
-                keys = self.group_keys(gid, unit_keys, num_tokens, extra)
-                new[gid] = keys[store.touch(gid, keys, max_key)]
-                touched += len(keys)
+            k = self.config.groups[gid].block_size // self._hbs
+            used = hit // self.config.groups[gid].block_size
+            used_idx = np.flatnonzero(present[gid][k - 1 :: k][:used])
+            idx = chosen[gid]
+            if len(used_idx):
+                # The prefill stores only past the hit, so the two are disjoint
+                # and in order, unless an injected block joins them.
+                idx = (
+                    np.union1d(used_idx, idx)
+                    if extra_blocks
+                    else np.concatenate((used_idx.astype(np.int64), idx))
+                )
+            keys = views[gid][idx]
+            new[gid] = keys[store.touch(gid, keys, max_key)]
+            touched += len(keys)
         removed: list[Keys] = []
         if self.capacity is not None and store.count > self.capacity:
             untouched = store.count - touched
@@ -802,7 +622,7 @@ class WorkloadWriter:
                 # The request alone overflows the store: its own oldest keys go
                 # too, and the new ones among them are never stored at all.
                 for gid, own in enumerate(store.split(evicted[untouched:])):
-                    fresh = np.asarray(new[gid], dtype=np.int64)
+                    fresh = new[gid]
                     dropped = np.isin(own, fresh)
                     new[gid] = fresh[~np.isin(fresh, own)]
                     removed[gid] = np.concatenate((removed[gid], own[~dropped]))
@@ -812,13 +632,8 @@ class WorkloadWriter:
                     self.stats.evicted_keys += len(keys)
         for gid, fresh_keys in enumerate(new):
             if len(fresh_keys):
-                arr = (
-                    fresh_keys
-                    if isinstance(fresh_keys, np.ndarray)
-                    else np.array(fresh_keys, dtype=np.int64)
-                )
-                self._event(ts_us, STORE, gid, arr, request_id)
-                self.stats.stored_keys[gid] += len(arr)
+                self._event(ts_us, STORE, gid, fresh_keys, request_id)
+                self.stats.stored_keys[gid] += len(fresh_keys)
         size = store.count
         self.stats.max_present_keys = max(self.stats.max_present_keys, size)
         self._maybe_flush()

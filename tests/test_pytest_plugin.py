@@ -1,0 +1,106 @@
+"""The pytest plugin as a user meets it: every regression trace item fails
+when the coordinator is broken, and a failure says what moved and explains it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay.pytest_plugin import read_expectations
+from replay.trace import write_trace
+from tests.conftest import chain, full_mamba
+
+TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
+
+NEVER_HITS = """
+from replay.coordinator import hybrid
+
+def _never(self, present, max_length, *, explain=False):
+    groups = tuple(
+        hybrid.GroupOutcome(
+            group_id=gid, kind=g.kind, mask_blocks=0, loaded_blocks=0, hit_tokens=0,
+            state_tokens=0 if g.kind is hybrid.GroupKind.MAMBA else None,
+        )
+        for gid, g in enumerate(self.config.groups)
+    )
+    return hybrid.LookupOutcome(hit_tokens=0, groups=groups)
+
+hybrid.Coordinator.lookup_present = _never
+"""
+
+
+def _entries() -> list[tuple[str, dict[str, Any]]]:
+    return [(t.name, e) for t in TRACES for e in read_expectations(t) or []]
+
+
+def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pytester) -> None:
+    """Every item fails but those whose true answer is no hit at all in any
+    group (before #32802, a sliding-window + Mamba EAGLE model spiralled every
+    hit to zero), which no expectation can tell from a coordinator that
+    never hits."""
+    for trace in TRACES:
+        shutil.copy(trace, pytester.path / trace.name)
+    pytester.makeconftest(NEVER_HITS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-rA")
+    nothing = [
+        (name, e["policy"])
+        for name, e in _entries()
+        if e["hit_tokens"] == 0 and not any(e["group_hit_tokens"])
+    ]
+    assert nothing == [("archetype-swa-mamba.parquet", "pre-32802")]
+    result.assert_outcomes(failed=len(_entries()) - len(nothing), passed=len(nothing))
+    result.stdout.fnmatch_lines(
+        ["PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802]"]
+    )
+
+
+def test_the_regression_corpus_passes(pytester: pytest.Pytester) -> None:
+    for trace in TRACES:
+        shutil.copy(trace, pytester.path / trace.name)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=len(_entries()))
+    assert len(_entries()) == 35  # every trace pins two or three policies
+
+
+def test_failure_output_names_what_moved_and_explains_it(pytester: pytest.Pytester) -> None:
+    """A trace whose expectation no longer holds: the item says which totals
+    and which requests moved (at most ten, then how many more) and prints the
+    explain table of the first ones, with the command to run it again."""
+    hs = chain(4, "plugin")
+    rows = [
+        {"kind": "store", "group_id": 0, "block_hashes": hs},
+        {"kind": "store", "group_id": 1, "block_hashes": hs},
+        *(
+            {"kind": "lookup", "request_id": f"r{i}", "block_hashes": hs, "max_length": 64}
+            for i in range(12)
+        ),
+    ]
+    expect = [
+        {
+            "policy": "vllm-0.33",
+            "flags": {"mamba_overrun": 1},
+            "hit_tokens": 12 * 64,
+            "hits": {f"r{i}": 64 for i in range(12)},
+        }
+    ]
+    write_trace(pytester.path / "broken.parquet", full_mamba(), rows, expect={"expect": expect})
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider", "broken.parquet")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*broken.parquet under policy vllm-0.33:",
+            "flags: expected {'mamba_overrun': 1}, replayed none",
+            "hit tokens: expected 768 in all, replayed 576",
+            "request r0: expected hit 64, replayed 48",
+            "request r7: expected hit 64, replayed 48",
+            "... and 2 more requests with another hit",
+            "replay explain broken.parquet --request r0 --policy vllm-0.33:",
+            "*full_attention*",
+        ]
+    )
+    text = result.stdout.str()
+    assert "request r8: expected" not in text
+    assert text.count("replay explain broken.parquet --request") == 3

@@ -1,0 +1,532 @@
+"""The store rules (``replay.store_rules``) against vLLM 0.33.0 itself.
+
+Per request and per group, the blocks the rules say a prefill leaves behind
+are compared with what vLLM's own code leaves behind for the same prompt
+and hit:
+
+* ``gpu``: the ``BlockStored`` events of a real ``KVCacheManager`` (real
+  ``BlockPool``, prefix caching on, blocks to spare), driven chunk by chunk
+  the way the scheduler drives it: ``get_computed_blocks`` (its
+  ``shared_prefix_boundary`` set on the request), then ``allocate_slots``
+  per prefill chunk as ``Scheduler._mamba_block_aligned_split`` (vLLM's own
+  method) clips it to the token budget.
+* ``mooncake``: attention groups per ``MooncakeStoreCoordinator.store_mask``
+  for the suffix past the hit, Mamba groups per the boundary-state hand-offs
+  the same manager produces (``take_boundary_state_offloads``), filtered to
+  the prompt as the connector filters them.
+
+Requests share prefixes with earlier ones (so hits start mid-prompt), about
+a quarter of the prompts are block-aligned, and every archetype runs with
+retention 0 (vLLM's default), dense (None) and a positive interval where
+vLLM accepts one, EAGLE on and off. Seeded; the agreement table is printed
+(``pytest -s``). Runs only where vLLM imports: ``make test-vllm``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
+)
+
+from replay.backends.vllm import _vllm_spec
+from replay.coordinator import Coordinator
+from replay.sources.synth import ARCHETYPES, archetype_config
+from replay.spec import GroupKind, TraceConfig
+from replay.store_rules import StorePolicy, StoreRules
+
+pytestmark = pytest.mark.vllm
+
+REQUESTS_PER_SESSION = 24
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    model: str
+    config: TraceConfig
+    retention: int | None
+    budget: int
+    seed: int
+
+    @property
+    def retention_name(self) -> str:
+        r = self.retention
+        return "dense" if r is None else ("0" if r == 0 else "interval")
+
+
+def _vllm() -> SimpleNamespace:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1 import kv_cache_interface as iface
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256)
+    return SimpleNamespace(
+        torch=torch,
+        iface=iface,
+        utils=kv_cache_utils,
+        sha256=sha256,
+        KVCacheManager=KVCacheManager,
+        Scheduler=Scheduler,
+        Request=Request,
+        SamplingParams=SamplingParams,
+        Mooncake=coordinator.MooncakeStoreCoordinator,
+    )
+
+
+def random_session(rng: random.Random, model: str, retention: str, eagle: bool) -> Session:
+    bs = rng.choice((16, 32))
+    kinds = ARCHETYPES[model].kinds
+    hybrid = len(kinds) > 1
+    hbs = bs // 2 if hybrid and rng.random() < 0.3 else bs
+    mamba_bs = None
+    if GroupKind.MAMBA in kinds:
+        if GroupKind.SLIDING_WINDOW not in kinds:
+            hbs = bs  # else vLLM turns partial hash hits on, which the rules do not model
+        elif hbs < bs and rng.random() < 0.5:
+            mamba_bs = 2 * bs  # a scheduler block of two attention blocks
+    config = archetype_config(
+        model,
+        bs,
+        hbs,
+        eagle,
+        sliding_window=rng.choice((bs + 1, 2 * bs, 3 * bs - 5, 100, 128, 256)),
+        extra_retained_tokens=rng.choice((0, 0, bs // 2, bs)),
+        attention_chunk_size=rng.choice((2, 4, 8)) * bs,
+        mamba_block_size=mamba_bs,
+    )
+    if rng.random() < 0.3:
+        # A flagged draft group (with EAGLE on or off): only it and the
+        # groups sharing its spec take the drop.
+        flaggable = [
+            gid
+            for gid, g in enumerate(config.groups)
+            if g.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION
+        ]
+        gid = rng.choice(flaggable)
+        groups = list(config.groups)
+        groups[gid] = replace(groups[gid], is_eagle_group=True)
+        config = replace(config, groups=tuple(groups))
+    a = config.scheduler_block_size
+    interval = {"0": 0, "dense": None, "interval": a * rng.choice((2, 3, 4))}[retention]
+    budget = a * rng.choice((2, 3, 5, 8, 64))
+    return Session(model, config, interval, budget, rng.randrange(1 << 30))
+
+
+class Engine:
+    """A real ``KVCacheManager`` driven one request at a time, as the scheduler would."""
+
+    def __init__(self, v: SimpleNamespace, s: Session) -> None:
+        self.v, self.s = v, s
+        cfg = s.config
+        self.groups = [
+            v.iface.KVCacheGroupSpec(
+                layer_names=[f"layer.{gid}"],
+                kv_cache_spec=_vllm_spec(g, v.iface, v.torch.bfloat16),
+                is_eagle_group=g.is_eagle_group,
+            )
+            for gid, g in enumerate(cfg.groups)
+        ]
+        kv_config = v.iface.KVCacheConfig(
+            num_blocks=50_000,
+            kv_cache_tensors=[],
+            kv_cache_groups=self.groups,
+            prefix_cache_retention_interval=s.retention,
+        )
+        self.manager = v.KVCacheManager(
+            kv_config,
+            max_model_len=1 << 16,
+            scheduler_block_size=cfg.scheduler_block_size,
+            hash_block_size=cfg.hash_block_size,
+            enable_caching=True,
+            use_eagle=cfg.use_eagle,
+            enable_kv_cache_events=True,
+        )
+        self.hasher = v.utils.get_request_block_hasher(cfg.hash_block_size, v.sha256)
+        self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
+        # The scheduler state ``_mamba_block_aligned_split`` reads, as vLLM
+        # sets it for these specs (no partial hits, no checkpoint blocks).
+        self.split_state = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=cfg.scheduler_block_size),
+            block_size=cfg.scheduler_block_size,
+            hash_block_size=cfg.hash_block_size,
+            mamba_partial_cache_hit=False,
+            use_eagle_block_drop=cfg.use_eagle,
+            num_hash_lookahead_tokens=0,
+            mamba_has_prefill_checkpoint_blocks=False,
+            mamba_prefill_checkpoint_alignment=None,
+            max_num_scheduled_tokens=s.budget,
+            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+            mamba_shared_prefix_checkpoint=False,
+        )
+        self.mooncake = v.Mooncake(
+            self.groups,
+            cfg.scheduler_block_size,
+            cfg.hash_block_size,
+            use_eagle=cfg.use_eagle,
+            retention_interval=s.retention,
+        )
+
+    def _positions(self, request: Any) -> list[dict[Any, int]]:
+        """Per group: event hash -> the token position the entry ends at (a
+        block's end, or a hash unit's inside a block for a partial tail)."""
+        utils, hbs = self.v.utils, self.s.config.hash_block_size
+        ends = {
+            utils.maybe_convert_block_hash(h): (u + 1) * hbs
+            for u, h in enumerate(request.block_hashes)
+        }
+        return [ends for _ in self.groups]
+
+    def prefill(
+        self, rid: str, tokens: list[int]
+    ) -> tuple[int, int, list[set[int]], list[set[int]]]:
+        """(hit, junction, gpu stores, mamba hand-offs) per group, as token ends."""
+        v, mgr = self.v, self.manager
+        n = len(tokens)
+        request = v.Request(
+            rid, tokens, v.SamplingParams(max_tokens=1), None, block_hasher=self.hasher
+        )
+        blocks, hit, junction = mgr.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction
+        positions = self._positions(request)
+        stored: list[set[int]] = [set() for _ in self.groups]
+        handed: list[set[int]] = [set() for _ in self.groups]
+        local, first = hit, True
+        while request.num_computed_tokens + local < n:
+            mgr.new_step_starts()
+            todo = min(self.s.budget, n - request.num_computed_tokens - local)
+            if self.has_mamba:
+                todo = v.Scheduler._mamba_block_aligned_split(
+                    self.split_state, request, todo, local, 0
+                )
+            assert todo > 0
+            got = mgr.allocate_slots(
+                request,
+                todo,
+                num_new_computed_tokens=local,
+                new_computed_blocks=blocks if first else None,
+            )
+            assert got is not None, "the pool ran out of blocks"
+            request.num_computed_tokens += local + todo
+            local, first = 0, False
+            for event in mgr.take_events():
+                if type(event).__name__ == "BlockStored":
+                    for h in event.block_hashes:
+                        stored[event.group_idx].add(positions[event.group_idx][h])
+            for entries in mgr.take_boundary_state_offloads().values():
+                for gid, _block, boundary in entries:
+                    if boundary <= n:  # the connector's filter: past the prompt, dropped
+                        handed[gid].add(boundary)
+        mgr.free(request)
+        mgr.take_events()
+        return hit, junction, stored, handed
+
+    def store_mask(self, n: int, hit: int) -> list[set[int] | None]:
+        """Attention groups' Mooncake stores as token ends (None for Mamba)."""
+        a = self.s.config.scheduler_block_size
+        masks = self.mooncake.store_mask(n // a * a, hit, num_prompt_tokens=n)
+        out: list[set[int] | None] = []
+        for g, mask in zip(self.s.config.groups, masks, strict=True):
+            if g.kind is GroupKind.MAMBA:
+                out.append(None)
+                continue
+            bs = g.block_size
+            first = min(n // a * a // bs, -(-hit // bs))
+            count = n // a * a // bs - first
+            keep = [True] * count if mask is None else mask
+            out.append({(first + i + 1) * bs for i, k in enumerate(keep) if k})
+        return out
+
+
+def _ends(blocks: Any, block_size: int) -> set[int]:
+    return {(int(b) + 1) * block_size for b in blocks}
+
+
+def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[int]]:
+    """Prompts that share prefixes with earlier ones, some block-aligned."""
+    a = config.scheduler_block_size
+    fresh = iter(range(10**6, 10**9))
+    out: list[list[int]] = []
+    for _ in range(count):
+        n = rng.randrange(1, 40 * a)
+        if rng.random() < 0.25:
+            n = max(a, n // a * a)
+        base: list[int] = []
+        if out and rng.random() < 0.8:
+            parent = rng.choice(out)
+            keep = rng.randrange(0, len(parent) + 1)
+            if rng.random() < 0.3:
+                keep = keep // a * a
+            base = parent[:keep] if rng.random() < 0.7 else list(parent)
+        prompt = (base + [next(fresh) for _ in range(max(0, n - len(base)))])[: max(n, 1)]
+        if rng.random() < 0.15 and out:
+            prompt = list(rng.choice(out))  # an identical resend
+        out.append(prompt)
+    return out
+
+
+def sessions(rng: random.Random) -> list[Session]:
+    out = []
+    for model, arch in ARCHETYPES.items():
+        sparse = any(k in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA) for k in arch.kinds)
+        retentions = ("0", "dense", "interval") if sparse else ("0", "dense")
+        for retention in retentions:
+            for eagle in (False, True) if arch.eagle_allowed else (False,):
+                for _ in range(2):
+                    out.append(random_session(rng, model, retention, eagle))
+    return out
+
+
+def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    v = _vllm()
+    rng = random.Random(15)
+    agree: Counter[tuple[str, str, str]] = Counter()
+    total: Counter[tuple[str, str]] = Counter()
+    failures: list[str] = []
+    partial_tails = 0
+    shape: Counter[str] = Counter()
+    for s in sessions(rng):
+        engine = Engine(v, s)
+        session_rng = random.Random(s.seed)
+        rules = {
+            cache: StoreRules(
+                s.config,
+                StorePolicy(
+                    retention_interval=s.retention, max_num_batched_tokens=s.budget, cache=cache
+                ),
+            )
+            for cache in ("gpu", "mooncake")
+        }
+        for i, tokens in enumerate(prompts(session_rng, s.config, REQUESTS_PER_SESSION)):
+            n = len(tokens)
+            hit, junction, gpu, handed = engine.prefill(f"r{i}", tokens)
+            mask = engine.store_mask(n, hit)
+            key = (s.model, s.retention_name)
+            total[key] += 1
+            a = s.config.scheduler_block_size
+            shape["hit mid-prompt"] += hit > 0
+            shape["shared-prefix junction"] += junction > 0
+            shape["block-aligned prompt"] += n % a == 0
+            shape["EAGLE"] += s.config.use_eagle
+            shape["a flagged draft group"] += any(g.is_eagle_group for g in s.config.groups)
+            shape["several prefill chunks"] += n - hit > s.budget
+            for cache in ("gpu", "mooncake"):
+                got = rules[cache].stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
+                ok = True
+                for gid, g in enumerate(s.config.groups):
+                    mine = _ends(got[gid], g.block_size)
+                    if cache == "gpu":
+                        # Sub-block entries (the prompt's partial tail when the
+                        # hash unit is finer than the block) are keys no
+                        # per-block lookup reads without partial hits: counted,
+                        # not generated.
+                        theirs = {e for e in gpu[gid] if e % g.block_size == 0}
+                        partial_tails += len(gpu[gid]) - len(theirs)
+                    else:
+                        theirs = handed[gid] if g.kind is GroupKind.MAMBA else mask[gid] or set()
+                    if mine != theirs:
+                        ok = False
+                        if len(failures) < 8:
+                            failures.append(
+                                f"{cache} {s.model} r={s.retention} eagle={s.config.use_eagle} "
+                                f"bs={[x.block_size for x in s.config.groups]} "
+                                f"hbs={s.config.hash_block_size} budget={s.budget} N={n} "
+                                f"hit={hit} junction={junction} group {gid} ({g.kind.value}): "
+                                f"rules {sorted(mine)} vLLM {sorted(theirs)}"
+                            )
+                if ok:
+                    agree[(*key, cache)] += 1
+    with capsys.disabled():
+        print("\nstore agreement with vLLM 0.33.0 (requests whose every group agrees):")
+        for (model, retention), n in sorted(total.items()):
+            gpu_ok = agree[(model, retention, "gpu")]
+            moon_ok = agree[(model, retention, "mooncake")]
+            print(
+                f"  {model:15s} retention {retention:8s} mooncake {moon_ok}/{n}  gpu {gpu_ok}/{n}"
+            )
+        print(f"  (gpu partial-tail entries not compared: {partial_tails})")
+        print("  requests with: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
+    assert sum(total.values()) >= 500
+    # The cases the rules exist for must each occur many times.
+    assert min(shape.values()) >= 50, shape
+    assert not failures, "\n".join(failures)
+
+
+def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixture[str]) -> None:
+    """End to end: the generator's writer, with ``--cache gpu`` and an
+    unbounded store, against the engine fed the same prompts. Per request,
+    the keys the writer's ``store`` rows add are the keys the engine's
+    ``BlockStored`` events add. The writer looks each request up with the
+    engine's coordinator (``--cache gpu``), so its hit is the engine's on
+    every request."""
+    import numpy as np
+
+    from replay.sources.workload import WorkloadWriter
+
+    v = _vllm()
+    rng = random.Random(1515)
+    same = differ_hit = compared = 0
+    mismatches: list[str] = []
+    for s in sessions(rng)[::2]:
+        engine = Engine(v, s)
+        policy = StorePolicy(
+            retention_interval=s.retention, max_num_batched_tokens=s.budget, cache="gpu"
+        )
+        rows: list[Any] = []
+        writer = WorkloadWriter(
+            s.config,
+            rows.append,
+            lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
+            policy=policy,
+            background=False,
+        )
+        dense: dict[bytes, int] = {}
+        present: list[set[int]] = [set() for _ in s.config.groups]
+        written: list[set[int]] = [set() for _ in s.config.groups]
+        reference = Coordinator(s.config, cache="gpu")
+        hbs = s.config.hash_block_size
+        for i, tokens in enumerate(prompts(random.Random(s.seed), s.config, REQUESTS_PER_SESSION)):
+            n = len(tokens)
+            request = v.Request(
+                "probe", tokens, v.SamplingParams(max_tokens=1), None, block_hasher=engine.hasher
+            )
+            units = [dense.setdefault(bytes(h), len(dense)) for h in request.block_hashes]
+            hit, _junction, gpu, _handed = engine.prefill(f"r{i}", tokens)
+            # The hit the writer's store gives (all its store rows so far).
+            ref_hit = reference.lookup(units, n - 1, [k.__contains__ for k in written]).hit_tokens
+            writer.add(
+                ts_us=0, request_id=f"r{i}", num_tokens=n, unit_keys=np.array(units, dtype=np.int64)
+            )
+            writer.flush()
+            table = [r for t in rows for r in t.to_pylist()]
+            rows.clear()
+            mine: list[set[int]] = [set() for _ in s.config.groups]
+            for r in table:
+                if r["kind"] == "store":
+                    mine[r["group_id"]] |= {int.from_bytes(h, "big") for h in r["block_hashes"]}
+            for gid, keys in enumerate(mine):
+                written[gid] |= keys
+            theirs: list[set[int]] = []
+            for gid, g in enumerate(s.config.groups):
+                ends = {e for e in gpu[gid] if e % g.block_size == 0}
+                keys = {units[e // hbs - 1] for e in ends} - present[gid]
+                theirs.append(keys)
+                present[gid] |= keys
+            if ref_hit != hit:
+                differ_hit += 1
+                continue
+            compared += 1
+            if mine == theirs:
+                same += 1
+            elif len(mismatches) < 5:
+                mismatches.append(
+                    f"{s.model} r={s.retention} N={n} hit={hit}: writer {mine} engine {theirs}"
+                )
+        writer.close()
+    with capsys.disabled():
+        print(
+            f"\nwriter vs engine: {same}/{compared} requests add the same keys "
+            f"({differ_hit} with a different hit not compared)"
+        )
+    assert compared >= 300
+    assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
+    assert not mismatches, "\n".join(mismatches)
+
+
+def mooncake_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
+    """A Mooncake-format workload: rows extend or resend earlier rows' chained
+    ``hash_ids`` (512-token blocks), a quarter block-aligned."""
+    rows: list[dict[str, Any]] = []
+    fresh = iter(range(1, 10**9))
+    for i in range(count):
+        ids: list[int] = []
+        if rows and rng.random() < 0.8:
+            parent = rng.choice(rows)["hash_ids"]
+            ids = list(parent[: rng.randrange(1, len(parent) + 1)])
+        ids += [next(fresh) for _ in range(rng.randrange(0 if ids else 1, 6))]
+        length = 512 * len(ids) - (0 if rng.random() < 0.25 else rng.randrange(1, 512))
+        rows.append({"timestamp": i, "input_length": length, "output_length": 8, "hash_ids": ids})
+    return rows
+
+
+def _row_tokens(row: dict[str, Any]) -> list[int]:
+    """Tokens consistent with the row's ids: block ``b`` of id ``h`` is the same
+    512 tokens wherever ``h`` appears (ids are chained, so equal ids mean
+    equal prefixes)."""
+    tokens: list[int] = []
+    for h in row["hash_ids"]:
+        tokens += [h * 1024 + j for j in range(512)]
+    return tokens[: row["input_length"]]
+
+
+@pytest.mark.parametrize("retention", ["0", "dense"])
+def test_imported_mooncake_trace_stores_what_vllm_stores(
+    tmp_path: Any, retention: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ingest mooncake`` (full attention + Mamba, EAGLE, 16-token blocks), row
+    by row, against vLLM fed the same prompts: the keys each row's ``store``
+    rows add are the keys vLLM's store adds (``store_mask`` past the hit for
+    full attention, the Mamba hand-offs)."""
+    import json
+
+    from replay.sources.mooncake import ingest
+    from replay.trace import open_trace
+
+    rows = mooncake_rows(random.Random(300), 300)
+    src = tmp_path / "mooncake.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    interval = 0 if retention == "0" else None
+    policy = StorePolicy(retention_interval=interval)
+    ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=policy)
+    frame = open_trace(tmp_path / "t.parquet").read_frame()
+    config = archetype_config("full+mamba", 16, None, True)
+    v = _vllm()
+    engine = Engine(v, Session("full+mamba", config, interval, 8192, 0))
+    by_request: dict[str, list[set[int]]] = {}
+    unit_of: dict[str, dict[bytes, int]] = {}
+    for r in frame.iter_rows(named=True):
+        rid = r["request_id"]
+        if r["kind"] == "lookup":
+            unit_of[rid] = {h: (u + 1) * 16 for u, h in enumerate(r["block_hashes"])}
+            by_request[rid] = [set(), set()]
+        elif r["kind"] == "store":
+            ends = unit_of[rid]
+            by_request[rid][r["group_id"]] |= {ends[h] for h in r["block_hashes"]}
+    present: list[set[bytes]] = [set(), set()]
+    agree = 0
+    mismatches: list[str] = []
+    for line, row in enumerate(rows, start=1):
+        tokens = _row_tokens(row)
+        n = len(tokens)
+        hit, _junction, _gpu, handed = engine.prefill(f"line-{line}", tokens)
+        request = v.Request(
+            "probe", tokens, v.SamplingParams(max_tokens=1), None, block_hasher=engine.hasher
+        )
+        mask = engine.store_mask(n, hit)
+        theirs: list[set[int]] = []
+        for gid, ends in enumerate((mask[0] or set(), handed[1])):
+            new = {e for e in ends if bytes(request.block_hashes[e // 16 - 1]) not in present[gid]}
+            present[gid] |= {bytes(request.block_hashes[e // 16 - 1]) for e in new}
+            theirs.append(new)
+        mine = by_request[f"line-{line}"]
+        if mine == theirs:
+            agree += 1
+        elif len(mismatches) < 5:
+            mismatches.append(f"line {line} N={n} hit={hit}: trace {mine} vLLM {theirs}")
+    with capsys.disabled():
+        print(
+            f"\nimported Mooncake rows storing what vLLM stores ({retention}): {agree}/{len(rows)}"
+        )
+    assert not mismatches, "\n".join(mismatches)
