@@ -51,7 +51,7 @@ from replay.engine import (
 from replay.errors import ReplayError
 from replay.kernels import LOOKUP, KeyTable, _key_meta, _mix
 from replay.spec import TraceConfig
-from replay.trace import TraceBatch, hash_words, open_trace
+from replay.trace import HashWords, TraceBatch, hash_words, open_trace
 
 #: Decorrelates the shard from the table slot, which uses the same key
 #: meta's high bits: without it a shard's keys would crowd 1/K of its table.
@@ -69,10 +69,28 @@ def _shard_ids(words: Any, woff: Any, nbytes: Any, shards: Any, out: Any) -> Non
 
 def shard_of(hashes: pa.Array, shards: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
     """The shard of each hash of ``hashes`` (a list array), flattened in order."""
-    words = hash_words(hashes)
+    return _shards_of_words(hash_words(hashes), shards)
+
+
+def _shards_of_words(words: HashWords, shards: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
     out = np.zeros(words.nbytes.shape[0], dtype=np.uint16)
     _shard_ids(words.words, words.word_offsets, words.nbytes, np.uint64(shards), out)
     return out
+
+
+def _picked(hashes: pa.Array, words: HashWords, which: np.ndarray[Any, Any]) -> pa.Array:
+    """The hashes at flat positions ``which``, in their own buffer (a slice
+    would ship its whole parent). Hashes of one width that fills whole words
+    (vLLM's digests, the importers' ids) go as fixed-size binary: no offset
+    per hash, and a numpy gather instead of Arrow's take."""
+    widths = words.nbytes
+    if widths.size and widths[0] % 8 == 0 and (widths == widths[0]).all():
+        w = int(widths[0]) // 8
+        grid = words.words[: widths.size * w].reshape(-1, w)
+        data = np.ascontiguousarray(grid[which])
+        typ = pa.binary(int(widths[0]))
+        return pa.Array.from_buffers(typ, int(which.size), [None, pa.py_buffer(data)])
+    return hashes.flatten().take(pa.array(which))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +142,20 @@ def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBat
         pieces = [ShardPiece(kinds=kinds, group_ids=gids, hashes=batch.hashes)]
         lookup_shards = None
     else:
-        sid = shard_of(batch.hashes, shards)
+        words = hash_words(batch.hashes)
+        sid = _shards_of_words(words, shards)
         row_of = np.repeat(np.arange(frame.height), n_hashes)
         lookup_shards = sid[is_lookup[row_of]] if sid.size else sid
         order = np.argsort(sid, kind="stable")
-        values = batch.hashes.flatten().take(pa.array(order))
         bounds = np.searchsorted(sid[order], np.arange(shards + 1))
         pieces = []
         for k in range(shards):
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
-            per_row = np.bincount(row_of[order[lo:hi]], minlength=frame.height)
+            mine = order[int(bounds[k]) : int(bounds[k + 1])]
+            per_row = np.bincount(row_of[mine], minlength=frame.height)
             offsets = np.zeros(frame.height + 1, dtype=np.int32)
             np.cumsum(per_row, out=offsets[1:])
-            hashes = pa.ListArray.from_arrays(pa.array(offsets), values.slice(lo, hi - lo))
+            values = _picked(batch.hashes, words, mine)
+            hashes = pa.ListArray.from_arrays(pa.array(offsets), values)
             pieces.append(ShardPiece(kinds=kinds, group_ids=gids, hashes=hashes))
     lookups = LookupBatch(
         rows=lookups_rows,
