@@ -72,7 +72,13 @@ def _scatter_file(path: str, shards: int) -> tuple[Any, ...]:
     driver checks and counts (bytes shipped, the file's seq range)."""
     per_shard: list[list[ShardPiece]] = [[] for _ in range(shards)]
     lookups: list[LookupBatch] = []
-    facts: dict[str, Any] = {"pieces": 0, "lookups": 0, "first_seq": None, "last_seq": None}
+    facts: dict[str, Any] = {
+        "pieces": 0,
+        "lookups": 0,
+        "hash_entries": 0,
+        "first_seq": None,
+        "last_seq": None,
+    }
     for batch in TraceReader(path).iter_batches(prefetch=True):
         pieces, lb = scatter(batch, shards)
         for k, piece in enumerate(pieces):
@@ -80,6 +86,7 @@ def _scatter_file(path: str, shards: int) -> tuple[Any, ...]:
             facts["pieces"] += piece.nbytes
         lookups.append(lb)
         facts["lookups"] += lb.nbytes
+        facts["hash_entries"] += lb.hash_entries
         if lb.first_seq is not None:
             facts["first_seq"] = lb.first_seq if facts["first_seq"] is None else facts["first_seq"]
             facts["last_seq"] = lb.last_seq
@@ -295,6 +302,7 @@ def _run(
         stats["pieces_bytes"] = sum(s["pieces"] for s in sizes)
         stats["lookups_bytes"] = sum(s["lookups"] for s in sizes)
         stats["presence_bytes"] = sum(d[3] for d in done)
+        stats["hash_entries"] = sum(s["hash_entries"] for s in sizes)
         stats["shards"] = shards
         stats["files"] = len(files)
     return results_of(
