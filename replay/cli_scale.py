@@ -7,22 +7,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from replay.engine import Progress, ReplayResult, default_results_path, replay_trace
 from replay.errors import ReplayError
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _output(help: str) -> Callable[[F], F]:
+    return click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help=help)
+
+
+TRACE = click.argument("trace", type=click.Path(path_type=Path))
+
 
 @click.command()
-@click.argument("trace", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="The new directory to write (absent or empty).",
-)
+@TRACE
+@_output("The new directory to write (absent or empty).")
 @click.option(
     "--files",
     type=click.IntRange(min=1),
@@ -38,14 +42,8 @@ def split(trace: Path, output: Path, files: int) -> None:
 
 
 @click.command()
-@click.argument("trace", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="The one trace file to write.",
-)
+@TRACE
+@_output("The one trace file to write.")
 def cat(trace: Path, output: Path) -> None:
     """Write every event of a trace directory (or file) TRACE into one file."""
     from replay.tracedir import cat_trace

@@ -122,9 +122,14 @@ def test_random_traces_in_random_files(tmp_path: Path, seed: int) -> None:
 # ---------------------------------------------------------------- bad directories
 
 
-def _two_files(tmp_path: Path, second: list[dict[str, Any]], **write: Any) -> Path:
+def _bad_dir(tmp_path: Path) -> Path:
     d = tmp_path / "bad"
     d.mkdir()
+    return d
+
+
+def _two_files(tmp_path: Path, second: list[dict[str, Any]], **write: Any) -> Path:
+    d = _bad_dir(tmp_path)
     config = full_mamba()
     first = [
         {"seq": 0, "kind": "store", "group_id": 0, "block_hashes": [b"a" * 32]},
@@ -166,8 +171,7 @@ def test_files_without_statistics_are_checked_as_they_stream(tmp_path: Path) -> 
 
 def test_footers_are_checked_before_any_row(tmp_path: Path) -> None:
     # A bad row in the first file: the second file's footer fails first.
-    d = tmp_path / "bad"
-    d.mkdir()
+    d = _bad_dir(tmp_path)
     config = full_mamba()
     write_trace(d / "b.parquet", config, [{"seq": 1, "kind": "clear"}])
     table = events_table([{"seq": 0, "kind": "clear"}, {"seq": 4, "kind": "store"}], config)
@@ -181,8 +185,7 @@ def test_footers_are_checked_before_any_row(tmp_path: Path) -> None:
 
 
 def test_a_different_config_names_the_file(tmp_path: Path) -> None:
-    d = tmp_path / "bad"
-    d.mkdir()
+    d = _bad_dir(tmp_path)
     write_trace(d / "a.parquet", full_mamba(), [{"seq": 0, "kind": "clear"}])
     write_trace(d / "b.parquet", full_mamba(block=32), [{"seq": 1, "kind": "clear"}])
     assert _error(["run", str(d), "-q"]) == (
@@ -192,8 +195,7 @@ def test_a_different_config_names_the_file(tmp_path: Path) -> None:
 
 
 def test_a_different_cache_names_the_file(tmp_path: Path) -> None:
-    d = tmp_path / "bad"
-    d.mkdir()
+    d = _bad_dir(tmp_path)
     base = full_mamba().to_json()
     for name, cache, seq in (("a", "gpu", 0), ("b", "mooncake", 1)):
         table = events_table([{"seq": seq, "kind": "clear"}], full_mamba())
@@ -207,8 +209,7 @@ def test_a_different_cache_names_the_file(tmp_path: Path) -> None:
 
 
 def test_a_broken_file_is_named(tmp_path: Path) -> None:
-    d = tmp_path / "bad"
-    d.mkdir()
+    d = _bad_dir(tmp_path)
     write_trace(d / "a.parquet", full_mamba(), [{"seq": 0, "kind": "clear"}])
     (d / "b.parquet").write_text("seq,kind\n")
     assert _error(["validate", str(d)]) == (
