@@ -188,14 +188,24 @@ def replay_on_ray(
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {
             "include_dashboard": False,
-            "logging_level": logging.WARNING,
+            "logging_level": logging.ERROR,
             "log_to_driver": False,
         }
-        if address is not None:
-            ray.init(address=address, **kwargs)
-        else:
-            # "local": never join a cluster a stale ray_current_cluster names.
-            ray.init(address="local", num_cpus=workers or 1, **kwargs)
+        if address is not None and address != "auto":
+            _probe(address)
+        try:
+            if address is not None:
+                ray.init(address=address, **kwargs)
+            else:
+                # "local": never join a cluster a stale ray_current_cluster names.
+                ray.init(address="local", num_cpus=workers or 1, **kwargs)
+        except Exception as exc:  # Ray raises several types for one refusal
+            text = str(exc).strip()
+            where = f"--ray {address}" if address is not None else f"--workers {workers}"
+            raise ClusterError(
+                f"{where}: cannot start or reach Ray ({type(exc).__name__}: "
+                f"{text.splitlines()[0] if text else 'no detail'})"
+            ) from None
         started_here = True
     try:
         shards = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -209,6 +219,23 @@ def replay_on_ray(
     finally:
         if started_here:
             ray.shutdown()
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds, not minutes, when nothing listens at HOST:PORT (Ray
+    itself retries a dead address for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"--ray {address}: expected auto or HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ClusterError(
+            f"--ray {address}: no Ray there ({exc.strerror or exc}); start one with "
+            "`ray start --head` or give its address"
+        ) from None
 
 
 def _run(

@@ -254,3 +254,32 @@ def test_workers_on_a_local_ray_from_the_command_line(
     )
     assert done.returncode == 0, done.stderr
     assert pl.read_parquet(out).equals(serial["pre-49502"])
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        (
+            "127.0.0.1:1",
+            "--ray 127.0.0.1:1: no Ray there (Connection refused); start one with "
+            "`ray start --head` or give its address",
+        ),
+        ("nonsense", "--ray nonsense: expected auto or HOST:PORT"),
+    ],
+)
+def test_a_bad_cluster_address_is_one_line_and_quick(
+    trace_dir: Path, tmp_path: Path, address: str, message: str
+) -> None:
+    out = tmp_path / "r.parquet"
+    replay = Path(sys.executable).parent / "replay"
+    done = subprocess.run(
+        [str(replay), "run", str(trace_dir / "dir"), "--ray", address, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == f"error: {message}\n"
+    assert not out.exists()
