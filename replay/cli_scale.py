@@ -31,7 +31,7 @@ TRACE = click.argument("trace", type=click.Path(path_type=Path))
     "--files",
     type=click.IntRange(min=1),
     required=True,
-    help="How many files: about equal rows each, fewer when the trace is shorter.",
+    help="How many files: equal rows give or take one (one file a row when there are fewer rows).",
 )
 def split(trace: Path, output: Path, files: int) -> None:
     """Write TRACE as a trace directory of FILES files, in seq order."""

@@ -177,32 +177,33 @@ def _inputs(reader: TraceReader) -> list[Path]:
 
 
 def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], files: int) -> int:
-    """Write ``trace`` as ``files`` files of about equal rows into the new
-    directory ``out_dir`` (fewer when the trace has fewer rows). Returns the
-    number of files written."""
+    """Write ``trace`` as ``files`` files of equal rows, give or take one,
+    into the new directory ``out_dir`` (as many files as rows when there are
+    fewer). Returns the number of files written."""
     if files < 1:
         raise ReplayError(f"--files {files}: expected at least 1")
     reader = open_trace(trace)
     target = Path(out_dir)
-    per_file = max(1, -(-reader.num_rows // files))
+    total = reader.num_rows
+    # Where each file ends, in rows of the whole trace; empty files dropped.
+    ends = sorted({(i + 1) * total // files for i in range(files)} - {0})
     written = 0
     with _atomic_dir(target, _inputs(reader)) as tmp:
         writer: TraceWriter | None = None
-        in_file = 0
+        done = 0
         try:
             for batch in reader.iter_batches(prefetch=True):
                 table = batch_table(batch)
                 start = 0
                 while start < table.num_rows:
-                    if writer is None or in_file == per_file:
+                    if writer is None or done == ends[written - 1]:
                         if writer is not None:
                             writer.close()
                         writer = TraceWriter(tmp / PART_NAME.format(written), reader.config)
                         written += 1
-                        in_file = 0
-                    take = min(per_file - in_file, table.num_rows - start)
+                    take = min(ends[written - 1] - done, table.num_rows - start)
                     writer.write_table(table.slice(start, take))
-                    in_file += take
+                    done += take
                     start += take
             if writer is None:  # an empty trace is one empty file
                 writer = TraceWriter(tmp / PART_NAME.format(0), reader.config)

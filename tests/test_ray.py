@@ -121,6 +121,13 @@ def test_two_nodes_give_the_serial_results_for_both_policies(
     assert stats["shards"] == 2 and stats["files"] == 5
 
 
+def test_one_file_on_the_cluster_is_the_serial_run(
+    cluster: Cluster, trace_dir: Path, serial: dict[str, pl.DataFrame]
+) -> None:
+    (result,) = replay_on_ray(trace_dir / "one.parquet", policies=["pre-49502"], workers=3)
+    assert result.results.equals(serial["pre-49502"])
+
+
 def test_shards_are_spread_over_both_nodes(cluster: Cluster) -> None:
     pool = ShardPool(ray, num_groups=2, shards=2)
     try:
