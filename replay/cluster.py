@@ -182,7 +182,8 @@ def replay_on_ray(
     reader = open_trace(path)  # metadata, schemas and seq order, before Ray starts
     config = reader.config
     variants = variants_for(config, policies, cache)
-    files = [f.path for f in getattr(reader, "files", [reader])]
+    # Absolute: a worker's directory is not the driver's (nor its node).
+    files = [f.path.resolve() for f in getattr(reader, "files", [reader])]
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
