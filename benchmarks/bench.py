@@ -231,8 +231,9 @@ done(time.perf_counter() - t)
 """
 
 WORKERS = """
-import os, tempfile
+import atexit, os, shutil, tempfile
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
 from replay.cluster import replay_on_ray
