@@ -78,19 +78,62 @@ def _shards_of_words(words: HashWords, shards: int) -> np.ndarray[Any, np.dtype[
     return out
 
 
-def _picked(hashes: pa.Array, words: HashWords, which: np.ndarray[Any, Any]) -> pa.Array:
-    """The hashes at flat positions ``which``, in their own buffer (a slice
-    would ship its whole parent). Hashes of one width that fills whole words
-    (vLLM's digests, the importers' ids) go as fixed-size binary: no offset
-    per hash, and a numpy gather instead of Arrow's take."""
+@njit(nogil=True, cache=True)
+def _group_by_shard(
+    row_off: Any, sid: Any, start: Any, order: Any, offsets: Any, grid: Any, data: Any
+) -> None:
+    """``order``: the flat hash positions grouped by shard, each shard's in
+    trace order (shard ``k``'s from ``start[k]``); ``offsets[k]``: the list
+    offsets of shard ``k``'s piece, row by row; ``data``: the rows of
+    ``grid`` (hashes as rows of words, when they have one width) in that
+    order. One pass, no sort."""
+    shards = start.shape[0] - 1
+    w = grid.shape[1]
+    cursor = start[:-1].copy()
+    for r in range(row_off.shape[0] - 1):
+        for h in range(row_off[r], row_off[r + 1]):
+            k = sid[h]
+            c = cursor[k]
+            order[c] = h
+            for j in range(w):
+                data[c, j] = grid[h, j]
+            cursor[k] = c + 1
+        for k in range(shards):
+            offsets[k, r + 1] = cursor[k] - start[k]
+
+
+def _split(
+    hashes: pa.Array, words: HashWords, sid: np.ndarray[Any, Any], shards: int
+) -> list[pa.Array]:
+    """Each shard's rows of ``hashes``, keeping only that shard's hashes.
+    Hashes of one width that fills whole words (vLLM's digests, the
+    importers' ids) go as fixed-size binary: no offset per hash, and a numpy
+    gather of whole rows instead of Arrow's take."""
+    rows = words.row_offsets.shape[0] - 1
+    start = np.zeros(shards + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sid, minlength=shards), out=start[1:])
+    order = np.empty(sid.shape[0], dtype=np.int64)
+    offsets = np.zeros((shards, rows + 1), dtype=np.int32)
     widths = words.nbytes
-    if widths.size and widths[0] % 8 == 0 and (widths == widths[0]).all():
-        w = int(widths[0]) // 8
-        grid = words.words[: widths.size * w].reshape(-1, w)
-        data = np.ascontiguousarray(grid[which])
+    fixed = bool(widths.size and widths[0] % 8 == 0 and (widths == widths[0]).all())
+    w = int(widths[0]) // 8 if fixed else 0
+    grid = words.words[: widths.size * w].reshape(-1, w) if fixed else np.zeros((0, 0), np.uint64)
+    data = np.empty((widths.size, w) if fixed else (0, 0), dtype=np.uint64)
+    _group_by_shard(words.row_offsets, sid, start, order, offsets, grid, data)
+    if fixed:
         typ = pa.binary(int(widths[0]))
-        return pa.Array.from_buffers(typ, int(which.size), [None, pa.py_buffer(data)])
-    return hashes.flatten().take(pa.array(which))
+        values = [
+            pa.Array.from_buffers(typ, int(hi - lo), [None, pa.py_buffer(data[lo:hi])])
+            for lo, hi in zip(start[:-1].tolist(), start[1:].tolist(), strict=True)
+        ]
+    else:
+        flat = hashes.flatten()
+        # Each shard's values in their own buffers: a slice would ship its parent.
+        values = [
+            flat.take(pa.array(order[lo:hi]))
+            for lo, hi in zip(start[:-1].tolist(), start[1:].tolist(), strict=True)
+        ]
+    return [pa.ListArray.from_arrays(pa.array(offsets[k]), values[k]) for k in range(shards)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,19 +187,11 @@ def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBat
     else:
         words = hash_words(batch.hashes)
         sid = _shards_of_words(words, shards)
-        row_of = np.repeat(np.arange(frame.height), n_hashes)
-        lookup_shards = sid[is_lookup[row_of]] if sid.size else sid
-        order = np.argsort(sid, kind="stable")
-        bounds = np.searchsorted(sid[order], np.arange(shards + 1))
-        pieces = []
-        for k in range(shards):
-            mine = order[int(bounds[k]) : int(bounds[k + 1])]
-            per_row = np.bincount(row_of[mine], minlength=frame.height)
-            offsets = np.zeros(frame.height + 1, dtype=np.int32)
-            np.cumsum(per_row, out=offsets[1:])
-            values = _picked(batch.hashes, words, mine)
-            hashes = pa.ListArray.from_arrays(pa.array(offsets), values)
-            pieces.append(ShardPiece(kinds=kinds, group_ids=gids, hashes=hashes))
+        lookup_shards = sid[np.repeat(is_lookup, n_hashes)]
+        pieces = [
+            ShardPiece(kinds=kinds, group_ids=gids, hashes=h)
+            for h in _split(batch.hashes, words, sid, shards)
+        ]
     lookups = LookupBatch(
         rows=lookups_rows,
         units=units,
