@@ -219,7 +219,14 @@ def _progress(quiet: bool) -> _Bar | None:
     "per policy from one fold: "
     + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
 )
-@CACHE
+@click.option(
+    "--cache",
+    "caches",
+    type=click.Choice(list(CACHES)),
+    multiple=True,
+    help="Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
+    "repeat it for one results file per cache from the same fold.",
+)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -242,7 +249,7 @@ def run(
     trace: Path,
     output: Path | None,
     policies: tuple[str, ...],
-    cache: str | None,
+    caches: tuple[str, ...],
     coordinator: str,
     workers: int | None,
     ray_address: str | None,
@@ -259,13 +266,14 @@ def run(
     from analysis.flags import flag_counts, flag_examples
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
-    outs = results_paths(trace, output, policies)
+    used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
+    outs = results_paths(trace, output, policies, used)
     bar = _progress(quiet or as_json)
     try:
         results = replay_for_run(
             trace,
             policies=policies,
-            cache=cache,
+            caches=used,
             coordinator=coordinator,
             unit_present=unit_present,
             workers=workers,

@@ -69,34 +69,46 @@ RAY = click.option(
 )
 
 
-def results_paths(trace: Path, output: Path | None, policies: Sequence[str]) -> list[Path]:
-    """Where each policy's results go: the one path for one policy, else the
-    policy's name before the suffix (``t.results.parquet`` ->
-    ``t.pre-49502.results.parquet``)."""
+def results_paths(
+    trace: Path,
+    output: Path | None,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+) -> list[Path]:
+    """Where each variant's results go, policy by policy then cache by cache:
+    the one path for one variant, else the varying names before the suffix
+    (``t.results.parquet`` -> ``t.pre-49502.results.parquet``, or
+    ``t.pre-49502.gpu.results.parquet`` with several of both)."""
     base = output or default_results_path(trace)
-    if len(policies) == 1:
+    labels = [
+        ".".join([p] * (len(policies) > 1) + [str(c)] * (len(caches) > 1))
+        for p in policies
+        for c in caches
+    ]
+    if len(labels) == 1:
         return [base]
     name = base.name
     stem = name.removesuffix(".parquet")
     tail = ".parquet" if stem != name else ""
     if stem.endswith(".results"):
         stem, tail = stem.removesuffix(".results"), ".results" + tail
-    return [base.with_name(f"{stem}.{p}{tail}") for p in policies]
+    return [base.with_name(f"{stem}.{label}{tail}") for label in labels]
 
 
 def replay_for_run(
     trace: Path,
     *,
     policies: Sequence[str],
-    cache: str | None,
+    caches: Sequence[str | None],
     coordinator: str,
     unit_present: bool,
     workers: int | None,
     ray_address: str | None,
     progress: Callable[[Progress], None] | None,
 ) -> list[ReplayResult]:
-    """``replay run``'s replays, one per policy: the serial engine for one
-    policy, one fold shared by every policy otherwise, Ray when asked."""
+    """``replay run``'s replays, one per policy and cache (policy by policy):
+    the serial engine for one, one fold shared by all otherwise, Ray when
+    asked."""
     if workers is not None or ray_address is not None:
         if coordinator != "reference":
             raise ReplayError(
@@ -110,23 +122,24 @@ def replay_for_run(
         return replay_on_ray(
             trace,
             policies=policies,
-            cache=cache,
+            caches=caches,
             workers=workers,
             address=ray_address,
             progress=progress,
         )
-    if len(policies) == 1 or coordinator != "reference" or unit_present:
+    if len(policies) * len(caches) == 1 or coordinator != "reference" or unit_present:
         return [
             replay_trace(
                 trace,
                 policy=p,
                 coordinator=coordinator,
-                cache=cache,
+                cache=c,
                 unit_present=unit_present,
                 progress=progress,
             )
             for p in policies
+            for c in caches
         ]
     from replay.shard import replay_sharded
 
-    return replay_sharded(trace, policies=policies, cache=cache, progress=progress)
+    return replay_sharded(trace, policies=policies, caches=caches, progress=progress)

@@ -165,7 +165,7 @@ def replay_on_ray(
     path: str | os.PathLike[str],
     *,
     policies: Sequence[str],
-    cache: str | None = None,
+    caches: Sequence[str | None] = (None,),
     workers: int | None = None,
     address: str | None = None,
     pool: ShardPool | None = None,
@@ -173,7 +173,7 @@ def replay_on_ray(
     stats: dict[str, Any] | None = None,
 ) -> list[ReplayResult]:
     """Replay ``path`` (a trace directory or file) on Ray, one results frame
-    per policy, identical to ``replay_trace``'s.
+    per policy and cache (``variants_for``), identical to ``replay_trace``'s.
 
     Ray is the one this process is connected to, else a cluster at
     ``address`` (``auto``: the one ``ray start`` runs here), else a local one
@@ -181,7 +181,7 @@ def replay_on_ray(
     ``stats``, when given, receives the bytes shipped."""
     reader = open_trace(path)  # metadata, schemas and seq order, before Ray starts
     config = reader.config
-    variants = variants_for(config, policies, cache)
+    variants = variants_for(config, policies, caches)
     # Absolute: a worker's directory is not the driver's (nor its node).
     files = [f.path.resolve() for f in getattr(reader, "files", [reader])]
     ray = import_ray()

@@ -298,12 +298,16 @@ class Answers:
         ]
 
 
-def variants_for(config: TraceConfig, policies: Sequence[str], cache: str | None) -> list[Variant]:
-    """The variants asked for, the cache resolved as the serial run does."""
-    if not policies:
-        raise ReplayError("no policy to replay under")
-    used = resolve_cache(config, cache)
-    return [Variant(policy=p, cache=used) for p in dict.fromkeys(policies)]
+def variants_for(
+    config: TraceConfig, policies: Sequence[str], caches: Sequence[str | None] = (None,)
+) -> list[Variant]:
+    """Every policy in every cache, policy by policy; each cache resolved as
+    the serial run does (None: the trace's)."""
+    if not policies or not caches:
+        raise ReplayError("no policy or cache to replay under")
+    used = [resolve_cache(config, c) for c in caches]
+    pairs = dict.fromkeys((p, c) for p in policies for c in used)
+    return [Variant(policy=p, cache=c) for p, c in pairs]
 
 
 def results_of(
@@ -336,19 +340,19 @@ def replay_sharded(
     path: str | os.PathLike[str],
     *,
     policies: Sequence[str],
-    cache: str | None = None,
+    caches: Sequence[str | None] = (None,),
     shards: int = 1,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
 ) -> list[ReplayResult]:
     """Replay in this process with the store split into ``shards`` shards,
-    under each policy from one fold: the results are those of
-    ``replay_trace`` for every shard count."""
+    under each policy in each cache from one fold (``variants_for``): the
+    results are those of ``replay_trace`` for every shard count."""
     if not 1 <= shards <= MAX_SHARDS:
         raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
     reader = open_trace(path)
     config = reader.config
-    variants = variants_for(config, policies, cache)
+    variants = variants_for(config, policies, caches)
     folds = [ShardFold(config.num_groups) for _ in range(shards)]
     answers = Answers(config, variants)
     state = Progress(total_events=reader.num_rows)

@@ -22,6 +22,7 @@ from tests.conftest import run_cli
 from tests.randtrace import random_config, random_rows
 
 POLICIES = ("vllm-0.33", "pre-49502")
+CACHES = ("mooncake", "gpu")
 
 
 def widen(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
@@ -71,14 +72,15 @@ def test_sharded_replay_is_the_serial_replay(tmp_path: Path, seed: int) -> None:
     if seed % 2:
         rows = widen(rows, rng)
     single = write_trace(tmp_path / "one.parquet", config, rows)
-    want = {p: replay_trace(single, policy=p).results for p in POLICIES}
+    variants = [(p, c) for p in POLICIES for c in CACHES]
+    want = {(p, c): replay_trace(single, policy=p, cache=c).results for p, c in variants}
     d = write_dir(tmp_path, config, rows, rng.randint(1, 5))
     for shards in (1, 2, 3, 5):
-        got = replay_sharded(d, policies=POLICIES, shards=shards)
-        assert [r.policy for r in got] == list(POLICIES)
-        for result in got:
-            assert result.results.equals(want[result.policy]), (shards, result.policy)
-            assert result.events == len(rows)
+        got = replay_sharded(d, policies=POLICIES, caches=CACHES, shards=shards)
+        assert [(r.policy, r.cache) for r in got] == variants
+        for r in got:
+            assert r.results.equals(want[r.policy, r.cache]), (shards, r.policy, r.cache)
+            assert r.events == len(rows)
 
 
 def test_shards_spread_whole_hashes_not_prefixes() -> None:
@@ -130,6 +132,20 @@ def test_several_policies_in_one_process_write_one_file_each(tmp_path: Path) -> 
         got = pl.read_parquet(tmp_path / f"t.{policy}.results.parquet")
         assert got.equals(replay_trace(path, policy=policy).results)
     assert not (tmp_path / "t.results.parquet").exists()
+
+
+def test_policies_times_caches_in_one_process(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 30))
+    args = ["run", str(path), "-q", "--policy", "pre-49502", "--policy", "vllm-0.33"]
+    result = run_cli([*args, "--cache", "gpu", "--cache", "mooncake"])
+    assert result.exit_code == 0, result.stderr
+    for policy in ("pre-49502", "vllm-0.33"):
+        for cache in ("gpu", "mooncake"):
+            got = pl.read_parquet(tmp_path / f"t.{policy}.{cache}.results.parquet")
+            assert got.equals(replay_trace(path, policy=policy, cache=cache).results)
+    assert len(list(tmp_path.iterdir())) == 5
 
 
 @pytest.mark.parametrize(
