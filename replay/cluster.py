@@ -142,9 +142,9 @@ class ShardPool:
             actor.options(
                 name=f"shard-{self.run_id}-{k}",
                 namespace=NAMESPACE,
-                scheduling_strategy="SPREAD",
+                scheduling_strategy=strategy,
             ).remote(num_groups)
-            for k in range(shards)
+            for k, strategy in enumerate(_round_robin(ray, shards))
         ]
 
     @property
@@ -154,6 +154,23 @@ class ShardPool:
     def close(self) -> None:
         for a in self.actors:
             self.ray.kill(a)
+
+
+def _round_robin(ray: Any, count: int) -> list[Any]:
+    """Where each of ``count`` actors goes: the nodes with CPUs in turn.
+    SPREAD alone is a preference, and zero-CPU actors may all land on one
+    node; soft affinity still places an actor if its node is gone."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(
+        n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+    )
+    if not nodes:
+        return ["SPREAD"] * count
+    return [
+        NodeAffinitySchedulingStrategy(node_id=nodes[k % len(nodes)], soft=True)
+        for k in range(count)
+    ]
 
 
 def _cluster_errors(ray: Any) -> tuple[type[BaseException], ...]:
@@ -183,7 +200,7 @@ def replay_on_ray(
     config = reader.config
     variants = variants_for(config, policies, caches)
     # Absolute: a worker's directory is not the driver's (nor its node).
-    files = [f.path.resolve() for f in getattr(reader, "files", [reader])]
+    files = [(f.path.resolve(), f.num_rows) for f in getattr(reader, "files", [reader])]
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
@@ -244,7 +261,7 @@ def _run(
     pool: ShardPool,
     config: TraceConfig,
     variants: list[Variant],
-    files: list[Path],
+    files: list[tuple[Path, int]],
     total_events: int,
     progress: Callable[[Progress], None] | None,
     stats: dict[str, Any] | None,
@@ -255,31 +272,44 @@ def _run(
     answer_task = ray.remote(max_retries=3)(_answer_file)
     window = max(2, 2 * shards)
     config_ref = ray.put(config)
-    pending: list[tuple[Path, Any, Any]] = []  # (file, answer ref, sizes ref)
+    # Per file in flight: its path and rows, its shards' folds, its answer,
+    # its facts, and whether its rows count as folded yet (the progress).
+    pending: list[tuple[Path, int, list[Any], Any, Any, list[bool]]] = []
     done: list[tuple[list[pl.DataFrame], int, dict[str, int], int]] = []
     sizes: list[dict[str, Any]] = []
     last: tuple[Path, int] | None = None
     state = Progress(total_events=total_events)
     started = time.perf_counter()
     errors = _cluster_errors(ray)
-    todo: Iterator[Path] = iter(files)
+    todo: Iterator[tuple[Path, int]] = iter(files)
 
-    def submit(file: Path) -> None:
+    def submit(file: Path, rows: int) -> None:
         refs = scatter_task.options(scheduling_strategy="SPREAD").remote(str(file), shards)
         folded = [a.fold.remote(refs[k]) for k, a in enumerate(pool.actors)]
         answer = answer_task.options(scheduling_strategy="SPREAD").remote(
             config_ref, variants, refs[shards], *folded
         )
-        pending.append((file, answer, refs[shards + 1]))
+        pending.append((file, rows, folded, answer, refs[shards + 1], [False]))
+
+    def count_folded(entry: tuple[Path, int, list[Any], Any, Any, list[bool]]) -> None:
+        # Events are done once every shard has folded them, wherever it runs.
+        _, rows, folded, _, _, counted = entry
+        if not counted[0] and len(ray.wait(folded, num_returns=len(folded), timeout=0)[0]) == len(
+            folded
+        ):
+            counted[0] = True
+            state.events += rows
 
     try:
-        for file in todo:
-            submit(file)
+        for file, rows in todo:
+            submit(file, rows)
             if len(pending) >= window:
                 break
         while pending:
-            file, answer, size_ref = pending[0]
+            file, _, _, answer, size_ref, counted = pending[0]
             ready, _ = ray.wait([answer], timeout=0.2)
+            for entry in pending:
+                count_folded(entry)
             if progress is not None:
                 progress(state)
             if not ready:
@@ -297,11 +327,13 @@ def _run(
                         f"(comes after seq {last[1]} of {last[0].name})"
                     )
                 last = (file, facts["last_seq"])
-            state.events += out[1]
+            if not counted[0]:
+                counted[0] = True
+                state.events += out[1]
             state.lookups += out[2]["lookup"]
             nxt = next(todo, None)
             if nxt is not None:
-                submit(nxt)
+                submit(*nxt)
     except errors as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ReplayError):
