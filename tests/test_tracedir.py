@@ -285,3 +285,15 @@ def test_cat_never_writes_over_or_into_its_input(tmp_path: Path, demo_dir: Path)
     )
     assert part.stat().st_size == size
     assert sorted(p.name for p in demo_dir.iterdir()) == [f"part-{i:06d}.parquet" for i in range(4)]
+
+
+def test_report_finds_a_directory_trace_beside_its_results(demo_dir: Path) -> None:
+    assert run_cli(["run", str(demo_dir), "--policy", "pre-49502", "-q"]).exit_code == 0
+    results = demo_dir.parent / "demo.results.parquet"
+    out = demo_dir.parent / "report.md"
+    result = run_cli(["report", str(results), "-o", str(out), "--format", "md"])
+    assert result.exit_code == 0, result.stderr
+    text = out.read_text()
+    assert "not found next to" not in text
+    flagged = replay_trace(DEMO, policy="pre-49502").flags()["request_id"][0]
+    assert "replay explain" in text and flagged in text
