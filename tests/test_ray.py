@@ -22,6 +22,7 @@ import pytest
 
 from replay.engine import replay_trace
 from replay.sources.synth import synth_trace
+from replay.trace import TraceWriter, open_trace
 from replay.tracedir import split_trace
 from tests.conftest import run_cli
 
@@ -54,7 +55,7 @@ def ray_tmp() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Full attention + Mamba with EAGLE, a bounded LRU store (removes),
-    clears, and injected #43559 overruns, as 5 files."""
+    clears, and injected #43559 overruns, as 5 files and an empty one."""
     root = tmp_path_factory.mktemp("ray-trace")
     single = root / "one.parquet"
     synth_trace(
@@ -69,6 +70,9 @@ def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         hash_bytes=32,
     )
     split_trace(single, root / "dir", 5)
+    # A file without events (a quiet hour) between two others.
+    with TraceWriter(root / "dir" / "part-000002a.parquet", open_trace(single).config):
+        pass
     return root
 
 
@@ -92,8 +96,6 @@ def cluster(ray_tmp: str, serial: dict[str, pl.DataFrame]) -> Iterator[Cluster]:
 def test_the_trace_has_what_the_cluster_must_get_right(
     trace_dir: Path, serial: dict[str, pl.DataFrame]
 ) -> None:
-    from replay.trace import open_trace
-
     kinds = open_trace(trace_dir / "dir").read_frame(["kind"])["kind"].value_counts()
     counts = dict(kinds.iter_rows())
     assert counts["remove"] > 100 and counts["clear"] >= 2 and counts["lookup"] > 600
@@ -118,7 +120,7 @@ def test_two_nodes_give_the_serial_results_for_both_policies(
         assert r.results.equals(serial[r.policy])
     total = seen[-1][1]
     assert seen[-1] == (total, total)
-    assert stats["shards"] == 2 and stats["files"] == 5
+    assert stats["shards"] == 2 and stats["files"] == 6
 
 
 def test_one_file_on_the_cluster_is_the_serial_run(
