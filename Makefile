@@ -78,7 +78,8 @@ $(RAY_STAMP): pyproject.toml $(STAMP)
 test-ray: $(RAY_STAMP)
 	$(BIN)/pytest -q -m ray -p no:cacheprovider
 
-bench: $(STAMP)
+# The scale-out figures (serial against --workers) need the ray extra.
+bench: $(RAY_STAMP)
 	$(BIN)/python -m benchmarks.bench
 
 traces: $(STAMP)
