@@ -123,10 +123,11 @@ def test_two_nodes_give_the_serial_results_for_both_policies(
     assert stats["shards"] == 2 and stats["files"] == 6
 
 
+@pytest.mark.parametrize("shards", [1, 3])
 def test_one_file_on_the_cluster_is_the_serial_run(
-    cluster: Cluster, trace_dir: Path, serial: dict[str, pl.DataFrame]
+    cluster: Cluster, trace_dir: Path, serial: dict[str, pl.DataFrame], shards: int
 ) -> None:
-    (result,) = replay_on_ray(trace_dir / "one.parquet", policies=["pre-49502"], workers=3)
+    (result,) = replay_on_ray(trace_dir / "one.parquet", policies=["pre-49502"], workers=shards)
     assert result.results.equals(serial["pre-49502"])
 
 
