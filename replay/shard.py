@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ from replay.engine import (
 from replay.errors import ReplayError
 from replay.kernels import LOOKUP, KeyTable, _key_meta, _mix
 from replay.spec import TraceConfig
-from replay.trace import HashWords, TraceBatch, hash_words, open_trace
+from replay.trace import HashWords, TraceBatch, hash_words, open_trace, prefetched
 
 #: Decorrelates the shard from the table slot, which uses the same key
 #: meta's high bits: without it a shard's keys would crowd 1/K of its table.
@@ -357,10 +357,16 @@ def replay_sharded(
     answers = Answers(config, variants)
     state = Progress(total_events=reader.num_rows)
     started = last = time.perf_counter()
-    for batch in reader.iter_batches(prefetch=True):
-        pieces, lookups = scatter(batch, shards)
-        presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
-        answers.add(lookups, gather(lookups, presences, config.num_groups))
+
+    def folded() -> Iterator[tuple[LookupBatch, np.ndarray[Any, Any]]]:
+        for batch in reader.iter_batches(prefetch=True):
+            pieces, lookups = scatter(batch, shards)
+            presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
+            yield lookups, gather(lookups, presences, config.num_groups)
+
+    # As in replay_trace: read, fold (compiled, no GIL) and answer overlap.
+    for lookups, present in prefetched(folded()):
+        answers.add(lookups, present)
         state.events, state.lookups = answers.events, answers.counts["lookup"]
         if progress is not None and time.perf_counter() - last >= progress_every:
             progress(state)
