@@ -158,8 +158,9 @@ class ShardPool:
 
 def _round_robin(ray: Any, count: int) -> list[Any]:
     """Where each of ``count`` actors goes: the nodes with CPUs in turn.
-    SPREAD alone is a preference, and zero-CPU actors may all land on one
-    node; soft affinity still places an actor if its node is gone."""
+    SPREAD alone is a preference, and so is soft affinity: both put
+    zero-CPU actors on one node at times. A node that is gone before its
+    shard starts fails the run (reported, like a shard that dies later)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(
@@ -168,14 +169,15 @@ def _round_robin(ray: Any, count: int) -> list[Any]:
     if not nodes:
         return ["SPREAD"] * count
     return [
-        NodeAffinitySchedulingStrategy(node_id=nodes[k % len(nodes)], soft=True)
+        NodeAffinitySchedulingStrategy(node_id=nodes[k % len(nodes)], soft=False)
         for k in range(count)
     ]
 
 
 def _cluster_errors(ray: Any) -> tuple[type[BaseException], ...]:
-    exc = ray.exceptions
-    return (exc.RayActorError, exc.RayTaskError, exc.WorkerCrashedError, exc.ObjectLostError)
+    # Every failure Ray reports (a dead worker or node, a lost object, an
+    # actor that cannot be placed, a task's own error) ends the run alike.
+    return (ray.exceptions.RayError,)
 
 
 def replay_on_ray(
