@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 SHARED ?= ../shared
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test lint pytest test-vllm bench traces clean
+.PHONY: install demo test lint pytest test-vllm test-ray bench traces clean
 
 install: $(STAMP)
 
@@ -54,7 +54,7 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict replay analysis
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -m "not vllm"
+	$(BIN)/pytest -q -m "not vllm and not ray"
 
 test: lint pytest
 
@@ -68,7 +68,19 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
 
-bench: $(STAMP)
+# The replay on a real two-node Ray cluster on this machine (the ray extra
+# goes into .venv; `make test` never needs it).
+RAY_STAMP := $(VENV)/.ray-installed
+
+$(RAY_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,ray]'
+	touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(BIN)/pytest -q -m ray -p no:cacheprovider
+
+# The scale-out figures (serial against --workers) need the ray extra.
+bench: $(RAY_STAMP)
 	$(BIN)/python -m benchmarks.bench
 
 traces: $(STAMP)

@@ -254,7 +254,7 @@ def _resolve_trace(
             f"{results_path.name} does not name its trace; pass --trace to explain the examples"
         )
     candidate = results_path.parent / str(name)
-    if not candidate.is_file():
+    if not candidate.exists():  # a file, or a trace directory
         return None, (
             f"trace {name} not found next to {results_path.name} (looked for {candidate}); "
             "pass --trace to add the explain tables"

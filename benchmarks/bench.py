@@ -46,7 +46,13 @@ _PRELUDE = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
 def done(seconds, hits=None, **extra):
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child of
+    # a bench that grew (an import, a rewrite) would report the bench's peak.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                rss = int(line.split()[1]) * 1024
     print(json.dumps({{"seconds": seconds, "rss": rss, "hits": hits, **extra}}))
 """
 
@@ -212,6 +218,131 @@ def bench(label: str, path: Path, vllm: str | None) -> bool:
     return ok
 
 
+# ---------------------------------------------------------------- scale-out (issue 13)
+
+SCALE_FILES = int(os.environ.get("BENCH_SCALE_FILES", "4"))
+SCALE_WORKERS = int(os.environ.get("BENCH_SCALE_WORKERS", "2"))
+
+RUN_POLICIES = """
+from replay.cli import cli
+t = time.perf_counter()
+cli(["run", {path!r}, "-o", {out!r}, "-q", *{policies!r}], standalone_mode=False)
+done(time.perf_counter() - t)
+"""
+
+WORKERS = """
+import atexit, os, shutil, tempfile
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
+t = time.perf_counter()
+import ray
+from replay.cluster import replay_on_ray
+from replay.engine import save_results
+stats = {{}}
+r = replay_on_ray({path!r}, policies=["vllm-0.33"], workers={workers}, stats=stats)[0]
+save_results(r, {out!r})
+done(time.perf_counter() - t, replayed=r.seconds, **stats)
+"""
+
+TABLES = """
+from replay.shard import ShardFold, scatter
+from replay.trace import open_trace
+reader = open_trace({path!r})
+folds = [ShardFold(reader.config.num_groups) for _ in range({shards})]
+t = time.perf_counter()
+for batch in reader.iter_batches(prefetch=True):
+    pieces, _ = scatter(batch, {shards})
+    for f, p in zip(folds, pieces):
+        f.fold(p)
+done(
+    time.perf_counter() - t,
+    keys=[f.table.num_keys for f in folds],
+    table_bytes=[f.table.nbytes for f in folds],
+)
+"""
+
+
+def scale_out(path: Path) -> bool:
+    """Serial ``replay run`` against ``--workers N`` on a local Ray, on the
+    trace written as ``SCALE_FILES`` files; results must be identical in
+    every column. Also: what a second policy costs, the bytes shipped per
+    hash entry, and the store's bytes per present key, whole and per shard."""
+    import polars as pl
+
+    from replay.tracedir import split_trace
+
+    parts = DATA / f"{path.stem}-{SCALE_FILES}files"
+    if not parts.exists():
+        split_trace(path, parts, SCALE_FILES)
+    print(f"\n== scale-out: {path} and {parts} ({SCALE_FILES} files)")
+    outs = {k: DATA / f"scale-{k}.results.parquet" for k in ("file", "dir", "workers")}
+    one = ["--policy", "vllm-0.33"]
+    two = [*one, "--policy", "pre-49502"]
+    file_run = _best(
+        "replay run FILE", RUN_POLICIES, REPEAT, path=str(path), out=str(outs["file"]), policies=one
+    )
+    dir_run = _best(
+        "replay run DIR", RUN_POLICIES, REPEAT, path=str(parts), out=str(outs["dir"]), policies=one
+    )
+    both = _best(
+        "replay run DIR, 2 policies",
+        RUN_POLICIES,
+        REPEAT,
+        path=str(parts),
+        out=str(DATA / "scale-two.results.parquet"),
+        policies=two,
+    )
+    ray_runs = [
+        _child(WORKERS, path=str(parts), out=str(outs["workers"]), workers=SCALE_WORKERS)
+        for _ in range(REPEAT)
+    ]
+    ray_run = min(ray_runs, key=lambda r: r["replayed"])
+    tables = {k: _child(TABLES, path=str(path), shards=k) for k in (1, SCALE_WORKERS)}
+    want = pl.read_parquet(outs["file"])
+    same = {k: pl.read_parquet(outs[k]).equals(want) for k in ("dir", "workers")}
+    print(f"{'step':44} {'seconds':>8} {'peak RSS':>9} {'x serial':>8}")
+    rows = [
+        (file_run.name, file_run.seconds, file_run.rss),
+        (dir_run.name, dir_run.seconds, dir_run.rss),
+        (both.name, both.seconds, both.rss),
+        (
+            f"replay run DIR --workers {SCALE_WORKERS} (with Ray start)",
+            ray_run["seconds"],
+            ray_run["rss"],  # the driver's; the workers hold the store / K each
+        ),
+        ("  of which the replay on Ray", ray_run["replayed"], None),
+    ]
+    for name, secs, rss in rows:
+        mem = f"{rss / 2**30:7.2f} GB" if rss is not None else f"{'':>10}"
+        print(f"{name:44} {secs:8.2f} {mem} {secs / file_run.seconds:8.2f}")
+    entries = ray_run["hash_entries"]
+    shipped = ray_run["pieces_bytes"] + ray_run["lookups_bytes"] + ray_run["presence_bytes"]
+    print(
+        f"hash entries {entries:,}: shipped {shipped / entries:.1f} bytes per entry "
+        f"(to the shards {ray_run['pieces_bytes'] / entries:.1f}, lookups to the answer tasks "
+        f"{ray_run['lookups_bytes'] / entries:.1f}, presence back "
+        f"{ray_run['presence_bytes'] / entries:.1f})"
+    )
+    print(
+        f"serial replay: {1e9 * file_run.seconds / entries:.0f} ns per hash entry; "
+        f"a second policy adds {both.seconds - dir_run.seconds:+.2f} s "
+        f"({(both.seconds - dir_run.seconds) / dir_run.seconds:+.0%})"
+    )
+    for k, t in tables.items():
+        keys, size = t["keys"], t["table_bytes"]
+        print(
+            f"{k} shard(s): present keys {', '.join(f'{n:,}' for n in keys)}; table "
+            f"{', '.join(f'{b / 2**20:.0f}' for b in size)} MB "
+            f"({sum(size) / max(1, sum(keys)):.0f} bytes per present key); read, split and fold {t['seconds']:.2f} s"
+        )
+    for k, ok in same.items():
+        print(
+            f"results of replay run {'DIR' if k == 'dir' else f'DIR --workers {SCALE_WORKERS}'} "
+            f"{'identical to' if ok else 'DIFFER from'} replay run FILE's, every column"
+        )
+    return all(same.values())
+
+
 def main() -> None:
     DATA.mkdir(exist_ok=True)
     if not MOONCAKE.exists():
@@ -236,8 +367,17 @@ def main() -> None:
         f"\n(a) written as one row group: replay run {step['seconds']:.2f} s, peak RSS "
         f"{step['rss'] / 2**30:.2f} GB, hits {'identical' if same else 'DIFFER'}"
     )
+    if _has_ray():
+        ok &= scale_out(traces[0][1])
+    else:
+        print("\nno Ray (pip install 'cache-trace-replay[ray]'): the scale-out figures are skipped")
     if not ok:
         sys.exit(1)
+
+
+def _has_ray() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import ray"], capture_output=True)
+    return probe.returncode == 0
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ import click
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay import __version__
 from replay.cli_common import command_guard, fail, run_main
+from replay.cli_scale import RAY, WORKERS, replay_for_run, results_paths
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import (
     COORDINATORS,
     Progress,
-    default_results_path,
     explain_lookups,
-    replay_trace,
     resolve_cache,
     save_results,
     state_at,
@@ -217,11 +216,29 @@ def _progress(quiet: bool) -> _Bar | None:
     "--output",
     type=click.Path(path_type=Path),
     default=None,
-    help="Results file (default: NAME.results.parquet beside the trace).",
+    help="Results file (default: NAME.results.parquet beside the trace). With several "
+    "--policy, each policy's name goes before the suffix.",
 )
-@POLICY
-@CACHE
+@click.option(
+    "--policy",
+    "policies",
+    type=click.Choice(list(POLICIES)),
+    multiple=True,
+    help=f"Coordinator semantics (default {DEFAULT_POLICY}); repeat it for one results file "
+    "per policy from one fold: "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
+@click.option(
+    "--cache",
+    "caches",
+    type=click.Choice(list(CACHES)),
+    multiple=True,
+    help="Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
+    "repeat it for one results file per cache from the same fold.",
+)
 @COORDINATOR
+@WORKERS
+@RAY
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option(
@@ -240,53 +257,66 @@ def _progress(quiet: bool) -> _Bar | None:
 def run(
     trace: Path,
     output: Path | None,
-    policy: str,
-    cache: str | None,
+    policies: tuple[str, ...],
+    caches: tuple[str, ...],
     coordinator: str,
+    workers: int | None,
+    ray_address: str | None,
     quiet: bool,
     as_json: bool,
     unit_present: bool,
     examples: int,
 ) -> None:
-    """Replay TRACE through the coordinator and write the results file.
+    """Replay TRACE (a trace file or directory) through the coordinator and
+    write the results file.
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import flag_counts, flag_examples
     from replay.paths import check_outputs
 
-    out = output or default_results_path(trace)
-    check_outputs({"-o": out}, [trace])
+    policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
+    used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
+    outs = results_paths(trace, output, policies, used)
+    check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
     bar = _progress(quiet or as_json)
     try:
-        result = replay_trace(
+        results = replay_for_run(
             trace,
-            policy=policy,
+            policies=policies,
+            caches=used,
             coordinator=coordinator,
-            cache=cache,
             unit_present=unit_present,
+            workers=workers,
+            ray_address=ray_address,
             progress=bar,
         )
     finally:
         if bar is not None:
             bar.close()
-    flags = result.flags()
-    save_results(result, out)
-    counts = flag_counts(flags)
-    summary = run_summary(result, counts)
-    summary["results"] = str(out)
-    if as_json:
+    summaries = []
+    for result, out in zip(results, outs, strict=True):
+        flags = result.flags()
+        save_results(result, out)
+        counts = flag_counts(flags)
+        summary = run_summary(result, counts)
+        summary["results"] = str(out)
         summary["examples"] = flag_examples(flags, examples)
-        click.echo(json.dumps(summary, indent=2, default=str))
+        summaries.append(summary)
+    if as_json:
+        click.echo(
+            json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2, default=str)
+        )
         return
     if quiet:
         return
-    _print_summary(summary)
-    if counts:
-        click.echo("flagged lookups (first examples):")
-        for ex in flag_examples(flags, examples):
-            click.echo("  " + ex["text"])
-    click.echo(f"results: {out}")
+    for summary in summaries:
+        _print_summary(summary)
+        if summary["flags"]:
+            click.echo("flagged lookups (first examples):")
+            for ex in summary["examples"]:
+                click.echo("  " + ex["text"])
+        click.echo(f"results: {summary['results']}")
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -469,11 +499,14 @@ def minimize(
 
 def _register() -> None:
     from replay.cli_analysis import diff, report
+    from replay.cli_scale import cat, split
     from replay.cli_sources import ingest, record
     from replay.cli_synth import bailian, mooncake, synth
     from replay.cli_whatif import whatif
 
     cli.add_command(diff)
+    cli.add_command(split)
+    cli.add_command(cat)
     cli.add_command(report)
     cli.add_command(synth)
     cli.add_command(record)

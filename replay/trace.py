@@ -950,6 +950,11 @@ def _validate_batch(
 
 
 def open_trace(path: str | os.PathLike[str]) -> TraceReader:
+    if Path(path).is_dir():
+        # A directory of files is one trace (issue 13): replay.tracedir.
+        from replay.tracedir import open_trace_dir
+
+        return open_trace_dir(path)
     return TraceReader(path)
 
 
@@ -976,6 +981,8 @@ def write_results(
 
 
 def is_results_file(path: str | os.PathLike[str]) -> bool:
+    if Path(path).is_dir():
+        return False  # a trace directory (replay.tracedir)
     pf = _open_parquet(path)
     return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
 

@@ -1,0 +1,145 @@
+"""Commands and options for traces beyond one file and one process:
+``replay split`` / ``replay cat`` convert between a trace file and a trace
+directory, and ``replay run --workers N`` / ``--ray ADDRESS`` replay on Ray
+with the store sharded by key (``replay.shard``, ``replay.cluster``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from replay.engine import Progress, ReplayResult, default_results_path, replay_trace
+from replay.errors import ReplayError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _output(help: str) -> Callable[[F], F]:
+    return click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help=help)
+
+
+TRACE = click.argument("trace", type=click.Path(path_type=Path))
+
+
+@click.command()
+@TRACE
+@_output("The new directory to write (absent or empty).")
+@click.option(
+    "--files",
+    type=click.IntRange(min=1),
+    required=True,
+    help="How many files: equal rows give or take one (one file a row when there are fewer rows).",
+)
+def split(trace: Path, output: Path, files: int) -> None:
+    """Write TRACE as a trace directory of FILES files, in seq order."""
+    from replay.tracedir import split_trace
+
+    n = split_trace(trace, output, files)
+    click.echo(f"{trace} -> {output}: {n} files")
+
+
+@click.command()
+@TRACE
+@_output("The one trace file to write.")
+def cat(trace: Path, output: Path) -> None:
+    """Write every event of a trace directory (or file) TRACE into one file."""
+    from replay.tracedir import cat_trace
+
+    n = cat_trace(trace, output)
+    click.echo(f"{trace} -> {output}: {n} events")
+
+
+WORKERS = click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Replay on Ray with the store split into this many key shards (a local Ray "
+    "with this many CPUs, unless --ray names a cluster). Needs the ray extra.",
+)
+RAY = click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="auto|HOST:PORT",
+    help="Replay on an existing Ray cluster (auto: the one `ray start` runs here); one "
+    "shard per CPU unless --workers says how many.",
+)
+
+
+def results_paths(
+    trace: Path,
+    output: Path | None,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+) -> list[Path]:
+    """Where each variant's results go, policy by policy then cache by cache:
+    the one path for one variant, else the varying names before the suffix
+    (``t.results.parquet`` -> ``t.pre-49502.results.parquet``, or
+    ``t.pre-49502.gpu.results.parquet`` with several of both)."""
+    base = output or default_results_path(trace)
+    labels = [
+        ".".join([p] * (len(policies) > 1) + [str(c)] * (len(caches) > 1))
+        for p in policies
+        for c in caches
+    ]
+    if len(labels) == 1:
+        return [base]
+    name = base.name
+    stem = name.removesuffix(".parquet")
+    tail = ".parquet" if stem != name else ""
+    if stem.endswith(".results"):
+        stem, tail = stem.removesuffix(".results"), ".results" + tail
+    return [base.with_name(f"{stem}.{label}{tail}") for label in labels]
+
+
+def replay_for_run(
+    trace: Path,
+    *,
+    policies: Sequence[str],
+    caches: Sequence[str | None],
+    coordinator: str,
+    unit_present: bool,
+    workers: int | None,
+    ray_address: str | None,
+    progress: Callable[[Progress], None] | None,
+) -> list[ReplayResult]:
+    """``replay run``'s replays, one per policy and cache (policy by policy):
+    the serial engine for one, one fold shared by all otherwise, Ray when
+    asked."""
+    if workers is not None or ray_address is not None:
+        if coordinator != "reference":
+            raise ReplayError(
+                "--coordinator vllm runs in one process: drop --workers/--ray to use it"
+            )
+        if unit_present:
+            raise ReplayError("--unit-present runs in one process: drop --workers/--ray")
+        from replay.cluster import import_ray, replay_on_ray
+
+        import_ray()  # a missing extra is said before any reading
+        return replay_on_ray(
+            trace,
+            policies=policies,
+            caches=caches,
+            workers=workers,
+            address=ray_address,
+            progress=progress,
+        )
+    if len(policies) * len(caches) == 1 or coordinator != "reference" or unit_present:
+        return [
+            replay_trace(
+                trace,
+                policy=p,
+                coordinator=coordinator,
+                cache=c,
+                unit_present=unit_present,
+                progress=progress,
+            )
+            for p in policies
+            for c in caches
+        ]
+    from replay.shard import replay_sharded
+
+    return replay_sharded(trace, policies=policies, caches=caches, progress=progress)

@@ -1,0 +1,164 @@
+"""Key-sharded presence against the serial engine: every column of the
+results identical for any shard count, file count, hash width and policy."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from replay.cli_scale import results_paths
+from replay.engine import replay_trace
+from replay.errors import ReplayError
+from replay.shard import replay_sharded, shard_of
+from replay.trace import TraceWriter, write_trace
+from tests.conftest import run_cli
+from tests.randtrace import random_config, random_rows
+
+POLICIES = ("vllm-0.33", "pre-49502")
+CACHES = ("mooncake", "gpu")
+
+
+def widen(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+    """Give each hash one of several widths, always the same for one hash:
+    8 bytes, 16 bytes sharing their first 8 (the Mooncake importer's), 13
+    bytes (not whole words) and 32 bytes."""
+    salt = rng.random()
+
+    def one(h: bytes) -> bytes:
+        pick = hash((salt, h)) % 4
+        if pick == 0:
+            return h[:8]
+        if pick == 1:
+            return b"SAMEPREF" + h[:8]
+        if pick == 2:
+            return h[:13]
+        return h
+
+    out = []
+    for row in rows:
+        hashes = row.get("block_hashes")
+        out.append({**row, "block_hashes": None if hashes is None else [one(h) for h in hashes]})
+    return out
+
+
+def write_dir(tmp_path: Path, config: Any, rows: list[dict[str, Any]], files: int) -> Path:
+    """The rows as ``files`` trace files of random sizes (some empty)."""
+    rng = random.Random(files * 7919 + len(rows))
+    cuts = sorted(rng.randint(0, len(rows)) for _ in range(files - 1))
+    bounds = [0, *cuts, len(rows)]
+    d = tmp_path / "dir"
+    d.mkdir()
+    for i in range(files):
+        with TraceWriter(d / f"f{i:03d}.parquet", config) as w:
+            part = rows[bounds[i] : bounds[i + 1]]
+            # Several row groups: the shards must carry state across batches.
+            for j in range(0, len(part), 7):
+                w.write_rows(part[j : j + 7])
+    return d
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_sharded_replay_is_the_serial_replay(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    config = random_config(rng)
+    rows = random_rows(rng, config, n_requests=rng.randint(5, 40))
+    if seed % 2:
+        rows = widen(rows, rng)
+    single = write_trace(tmp_path / "one.parquet", config, rows)
+    variants = [(p, c) for p in POLICIES for c in CACHES]
+    want = {(p, c): replay_trace(single, policy=p, cache=c).results for p, c in variants}
+    d = write_dir(tmp_path, config, rows, rng.randint(1, 5))
+    for shards in (1, 2, 3, 5):
+        got = replay_sharded(d, policies=POLICIES, caches=CACHES, shards=shards)
+        assert [(r.policy, r.cache) for r in got] == variants
+        for r in got:
+            assert r.results.equals(want[r.policy, r.cache]), (shards, r.policy, r.cache)
+            assert r.events == len(rows)
+
+
+def test_shards_spread_whole_hashes_not_prefixes() -> None:
+    # 16-byte hashes that share their first 8 bytes must still spread.
+    rng = random.Random(1)
+    hashes = [b"SAMEPREF" + rng.randbytes(8) for _ in range(4000)]
+    arr = pa.array([hashes], type=pa.list_(pa.binary()))
+    counts = np.bincount(shard_of(arr, 4), minlength=4)
+    assert counts.min() > 800, counts
+    # The same hash goes to the same shard wherever it appears.
+    again = pa.array([hashes[::-1]], type=pa.list_(pa.binary()))
+    assert (shard_of(again, 4)[::-1] == shard_of(arr, 4)).all()
+
+
+def test_shard_count_out_of_range(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config))
+    with pytest.raises(ReplayError, match="0 shards: expected 1 to 4096"):
+        replay_sharded(path, policies=POLICIES, shards=0)
+
+
+@pytest.mark.parametrize("option", [["--workers", "2"], ["--ray", "auto"]])
+def test_without_ray_the_cluster_options_say_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: list[str]
+) -> None:
+    # As on a machine without the extra: `import ray` fails.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    rng = random.Random(4)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config))
+    out = tmp_path / "r.parquet"
+    result = run_cli(["run", str(path), *option, "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "error: --workers and --ray need Ray: pip install 'cache-trace-replay[ray]'\n"
+    )
+    assert not out.exists()
+
+
+def test_several_policies_in_one_process_write_one_file_each(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 30))
+    result = run_cli(["run", str(path), "--policy", "pre-49502", "--policy", "vllm-0.33", "-q"])
+    assert result.exit_code == 0, result.stderr
+    for policy in ("pre-49502", "vllm-0.33"):
+        got = pl.read_parquet(tmp_path / f"t.{policy}.results.parquet")
+        assert got.equals(replay_trace(path, policy=policy).results)
+    assert not (tmp_path / "t.results.parquet").exists()
+
+
+def test_policies_times_caches_in_one_process(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 30))
+    args = ["run", str(path), "-q", "--policy", "pre-49502", "--policy", "vllm-0.33"]
+    result = run_cli([*args, "--cache", "gpu", "--cache", "mooncake"])
+    assert result.exit_code == 0, result.stderr
+    for policy in ("pre-49502", "vllm-0.33"):
+        for cache in ("gpu", "mooncake"):
+            got = pl.read_parquet(tmp_path / f"t.{policy}.{cache}.results.parquet")
+            assert got.equals(replay_trace(path, policy=policy, cache=cache).results)
+    assert len(list(tmp_path.iterdir())) == 5
+
+
+@pytest.mark.parametrize(
+    ("output", "names"),
+    [
+        (None, ["t.a.results.parquet", "t.b.results.parquet"]),
+        ("out.parquet", ["out.a.parquet", "out.b.parquet"]),
+        ("out", ["out.a", "out.b"]),
+    ],
+)
+def test_results_paths_put_the_policy_before_the_suffix(
+    output: str | None, names: list[str]
+) -> None:
+    got = results_paths(Path("d/t.parquet"), Path("d", output) if output else None, ["a", "b"])
+    assert got == [Path("d", n) for n in names]
+    assert results_paths(Path("d/t.parquet"), None, ["a"]) == [Path("d/t.results.parquet")]
