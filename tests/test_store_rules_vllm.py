@@ -41,6 +41,7 @@ from replay.coordinator import Coordinator
 from replay.sources.synth import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
+from tests.vllm_modules import vllm_modules
 
 pytestmark = pytest.mark.vllm
 
@@ -61,29 +62,7 @@ class Session:
         return "dense" if r is None else ("0" if r == 0 else "interval")
 
 
-def _vllm() -> SimpleNamespace:
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1 import kv_cache_interface as iface
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
-
-    kv_cache_utils.init_none_hash(sha256)
-    return SimpleNamespace(
-        torch=torch,
-        iface=iface,
-        utils=kv_cache_utils,
-        sha256=sha256,
-        KVCacheManager=KVCacheManager,
-        Scheduler=Scheduler,
-        Request=Request,
-        SamplingParams=SamplingParams,
-        Mooncake=coordinator.MooncakeStoreCoordinator,
-    )
+_vllm = vllm_modules
 
 
 def random_session(rng: random.Random, model: str, retention: str, eagle: bool) -> Session:

@@ -37,6 +37,7 @@ from replay.store_rules import StorePolicy
 from replay.trace import open_trace, write_trace
 from replay.whatif import RunSpec, load_requests, simulate
 from tests.prompts import random_config, random_prompts
+from tests.vllm_modules import vllm_modules
 
 pytestmark = pytest.mark.vllm
 
@@ -51,27 +52,7 @@ SOURCE_BLOCK = 512
 PREEMPTED = -1
 
 
-def _vllm() -> SimpleNamespace:
-    import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1 import kv_cache_interface as iface
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
-
-    kv_cache_utils.init_none_hash(sha256)
-    return SimpleNamespace(
-        torch=torch,
-        iface=iface,
-        utils=kv_cache_utils,
-        sha256=sha256,
-        KVCacheManager=KVCacheManager,
-        Scheduler=Scheduler,
-        Request=Request,
-        SamplingParams=SamplingParams,
-    )
+_vllm = vllm_modules
 
 
 def mooncake_prompts(count: int) -> list[list[int]]:
