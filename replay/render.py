@@ -41,14 +41,14 @@ def group_label(config: TraceConfig, gid: int) -> str:
     return f"{gid}: {g.kind.value} block={g.block_size}{extra}{eagle}{name}"
 
 
-def config_lines(config: TraceConfig, cache: str | None = None) -> list[str]:
-    """The configuration; with a cache, the hit alignment that cache uses."""
-    where = f" cache={cache} alignment={hit_alignment(config, cache)}" if cache else ""
+def config_lines(config: TraceConfig, cache: str) -> list[str]:
+    """The configuration, and the hit alignment of the cache that answers
+    (the two caches align a hit differently: ``hit_alignment``)."""
     lines = [
         f"hash_block_size={config.hash_block_size} scheduler_block_size={config.scheduler_block_size} "
         f"use_eagle={str(config.use_eagle).lower()} "
         f"enable_partial_hash_hits={str(config.enable_partial_hash_hits).lower()}"
-        + (where or f" alignment={config.alignment}"),
+        + f" cache={cache} alignment={hit_alignment(config, cache)}",
     ]
     lines += [f"  group {group_label(config, gid)}" for gid in range(config.num_groups)]
     return lines

@@ -174,14 +174,6 @@ class TraceConfig:
         # alignment) depend on which cache answers: ``coordinator.check_config``.
 
     @property
-    def alignment(self) -> int:
-        """Hit granularity as the trace declares it (the Mooncake mirror's);
-        the engine cache derives its own: ``coordinator.hit_alignment``."""
-        if self.enable_partial_hash_hits:
-            return self.hash_block_size
-        return self.scheduler_block_size
-
-    @property
     def num_groups(self) -> int:
         return len(self.groups)
 

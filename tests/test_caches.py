@@ -254,3 +254,26 @@ def test_a_trace_the_chosen_cache_cannot_answer_is_one_line(tmp_path: Path) -> N
     )
     assert not out.exists()
     assert run_cli(["run", str(path), "--cache", "mooncake", "-o", str(out), "-q"]).exit_code == 0
+
+
+def test_the_report_uses_the_alignment_of_the_cache_that_answered(tmp_path: Path) -> None:
+    """One full-attention group, block 32, scheduler block 64: the mirror
+    aligns hits to 64, the engine's unitary coordinator to the block, 32."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=FULL, block_size=32),), hash_block_size=32, scheduler_block_size=64
+    )
+    hs = chain(3, "align")
+    rows = [
+        {"kind": "store", "group_id": 0, "block_hashes": hs},
+        {"kind": "lookup", "request_id": "a", "block_hashes": hs, "max_length": 95},
+    ]
+    path = write_trace(tmp_path / "t.parquet", config, rows)
+    for cache, hit, alignment in (("gpu", 64, 32), ("mooncake", 64, 64)):
+        out, md = tmp_path / f"{cache}.parquet", tmp_path / f"{cache}.md"
+        assert run_cli(["run", str(path), "--cache", cache, "-o", str(out), "-q"]).exit_code == 0
+        assert pl.read_parquet(out)["hit_tokens"].to_list() == [hit]
+        assert run_cli(["report", str(out), "--trace", str(path), "-o", str(md)]).exit_code == 0
+        assert (
+            "hash_block_size=32 scheduler_block_size=64 use_eagle=false "
+            f"enable_partial_hash_hits=false cache={cache} alignment={alignment}"
+        ) in md.read_text().splitlines()

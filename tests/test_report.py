@@ -80,7 +80,7 @@ def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     assert '<td>0: full_attention block=16 (attn)</td><td class="n">3</td>' in page
     assert (
         "hash_block_size=16 scheduler_block_size=16 use_eagle=true "
-        "enable_partial_hash_hits=false alignment=16"
+        "enable_partial_hash_hits=false cache=mooncake alignment=16"
     ) in page
     # Self-contained: nothing fetched from anywhere.
     assert re.findall(r"https?://[^\"' ]+", page) == ["http://www.w3.org/2000/svg"] * 3
