@@ -36,7 +36,7 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
-from replay.backends.vllm import _vllm_spec
+from replay.backends.vllm import vllm_groups
 from replay.coordinator import Coordinator
 from replay.sources.synth import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
@@ -110,14 +110,7 @@ class Engine:
     def __init__(self, v: SimpleNamespace, s: Session) -> None:
         self.v, self.s = v, s
         cfg = s.config
-        self.groups = [
-            v.iface.KVCacheGroupSpec(
-                layer_names=[f"layer.{gid}"],
-                kv_cache_spec=_vllm_spec(g, v.iface, v.torch.bfloat16),
-                is_eagle_group=g.is_eagle_group,
-            )
-            for gid, g in enumerate(cfg.groups)
-        ]
+        self.groups = vllm_groups(cfg, v.iface, v.torch)
         kv_config = v.iface.KVCacheConfig(
             num_blocks=50_000,
             kv_cache_tensors=[],

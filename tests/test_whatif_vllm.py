@@ -29,7 +29,7 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
-from replay.backends.vllm import _vllm_spec
+from replay.backends.vllm import vllm_groups
 from replay.blockpool import GpuCache
 from replay.sources.synth import archetype_config
 from replay.spec import GroupKind, TraceConfig
@@ -83,14 +83,7 @@ class Engine:
         retention: int | None,
     ) -> None:
         self.v, self.config, self.budget = v, config, budget
-        groups = [
-            v.iface.KVCacheGroupSpec(
-                layer_names=[f"layer.{gid}"],
-                kv_cache_spec=_vllm_spec(g, v.iface, v.torch.bfloat16),
-                is_eagle_group=g.is_eagle_group,
-            )
-            for gid, g in enumerate(config.groups)
-        ]
+        groups = vllm_groups(config, v.iface, v.torch)
         kv_config = v.iface.KVCacheConfig(
             num_blocks=capacity + 1,
             kv_cache_tensors=[],

@@ -153,6 +153,19 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
     )
 
 
+def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
+    """vLLM ``KVCacheGroupSpec`` objects for a trace's groups, in group order
+    (equal trace specs give equal vLLM specs, so groups merge as in vLLM)."""
+    return [
+        iface.KVCacheGroupSpec(
+            layer_names=[g.name or f"model.layers.{gid}"],
+            kv_cache_spec=_vllm_spec(g, iface, torch.bfloat16),
+            is_eagle_group=g.is_eagle_group,
+        )
+        for gid, g in enumerate(config.groups)
+    ]
+
+
 class VllmCoordinator:
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
@@ -180,14 +193,7 @@ class VllmCoordinator:
             raise ReplayError(_missing_vllm(exc)) from None
         self._module: Any = module
         self._utils: Any = utils
-        groups = [
-            iface.KVCacheGroupSpec(
-                layer_names=[g.name or f"model.layers.{gid}"],
-                kv_cache_spec=_vllm_spec(g, iface, torch.bfloat16),
-                is_eagle_group=g.is_eagle_group,
-            )
-            for gid, g in enumerate(config.groups)
-        ]
+        groups = vllm_groups(config, iface, torch)
         self._force = [False]
         try:
             if self.cache.name == "gpu":
