@@ -13,10 +13,9 @@ import click
 from replay.blockpool import EVICTIONS
 from replay.cli_common import fail, handles_user_errors
 from replay.cli_common import retention_interval as parse_retention
-from replay.coordinator import DEFAULT_POLICY, POLICIES
+from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import resolve_cache
 from replay.whatif import (
-    WHATIF_CACHES,
     RunSpec,
     blocks_for_bytes,
     emit_path,
@@ -112,7 +111,7 @@ class _SweepBar:
 )
 @click.option(
     "--cache",
-    type=click.Choice(list(WHATIF_CACHES)),
+    type=click.Choice(list(CACHES)),
     default=None,
     help="gpu: vLLM's engine block pool; mooncake: a capacity-bounded external store. "
     "Default: the trace's source.cache, else mooncake.",
@@ -187,8 +186,6 @@ def whatif(
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)
-    if cache_name not in WHATIF_CACHES:
-        raise fail(f"--cache: the what-if simulates gpu or mooncake, got {cache_name!r}")
     sizes: list[tuple[int, int | None]] = []
     pages: tuple[int, ...] | None = None
     if capacity_blocks is not None:

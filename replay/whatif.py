@@ -48,14 +48,13 @@ import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, FlagChecker
 from replay.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
-from replay.coordinator import DEFAULT_POLICY, Coordinator, get_policy
+from replay.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
 from replay.coordinator.finders import block_view
 from replay.errors import ReplayError
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.trace import TraceWriter, atomic_path, open_trace
 
-WHATIF_CACHES = ("gpu", "mooncake")
 SWEEP_META_KEY = b"replay.sweep"
 SWEEP_COLUMNS = (
     "capacity_blocks",
@@ -535,15 +534,18 @@ def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
             raise ReplayError(
                 f"unknown eviction {spec.eviction!r}, expected one of {', '.join(EVICTIONS)}"
             )
-        if spec.cache not in WHATIF_CACHES:
-            raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
+        get_cache(spec.cache)
         if spec.capacity_blocks < 1:
             raise ReplayError(f"capacity must be at least one block, got {spec.capacity_blocks}")
-        StoreRules(config, spec.store_policy())
-        if spec.cache == "gpu":
-            GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
-        else:
-            Coordinator(config, spec.policy, "mooncake")
+        try:
+            StoreRules(config, spec.store_policy())
+            if spec.cache == "gpu":
+                GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
+            else:
+                Coordinator(config, spec.policy, "mooncake")
+        except ReplayError as exc:
+            # What the trace's configuration cannot do here: name the trace.
+            raise ReplayError(f"{requests.path}: {exc}") from None
 
 
 def sweep(

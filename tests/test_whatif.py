@@ -344,3 +344,22 @@ def test_cli_names_the_lookup_whose_max_length_reaches_its_prompt(tmp_path: Path
     assert result.exit_code == 2
     assert "seq 1: max_length 64 must be in [0, num_tokens 64)" in result.output
     assert not out.exists()
+
+
+def test_a_configuration_the_gpu_model_does_not_cover_is_one_line_naming_the_trace(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "chunked.parquet"
+    made = run_cli(["synth", "-o", str(trace), "--model", "full+chunked", "--requests", "3"])
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "sweep.parquet"
+    result = run_cli(["whatif", str(trace), "--capacity-blocks", "100", "--cache", "gpu", "-o", str(out)])  # fmt: skip
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"error: {trace}: kv_cache_groups[1]: the GPU block-pool model does not cover "
+        "chunked_local_attention groups\n"
+    )
+    assert not out.exists()
+    # The Mooncake store model takes it.
+    ok = run_cli(["whatif", str(trace), "--capacity-blocks", "100", "--cache", "mooncake", "-o", str(out)])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
