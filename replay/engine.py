@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -30,6 +30,7 @@ from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.coordinator import (
     DEFAULT_POLICY,
     Coordinator,
+    LookupCoordinator,
     LookupOutcome,
     get_cache,
     get_policy,
@@ -51,19 +52,6 @@ from replay.trace import (
 
 COORDINATORS = ("reference", "vllm")
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
-
-
-class LookupCoordinator(Protocol):
-    name: str
-
-    def lookup(
-        self,
-        hashes: Sequence[Hashable],
-        max_length: int,
-        contains: Sequence[Callable[[Hashable], bool]],
-        *,
-        explain: bool = False,
-    ) -> LookupOutcome: ...
 
 
 def resolve_cache(config: TraceConfig, cache: str | None) -> str:

@@ -1,4 +1,4 @@
-"""The project's error types.
+"""The project's error types, and the registries an unknown name is an error of.
 
 Every error a user's input can trigger is a ``ReplayError`` whose message is
 one line naming the file, the row (``seq``) or column, and what was expected.
@@ -8,6 +8,7 @@ The CLI turns them into exit status 2 without a traceback.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -15,6 +16,23 @@ T = TypeVar("T")
 
 class ReplayError(Exception):
     """A user-facing error: bad input, bad configuration, bad request."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """An entry of a registry (a policy, a cache): chosen by name on the
+    command line, described in ``--help``."""
+
+    name: str
+    description: str
+
+
+N = TypeVar("N", bound=Entry)
+
+
+def by_name(*items: N) -> dict[str, N]:
+    """A registry (policies, caches) keyed by each entry's name, in order."""
+    return {item.name: item for item in items}
 
 
 def named(registry: Mapping[str, T], name: str, what: str) -> T:

@@ -37,9 +37,13 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
-from replay.coordinator.hybrid import GroupOutcome, LookupOutcome
-from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
+from replay.coordinator.hybrid import (
+    Contains,
+    GroupOutcome,
+    Hashes,
+    LookupCoordinator,
+    LookupOutcome,
+)
 from replay.errors import ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
@@ -166,20 +170,13 @@ def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     ]
 
 
-class VllmCoordinator:
+class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
     name = "vllm"
 
-    def __init__(
-        self,
-        config: TraceConfig,
-        policy: str | Policy = DEFAULT_POLICY,
-        cache: str | Cache = DEFAULT_CACHE,
-    ) -> None:
-        self.config = config
-        self.policy = get_policy(policy)
-        self.cache = get_cache(cache)
+    def _prepare(self) -> None:
+        config = self.config
         try:
             # torch and vLLM warn about their own deprecations on import:
             # noise for someone replaying a trace.
@@ -243,12 +240,7 @@ class VllmCoordinator:
         self._coordinator: Any = coordinator
 
     def lookup(
-        self,
-        hashes: Sequence[Hashable],
-        max_length: int,
-        contains: Sequence[Callable[[Hashable], bool]],
-        *,
-        explain: bool = False,
+        self, hashes: Hashes, max_length: int, contains: Contains, *, explain: bool = False
     ) -> LookupOutcome:
         """``contains[g]`` tests whether group ``g`` holds a key for a hash.
 

@@ -5,6 +5,7 @@ from replay.coordinator.finders import FINDERS, FinderResult, block_view
 from replay.coordinator.hybrid import (
     Coordinator,
     GroupOutcome,
+    LookupCoordinator,
     LookupOutcome,
     SpecGroup,
     Step,
@@ -28,6 +29,7 @@ __all__ = [
     "Coordinator",
     "FinderResult",
     "GroupOutcome",
+    "LookupCoordinator",
     "LookupOutcome",
     "Policy",
     "SpecGroup",

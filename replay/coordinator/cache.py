@@ -19,60 +19,51 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from replay.errors import named
+from replay.errors import Entry, by_name, named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Cache:
-    name: str
-    description: str
+class Cache(Entry):
     #: The sliding window widened by ``extra_retained_tokens`` for lookup and
     #: for merging equal specs (the mirror's ``_coverage_spec``: an external
     #: hit restores the MTP re-prefill tail too). The engine's finder uses
     #: the bare window and merges only identical specs.
-    widen_window: bool
+    widen_window: bool = False
     #: ``is_eagle_group`` drops a block only while ``use_eagle`` is on (the
     #: engine's ``drop_eagle_group_ids``: lookahead hashes clear
     #: ``use_eagle`` and leave groups flagged). The mirror drops for a
     #: flagged group regardless.
-    drop_needs_use_eagle: bool
+    drop_needs_use_eagle: bool = True
     #: One spec group is answered by a single finder call with no peek
     #: margin (the mirror's shortcut). The engine runs its hybrid loop for
     #: any number of spec groups, so a spec group spanning several KV-cache
     #: groups gets the margin.
-    single_spec_shortcut: bool
+    single_spec_shortcut: bool = False
     #: One KV-cache group runs ``UnitaryKVCacheCoordinator``: hits align to
     #: the block, which must equal the hash unit, and there is no margin.
-    unitary_single_group: bool
+    unitary_single_group: bool = True
     #: Partial hash hits are what ``partial_hash_hits_enabled`` derives from
     #: the groups, and the trace's flag can only turn them off; the mirror
     #: takes the flag as given.
-    derive_partial_hits: bool
+    derive_partial_hits: bool = True
 
 
-CACHES: dict[str, Cache] = {
-    c.name: c
-    for c in (
-        Cache(
-            name="mooncake",
-            description="the Mooncake store (MooncakeStoreCoordinator, vLLM 0.33.0)",
-            widen_window=True,
-            drop_needs_use_eagle=False,
-            single_spec_shortcut=True,
-            unitary_single_group=False,
-            derive_partial_hits=False,
-        ),
-        Cache(
-            name="gpu",
-            description="vLLM's engine prefix cache (KVCacheCoordinator over the BlockPool, 0.33.0)",
-            widen_window=False,
-            drop_needs_use_eagle=True,
-            single_spec_shortcut=False,
-            unitary_single_group=True,
-            derive_partial_hits=True,
-        ),
-    )
-}
+# The defaults above are the engine's rules; the mirror departs from each.
+CACHES: dict[str, Cache] = by_name(
+    Cache(
+        name="mooncake",
+        description="the Mooncake store (MooncakeStoreCoordinator, vLLM 0.33.0)",
+        widen_window=True,
+        drop_needs_use_eagle=False,
+        single_spec_shortcut=True,
+        unitary_single_group=False,
+        derive_partial_hits=False,
+    ),
+    Cache(
+        name="gpu",
+        description="vLLM's engine prefix cache (KVCacheCoordinator over the BlockPool, 0.33.0)",
+    ),
+)
 DEFAULT_CACHE = "mooncake"
 
 

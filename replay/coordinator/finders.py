@@ -38,21 +38,23 @@ class FinderResult:
         return self.null_blocks + self.loaded_blocks
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Query:
+    """What a finder is asked: the bound, whether the group drops a block for
+    EAGLE, the hit alignment and the hash unit, in tokens."""
+
+    max_length: int
+    drop_eagle: bool
+    alignment: int
+    hash_block_size: int
+
+
 class Finder(Protocol):
     #: Whether the finder can land a hit on a hash unit inside a block
     #: (vLLM's ``supports_fine_grained_hash_lookup``).
     fine_grained: bool
 
-    def __call__(
-        self,
-        spec: GroupSpec,
-        present: bytes,
-        *,
-        max_length: int,
-        drop_eagle: bool,
-        alignment: int,
-        hash_block_size: int,
-    ) -> FinderResult: ...
+    def __call__(self, spec: GroupSpec, present: bytes, q: Query) -> FinderResult: ...
 
 
 def block_view(present: bytes, hash_block_size: int, block_size: int) -> bytes:
@@ -74,17 +76,10 @@ def _prefix(view: bytes, limit: int) -> int:
     return len(head) if miss < 0 else miss
 
 
-def full_attention(
-    spec: GroupSpec,
-    present: bytes,
-    *,
-    max_length: int,
-    drop_eagle: bool,
-    alignment: int,
-    hash_block_size: int,
-) -> FinderResult:
+def full_attention(spec: GroupSpec, present: bytes, q: Query) -> FinderResult:
+    max_length, drop_eagle, alignment = q.max_length, q.drop_eagle, q.alignment
     bs = spec.block_size
-    blocks = _prefix(block_view(present, hash_block_size, bs), max_length // bs)
+    blocks = _prefix(block_view(present, q.hash_block_size, bs), max_length // bs)
     hit = blocks * bs
     if _fine_view(True, bs, alignment):
         # Extend into the first incomplete block: its interior hash-unit
@@ -105,20 +100,13 @@ def full_attention(
     return FinderResult(0, min(blocks, cdiv(hit, bs)), hit, matched)
 
 
-def sliding_window(
-    spec: GroupSpec,
-    present: bytes,
-    *,
-    max_length: int,
-    drop_eagle: bool,
-    alignment: int,
-    hash_block_size: int,
-) -> FinderResult:
+def sliding_window(spec: GroupSpec, present: bytes, q: Query) -> FinderResult:
+    max_length, drop_eagle, alignment = q.max_length, q.drop_eagle, q.alignment
     bs = spec.block_size
     # The bare window: the mirror's widening is already in the spec it passes
     # (``hybrid.lookup_spec``); the engine's finder has none.
     window = spec.sliding_window or 0
-    view = block_view(present, hash_block_size, bs)
+    view = block_view(present, q.hash_block_size, bs)
     # The window needs this many contiguous blocks ending at the hit; with the
     # EAGLE drop one more, since the last matched block is popped afterwards.
     need = cdiv(window - 1, bs) + (1 if drop_eagle else 0)
@@ -155,18 +143,11 @@ def sliding_window(
     return FinderResult(min(nulls, length), max(0, length - nulls), length * bs, matched)
 
 
-def chunked_local_attention(
-    spec: GroupSpec,
-    present: bytes,
-    *,
-    max_length: int,
-    drop_eagle: bool,
-    alignment: int,
-    hash_block_size: int,
-) -> FinderResult:
+def chunked_local_attention(spec: GroupSpec, present: bytes, q: Query) -> FinderResult:
+    max_length = q.max_length
     bs = spec.block_size
     chunk = spec.attention_chunk_size or bs
-    view = block_view(present, hash_block_size, bs)
+    view = block_view(present, q.hash_block_size, bs)
     max_blocks = max_length // bs
     # Blocks before the chunk that holds max_length are outside every window.
     start = (max_length // chunk * chunk if max_length > 0 else 0) // bs
@@ -175,15 +156,8 @@ def chunked_local_attention(
     return FinderResult(start, loaded, hit, hit)
 
 
-def mamba(
-    spec: GroupSpec,
-    present: bytes,
-    *,
-    max_length: int,
-    drop_eagle: bool,
-    alignment: int,
-    hash_block_size: int,
-) -> FinderResult:
+def mamba(spec: GroupSpec, present: bytes, q: Query) -> FinderResult:
+    max_length, alignment = q.max_length, q.alignment
     # drop_eagle is ignored on purpose: the state at block p is the state after
     # (p + 1) * block_size tokens, there is nothing to recompute (#43559).
     bs = spec.block_size
@@ -193,7 +167,7 @@ def mamba(
             return FinderResult(0, 0, 0, 0)
         hit = (unit + 1) * alignment
         return FinderResult(unit // (bs // alignment), 1, hit, hit)
-    view = block_view(present, hash_block_size, bs)
+    view = block_view(present, q.hash_block_size, bs)
     max_blocks = min(max_length // bs, len(view))
     # Only blocks whose end is aligned can hold a resumable state: every
     # step-th block (alignment is a multiple of the block size here).

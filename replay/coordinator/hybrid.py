@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
-from replay.coordinator.finders import FINDERS, FinderResult, cdiv, eagle_margin
+from replay.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
@@ -219,10 +219,16 @@ def _all_present(per_group: Sequence[bytes]) -> bytes:
     return merged.to_bytes(n, "little")
 
 
-class Coordinator:
-    """Finds the longest cache hit every KV-cache group agrees on."""
+#: The request's block hashes, and per group a test of whether it holds a key.
+Hashes = Sequence[Hashable]
+Contains = Sequence[Callable[[Hashable], bool]]
 
-    name = "reference"
+
+class LookupCoordinator:
+    """What answers lookups: one configuration, under one policy, in one of
+    vLLM's caches. The reference below and the vLLM backend are the two."""
+
+    name = "abstract"
 
     def __init__(
         self,
@@ -233,6 +239,25 @@ class Coordinator:
         self.config = config
         self.policy = get_policy(policy)
         self.cache = get_cache(cache)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """What a coordinator builds once for its configuration."""
+
+    def lookup(
+        self, hashes: Hashes, max_length: int, contains: Contains, *, explain: bool = False
+    ) -> LookupOutcome:
+        """``contains[g]`` tests whether group ``g`` holds a key for a hash."""
+        raise NotImplementedError
+
+
+class Coordinator(LookupCoordinator):
+    """Finds the longest cache hit every KV-cache group agrees on."""
+
+    name = "reference"
+
+    def _prepare(self) -> None:
+        config = self.config
         check_config(config, self.cache)
         self.spec_groups = build_spec_groups(config, self.cache)
         self.alignment = hit_alignment(config, self.cache)
@@ -252,14 +277,13 @@ class Coordinator:
         )
 
     def _call(self, sg: SpecGroup, present: bytes, bound: int, drop: bool) -> FinderResult:
-        return FINDERS[sg.kind](
-            sg.spec,
-            present,
+        query = Query(
             max_length=bound,
             drop_eagle=drop,
             alignment=self.alignment,
             hash_block_size=self.config.hash_block_size,
         )
+        return FINDERS[sg.kind](sg.spec, present, query)
 
     def _gets_margin(self, sg: SpecGroup) -> bool:
         if not self.policy.verify_eagle_once:
@@ -269,14 +293,8 @@ class Coordinator:
         return sg.kind is not GroupKind.MAMBA or self.policy.mamba_peek_margin
 
     def lookup(
-        self,
-        hashes: Sequence[Hashable],
-        max_length: int,
-        contains: Sequence[Callable[[Hashable], bool]],
-        *,
-        explain: bool = False,
+        self, hashes: Hashes, max_length: int, contains: Contains, *, explain: bool = False
     ) -> LookupOutcome:
-        """``contains[g]`` tests whether group ``g`` holds a key for a hash."""
         present = [bytes(map(c, hashes)) for c in contains]
         return self.lookup_present(present, max_length, explain=explain)
 

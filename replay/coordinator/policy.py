@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replay.errors import named
+from replay.errors import Entry, by_name, named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Policy:
-    name: str
-    description: str
+class Policy(Entry):
     #: Grant the Mamba group the EAGLE peek margin. vLLM did before #49502;
     #: Mamba never drops, so the widened bound lets its state land one
     #: block past the attention-verified prefix (#43559).
@@ -27,26 +25,23 @@ class Policy:
     verify_eagle_once: bool = True
 
 
-POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in (
-        Policy(
-            name="vllm-0.33",
-            description="vLLM 0.33.0 (with #49502: no EAGLE peek margin for Mamba)",
-        ),
-        Policy(
-            name="pre-49502",
-            description="before vLLM #49502: Mamba gets the EAGLE peek margin (#43559)",
-            mamba_peek_margin=True,
-        ),
-        Policy(
-            name="pre-32802",
-            description="before vLLM #32802: every EAGLE finder call drops a block, "
-            "no peek margin (the hit spirals down)",
-            verify_eagle_once=False,
-        ),
-    )
-}
+POLICIES: dict[str, Policy] = by_name(
+    Policy(
+        name="vllm-0.33",
+        description="vLLM 0.33.0 (with #49502: no EAGLE peek margin for Mamba)",
+    ),
+    Policy(
+        name="pre-49502",
+        description="before vLLM #49502: Mamba gets the EAGLE peek margin (#43559)",
+        mamba_peek_margin=True,
+    ),
+    Policy(
+        name="pre-32802",
+        description="before vLLM #32802: every EAGLE finder call drops a block, "
+        "no peek margin (the hit spirals down)",
+        verify_eagle_once=False,
+    ),
+)
 DEFAULT_POLICY = "vllm-0.33"
 
 
