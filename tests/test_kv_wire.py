@@ -14,7 +14,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from replay.sources import kv_wire
 from replay.sources.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -195,6 +198,58 @@ def test_a_batch_decodes_the_same_whatever_its_shape() -> None:
     slow = decode_batch(payload(T0, *events, {"type": "BlockPinned"}))
     assert slow.events == fast.events
     assert (fast.ignored_types, slow.ignored_types) == ((), ("BlockPinned",))
+
+
+hashes = st.lists(st.binary(min_size=1, max_size=32) | st.integers(0, 2**64 - 1), max_size=4)
+media = st.none() | st.sampled_from(["GPU", "CPU", "disk"])
+groups = st.none() | st.integers(0, 7)
+events = st.one_of(
+    st.builds(stored, hashes, group=groups, medium=media, legacy=st.booleans()),
+    st.builds(removed, hashes, group=groups, medium=media, legacy=st.booleans()),
+    st.builds(cleared, legacy=st.booleans()),
+)
+# Anything msgpack can hold, to put in place of a value.
+hostile = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=3)
+    | st.binary(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@settings(derandomize=True, database=None, max_examples=300, deadline=None)
+@given(st.lists(events, max_size=6), st.none() | st.integers(0, 3))
+def test_the_one_call_path_and_the_event_by_event_path_agree(
+    sent: list[Any], rank: int | None
+) -> None:
+    body = payload(T0, *sent, rank=rank)
+    assert decode_batch(body) == kv_wire._decode_slowly(body)
+
+
+@settings(derandomize=True, database=None, max_examples=500, deadline=None)
+@given(events, st.data())
+def test_a_hostile_value_anywhere_in_an_event_is_one_line_naming_the_event(
+    sent: Any, data: st.DataObject
+) -> None:
+    keys = (
+        list(range(1, len(sent)))
+        if isinstance(sent, list)
+        else sorted(k for k in sent if k != "type")
+    )
+    if not keys:
+        return
+    key = data.draw(st.sampled_from(keys))
+    sent[key] = data.draw(hostile)
+    try:
+        batch = decode_batch(payload(T0, sent))
+    except MalformedBatch as exc:
+        message = str(exc)
+        assert message.startswith(
+            f"event 0 ({(sent[0] if isinstance(sent, list) else sent['type'])}): "
+        )
+        assert "\n" not in message and "$" not in message
+    else:
+        assert len(batch.events) == 1
 
 
 # ------------------------------------------------------- against vLLM 0.33

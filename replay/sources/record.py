@@ -187,7 +187,8 @@ def record(
     is reported once (a wrong endpoint or topic looks exactly like an idle
     engine otherwise).
 
-    ``bind`` None: bind when the endpoint is a bind form (:func:`binds`),
+    ``bind`` None: bind when the endpoint is a bind form
+    (``replay.sources.zmq_client.binds``),
     else connect. ``lookups``: the vLLM plugin's endpoint; every lookup goes
     in its exact place, and without ``config`` the plugin's engine facts
     are the config."""
