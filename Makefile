@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,record]'
 	touch $(STAMP)
 
 FLAGGED = $$($(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo.pre-49502.results.parquet').filter(pl.col('flags').list.contains('mamba_overrun'))['request_id'][0])")
@@ -62,7 +62,7 @@ test: lint pytest
 # virtualenv built by the shared script (a few minutes the first time).
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || bash $(SHARED)/tools/vllm-oracle-env.sh $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

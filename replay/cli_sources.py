@@ -40,7 +40,7 @@ def config_options(func: F) -> F:
 
 
 def config_from_options(config_path: str | None, block_size: int | None) -> TraceConfig:
-    from replay.sources.kv_events import load_config
+    from replay.sources.kv_config import load_config
 
     return load_config(config_path, block_size)
 
@@ -142,7 +142,7 @@ def record(
     after --duration. Gaps are filled from --replay-endpoint; what cannot be
     filled is reported and listed in the trace's source metadata.
     """
-    from replay.sources.kv_events import GroupMismatch
+    from replay.sources.kv_config import GroupMismatch
     from replay.sources.record import record as record_stream
     from replay.sources.record import stop_on_signals
 
@@ -249,7 +249,7 @@ def ingest_merge(trace: str, lookups: str, output: str) -> None:
     hash_block_size tokens), max_length (or num_tokens, giving
     num_tokens - 1), and optionally num_tokens and observed_hit_tokens.
     """
-    from replay.sources.kv_events import merge_lookups
+    from replay.sources.lookup_log import merge_lookups
 
     with user_errors():
         check_outputs({"-o": output}, [trace, lookups])

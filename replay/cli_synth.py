@@ -19,8 +19,9 @@ import click
 from replay.cli_common import fail, handles_user_errors, retention_interval
 from replay.coordinator import CACHES
 from replay.paths import check_outputs
+from replay.sources.archetypes import ARCHETYPES
 from replay.sources.mooncake import ingest
-from replay.sources.synth import ARCHETYPES, synth_trace
+from replay.sources.synth import synth_trace
 from replay.store_rules import StorePolicy
 
 

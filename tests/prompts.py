@@ -6,7 +6,7 @@ import hashlib
 import random
 from dataclasses import replace
 
-from replay.sources.synth import archetype_config
+from replay.sources.archetypes import archetype_config
 from replay.spec import TraceConfig
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from replay.blockpool import BlockPool, EvictionOrder, GpuCache
 from replay.errors import ConfigError, ReplayError
-from replay.sources.synth import archetype_config
+from replay.sources.archetypes import archetype_config
 from replay.store_rules import StorePolicy
 
 

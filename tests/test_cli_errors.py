@@ -421,9 +421,9 @@ def _digests(folder: Path) -> dict[str, bytes]:
 def inputs(tmp_path: Path) -> dict[str, Path]:
     """One of each input a command reads, in one folder."""
     from replay.engine import replay_trace, save_results
-    from replay.sources.record import DumpWriter
+    from replay.sources.dump import DumpWriter
     from replay.trace import write_trace
-    from tests.test_sources_kv_events import T0, payload, stored
+    from tests.kvpayloads import T0, payload, stored
 
     d = tmp_path / "in"
     d.mkdir()
@@ -535,8 +535,8 @@ def test_a_failed_write_to_dev_null_leaves_the_device_alone(
     before = os.stat("/dev/null")
     args = _args(WRITERS[command][0], inputs, "/dev/null")
     if command == "kv-events-dump":  # a group the config lacks: fatal after the writer opened
-        from replay.sources.record import DumpWriter
-        from tests.test_sources_kv_events import T0, payload, stored
+        from replay.sources.dump import DumpWriter
+        from tests.kvpayloads import T0, payload, stored
 
         with DumpWriter(inputs["dump"]) as w:
             w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([1], group=5))], "live", T0)
@@ -800,8 +800,8 @@ def test_lookup_logs_range_check_every_field(tmp_path: Path, inputs: dict[str, P
 
 
 def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Path) -> None:
-    from replay.sources.record import DumpWriter
-    from tests.test_sources_kv_events import T0, payload, stored
+    from replay.sources.dump import DumpWriter
+    from tests.kvpayloads import T0, payload, stored
 
     dump = tmp_path / "d.kvdump"
     with DumpWriter(dump) as w:

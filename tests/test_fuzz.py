@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from replay.cli import cli
 from replay.engine import replay_trace, save_results
-from replay.sources.record import DumpWriter
+from replay.sources.dump import DumpWriter
 from replay.trace import TRACE_META_KEY, open_trace, read_results, write_trace
 from tests.conftest import chain, full_mamba, issue_43559_rows
 

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from replay.cli_synth import bailian, ingest_summary_text, mooncake
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
-from replay.sources.mooncake import count_reuse, ingest_bailian, ingest_mooncake
+from replay.sources.mooncake import ingest_bailian, ingest_mooncake
+from replay.sources.prefix_reuse import count_reuse
 from replay.trace import open_trace
 from tests.conftest import check_store_options
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from replay.sources.record import StreamProcessor
 from replay.sources.record import record as record_stream
+from replay.sources.stream import StreamProcessor
 from tests.conftest import run_cli
-from tests.test_sources_kv_events import T0, keyed, one_group, payload, stored, u64
+from tests.kvpayloads import T0, keyed, one_group, payload, stored, u64
 
 
 def processor(rows: list[dict[str, Any]], messages: list[str], **kw: Any) -> StreamProcessor:

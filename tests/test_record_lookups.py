@@ -21,10 +21,10 @@ from click.testing import CliRunner
 
 from replay import vllm_plugin
 from replay.cli_sources import ingest, record
-from replay.sources.record import binds, ingest_dumps
+from replay.sources.record import ingest_dumps
+from replay.sources.zmq_client import binds
 from replay.trace import open_trace
-from tests.test_record_zmq import Publisher, Step
-from tests.test_sources_kv_events import (
+from tests.kvpayloads import (
     T0,
     frames,
     one_group,
@@ -35,6 +35,7 @@ from tests.test_sources_kv_events import (
     u64,
     write_dump,
 )
+from tests.test_record_zmq import Publisher, Step
 
 TIMEOUT = 10.0
 

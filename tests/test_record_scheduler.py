@@ -38,8 +38,10 @@ from typing import Any
 import pytest
 
 from replay.engine import replay_trace
-from replay.sources.kv_events import AllBlocksCleared, BlockStored, decode_batch
-from replay.sources.record import RecordSummary, ingest_dumps, read_dump, record
+from replay.sources.dump import read_dump
+from replay.sources.kv_wire import AllBlocksCleared, BlockStored, decode_batch
+from replay.sources.record import ingest_dumps, record
+from replay.sources.stream import RecordSummary
 from replay.spec import GroupKind, TraceConfig
 from replay.trace import open_trace
 
@@ -537,7 +539,7 @@ def check_copies_as_vllm_sends_them(tmp_path: Path, config: TraceConfig, mamba: 
     """vLLM's real events hold the same hash stored by two blocks at once,
     and (Mamba, align mode) stores whose token_ids span more than their one
     hash; the trace keeps a key while a copy is left, and every hit replays."""
-    copies: Counter[tuple[int, bytes]] = Counter()
+    copies: Counter[tuple[int, bytes | int]] = Counter()
     doubled = 0
     long_mamba = 0
     for rec in read_dump(tmp_path / "on.kvdump"):
@@ -556,7 +558,7 @@ def check_copies_as_vllm_sends_them(tmp_path: Path, config: TraceConfig, mamba: 
             if (
                 isinstance(event, BlockStored)
                 and group.kind is GroupKind.MAMBA
-                and (event.num_token_ids or 0) > len(event.block_hashes) * group.block_size
+                and len(event.token_ids or ()) > len(event.block_hashes) * group.block_size
             ):
                 long_mamba += 1
     assert doubled > 0

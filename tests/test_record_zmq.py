@@ -25,10 +25,10 @@ import zmq
 from click.testing import CliRunner
 
 from replay.cli_sources import ingest, record
-from replay.sources.record import END_SEQ
 from replay.sources.record import record as record_stream
+from replay.sources.zmq_client import END_SEQ
 from replay.trace import open_trace
-from tests.test_sources_kv_events import (
+from tests.kvpayloads import (
     T0,
     at,
     cleared,

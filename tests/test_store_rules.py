@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from replay.errors import ReplayError
-from replay.sources.synth import archetype_config
+from replay.sources.archetypes import archetype_config
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.store_rules import (
     StorePolicy,

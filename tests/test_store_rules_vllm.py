@@ -38,7 +38,7 @@ pytest.importorskip(
 
 from replay.backends.vllm import vllm_groups
 from replay.coordinator import Coordinator
-from replay.sources.synth import ARCHETYPES, archetype_config
+from replay.sources.archetypes import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
 from tests.vllm_modules import vllm_modules

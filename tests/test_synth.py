@@ -1,12 +1,10 @@
-"""The synthetic generator (replay.sources.synth) and its store logic
-(replay.sources.workload)."""
+"""The synthetic generator (``replay.sources.synth``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -14,15 +12,9 @@ from click.testing import CliRunner
 from replay.cli_synth import synth, synth_summary_text
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
-from replay.sources.synth import ARCHETYPES, archetype_config, synth_trace
-from replay.sources.workload import (
-    DigestTable,
-    WorkloadWriter,
-    digest_keys,
-    lane_salts,
-)
+from replay.sources.archetypes import archetype_config
+from replay.sources.synth import synth_trace
 from replay.spec import GroupKind
-from replay.store_rules import StorePolicy
 from replay.trace import open_trace
 from tests.conftest import check_store_options
 
@@ -36,73 +28,6 @@ F, S, C, M = (
 
 def _rows(path: Path) -> list[dict[str, Any]]:
     return list(open_trace(path).read_frame().iter_rows(named=True))
-
-
-# ---------------------------------------------------------------- archetypes
-
-
-@pytest.mark.parametrize(
-    ("name", "kinds"),
-    [
-        ("full", (F,)),
-        ("full+mamba", (F, M)),
-        ("full+swa", (F, S)),
-        ("full+chunked", (F, C)),
-        ("swa+mamba", (S, M)),
-        ("full+swa+mamba", (F, S, M)),
-    ],
-)
-@pytest.mark.parametrize("eagle", [False, True])
-def test_archetype_configs_are_valid(name: str, kinds: tuple[GroupKind, ...], eagle: bool) -> None:
-    if name == "full+chunked" and eagle:
-        with pytest.raises(ReplayError) as err:
-            archetype_config(name, use_eagle=eagle)
-        assert str(err.value) == (
-            "model 'full+chunked' has chunked local attention, which vLLM does not combine "
-            "with EAGLE: use --no-eagle"
-        )
-        return
-    config = archetype_config(name, use_eagle=eagle)
-    assert tuple(g.kind for g in config.groups) == kinds
-    assert [g.block_size for g in config.groups] == [16] * len(kinds)
-    assert config.hash_block_size == 16
-    assert config.scheduler_block_size == 16
-    assert config.use_eagle is eagle
-    windows = {"full+swa": 1024, "swa+mamba": 2048, "full+swa+mamba": 4096}
-    for g in config.groups:
-        if g.kind is S:
-            assert g.sliding_window == windows[name]
-        if g.kind is C:
-            assert g.attention_chunk_size == 8192
-        if g.kind is M:
-            assert g.mamba_cache_mode == "align"
-
-
-def test_archetype_names() -> None:
-    assert list(ARCHETYPES) == [
-        "full",
-        "full+mamba",
-        "full+swa",
-        "full+chunked",
-        "swa+mamba",
-        "full+swa+mamba",
-    ]
-
-
-def test_archetype_block_sizes() -> None:
-    config = archetype_config("full+mamba", 16, 8, True, mamba_block_size=64)
-    assert [g.block_size for g in config.groups] == [16, 64]
-    assert config.hash_block_size == 8
-    assert config.scheduler_block_size == 64
-
-
-def test_unknown_model() -> None:
-    with pytest.raises(ReplayError) as err:
-        archetype_config("mamba-only")
-    assert str(err.value) == (
-        "unknown model 'mamba-only', expected one of full, full+mamba, full+swa, "
-        "full+chunked, swa+mamba, full+swa+mamba"
-    )
 
 
 # ---------------------------------------------------------------- generated traces
@@ -321,119 +246,6 @@ def test_synth_command_chunked_with_eagle(tmp_path: Path) -> None:
         "combine with EAGLE: use --no-eagle\n"
     )
     assert not out.exists()
-
-
-def test_lru_evicts_the_least_recently_used_tail_first() -> None:
-    tables: list[Any] = []
-    config = archetype_config("full")
-    writer = WorkloadWriter(
-        config,
-        tables.append,
-        lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
-        capacity_blocks=4,
-    )
-    for rid, units in [("a", [1, 2, 3]), ("b", [1, 2, 4]), ("c", [5, 6]), ("d", [1, 7])]:
-        keys = np.array(units, dtype=np.int64)
-        writer.add(ts_us=0, request_id=rid, num_tokens=16 * len(units) + 1, unit_keys=keys)
-    writer.close()
-    rows = [
-        (r["kind"], r["request_id"], [int.from_bytes(h, "big") for h in r["block_hashes"]])
-        for t in tables
-        for r in t.to_pylist()
-    ]
-    assert rows == [
-        ("lookup", "a", [1, 2, 3]),
-        ("store", "a", [1, 2, 3]),
-        ("lookup", "b", [1, 2, 4]),
-        ("store", "b", [4]),
-        # LRU order is now 3, 4, 2, 1: a prompt's head is its most recent key.
-        ("lookup", "c", [5, 6]),
-        ("remove", None, [3, 4]),
-        ("store", "c", [5, 6]),
-        ("lookup", "d", [1, 7]),
-        ("remove", None, [2]),
-        ("store", "d", [7]),
-    ]
-
-
-@pytest.mark.parametrize("window", [1 << 16, 100_000])
-def test_digest_table_matches_the_digester(window: int) -> None:
-    salts = lane_salts(3, 2)
-
-    def digest(keys: Any) -> Any:
-        return digest_keys(keys, salts)
-
-    table = DigestTable(digest, window)
-    rng = np.random.default_rng(0)
-    top = 0
-    for step in range(200):
-        top += int(rng.integers(0, 50_000))
-        keys = rng.integers(0, top + 1, int(rng.integers(0, 3000))).astype(np.int64)
-        if step % 2:
-            keys = np.append(keys, top)
-        assert np.array_equal(table(keys), digest(keys))
-
-
-def test_digests_are_distinct_and_seeded() -> None:
-    keys = np.arange(100_000, dtype=np.int64)
-    a = digest_keys(keys, lane_salts(0, 2))
-    assert a.shape == (100_000, 16)
-    assert len({bytes(row) for row in a}) == 100_000
-    assert not np.array_equal(a, digest_keys(keys, lane_salts(1, 2)))
-    assert np.array_equal(a, digest_keys(keys, lane_salts(0, 2)))
-
-
-def _store_rows(
-    config: Any, requests: list[tuple[str, list[int], int]], **policy: Any
-) -> list[Any]:
-    tables: list[Any] = []
-    writer = WorkloadWriter(
-        config,
-        tables.append,
-        lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
-        policy=StorePolicy(**policy),
-    )
-    for rid, units, num_tokens in requests:
-        keys = np.array(units, dtype=np.int64)
-        writer.add(ts_us=0, request_id=rid, num_tokens=num_tokens, unit_keys=keys)
-    writer.close()
-    return [
-        (
-            r["kind"],
-            r["group_id"],
-            r["request_id"],
-            [int.from_bytes(h, "big") for h in r["block_hashes"]],
-        )
-        for t in tables
-        for r in t.to_pylist()
-        if r["kind"] == "store"
-    ]
-
-
-def test_writer_stores_from_the_hit_the_request_gets() -> None:
-    # Full attention + Mamba with EAGLE. "a": 96 tokens (units 0..5) keeps its
-    # blocks and the state at 80 (block 4), none at 64. "b": 200 tokens sharing
-    # a's 96; its lookup hits 80 (full attention drops a block, the state at
-    # 80 is there), so its prefill runs from 80: full attention stores blocks
-    # 6..11 (5 is present), Mamba the checkpoint 176 (block 10).
-    config = archetype_config("full+mamba", use_eagle=True)
-    a = list(range(6))
-    b = a + list(range(100, 106))
-    rows = _store_rows(config, [("a", a, 96), ("b", b, 200)])
-    assert rows == [
-        ("store", 0, "a", a),
-        ("store", 1, "a", [4]),
-        ("store", 0, "b", b[6:12]),
-        ("store", 1, "b", [b[10]]),
-    ]
-    # Dense retention: the state at 96 too, and b's prefill resumes there.
-    dense = _store_rows(config, [("a", a, 96), ("b", b, 200)], retention_interval=None)
-    assert dense == [
-        ("store", 0, "a", a),
-        ("store", 1, "a", [4, 5]),
-        ("store", 0, "b", b[6:12]),
-        ("store", 1, "b", [b[10]]),
-    ]
 
 
 def test_synth_store_options(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from replay.coordinator import Coordinator
 from replay.engine import replay_trace
-from replay.sources.synth import archetype_config
+from replay.sources.archetypes import archetype_config
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.trace import open_trace, write_trace

@@ -31,7 +31,7 @@ pytest.importorskip(
 
 from replay.backends.vllm import vllm_groups
 from replay.blockpool import GpuCache
-from replay.sources.synth import archetype_config
+from replay.sources.archetypes import archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
 from replay.trace import open_trace, write_trace

@@ -1,17 +1,7 @@
 """A production-style synthetic trace generator, reproducible from a seed.
 
-Models (``ARCHETYPES``) are the layer mixes vLLM's hybrid coordinator meets
-in production, each a named ``TraceConfig`` built by ``archetype_config``:
-
-===================  =====================================================
-``full``             dense transformers (Llama-3, Qwen-3): full attention
-``full+mamba``       Nemotron-H, Jamba, Granite-4.0-H: full attention + Mamba
-``full+swa``         Gemma-3 (window 1024), GPT-OSS (128), Mistral (4096)
-``full+chunked``     Llama-4: chunked local attention, 8192-token chunks
-                     (vLLM rejects it with EAGLE, so does this generator)
-``swa+mamba``        Samba-style: sliding window (2048) + Mamba
-``full+swa+mamba``   global, local (4096) and Mamba layers in one model
-===================  =====================================================
+The model is one of ``replay.sources.archetypes`` (the layer mixes vLLM's
+hybrid coordinator meets in production).
 
 Workload (``SessionModel``): chat sessions arrive as a Poisson process; each
 picks one of a few system prompts with Zipf popularity (the popular shared
@@ -60,7 +50,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,16 +60,10 @@ import numpy.typing as npt
 
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
-from replay.sources.workload import (
-    Digests,
-    DigestTable,
-    Keys,
-    WorkloadWriter,
-    digest_keys,
-    lane_salts,
-    lcm,
-)
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.sources.archetypes import archetype_config
+from replay.sources.hashing import Digests, DigestTable, Keys, digest_keys, lane_salts
+from replay.sources.workload import WorkloadWriter
+from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
 from replay.trace import TraceWriter
 
@@ -87,125 +71,18 @@ from replay.trace import TraceWriter
 BASE_TS_US = 1_735_689_600_000_000
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Archetype:
-    name: str
-    models: str
-    kinds: tuple[GroupKind, ...]
-    sliding_window: int | None = None
+@dataclass(frozen=True, slots=True)
+class Lognormal:
+    """A length distribution: lognormal with this median and sigma."""
 
-    @property
-    def eagle_allowed(self) -> bool:
-        return GroupKind.CHUNKED_LOCAL_ATTENTION not in self.kinds
+    median: float
+    sigma: float
 
-
-_F = GroupKind.FULL_ATTENTION
-_S = GroupKind.SLIDING_WINDOW
-_C = GroupKind.CHUNKED_LOCAL_ATTENTION
-_M = GroupKind.MAMBA
-
-ARCHETYPES: Mapping[str, Archetype] = {
-    a.name: a
-    for a in (
-        Archetype(name="full", models="dense transformers (Llama-3, Qwen-3)", kinds=(_F,)),
-        Archetype(name="full+mamba", models="Nemotron-H, Jamba, Granite-4.0-H", kinds=(_F, _M)),
-        Archetype(
-            name="full+swa",
-            models="Gemma-3 (window 1024), GPT-OSS, Mistral",
-            kinds=(_F, _S),
-            sliding_window=1024,
-        ),
-        Archetype(name="full+chunked", models="Llama-4 (chunk 8192)", kinds=(_F, _C)),
-        Archetype(
-            name="swa+mamba",
-            models="Samba-style (window 2048)",
-            kinds=(_S, _M),
-            sliding_window=2048,
-        ),
-        Archetype(
-            name="full+swa+mamba",
-            models="global + local (window 4096) + Mamba layers",
-            kinds=(_F, _S, _M),
-            sliding_window=4096,
-        ),
-    )
-}
-
-_GROUP_NAMES = {
-    _F: "full_attention",
-    _S: "sliding_window",
-    _C: "chunked_local_attention",
-    _M: "mamba",
-}
-
-
-def get_archetype(name: str) -> Archetype:
-    try:
-        return ARCHETYPES[name]
-    except KeyError:
-        raise ReplayError(
-            f"unknown model {name!r}, expected one of {', '.join(ARCHETYPES)}"
-        ) from None
-
-
-def archetype_config(
-    name: str,
-    block_size: int = 16,
-    hash_block_size: int | None = None,
-    use_eagle: bool = False,
-    *,
-    sliding_window: int | None = None,
-    extra_retained_tokens: int = 0,
-    attention_chunk_size: int = 8192,
-    mamba_block_size: int | None = None,
-    source: Mapping[str, Any] | None = None,
-) -> TraceConfig:
-    """The ``TraceConfig`` of a named model archetype.
-
-    Attention groups use ``block_size``; the Mamba group ``mamba_block_size``
-    (default ``block_size``; vLLM raises it to match the state's page size,
-    e.g. a multiple of the attention block). The scheduler block size is the
-    LCM of the group block sizes, ``hash_block_size`` defaults to
-    ``block_size``. Raises ``ReplayError`` for an unknown name, EAGLE with
-    chunked local attention, or sizes vLLM would reject."""
-    arch = get_archetype(name)
-    if use_eagle and not arch.eagle_allowed:
-        raise ReplayError(
-            f"model {name!r} has chunked local attention, which vLLM does not combine with "
-            "EAGLE: use --no-eagle"
-        )
-    hbs = block_size if hash_block_size is None else hash_block_size
-    mbs = block_size if mamba_block_size is None else mamba_block_size
-    window = sliding_window if sliding_window is not None else arch.sliding_window
-    groups: list[GroupSpec] = []
-    for kind in arch.kinds:
-        common: dict[str, Any] = {"kind": kind, "name": _GROUP_NAMES[kind]}
-        if kind is _M:
-            groups.append(GroupSpec(block_size=mbs, mamba_cache_mode="align", **common))
-        elif kind is _S:
-            groups.append(
-                GroupSpec(
-                    block_size=block_size,
-                    sliding_window=window,
-                    extra_retained_tokens=extra_retained_tokens,
-                    **common,
-                )
-            )
-        elif kind is _C:
-            groups.append(
-                GroupSpec(
-                    block_size=block_size, attention_chunk_size=attention_chunk_size, **common
-                )
-            )
-        else:
-            groups.append(GroupSpec(block_size=block_size, **common))
-    return TraceConfig(
-        groups=tuple(groups),
-        hash_block_size=hbs,
-        scheduler_block_size=lcm([g.block_size for g in groups]),
-        use_eagle=use_eagle,
-        source=source,
-    )
+    def draw(
+        self, rng: np.random.Generator, size: int, low: int, high: int
+    ) -> npt.NDArray[np.int64]:
+        x = rng.lognormal(math.log(self.median), self.sigma, size)
+        return np.clip(np.rint(x), low, high).astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,12 +91,9 @@ class SessionModel:
 
     system_prompts: int = 64
     system_zipf: float = 1.1
-    system_tokens_median: float = 800.0
-    system_tokens_sigma: float = 0.8
-    user_tokens_median: float = 200.0
-    user_tokens_sigma: float = 1.0
-    answer_tokens_median: float = 250.0
-    answer_tokens_sigma: float = 0.8
+    system_tokens: Lognormal = Lognormal(800.0, 0.8)
+    user_tokens: Lognormal = Lognormal(200.0, 1.0)
+    answer_tokens: Lognormal = Lognormal(250.0, 0.8)
     mean_turns: float = 3.0
     think_time_s: float = 40.0
     decode_tokens_per_s: float = 40.0
@@ -233,6 +107,16 @@ class SessionModel:
         if self.mean_turns < 1:
             raise ReplayError("session model: mean_turns must be at least 1")
 
+    def as_source(self) -> dict[str, Any]:
+        """The model as the trace's ``source`` lists it, one flat key a number."""
+        out: dict[str, Any] = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, dict):
+                out.update({f"{name}_{k}": v for k, v in value.items()})
+            else:
+                out[name] = value
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class _Schedule:
@@ -243,13 +127,6 @@ class _Schedule:
     last: npt.NDArray[np.bool_]
     system: npt.NDArray[np.int64]  # per session
     system_tokens: npt.NDArray[np.int64]  # per system prompt
-
-
-def _lognormal(
-    rng: np.random.Generator, median: float, sigma: float, size: int, low: int, high: int
-) -> npt.NDArray[np.int64]:
-    x = rng.lognormal(math.log(median), sigma, size)
-    return np.clip(np.rint(x), low, high).astype(np.int64)
 
 
 def _grouped_cumsum(
@@ -267,14 +144,7 @@ def _schedule(rng: np.random.Generator, sm: SessionModel, n: int) -> _Schedule:
     ranks = np.arange(1, sm.system_prompts + 1, dtype=np.float64)
     popularity = ranks**-sm.system_zipf
     popularity /= popularity.sum()
-    system_tokens = _lognormal(
-        rng,
-        sm.system_tokens_median,
-        sm.system_tokens_sigma,
-        sm.system_prompts,
-        1,
-        sm.max_model_len // 2,
-    )
+    system_tokens = sm.system_tokens.draw(rng, sm.system_prompts, 1, sm.max_model_len // 2)
     starts: list[npt.NDArray[np.float64]] = []
     t0 = 0.0
     batch = max(16, int(n / sm.mean_turns * 1.2))
@@ -288,8 +158,8 @@ def _schedule(rng: np.random.Generator, sm: SessionModel, n: int) -> _Schedule:
         total = int(turns.sum())
         sess = np.repeat(np.arange(batch, dtype=np.int64), turns)
         turn = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(turns) - turns, turns)
-        user = _lognormal(rng, sm.user_tokens_median, sm.user_tokens_sigma, total, 1, 16384)
-        answer = _lognormal(rng, sm.answer_tokens_median, sm.answer_tokens_sigma, total, 1, 8192)
+        user = sm.user_tokens.draw(rng, total, 1, 16384)
+        answer = sm.answer_tokens.draw(rng, total, 1, 8192)
         think = rng.exponential(sm.think_time_s, total)
         prev_answer = np.concatenate(([0], answer[:-1]))
         gap = np.where(turn == 0, 0.0, prev_answer / sm.decode_tokens_per_s + think)
@@ -481,7 +351,7 @@ def synth_trace(
         "capacity_blocks": capacity_blocks,
         "clear_every": clear_every,
         **policy.as_source(),
-        "session_model": asdict(sm),
+        "session_model": sm.as_source(),
         "hash_bytes": hash_bytes,
         "injected_overruns": expected,
     }

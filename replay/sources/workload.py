@@ -44,12 +44,11 @@ the whole store evicts its own tail, which is then never stored.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Self
+from dataclasses import asdict, dataclass, field
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -57,278 +56,17 @@ import pyarrow as pa
 
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
+from replay.sources.dense_store import EMPTY_KEYS, DenseStore
+from replay.sources.hashing import Digester, Keys
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
 from replay.trace import EVENT_KINDS, trace_schema
 
-Keys = npt.NDArray[np.int64]
-Digests = npt.NDArray[np.uint8]
-#: Unit keys -> one fixed-width digest per key, shape ``(len(keys), width)``.
-Digester = Callable[[Keys], Digests]
 Sink = Callable[[pa.Table], None]
-
-_EMPTY_KEYS: Keys = np.zeros(0, dtype=np.int64)
 
 STORE, REMOVE, CLEAR, LOOKUP = (
     EVENT_KINDS.index(k) for k in ("store", "remove", "clear", "lookup")
 )
-
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-# ---------------------------------------------------------------- digests
-
-
-def mix64(x: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
-    """SplitMix64's finaliser of ``x ^ salt``: a bijection of 64-bit words, so
-    distinct inputs give distinct outputs (no collisions, by construction)."""
-    z = x ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF)
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-def lane_salts(seed: int, lanes: int) -> tuple[int, ...]:
-    """Per-lane salts derived from a seed (so different seeds give different hashes)."""
-    base = np.full(lanes, seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
-    lane = np.arange(lanes, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    return tuple(int(v) for v in mix64(base + lane, 0x5EED5EED5EED5EED))
-
-
-def _lanes_to_bytes(lanes: Sequence[npt.NDArray[np.uint64]]) -> Digests:
-    out = np.empty((len(lanes[0]), len(lanes)), dtype=">u8")
-    for i, lane in enumerate(lanes):
-        out[:, i] = lane
-    return out.view(np.uint8).reshape(len(lanes[0]), 8 * len(lanes))
-
-
-def digest_keys(keys: Keys, salts: Sequence[int]) -> Digests:
-    """``8 * len(salts)`` bytes per key; lane 0 alone is collision-free over keys."""
-    k = keys.astype(np.uint64)
-    return _lanes_to_bytes([mix64(k, s) for s in salts])
-
-
-def digest_pairs(
-    ids: npt.NDArray[np.uint64], subs: npt.NDArray[np.uint64], salts: Sequence[int]
-) -> Digests:
-    """Digests of ``(id, sub)`` pairs: lane 0 is a bijection of ``id`` and every
-    other lane of ``id`` xor'd with ``sub``, so distinct pairs never collide
-    (for ``sub < 2**32``)."""
-    lanes = [mix64(ids, salts[0])]
-    for s in salts[1:]:
-        lanes.append(mix64(mix64(ids, s) ^ subs, s))
-    return _lanes_to_bytes(lanes)
-
-
-def big_endian_ids(ids: npt.NDArray[np.uint64]) -> Digests:
-    """Integer ids as 8-byte big-endian unsigned (the format's rule for integer ids)."""
-    return ids.astype(">u8").view(np.uint8).reshape(len(ids), 8)
-
-
-class DigestTable:
-    """Memoises a digester over dense keys: each key's digest is computed once,
-    in bulk, and later calls gather rows of a table (a lookup repeats most of
-    its prefix's hashes, so this is much cheaper than hashing every entry).
-
-    Only the ``window`` most recent keys are kept (keys grow as a trace
-    goes); older ones are recomputed, which keeps the memory bounded."""
-
-    def __init__(self, fn: Digester, window: int = 1 << 22) -> None:
-        self._fn = fn
-        self._window = window
-        self._table: npt.NDArray[np.void] | None = None
-        self._lo = 0  # keys in [lo, hi) are in the table, key k at row k - lo
-        self._hi = 0
-        self.width = 0
-
-    def _extend(self, hi: int) -> None:
-        """Cover keys up to ``hi`` (exclusive), dropping the oldest beyond the window."""
-        lo = max(self._lo, hi - self._window)
-        start = max(self._hi, lo)
-        fresh = np.ascontiguousarray(self._fn(np.arange(start, hi, dtype=np.int64)))
-        self.width = fresh.shape[1]
-        old = self._table
-        table = old
-        if old is None or hi - lo > len(old):
-            size = max(hi - lo, 2 * (0 if old is None else len(old)), 1 << 16)
-            table = np.zeros(min(self._window, size), dtype=f"V{self.width}")
-        assert table is not None
-        if old is not None and lo < self._hi and (table is not old or lo > self._lo):
-            table[: self._hi - lo] = old[lo - self._lo : self._hi - self._lo]
-        table[start - lo : hi - lo] = fresh.view(f"V{self.width}").reshape(-1)
-        self._table, self._lo, self._hi = table, lo, hi
-
-    def __call__(self, keys: Keys) -> Digests:
-        if len(keys) == 0:
-            return np.zeros((0, self.width), dtype=np.uint8)
-        hi = int(keys.max()) + 1
-        if hi > self._hi:
-            self._extend(hi)
-        assert self._table is not None
-        if int(keys.min()) >= self._lo:
-            rows = self._table[keys - self._lo]
-        else:
-            old = keys < self._lo
-            rows = np.empty(len(keys), dtype=f"V{self.width}")
-            rows[~old] = self._table[keys[~old] - self._lo]
-            fresh = np.ascontiguousarray(self._fn(keys[old]))
-            rows[old] = fresh.view(f"V{self.width}").reshape(-1)
-        return rows.view(np.uint8).reshape(len(keys), self.width)
-
-
-# ---------------------------------------------------------------- the writer
-
-
-class DenseStore:
-    """The present ``(group, key)`` entries and, with a capacity, their LRU order.
-
-    Unit keys are small dense integers, so an entry is a flag in an array: at
-    ``(group << shift) | key``, each group owning a slot range of
-    ``2 ** shift`` keys, widened when a larger key comes (group 0's index is
-    the key itself). The LRU order is an append-only touch log with lazy
-    deletion: a log entry is live iff its entry is present and was not
-    touched again later. A request costs a few vectorised operations per
-    group, or scalar ones for a group with a handful of keys (Mamba)."""
-
-    def __init__(self, groups: int, capacity: int | None) -> None:
-        self.groups = groups
-        self.capacity = capacity
-        self.count = 0
-        self.shift = 16
-        tracked = 1 << 16 if capacity is not None else 0
-        self._present = np.zeros(groups << self.shift, dtype=bool)
-        # A log position per entry; the log is compacted to about twice the
-        # live entries, so positions fit 32 bits.
-        self._last = np.zeros(groups << self.shift if tracked else 0, dtype=np.int32)
-        self._log = np.zeros(tracked, dtype=np.int64)
-        self._pos = np.arange(tracked, dtype=np.int32)  # log positions, preallocated
-        self._head = 0
-        self._len = 0
-
-    def _restride(self, top: int) -> None:
-        """Widen every group's slot range so that key ``top`` fits."""
-        old, new = self.shift, max(self.shift + 1, top.bit_length())
-        width = 1 << old
-
-        def widen(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            out = np.zeros(self.groups << new, dtype=arr.dtype)
-            for g in range(self.groups):
-                out[g << new : (g << new) + width] = arr[g << old : (g + 1) << old]
-            return out
-
-        self._present = widen(self._present)
-        if self.capacity is not None:
-            self._last = widen(self._last)
-            live = self._log[self._head : self._len]
-            self._log[self._head : self._len] = ((live >> old) << new) | (live & (width - 1))
-        self.shift = new
-
-    def _live(self, window: Keys, start: int) -> npt.NDArray[np.bool_]:
-        live: npt.NDArray[np.bool_] = self._present[window] & (
-            self._last[window] == self._pos[start : start + len(window)]
-        )
-        return live
-
-    def _compact(self) -> None:
-        window = self._log[self._head : self._len]
-        keep = window[self._live(window, self._head)]
-        self._log[: len(keep)] = keep
-        self._last[keep] = self._pos[: len(keep)]
-        self._head, self._len = 0, len(keep)
-
-    def _reserve(self, n: int) -> None:
-        if self._len + n <= len(self._log):
-            return
-        if self._len - self._head > 2 * self.count + n:
-            self._compact()
-        if self._len + n > len(self._log):
-            size = max(2 * len(self._log), self._len + n)
-            log = np.zeros(size, dtype=np.int64)
-            log[: self._len] = self._log[: self._len]
-            self._log = log
-            if size >= 1 << 31:
-                raise ReplayError("store too large: more than 2**31 LRU log entries")
-            self._pos = np.arange(size, dtype=np.int32)
-
-    def reserve_keys(self, top: int) -> None:
-        """Make room for keys up to ``top`` (an upper bound; saves a scan)."""
-        if top >> self.shift:
-            self._restride(top)
-
-    def touch(self, gid: int, keys: Keys, top: int | None = None) -> npt.NDArray[np.bool_]:
-        """Mark a group's entries present and most recently used, ``keys[0]``
-        last (a prompt's head outlives its tail); return which were absent.
-        The keys must be distinct; ``top``, when given, bounds them."""
-        if len(keys) == 0:
-            return np.zeros(0, dtype=bool)
-        self.reserve_keys(int(keys.max()) if top is None else top)
-        idx = keys if gid == 0 else keys + (gid << self.shift)
-        absent = ~self._present[idx]
-        self._present[idx] = True
-        self.count += int(np.count_nonzero(absent))
-        if self.capacity is not None:
-            n = len(idx)
-            self._reserve(n)
-            end = self._len + n
-            self._log[self._len : end] = idx[::-1]
-            self._last[idx[::-1]] = self._pos[self._len : end]
-            self._len = end
-        return absent
-
-    def present(self, gid: int, keys: Keys) -> npt.NDArray[np.bool_]:
-        """Which of a group's keys are present (no LRU effect)."""
-        out = np.zeros(len(keys), dtype=bool)
-        inside = keys < (1 << self.shift)
-        idx = keys[inside] + (gid << self.shift)
-        out[inside] = self._present[idx]
-        return out
-
-    def evict(self, n: int) -> Keys:
-        """Remove and return the ``n`` least recently used entries, oldest first
-        (as ``(group << shift) | key``)."""
-        out: list[Keys] = []
-        got = 0
-        while got < n and self._head < self._len:
-            window = self._log[self._head : min(self._len, self._head + 8 * (n - got) + 256)]
-            live = np.nonzero(self._live(window, self._head))[0][: n - got]
-            taken = window[live]
-            self._present[taken] = False
-            out.append(taken)
-            got += len(taken)
-            self._head += int(live[-1]) + 1 if got == n else len(window)
-        self.count -= got
-        if len(out) == 1:
-            return out[0]
-        return np.concatenate(out) if out else _EMPTY_KEYS
-
-    def split(self, entries: Keys) -> list[Keys]:
-        """Entries (as returned by ``evict``) -> each group's keys, in order."""
-        if self.groups == 1:
-            return [entries]
-        others = np.flatnonzero(entries >> self.shift)
-        out = [entries] + [_EMPTY_KEYS] * (self.groups - 1)
-        if len(others) == 0:
-            return out
-        mask = (1 << self.shift) - 1
-        if len(others) <= 16:
-            # Usually a few Mamba states among many attention blocks.
-            out[0] = np.delete(entries, others)
-            rest: list[list[int]] = [[] for _ in range(self.groups)]
-            for e in entries[others].tolist():
-                rest[e >> self.shift].append(e & mask)
-            for g in range(1, self.groups):
-                if rest[g]:
-                    out[g] = np.array(rest[g], dtype=np.int64)
-            return out
-        owner = entries >> self.shift
-        return [entries[owner == g] & mask for g in range(self.groups)]
-
-    def clear(self) -> None:
-        self._present[:] = False
-        self._head = self._len = 0
-        self.count = 0
 
 
 @dataclass(slots=True)
@@ -337,26 +75,17 @@ class WorkloadStats:
 
     events: int = 0
     lookups: int = 0
+    # Rows of a kind, and the keys they name.
     stores: int = 0
+    stored_keys: list[int] = field(default_factory=list)  # per group
     removes: int = 0
+    evicted_keys: int = 0
     clears: int = 0
     hash_entries: int = 0
-    stored_keys: list[int] = field(default_factory=list)
-    evicted_keys: int = 0
     max_present_keys: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "events": self.events,
-            "lookups": self.lookups,
-            "stores": self.stores,
-            "removes": self.removes,
-            "clears": self.clears,
-            "hash_entries": self.hash_entries,
-            "stored_keys": list(self.stored_keys),
-            "evicted_keys": self.evicted_keys,
-            "max_present_keys": self.max_present_keys,
-        }
+        return asdict(self)
 
 
 class WorkloadWriter:
@@ -540,7 +269,7 @@ class WorkloadWriter:
         """A ``clear`` row for every group: the store forgets everything."""
         self._store.clear()
         self._clear_due = False
-        seq = self._event(ts_us, CLEAR, None, _EMPTY_KEYS)
+        seq = self._event(ts_us, CLEAR, None, EMPTY_KEYS)
         self._maybe_flush()
         return seq
 
@@ -595,7 +324,7 @@ class WorkloadWriter:
         # Touch the groups last to first, so the first group's head is the
         # most recently used entry; the prefix the hit used is refreshed, the
         # blocks the prefill computes are stored.
-        new: list[Keys] = [_EMPTY_KEYS] * groups
+        new: list[Keys] = [EMPTY_KEYS] * groups
         touched = 0
         for gid in range(groups - 1, -1, -1):
             k = self.config.groups[gid].block_size // self._hbs
@@ -670,10 +399,3 @@ class WorkloadWriter:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
         return self.stats
-
-
-def lcm(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out

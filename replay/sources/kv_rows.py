@@ -1,0 +1,173 @@
+"""KV events -> trace rows, with copy counting.
+
+vLLM's prefix cache may hold several physical blocks with the same hash
+(``BlockHashToBlockMap`` does not de-duplicate), and a CPU or storage tier
+holds further copies; each copy gets its own ``BlockStored`` and its own
+``BlockRemoved``. The trace's key is ``(group_id, hash)`` with no tier, and
+a lookup asks "can this prefix be served", so a key stays present while
+*any* copy is left, in any medium: :class:`EventConverter` counts copies
+per ``(group_id, hash)`` summed over media and emits a trace ``remove``
+only for the hashes whose last copy went. ``media`` narrows the recording
+to some tiers (``{"GPU"}`` models the device prefix cache alone); events of
+other tiers are then dropped before counting. A null medium is the default
+tier, which is ``GPU`` in vLLM. ``AllBlocksCleared`` carries no medium and
+resets every count. A hash sent as an integer is written to the trace as 8
+bytes big-endian.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import datetime
+from typing import Any
+
+from replay.sources.kv_config import GroupMismatch
+from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
+from replay.sources.values import Row
+from replay.spec import GroupKind, GroupSpec, TraceConfig
+
+DEFAULT_MEDIUM = "GPU"
+
+
+def trace_hashes(hashes: tuple[bytes | int, ...]) -> list[bytes]:
+    """Wire hashes (already checked by the Structs) as the trace stores them."""
+    return [h if isinstance(h, bytes) else h.to_bytes(8, "big") for h in hashes]
+
+
+# vLLM's KVCacheSpecKind values, by the trace group kind they replay as.
+_SPEC_KINDS: dict[str, GroupKind] = {
+    "full_attention": GroupKind.FULL_ATTENTION,
+    "mla_attention": GroupKind.FULL_ATTENTION,
+    "sink_full_attention": GroupKind.FULL_ATTENTION,
+    "sliding_window": GroupKind.SLIDING_WINDOW,
+    "sliding_window_mla": GroupKind.SLIDING_WINDOW,
+    "chunked_local_attention": GroupKind.CHUNKED_LOCAL_ATTENTION,
+    "mamba": GroupKind.MAMBA,
+}
+
+
+def medium_key(medium: str | None) -> str:
+    """How a medium compares in a filter: case-insensitive, null = GPU."""
+    return (medium or DEFAULT_MEDIUM).casefold()
+
+
+class EventConverter:
+    """Decoded batches in, trace rows out, with a running ``seq``.
+
+    Keeps the copy count per ``(group_id, hash)`` over every medium kept by
+    ``media`` (the module docstring says why). Copies stored before the
+    recording started are unknown: their removal brings a count to zero
+    early (it never goes below zero).
+    """
+
+    def __init__(
+        self,
+        config: TraceConfig,
+        *,
+        media: Collection[str] | None = None,
+        start_seq: int = 0,
+    ) -> None:
+        self.config = config
+        self.media = None if media is None else frozenset(medium_key(m) for m in media)
+        self.next_seq = start_seq
+        self.copies: dict[tuple[int, bytes], int] = {}
+        self.kv_events = 0
+        self.filtered_events = 0
+        self._checked_groups: set[int] = set()
+
+    def _row(self, ts: datetime, kind: str, **fields: Any) -> Row:
+        row: Row = {"seq": self.next_seq, "ts": ts, "kind": kind, **fields}
+        self.next_seq += 1
+        return row
+
+    def _group(self, event: BlockStored | BlockRemoved) -> int:
+        n = self.config.num_groups
+        gid = event.group_idx
+        if gid is None:
+            if n == 1:
+                return 0
+            raise GroupMismatch(
+                f"{type(event).__name__} without group_idx, but the config has {n} "
+                "KV-cache groups (events without group_idx come from single-group models)"
+            )
+        if gid >= n:
+            raise GroupMismatch(
+                f"{type(event).__name__} names group_idx {gid}, but the config has {n} "
+                f"KV-cache group{'s' if n != 1 else ''} (0..{n - 1})"
+            )
+        if isinstance(event, BlockStored) and gid not in self._checked_groups:
+            self._check_spec(gid, event)
+            self._checked_groups.add(gid)
+        return gid
+
+    def _check_spec(self, gid: int, event: BlockStored) -> None:
+        spec: GroupSpec = self.config.groups[gid]
+        published = event.kv_cache_spec_kind
+        kind = _SPEC_KINDS.get(published or "")
+        if kind is not None and kind is not spec.kind:
+            raise GroupMismatch(
+                f"group_idx {gid}: the publisher says kv_cache_spec_kind {published!r}, "
+                f"but the config's group {gid} is {spec.kind.value}"
+            )
+        window = event.kv_cache_spec_sliding_window
+        if (
+            kind is GroupKind.SLIDING_WINDOW
+            and window is not None
+            and window != spec.sliding_window
+        ):
+            raise GroupMismatch(
+                f"group_idx {gid}: the publisher says sliding window {window}, "
+                f"but the config's group {gid} has sliding_window {spec.sliding_window}"
+            )
+
+    def convert(self, batch: KVBatch) -> list[Row]:
+        ts = batch.time
+        rows: list[Row] = []
+        for event in batch.events:
+            self.kv_events += 1
+            if isinstance(event, AllBlocksCleared):
+                self.copies.clear()
+                rows.append(self._row(ts, "clear", group_id=None))
+                continue
+            if self.media is not None and medium_key(event.medium) not in self.media:
+                self.filtered_events += 1
+                continue
+            gid = self._group(event)
+            # An integer hash and its 8 bytes are one trace key.
+            hashes = trace_hashes(event.block_hashes)
+            if isinstance(event, BlockStored):
+                for h in hashes:
+                    key = (gid, h)
+                    self.copies[key] = self.copies.get(key, 0) + 1
+                if hashes:
+                    rows.append(
+                        self._row(
+                            ts,
+                            "store",
+                            group_id=gid,
+                            block_hashes=hashes,
+                            medium=event.medium,
+                        )
+                    )
+            else:
+                gone: list[bytes] = []
+                for h in hashes:
+                    key = (gid, h)
+                    left = self.copies.get(key, 0) - 1
+                    if left > 0:
+                        self.copies[key] = left
+                    else:
+                        self.copies.pop(key, None)
+                        gone.append(h)
+                if gone:
+                    rows.append(
+                        self._row(
+                            ts, "remove", group_id=gid, block_hashes=gone, medium=event.medium
+                        )
+                    )
+        return rows
+
+    def restart(self, ts: datetime) -> list[Row]:
+        """A publisher restart: the new engine starts with an empty cache."""
+        self.copies.clear()
+        return [self._row(ts, "clear", group_id=None)]

@@ -1,0 +1,97 @@
+"""Requests -> trace rows through the store (``replay.sources.workload``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from replay.sources.archetypes import archetype_config
+from replay.sources.workload import WorkloadWriter
+from replay.spec import TraceConfig
+from replay.store_rules import StorePolicy
+
+Row = tuple[str, int | None, str | None, list[int]]
+
+
+def _rows(
+    config: TraceConfig,
+    requests: list[tuple[str, list[int], int]],
+    capacity_blocks: int | None,
+    **policy: Any,
+) -> list[Row]:
+    """The rows a writer emits for ``(request_id, unit keys, num_tokens)``,
+    each unit key its own 8-byte digest."""
+    tables: list[pa.Table] = []
+    writer = WorkloadWriter(
+        config,
+        tables.append,
+        lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
+        capacity_blocks=capacity_blocks,
+        policy=StorePolicy(**policy),
+    )
+    for rid, units, num_tokens in requests:
+        keys = np.array(units, dtype=np.int64)
+        writer.add(ts_us=0, request_id=rid, num_tokens=num_tokens, unit_keys=keys)
+    writer.close()
+    return [
+        (
+            r["kind"],
+            r["group_id"],
+            r["request_id"],
+            [int.from_bytes(h, "big") for h in r["block_hashes"]],
+        )
+        for t in tables
+        for r in t.to_pylist()
+    ]
+
+
+def test_lru_evicts_the_least_recently_used_tail_first() -> None:
+    requests = [("a", [1, 2, 3]), ("b", [1, 2, 4]), ("c", [5, 6]), ("d", [1, 7])]
+    rows = _rows(archetype_config("full"), [(r, u, 16 * len(u) + 1) for r, u in requests], 4)
+    assert [(kind, rid, keys) for kind, _, rid, keys in rows] == [
+        ("lookup", "a", [1, 2, 3]),
+        ("store", "a", [1, 2, 3]),
+        ("lookup", "b", [1, 2, 4]),
+        ("store", "b", [4]),
+        # LRU order is now 3, 4, 2, 1: a prompt's head is its most recent key.
+        ("lookup", "c", [5, 6]),
+        ("remove", None, [3, 4]),
+        ("store", "c", [5, 6]),
+        ("lookup", "d", [1, 7]),
+        ("remove", None, [2]),
+        ("store", "d", [7]),
+    ]
+
+
+def _store_rows(
+    config: TraceConfig, requests: list[tuple[str, list[int], int]], **policy: Any
+) -> list[Row]:
+    return [row for row in _rows(config, requests, None, **policy) if row[0] == "store"]
+
+
+def test_writer_stores_from_the_hit_the_request_gets() -> None:
+    # Full attention + Mamba with EAGLE. "a": 96 tokens (units 0..5) keeps its
+    # blocks and the state at 80 (block 4), none at 64. "b": 200 tokens sharing
+    # a's 96; its lookup hits 80 (full attention drops a block, the state at
+    # 80 is there), so its prefill runs from 80: full attention stores blocks
+    # 6..11 (5 is present), Mamba the checkpoint 176 (block 10).
+    config = archetype_config("full+mamba", use_eagle=True)
+    a = list(range(6))
+    b = a + list(range(100, 106))
+    rows = _store_rows(config, [("a", a, 96), ("b", b, 200)])
+    assert rows == [
+        ("store", 0, "a", a),
+        ("store", 1, "a", [4]),
+        ("store", 0, "b", b[6:12]),
+        ("store", 1, "b", [b[10]]),
+    ]
+    # Dense retention: the state at 96 too, and b's prefill resumes there.
+    dense = _store_rows(config, [("a", a, 96), ("b", b, 200)], retention_interval=None)
+    assert dense == [
+        ("store", 0, "a", a),
+        ("store", 1, "a", [4, 5]),
+        ("store", 0, "b", b[6:12]),
+        ("store", 1, "b", [b[10]]),
+    ]
