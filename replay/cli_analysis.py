@@ -144,7 +144,7 @@ def report(
     from replay.whatif import is_sweep_file
 
     if is_sweep_file(results):
-        from analysis.sweep_report import write_sweep_report
+        from analysis.report import write_sweep_report
 
         if fmt is None:
             fmt = (

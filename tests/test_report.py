@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from analysis.report import build_report, nice_ticks, time_ticks
+from analysis.report import build_report
+from analysis.report.charts import nice_ticks, time_ticks
 from replay.cli_analysis import report
 from replay.engine import replay_trace, save_results
 from replay.spec import GroupKind, GroupSpec, TraceConfig
@@ -214,7 +215,7 @@ def test_report_workload_without_timestamps(tmp_path: Path) -> None:
 def test_histogram_bins_widen_for_long_hits() -> None:
     import polars as pl
 
-    from analysis.report import _histogram
+    from analysis.report.data import histogram as _histogram
 
     frame = pl.DataFrame({"hit_tokens": [0, 16, 47, 48, 1000]})
     bins = _histogram(frame, 16)
