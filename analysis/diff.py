@@ -115,13 +115,8 @@ class Side:
     cache: str | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "policy": self.policy,
-            "coordinator": self.coordinator,
-            "cache": self.cache,
-            "source": self.source,
-        }
+        """Where this side came from (the results frame aside), for the JSON output."""
+        return {k: getattr(self, k) for k in ("label", "policy", "coordinator", "cache", "source")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
