@@ -25,10 +25,8 @@ def invoke_report(args: Sequence[object]) -> Result:
 def report_error(args: Sequence[object]) -> str:
     """The one line ``replay report`` prints when it exits 2."""
     res = invoke_report(args)
-    assert res.exit_code == 2, res.output
-    lines = res.output.splitlines()
-    assert len(lines) == 1, res.output
-    return lines[0]
+    assert (res.exit_code, res.output.count("\n")) == (2, 1), res.output
+    return res.output.removesuffix("\n")
 
 
 def results_of(trace: Path, policy: str = "pre-49502", out: Path | None = None) -> Path:

@@ -16,6 +16,13 @@ from tests.reports import MAMBA_ROW, report_error, results_of
 from tests.test_diff import write_workload
 
 
+def _results_copied(tmp_path: Path, trace: Path) -> Path:
+    """The results of ``trace`` copied alone into another directory."""
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    return Path(shutil.copy(results_of(trace), dest / "x.results.parquet"))
+
+
 def test_report_workload_with_timestamps(tmp_path: Path) -> None:
     trace = write_workload(tmp_path / "work.parquet")
     data = build_report(results_of(trace))
@@ -82,12 +89,9 @@ def test_explain_tables_of_the_43559_example(trace_43559: Path) -> None:
 def test_a_trace_found_by_name_that_is_another_trace_is_a_note(
     tmp_path: Path, trace_43559: Path
 ) -> None:
-    results = results_of(trace_43559)
-    dest = tmp_path / "copy"
-    dest.mkdir()
-    shutil.copy(results, dest / "x.results.parquet")
-    other = write_workload(dest / trace_43559.name, n_requests=3)
-    data = build_report(dest / "x.results.parquet")
+    copy = _results_copied(tmp_path, trace_43559)
+    other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
+    data = build_report(copy)
     assert data.trace_path is None
     assert data.trace_note == (
         f"trace {other} has no lookup 'req-43559' at seq 2: it is not the trace of these "
@@ -109,13 +113,10 @@ def test_unknown_policy_has_no_explain_tables(trace_43559: Path) -> None:
 def test_results_copied_with_trace_elsewhere_resolves_by_name(
     tmp_path: Path, trace_43559: Path
 ) -> None:
-    results = results_of(trace_43559)
-    dest = tmp_path / "copy"
-    dest.mkdir()
-    shutil.copy(results, dest / "x.results.parquet")
-    shutil.copy(trace_43559, dest / trace_43559.name)
-    data = build_report(dest / "x.results.parquet")
-    assert data.trace_path == str(dest / "t43559.parquet")
+    copy = _results_copied(tmp_path, trace_43559)
+    shutil.copy(trace_43559, copy.with_name(trace_43559.name))
+    data = build_report(copy)
+    assert data.trace_path == str(copy.with_name("t43559.parquet"))
     assert data.trace_note is None
 
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import polars as pl
 
 from analysis.report import data
-from analysis.report.data import Example, Point
+from analysis.report.data import Example
 from tests.conftest import full_mamba
 
 T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
@@ -59,31 +59,16 @@ def test_summary_counts_a_lookup_with_two_flags_once() -> None:
 def test_timeline_by_seq_without_timestamps() -> None:
     x_axis, points = data.timeline(_results([50, 0, 100]))
     assert x_axis == "seq-no-ts"
-    assert points == [
-        Point(
-            x=0.0,
-            ratio=0.5,
-            lookups=1,
-            hit_tokens=50,
-            prompt_tokens=100,
-            label="seq 0: 1 lookups, hit ratio 50.0% (50 of 100 tokens)",
-        ),
-        Point(
-            x=2.0,
-            ratio=0.0,
-            lookups=1,
-            hit_tokens=0,
-            prompt_tokens=100,
-            label="seq 2: 1 lookups, hit ratio 0.0% (0 of 100 tokens)",
-        ),
-        Point(
-            x=4.0,
-            ratio=1.0,
-            lookups=1,
-            hit_tokens=100,
-            prompt_tokens=100,
-            label="seq 4: 1 lookups, hit ratio 100.0% (100 of 100 tokens)",
-        ),
+    # One lookup per bin: each point is that lookup, hit over its 100-token prompt.
+    assert [(p.x, p.ratio, p.lookups, p.hit_tokens, p.prompt_tokens) for p in points] == [
+        (0.0, 0.5, 1, 50, 100),
+        (2.0, 0.0, 1, 0, 100),
+        (4.0, 1.0, 1, 100, 100),
+    ]
+    assert [p.label for p in points] == [
+        "seq 0: 1 lookups, hit ratio 50.0% (50 of 100 tokens)",
+        "seq 2: 1 lookups, hit ratio 0.0% (0 of 100 tokens)",
+        "seq 4: 1 lookups, hit ratio 100.0% (100 of 100 tokens)",
     ]
 
 
@@ -184,27 +169,20 @@ def test_flag_examples_first_n_per_kind_one_per_lookup() -> None:
     flags = flags.with_columns(
         pl.Series("group_id", [0, 1, 0]), pl.Series("detail", ["a", "b", "c"])
     )
+
+    def shown(seq: int, detail: str) -> Example:
+        return Example(
+            flag="eagle_not_dropped",
+            seq=seq,
+            request_id=f"r{seq // 2}",
+            hit_tokens=64,
+            max_length=99,
+            group_id=0,
+            detail=detail,
+        )
+
     assert data.flag_examples(flags, ["eagle_not_dropped"], 5) == {
-        "eagle_not_dropped": [
-            Example(
-                flag="eagle_not_dropped",
-                seq=2,
-                request_id="r1",
-                hit_tokens=64,
-                max_length=99,
-                group_id=0,
-                detail="a",
-            ),
-            Example(
-                flag="eagle_not_dropped",
-                seq=6,
-                request_id="r3",
-                hit_tokens=64,
-                max_length=99,
-                group_id=0,
-                detail="c",
-            ),
-        ]
+        "eagle_not_dropped": [shown(2, "a"), shown(6, "c")]
     }
     assert data.flag_examples(flags, ["eagle_not_dropped"], 1)["eagle_not_dropped"][0].seq == 2
     assert data.flag_examples(flags, ["eagle_not_dropped"], 0) == {"eagle_not_dropped": []}
