@@ -81,7 +81,8 @@ def diff(
     group whose own hit moved; between two caches, also the cache rule behind
     each change. Exit status 0 (a report), 2 on bad input.
     """
-    from analysis.diff import diff_inputs, render_text, write_diff
+    from analysis.diff import diff_inputs, write_diff
+    from analysis.diff_text import render_text
     from replay.paths import check_outputs
 
     check_outputs({"-o": output}, list(inputs))
@@ -144,7 +145,7 @@ def report(
     from replay.whatif import is_sweep_file
 
     if is_sweep_file(results):
-        from analysis.sweep_report import write_sweep_report
+        from analysis.report import write_sweep_report
 
         if fmt is None:
             fmt = (

@@ -15,10 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from replay.cli_analysis import report
-from replay.engine import replay_trace, save_results
+from tests.reports import invoke_report, results_of
 from tests.test_diff import write_workload
 
 
@@ -68,12 +66,9 @@ def _browser(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _report(tmp_path: Path, trace: Path, policy: str = "pre-49502") -> Path:
-    results = tmp_path / "r.results.parquet"
-    save_results(replay_trace(trace, policy=policy), results)
+    results = results_of(trace, policy, out=tmp_path / "r.results.parquet")
     out = tmp_path / "report.html"
-    res = CliRunner().invoke(
-        report, [str(results), "-o", str(out), "--trace", str(trace)], catch_exceptions=False
-    )
+    res = invoke_report([results, "-o", out, "--trace", trace])
     assert res.exit_code == 0, res.output
     return out
 

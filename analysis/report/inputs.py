@@ -1,0 +1,83 @@
+"""The two files behind a report, each opened once: the results file, and the
+trace it was replayed from (named with ``--trace``, else found by the name
+in the results' metadata), checked to be that trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from replay.errors import ReplayError, TraceError
+from replay.spec import TraceConfig
+from replay.trace import TraceReader, is_results_file, open_trace, read_results
+
+
+def read_report_results(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """The results frame and its metadata. A trace given in their place is
+    named as such: the file is looked at again only when reading failed."""
+    try:
+        return read_results(path)
+    except TraceError:
+        if is_results_file(path):
+            raise
+        raise ReplayError(
+            f"{path}: is not a results file (no 'replay.results' metadata), expected the "
+            f"output of `replay run` (for a trace, run `replay run {path}` first)"
+        ) from None
+
+
+def resolve_trace(
+    results_path: Path, info: dict[str, Any], config: TraceConfig, trace: Path | None
+) -> tuple[TraceReader | None, str | None]:
+    """The trace the results came from, opened, or why there is none. An
+    explicit ``--trace`` that does not fit is an error; the default is best
+    effort."""
+    if trace is not None:
+        reader = open_trace(trace)
+        if reader.config != config:
+            raise ReplayError(
+                f"{trace}: KV-cache config {reader.config.dumps()} differs from the one "
+                f"{results_path} was replayed with ({config.dumps()}); expected the trace of "
+                "these results"
+            )
+        return reader, None
+    name = info.get("trace")
+    if not name:
+        return None, (
+            f"{results_path.name} does not name its trace; pass --trace to explain the examples"
+        )
+    candidate = results_path.parent / str(name)
+    if not candidate.exists():  # a file, or a trace directory
+        return None, (
+            f"trace {name} not found next to {results_path.name} (looked for {candidate}); "
+            "pass --trace to add the explain tables"
+        )
+    try:
+        reader = open_trace(candidate)
+    except ReplayError as exc:
+        return None, f"trace {candidate} is not usable ({exc}); pass --trace"
+    if reader.config != config:
+        return None, (
+            f"trace {candidate} has a different KV-cache config than these results; pass --trace"
+        )
+    return reader, None
+
+
+def lookup_mismatch(reader: TraceReader, res: pl.DataFrame) -> str | None:
+    """Why the trace is not the one of these results (a lookup of the results
+    that it does not hold at that seq), or None."""
+    frame = reader.read_frame(["seq", "kind", "request_id"])
+    lookups = frame.filter(pl.col("kind") == "lookup").select("seq", "request_id")
+    joined = res.select("seq", "request_id").join(lookups, on="seq", how="left", suffix="_t")
+    bad = joined.filter(
+        pl.col("request_id_t").is_null() | (pl.col("request_id") != pl.col("request_id_t"))
+    )
+    if bad.height:
+        r = bad.row(0, named=True)
+        return (
+            f"trace {reader.path} has no lookup {r['request_id']!r} at seq {r['seq']}: "
+            "it is not the trace of these results"
+        )
+    return None
