@@ -34,7 +34,8 @@ from replay.render import config_lines, explain_header, explain_table, group_lab
 from replay.spec import GroupKind, TraceConfig
 from replay.summary import hit_figures, prompt_tokens_expr
 from replay.trace import (
-    is_results_file,
+    TraceReader,
+    TraceSource,
     open_trace,
     read_results,
     results_cache,
@@ -236,18 +237,21 @@ def _groups(res: pl.DataFrame, config: TraceConfig) -> list[dict[str, Any]]:
 
 
 def _resolve_trace(
-    results_path: Path, info: dict[str, Any], config: TraceConfig, trace: Path | None
-) -> tuple[Path | None, str | None]:
-    """The trace the results came from, or why there is none. An explicit
-    ``--trace`` that does not fit is an error; the default is best effort."""
+    results_path: Path, info: dict[str, Any], config: TraceConfig, trace: TraceSource | None
+) -> tuple[TraceReader | None, str | None]:
+    """The trace the results came from, opened once, or why there is none.
+    An explicit ``--trace`` that does not fit is an error; the default is
+    best effort."""
     if trace is not None:
-        other = open_trace(trace).config
+        reader = open_trace(trace)
+        other = reader.config
         if other != config:
             raise ReplayError(
-                f"{trace}: KV-cache config {other.dumps()} differs from the one {results_path} "
-                f"was replayed with ({config.dumps()}); expected the trace of these results"
+                f"{reader.name}: KV-cache config {other.dumps()} differs from the one "
+                f"{results_path} was replayed with ({config.dumps()}); expected the trace of "
+                "these results"
             )
-        return trace, None
+        return reader, None
     name = info.get("trace")
     if not name:
         return None, (
@@ -260,17 +264,17 @@ def _resolve_trace(
             "pass --trace to add the explain tables"
         )
     try:
-        other = open_trace(candidate).config
+        found = open_trace(candidate)
     except ReplayError as exc:
         return None, f"trace {candidate} is not usable ({exc}); pass --trace"
-    if other != config:
+    if found.config != config:
         return None, (
             f"trace {candidate} has a different KV-cache config than these results; pass --trace"
         )
-    return candidate, None
+    return found, None
 
 
-def _check_lookups(trace: Path, trace_frame: pl.DataFrame, res: pl.DataFrame) -> str | None:
+def _check_lookups(trace: str, trace_frame: pl.DataFrame, res: pl.DataFrame) -> str | None:
     lookups = trace_frame.filter(pl.col("kind") == "lookup").select("seq", "request_id")
     joined = res.select("seq", "request_id").join(lookups, on="seq", how="left", suffix="_t")
     bad = joined.filter(
@@ -288,26 +292,26 @@ def _check_lookups(trace: Path, trace_frame: pl.DataFrame, res: pl.DataFrame) ->
 def build_report(
     results_path: str | os.PathLike[str],
     *,
-    trace: str | os.PathLike[str] | None = None,
+    trace: TraceSource | None = None,
     examples: int = 3,
 ) -> ReportData:
-    """Every figure of the report. ``examples``: flagged lookups shown per kind."""
+    """Every figure of the report. ``examples``: flagged lookups shown per
+    kind. ``trace``: a path or an open ``TraceReader`` (read, never reopened)."""
     rpath = Path(results_path)
-    if not is_results_file(rpath):
-        raise ReplayError(
-            f"{rpath}: is not a results file (no 'replay.results' metadata), expected the "
-            f"output of `replay run` (for a trace, run `replay run {rpath}` first)"
-        )
-    res, info = read_results(rpath)
+    res, info = read_results(
+        rpath,
+        not_results=f"{rpath}: is not a results file (no 'replay.results' metadata), expected "
+        f"the output of `replay run` (for a trace, run `replay run {rpath}` first)",
+    )
     config = results_config(info, rpath)
-    trace_path, note = _resolve_trace(rpath, info, config, Path(trace) if trace else None)
-    if trace_path is not None:
-        tframe = open_trace(trace_path).read_frame(["seq", "kind", "request_id"])
-        mismatch = _check_lookups(trace_path, tframe, res)
+    reader, note = _resolve_trace(rpath, info, config, trace)
+    if reader is not None:
+        tframe = reader.read_frame(["seq", "kind", "request_id"])
+        mismatch = _check_lookups(reader.name, tframe, res)
         if mismatch is not None:
             if trace is not None:
                 raise ReplayError(mismatch)
-            trace_path, note = None, mismatch + "; pass --trace"
+            reader, note = None, mismatch + "; pass --trace"
     detailed = "flag_details" in res.columns or "unit_present" in res.columns
     flags = results_flags(res, config, results_cache(info))
     summary = _summary(res)
@@ -360,16 +364,16 @@ def build_report(
         groups=_groups(res, config),
         flag_rows=flag_rows,
         examples=ex,
-        trace_path=str(trace_path) if trace_path is not None else None,
+        trace_path=reader.name if reader is not None else None,
         trace_note=note,
     )
     data.extra["flag_details"] = detailed
-    if trace_path is not None:
-        _explain_examples(data, trace_path)
+    if reader is not None:
+        _explain_examples(data, reader)
     return data
 
 
-def _explain_examples(data: ReportData, trace: Path) -> None:
+def _explain_examples(data: ReportData, trace: TraceReader) -> None:
     policy = str(data.info.get("policy"))
     if policy not in POLICIES:
         data.explain_note = (

@@ -273,7 +273,10 @@ def gather(
 
 
 def variants_for(
-    config: TraceConfig, policies: Sequence[str], caches: Sequence[str | None] = (None,)
+    config: TraceConfig,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
 ) -> list[Variant]:
     """Every policy in every cache, policy by policy; each cache resolved as
     the serial run does (None: the trace's)."""
@@ -281,7 +284,7 @@ def variants_for(
         raise ReplayError("no policy or cache to replay under")
     used = [resolve_cache(config, c) for c in caches]
     pairs = dict.fromkeys((p, c) for p in policies for c in used)
-    return [Variant(policy=p, cache=c) for p, c in pairs]
+    return [Variant(policy=p, cache=c, coordinator=coordinator) for p, c in pairs]
 
 
 def replay_sharded(
@@ -289,6 +292,8 @@ def replay_sharded(
     *,
     policies: Sequence[str],
     caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
+    unit_present: bool = False,
     shards: int = 1,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
@@ -298,7 +303,8 @@ def replay_sharded(
     results are those of ``replay_trace`` for every shard count. ``trace``:
     a path, a binary file object or an open ``TraceReader``."""
     reader = open_trace(trace)
-    answers = Answers(reader.config, variants_for(reader.config, policies, caches))
+    variants = variants_for(reader.config, policies, caches, coordinator)
+    answers = Answers(reader.config, variants, unit_present=unit_present, where=reader.name)
     return replay_answers(
         reader, answers, shards=shards, progress=progress, progress_every=progress_every
     )

@@ -1039,6 +1039,16 @@ def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
 def write_results(
     path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]
 ) -> Path:
+    # A results file written through the library carries each lookup's flags
+    # (issue 14): ``replay check``, ``diff`` and ``report`` read them as they are.
+    for name in ("flags", "flag_details"):
+        if name not in table.column_names:
+            raise ReplayError(
+                f"{path}: results without their {name!r} column (replay with "
+                "replay.engine.replay_trace, which flags every lookup)"
+            )
+        if table.column(name).null_count:
+            raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
     schema = results_schema(metadata)
     extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
     table = table.select(list(RESULTS_SCHEMA.names) + extra)
@@ -1191,9 +1201,15 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     )
 
 
-def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """A results file, validated like a trace (see ``_check_results``)."""
+def read_results(
+    path: str | os.PathLike[str], *, not_results: str | None = None
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """A results file, validated like a trace (see ``_check_results``), in
+    one opening. ``not_results``: the error for a Parquet file that is not a
+    results file (the caller says what the user should have given)."""
     pf = _open_parquet(path)
+    if not_results is not None and RESULTS_META_KEY not in (pf.schema_arrow.metadata or {}):
+        raise ReplayError(not_results)
     info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
     if not isinstance(info, dict):
         raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
