@@ -674,10 +674,13 @@ class TraceReader:
                 batch, last_seq = validate_rows(self.name, self.config, raw, last_seq)
                 yield batch
         except (pa.ArrowException, OSError) as exc:
-            raise TraceError(
-                f"{self.name}: {_unreadable_column(self._pf, self.columns)}"
-                f"unreadable Parquet data ({_one_line(exc)})"
-            ) from None
+            raise self._unreadable(exc) from None
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(
+            f"{self.name}: {_unreadable_column(self._pf, self.columns)}"
+            f"unreadable Parquet data ({_one_line(exc)})"
+        )
 
     def iter_frames(
         self, columns: Sequence[str] | None = None, batch_size: int = 65_536
@@ -718,6 +721,34 @@ class TraceReader:
             cols = list(columns) if columns is not None else list(TRACE_COLUMNS)
             return pl.DataFrame(schema={c: _EMPTY_POLARS[c] for c in cols})
         return pl.concat(frames, rechunk=False)
+
+
+class TableReader(TraceReader):
+    """A trace held in memory as an Arrow table (rows a tool is shrinking or
+    building), read exactly as a file would be: conformed to the format's
+    types and validated batch by batch as it streams, with no Parquet in
+    between. Errors name it ``name``."""
+
+    def __init__(self, table: pa.Table, config: TraceConfig, *, name: str = "<memory>") -> None:
+        self.path = None
+        self.name = name
+        try:
+            check_config(config, trace_cache(config.source))
+        except ConfigError as exc:
+            raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
+        self.config = check_config_limits(config, f"{name}: replay.trace metadata")
+        self._table = _conform(name, table, trace_schema(config))
+        self.columns = list(TRACE_COLUMNS)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._table.num_rows)
+
+    def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        yield from self._table.to_batches(max_chunksize=batch_size)
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(f"{self.name}: invalid rows ({_one_line(exc)})")
 
 
 _EMPTY_POLARS: dict[str, Any] = {
