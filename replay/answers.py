@@ -30,6 +30,7 @@ from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.coordinator import Coordinator, LookupOutcome, get_cache, get_policy, trace_cache
 from replay.errors import ConfigError, ReplayError
 from replay.spec import TraceConfig
+from replay.store import LookupEvent
 from replay.trace import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
 
 COORDINATORS = ("reference", "vllm")
@@ -225,9 +226,10 @@ def vllm_contains(
     return [lambda h, p=p: p[unit[h]] == 1 for p in present]  # type: ignore[misc]
 
 
-#: One coordinator's answer to one lookup: presence bytes, max_length and
-#: (for a coordinator that asks by hash) the lookup's hashes in.
-Answer = Callable[[Sequence[bytes], int, Sequence[bytes] | None], LookupOutcome]
+#: One coordinator's answer to one lookup: presence bytes, max_length, (for
+#: a coordinator that asks by hash) the lookup's hashes, and whether to
+#: record its steps (``replay explain``).
+Answer = Callable[[Sequence[bytes], int, Sequence[bytes] | None, bool], LookupOutcome]
 
 
 def answerer(coordinator: LookupCoordinator) -> Answer:
@@ -235,22 +237,37 @@ def answerer(coordinator: LookupCoordinator) -> Answer:
     them as they are, any other asks per hash of the lookup."""
     if isinstance(coordinator, Coordinator):
         ref = coordinator
-        return lambda present, max_length, _hashes: ref.lookup_present(present, max_length)
+
+        def from_bytes(
+            present: Sequence[bytes], max_length: int, _: Sequence[bytes] | None, explain: bool
+        ) -> LookupOutcome:
+            return ref.lookup_present(present, max_length, explain=explain)
+
+        return from_bytes
 
     def by_hash(
-        present: Sequence[bytes], max_length: int, hashes: Sequence[bytes] | None
+        present: Sequence[bytes], max_length: int, hashes: Sequence[bytes] | None, explain: bool
     ) -> LookupOutcome:
         if hashes is None:
             raise ReplayError(f"the {coordinator.name} coordinator needs the lookups' hashes")
-        return coordinator.lookup(hashes, max_length, vllm_contains(hashes, present))
+        contains = vllm_contains(hashes, present)
+        return coordinator.lookup(hashes, max_length, contains, explain=explain)
 
     return by_hash
+
+
+#: A lookup explained: the event, the coordinator's answer with its steps,
+#: and the answer's flags.
+Explained = tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]
 
 
 class Answers:
     """The fixed point and the flags of every lookup, for each variant, from
     the same presence bytes. ``unit_present`` keeps those bytes for the
-    results column of that name (the store state each lookup saw)."""
+    results column of that name (the store state each lookup saw).
+
+    With ``explain``, only the lookups it selects are answered, with the
+    coordinator's steps, and kept in ``explained`` instead of the results."""
 
     def __init__(
         self,
@@ -259,6 +276,7 @@ class Answers:
         *,
         unit_present: bool = False,
         where: str | os.PathLike[str] | None = None,
+        explain: Callable[[LookupEvent[bytes]], bool] | None = None,
     ) -> None:
         self.config = config
         self.variants = list(variants)
@@ -269,7 +287,11 @@ class Answers:
         self._answers = [answerer(c) for c in self.coordinators]
         self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
-        self.needs_hashes = any(not isinstance(c, Coordinator) for c in self.coordinators)
+        self.explain = explain
+        self.explained: list[Explained] = []
+        self.needs_hashes = explain is not None or any(
+            not isinstance(c, Coordinator) for c in self.coordinators
+        )
         self.unit_present = unit_present
         self._present: list[np.ndarray[Any, Any]] = []
         self._units: list[np.ndarray[Any, Any]] = []
@@ -293,14 +315,26 @@ class Answers:
             else [None] * len(sizes)
         )
         variants = list(zip(self._answers, self.checkers, self.outcomes, strict=True))
-        for o, n, max_length, seen, hs in zip(
-            offsets[:-1].tolist(), sizes, max_lengths, observed, hashes, strict=True
+        explaining = self.explain is not None
+        events = (
+            _selected(lookups, hashes, self.explain)
+            if self.explain is not None
+            else [None] * len(sizes)
+        )
+        for o, n, max_length, seen, hs, event in zip(
+            offsets[:-1].tolist(), sizes, max_lengths, observed, hashes, events, strict=True
         ):
+            if explaining and event is None:
+                continue
             present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
             for answer, checker, outcomes in variants:
-                res = answer(present_g, max_length, hs)
-                outcomes.add(res, checker.check_outcome(present_g, max_length, res, seen))
-        if lookups.rows.height:
+                res = answer(present_g, max_length, hs, explaining)
+                flags = checker.check_outcome(present_g, max_length, res, seen)
+                if event is None:
+                    outcomes.add(res, flags)
+                else:
+                    self.explained.append((event, res, flags))
+        if not explaining and lookups.rows.height:
             self.rows.append(lookups.rows)
             if self.unit_present:
                 self._present.append(present)
@@ -345,6 +379,26 @@ class Answers:
         inner = pa.ListArray.from_arrays(pa.array(inner_offsets), values)
         outer_offsets = np.arange(0, len(counts) + 1, self.config.num_groups, dtype=np.int32)
         return pa.ListArray.from_arrays(pa.array(outer_offsets), inner)
+
+
+def _selected(
+    lookups: LookupBatch,
+    hashes: list[Any],
+    select: Callable[[LookupEvent[bytes]], bool],
+) -> list[LookupEvent[bytes] | None]:
+    """Each lookup as an event when ``select`` picks it, else None."""
+    out: list[LookupEvent[bytes] | None] = []
+    for row, hs in zip(lookups.rows.iter_rows(named=True), hashes, strict=True):
+        event = LookupEvent(
+            seq=row["seq"],
+            request_id=row["request_id"],
+            hashes=hs,
+            max_length=row["max_length"],
+            num_tokens=row["num_tokens"],
+            observed_hit_tokens=row["observed_hit_tokens"],
+        )
+        out.append(event if select(event) else None)
+    return out
 
 
 def results_of(

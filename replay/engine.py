@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from analysis.flags import Flag, FlagChecker
+from analysis.flags import Flag
 from replay.answers import (
     COORDINATORS,
     Answers,
@@ -144,24 +144,11 @@ def explain_lookups(
     stands."""
     reader = open_trace(path)
     config = reader.config
-    cache = resolve_cache(config, cache)
-    coord = make_coordinator(config, policy, coordinator, cache, path=reader.name)
-    checker = FlagChecker(config, cache)
-    store: Store[bytes] = Store(config.num_groups)
-    contains = [s.__contains__ for s in store.present]
-    found: list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]] = []
-    for event, _ in iter_events(reader):
-        if until_seq is not None and event.seq > until_seq:
-            break
-        if isinstance(event, LookupEvent):
-            store.observe(event.seq)
-            if select(event):
-                outcome = coord.lookup(event.hashes, event.max_length, contains, explain=True)
-                present = [bytes(map(c, event.hashes)) for c in contains]
-                flags = checker.check_outcome(
-                    present, event.max_length, outcome, event.observed_hit_tokens
-                )
-                found.append((event, outcome, flags))
-        else:
-            store.apply(event)
-    return config, found
+    variant = Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coordinator)
+
+    def wanted(event: LookupEvent[bytes]) -> bool:
+        return (until_seq is None or event.seq <= until_seq) and select(event)
+
+    answers = Answers(config, [variant], where=reader.name, explain=wanted)
+    replay_answers(reader, answers, until_seq=until_seq)
+    return config, answers.explained

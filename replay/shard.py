@@ -317,12 +317,14 @@ def replay_answers(
     shards: int = 1,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
+    until_seq: int | None = None,
 ) -> list[ReplayResult]:
     """Every lookup of ``reader`` answered and flagged by ``answers``, with
-    the store split into ``shards`` key shards (one: the serial replay).
-    Three stages on their own threads: read and validate, fold (compiled,
-    no GIL), and here the coordinators, so a batch folds while the one
-    before it is being looked up."""
+    the store split into ``shards`` key shards (one: the serial replay);
+    ``until_seq`` stops reading after the batch that reaches it. Three
+    stages on their own threads: read and validate, fold (compiled, no
+    GIL), and here the coordinators, so a batch folds while the one before
+    it is being looked up."""
     if not 1 <= shards <= MAX_SHARDS:
         raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
     num_groups = reader.config.num_groups
@@ -335,6 +337,9 @@ def replay_answers(
             pieces, lookups = scatter(batch, shards, lookup_hashes=answers.needs_hashes)
             presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
             yield lookups, gather(lookups, presences, num_groups)
+            last = lookups.last_seq
+            if until_seq is not None and last is not None and last >= until_seq:
+                return
 
     for lookups, present in prefetched(folded()):
         answers.add(lookups, present)
