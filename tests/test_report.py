@@ -345,3 +345,26 @@ def test_report_without_lookups(tmp_path: Path) -> None:
     assert marks(page) == {"timeline": 0, "histogram": 0, "groups": 2}
     assert page.count('class="note">no lookups</text>') == 2
     assert '<div class="v">0.00%</div><div class="k">hit ratio</div>' in page
+
+
+def test_report_reads_a_trace_handed_over_open(tmp_path: Path, trace_43559: Path) -> None:
+    """The trace is opened once and passed down: an open reader (here of the
+    trace's bytes, which no path can reopen) gives the report the path gives."""
+    import io
+
+    from replay.trace import TraceReader
+
+    results = results_of(trace_43559)
+    by_path = build_report(results, trace=trace_43559)
+    by_reader = build_report(results, trace=TraceReader(io.BytesIO(trace_43559.read_bytes())))
+    assert by_reader.trace_path == "<stream>"
+    assert by_path.trace_path == str(trace_43559)
+    (example,) = by_reader.examples["mamba_overrun"]
+    assert (example.seq, example.request_id, example.actual, example.expected) == (
+        2,
+        "req-43559",
+        64,
+        48,
+    )
+    assert example.explain == by_path.examples["mamba_overrun"][0].explain
+    assert example.explain is not None and MAMBA_ROW in example.explain
