@@ -535,12 +535,11 @@ def diff_policies(
 
 
 def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
-    if not is_results_file(path):
-        raise ReplayError(
-            f"{path}: is not a results file (no 'replay.results' metadata), expected the "
-            "output of `replay run`; to replay a trace give it once with --policy twice"
-        )
-    return read_results(path)
+    return read_results(
+        path,
+        not_results=f"{path}: is not a results file (no 'replay.results' metadata), expected "
+        "the output of `replay run`; to replay a trace give it once with --policy twice",
+    )
 
 
 def _with_flags(frame: pl.DataFrame, config: TraceConfig, info: dict[str, Any]) -> pl.DataFrame:
