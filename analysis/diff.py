@@ -41,6 +41,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
+from replay.answers import Answers, Variant, resolve_cache
 from replay.coordinator import (
     DEFAULT_POLICY,
     build_spec_groups,
@@ -49,9 +50,9 @@ from replay.coordinator import (
     hit_alignment,
     lookup_spec,
 )
-from replay.engine import replay_trace, resolve_cache
 from replay.errors import ReplayError
 from replay.render import group_label
+from replay.shard import replay_answers
 from replay.spec import GroupKind, TraceConfig
 from replay.trace import (
     atomic_path,
@@ -502,33 +503,38 @@ def diff_policies(
             "(e.g. --policy vllm-0.33 --policy pre-49502), --cache twice "
             "(--cache mooncake --cache gpu) or --coordinator twice"
         )
-    config = open_trace(trace).config  # validates metadata and schema before any replay
+    reader = open_trace(trace)  # validates metadata and schema before any replay
+    config = reader.config
     own = resolve_cache(config, None)
     ka, kb = _pair("--cache", caches, own)
     la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
-    sides = []
-    for label, policy, coord, cache in ((la, pa_, ca, ka), (lb, pb, cb, kb)):
-        result = replay_trace(trace, policy=policy, coordinator=coord, cache=cache)
-        sides.append(
-            Side(
-                label=label,
-                policy=policy,
-                coordinator=result.coordinator,
-                source=str(trace),
-                results=result.results,
-                cache=result.cache,
-            )
+    # Both sides from one fold of the trace: presence does not depend on the
+    # policy, the cache or the coordinator.
+    variants = [
+        Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coord)
+        for policy, coord, cache in ((pa_, ca, ka), (pb, cb, kb))
+    ]
+    results = replay_answers(reader, Answers(config, variants, where=reader.name))
+    a, b = (
+        Side(
+            label=label,
+            policy=result.policy,
+            coordinator=result.coordinator,
+            source=str(trace),
+            results=result.results,
+            cache=result.cache,
         )
-    return diff_sides(sides[0], sides[1], config, Path(trace).name)
+        for label, result in zip((la, lb), results, strict=True)
+    )
+    return diff_sides(a, b, config, Path(trace).name)
 
 
 def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
-    if not is_results_file(path):
-        raise ReplayError(
-            f"{path}: is not a results file (no 'replay.results' metadata), expected the "
-            "output of `replay run`; to replay a trace give it once with --policy twice"
-        )
-    return read_results(path)
+    return read_results(
+        path,
+        not_results=f"{path}: is not a results file (no 'replay.results' metadata), expected "
+        "the output of `replay run`; to replay a trace give it once with --policy twice",
+    )
 
 
 def _with_flags(frame: pl.DataFrame, config: TraceConfig, info: dict[str, Any]) -> pl.DataFrame:

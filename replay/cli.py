@@ -13,17 +13,11 @@ import click
 
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay import __version__
+from replay.answers import COORDINATORS, Progress, resolve_cache
 from replay.cli_common import command_guard, fail, run_main
 from replay.cli_scale import RAY, WORKERS, replay_for_run, results_paths
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.engine import (
-    COORDINATORS,
-    Progress,
-    explain_lookups,
-    resolve_cache,
-    save_results,
-    state_at,
-)
+from replay.engine import explain_lookups, save_results, state_at
 from replay.render import config_lines, explain_header, explain_table, group_label
 from replay.summary import run_summary, trace_info
 

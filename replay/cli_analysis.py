@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
+from replay.answers import COORDINATORS
 from replay.cli_common import handles_user_errors
 from replay.coordinator import CACHES, POLICIES
-from replay.engine import COORDINATORS
 
 
 @click.command("diff")

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import click
 
-from replay.engine import Progress, ReplayResult, default_results_path, replay_trace
+from replay.answers import Progress, ReplayResult
+from replay.engine import default_results_path
 from replay.errors import ReplayError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,9 +107,8 @@ def replay_for_run(
     ray_address: str | None,
     progress: Callable[[Progress], None] | None,
 ) -> list[ReplayResult]:
-    """``replay run``'s replays, one per policy and cache (policy by policy):
-    the serial engine for one, one fold shared by all otherwise, Ray when
-    asked."""
+    """``replay run``'s replays, one per policy and cache (policy by policy),
+    all from one fold: in this process, or on Ray when asked."""
     if workers is not None or ray_address is not None:
         if coordinator != "reference":
             raise ReplayError(
@@ -127,19 +127,13 @@ def replay_for_run(
             address=ray_address,
             progress=progress,
         )
-    if len(policies) * len(caches) == 1 or coordinator != "reference" or unit_present:
-        return [
-            replay_trace(
-                trace,
-                policy=p,
-                coordinator=coordinator,
-                cache=c,
-                unit_present=unit_present,
-                progress=progress,
-            )
-            for p in policies
-            for c in caches
-        ]
     from replay.shard import replay_sharded
 
-    return replay_sharded(trace, policies=policies, caches=caches, progress=progress)
+    return replay_sharded(
+        trace,
+        policies=policies,
+        caches=caches,
+        coordinator=coordinator,
+        unit_present=unit_present,
+        progress=progress,
+    )

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
+from replay.answers import resolve_cache
 from replay.blockpool import EVICTIONS
 from replay.cli_common import fail, handles_user_errors
 from replay.cli_common import retention_interval as parse_retention
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.engine import resolve_cache
 from replay.whatif import (
     RunSpec,
     blocks_for_bytes,

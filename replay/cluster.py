@@ -33,17 +33,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.engine import Progress, ReplayResult
+from replay.answers import Answers, LookupBatch, Progress, ReplayResult, Variant, results_of
 from replay.errors import ReplayError, TraceError
 from replay.shard import (
     MAX_SHARDS,
-    Answers,
-    LookupBatch,
     ShardFold,
     ShardPiece,
-    Variant,
     gather,
-    results_of,
     scatter,
     variants_for,
 )

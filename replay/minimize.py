@@ -12,27 +12,47 @@ into ``traces/``.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from replay.coordinator import POLICIES
 from replay.engine import iter_events, replay_trace
 from replay.errors import ReplayError
+from replay.shard import replay_sharded
 from replay.spec import TraceConfig
-from replay.store import LookupEvent
-from replay.trace import TRACE_COLUMNS, open_trace, write_trace
+from replay.trace import (
+    TRACE_COLUMNS,
+    TableReader,
+    TraceReader,
+    TraceSource,
+    events_table,
+    open_trace,
+    write_trace,
+)
 
 Row = dict[str, Any]
 
 
-def _rows(path: str | os.PathLike[str]) -> list[Row]:
+def _rows(reader: TraceReader) -> list[Row]:
     out = []
-    for event, row in iter_events(path):
+    for event, row in iter_events(reader):
         hashes = getattr(event, "hashes", None)
         out.append({**row, "block_hashes": list(hashes) if hashes is not None else None})
     return out
+
+
+def _candidate(config: TraceConfig, rows: Sequence[Row]) -> TableReader:
+    """The rows as a trace in memory: each shrinking step replays it as it
+    would the file, with no file written or read."""
+    return TableReader(events_table(_renumbered(rows), config), config, name="<candidate>")
+
+
+def _request_answer(results: Any, request_id: str) -> tuple[set[str], int]:
+    """The flags and the hit of the request's last lookup (none: no flags, 0)."""
+    mine = results.filter(results["request_id"] == request_id)
+    if mine.height == 0:
+        return set(), 0
+    return set(mine["flags"][-1]), int(mine["hit_tokens"][-1])
 
 
 def _flags_of(
@@ -40,16 +60,10 @@ def _flags_of(
     rows: Sequence[Row],
     request_id: str,
     policy: str,
-    workdir: Path,
     cache: str | None = None,
 ) -> tuple[set[str], int]:
-    path = workdir / "candidate.parquet"
-    write_trace(path, config, _renumbered(rows))
-    result = replay_trace(path, policy=policy, cache=cache)
-    mine = result.results.filter(result.results["request_id"] == request_id)
-    if mine.height == 0:
-        return set(), 0
-    return set(mine["flags"][-1]), int(mine["hit_tokens"][-1])
+    result = replay_trace(_candidate(config, rows), policy=policy, cache=cache)
+    return _request_answer(result.results, request_id)
 
 
 def _renumbered(rows: Sequence[Row]) -> list[Row]:
@@ -76,7 +90,7 @@ def ddmin(items: list[Row], still_fails: Callable[[list[Row]], bool]) -> list[Ro
 
 
 def minimize(
-    trace: str | os.PathLike[str],
+    trace: TraceSource,
     request_id: str,
     out: str | os.PathLike[str],
     *,
@@ -87,92 +101,91 @@ def minimize(
 ) -> dict[str, Any]:
     """``cache`` (default: the trace's own) answers every replay, and the
     expectations name it when it was asked for; ``seq`` picks the lookup when
-    the request id occurs in several."""
+    the request id occurs in several. The trace is read once; every
+    shrinking step replays its rows in memory, and ``out`` is written once,
+    at the end."""
     from replay.lookup_choice import choose_lookup
 
     reader = open_trace(trace)
     config = reader.config
-    rows = _rows(trace)
+    rows = _rows(reader)
     targets = {
         r["seq"]: i
         for i, r in enumerate(rows)
         if r["kind"] == "lookup" and r["request_id"] == request_id
     }
-    t = targets[choose_lookup(trace, request_id, list(targets), seq)]
-    hashes = _hashes(trace, rows[t]["seq"])
-    wanted = set(hashes)
+    t = targets[choose_lookup(reader.name, request_id, list(targets), seq)]
+    wanted = set(rows[t]["block_hashes"])
 
     def has_flag(flags: set[str]) -> bool:
         return flag in flags if flag is not None else bool(flags)
 
-    with tempfile.TemporaryDirectory(prefix="replay-minimize-") as tmp:
-        work = Path(tmp)
-        if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, work, cache)[0]):
-            what = f"{flag} flag" if flag else "flag"
-            raise ReplayError(
-                f"{trace}: request {request_id!r} raises no {what} under {policy}: nothing to minimize"
-            )
-        events: list[Row] = []
-        for r in rows[:t]:
-            if r["kind"] in ("store", "remove"):
-                keep = [h for h in r["block_hashes"] if h in wanted]
-                if keep:
-                    events.append({**r, "block_hashes": keep})
-            elif r["kind"] == "clear":
-                events.append(r)
-        target = rows[t]
+    if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, cache)[0]):
+        what = f"{flag} flag" if flag else "flag"
+        raise ReplayError(
+            f"{reader.name}: request {request_id!r} raises no {what} under {policy}: "
+            "nothing to minimize"
+        )
+    events: list[Row] = []
+    for r in rows[:t]:
+        if r["kind"] in ("store", "remove"):
+            keep = [h for h in r["block_hashes"] if h in wanted]
+            if keep:
+                events.append({**r, "block_hashes": keep})
+        elif r["kind"] == "clear":
+            events.append(r)
+    target = rows[t]
 
-        def fails(evs: list[Row], tgt: Row = target) -> bool:
-            return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, work, cache)[0])
+    def fails(evs: list[Row], tgt: Row = target) -> bool:
+        return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, cache)[0])
 
-        if not fails(events):
-            raise ReplayError(f"{trace}: cutting unrelated events lost the flag (please report)")
-        events = ddmin(events, fails)
-        # Shorten the lookup from the end while the flag holds.
-        hbs = config.hash_block_size
-        n = len(target["block_hashes"])
-        while n > 1:
-            shorter = {
-                **target,
-                "block_hashes": target["block_hashes"][: n - 1],
-                "max_length": min(target["max_length"], n * hbs - 1),
-            }
-            shorter["num_tokens"] = shorter["max_length"] + 1
-            if not fails(events, shorter):
-                break
-            target, n = shorter, n - 1
-        kept = set(target["block_hashes"])
-        events = [
-            {**e, "block_hashes": [h for h in e["block_hashes"] if h in kept]}
-            if e["kind"] in ("store", "remove")
-            else e
-            for e in events
-        ]
-        events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
-        final = [*events, target]
-        expect = []
-        for name in POLICIES:
-            flags, hit = _flags_of(config, final, request_id, name, work, cache)
-            counts = {f: 1 for f in sorted(flags)}
-            entry: dict[str, Any] = {"policy": name, "flags": counts, "hits": {request_id: hit}}
-            if cache is not None:
-                entry["cache"] = cache
-            expect.append(entry)
+    if not fails(events):
+        raise ReplayError(f"{reader.name}: cutting unrelated events lost the flag (please report)")
+    events = ddmin(events, fails)
+    # Shorten the lookup from the end while the flag holds.
+    hbs = config.hash_block_size
+    n = len(target["block_hashes"])
+    while n > 1:
+        shorter = {
+            **target,
+            "block_hashes": target["block_hashes"][: n - 1],
+            "max_length": min(target["max_length"], n * hbs - 1),
+        }
+        shorter["num_tokens"] = shorter["max_length"] + 1
+        if not fails(events, shorter):
+            break
+        target, n = shorter, n - 1
+    kept = set(target["block_hashes"])
+    events = [
+        {**e, "block_hashes": [h for h in e["block_hashes"] if h in kept]}
+        if e["kind"] in ("store", "remove")
+        else e
+        for e in events
+    ]
+    events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
+    final = [*events, target]
+    # Every policy's expectation from one fold of the final rows.
+    replayed = replay_sharded(_candidate(config, final), policies=list(POLICIES), caches=(cache,))
+    expect = []
+    for result in replayed:
+        flags, hit = _request_answer(result.results, request_id)
+        counts = {f: 1 for f in sorted(flags)}
+        entry: dict[str, Any] = {
+            "policy": result.policy,
+            "flags": counts,
+            "hits": {request_id: hit},
+        }
+        if cache is not None:
+            entry["cache"] = cache
+        expect.append(entry)
     write_trace(
         out,
         config,
         _renumbered(final),
         expect={
             "expect": expect,
-            "minimized_from": os.path.basename(str(trace)),
+            "minimized_from": os.path.basename(reader.name),
             "request_id": request_id,
         },
     )
     return {"events_before": len(rows), "events_after": len(final), "expect": expect}
-
-
-def _hashes(path: str | os.PathLike[str], seq: int) -> list[bytes]:
-    for event, _ in iter_events(path):
-        if event.seq == seq and isinstance(event, LookupEvent):
-            return [bytes(h) for h in event.hashes]
-    raise ReplayError(f"{path}: no lookup at seq {seq}")

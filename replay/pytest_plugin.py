@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from replay.trace import EXPECT_META_KEY
+from replay.trace import EXPECT_META_KEY, TraceReader
 
 
 def read_expectations(path: Path) -> list[dict[str, Any]] | None:
@@ -82,8 +82,10 @@ class TraceItem(pytest.Item):
     def runtest(self) -> None:
         from analysis.flags import flag_counts
         from replay.engine import replay_trace
+        from replay.trace import open_trace
 
-        result = replay_trace(self.path, policy=self.policy, cache=self.cache)
+        reader = open_trace(self.path)  # once: replayed, then explained on a failure
+        result = replay_trace(reader, policy=self.policy, cache=self.cache)
         flags = result.flags()
         problems: list[str] = []
         explain_ids: list[str] = []
@@ -123,15 +125,15 @@ class TraceItem(pytest.Item):
             problems.append(f"... and {len(wrong) - SHOWN} more requests with another hit")
         explain_ids = list(dict.fromkeys(explain_ids))[:EXPLAINED]
         if problems:
-            raise ExpectationMismatch("\n".join(problems + self._explain(explain_ids)))
+            raise ExpectationMismatch("\n".join(problems + self._explain(reader, explain_ids)))
 
-    def _explain(self, request_ids: list[str]) -> list[str]:
+    def _explain(self, reader: TraceReader, request_ids: list[str]) -> list[str]:
         from replay.engine import explain_lookups
         from replay.render import explain_table
 
         wanted = set(request_ids)
         config, found = explain_lookups(
-            self.path, lambda e: e.request_id in wanted, self.policy, cache=self.cache
+            reader, lambda e: e.request_id in wanted, self.policy, cache=self.cache
         )
         last = {lookup.request_id: outcome for lookup, outcome, _ in found}
         out = []

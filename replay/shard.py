@@ -5,8 +5,7 @@ it that touch those units' keys, so the store can be split by key into K
 shards that never need each other: shard ``k`` folds the stores and removes
 of its keys (a clear goes to every shard) and answers its keys' probes of
 every lookup. The presence bytes then come back to the lookup, which runs
-the coordinator's fixed point and the flags exactly as the serial engine
-does. Memory per shard is the store / K; nothing is shipped twice; and since
+the coordinator's fixed point and the flags (``replay.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
 presence does not depend on the policy or the cache, each extra variant
 costs only its fixed point.
 
@@ -14,18 +13,18 @@ A key's shard is a mix of its **whole** hash (the Mooncake importer's 16-byte
 hashes share their first 8 bytes, so a prefix would put them all in one
 shard). Every group's key of one hash lands in the same shard: the compiled
 table keeps one slot per hash with a bit per group, so a shard's probe of a
-unit answers every group at once, as the serial fold does. One shard is the
-serial replay: its piece is the batch itself and gathering is the identity.
+unit answers every group at once. One shard is the serial replay
+(``replay.engine.replay_trace``): its piece is the batch itself and
+gathering is the identity.
 
 The stages (``scatter``, ``ShardFold.fold``, ``gather``, ``Answers.add``)
 are the same whether they run here, one batch after another
-(``replay_sharded``), or as Ray tasks and actors over a directory's files
+(``replay_answers``), or as Ray tasks and actors over a directory's files
 (``replay.cluster``).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,22 +35,29 @@ import polars as pl
 import pyarrow as pa
 from numba import njit
 
-from analysis.flags import FlagChecker
-from replay.coordinator import Coordinator
-from replay.engine import (
-    _LOOKUP_COLUMNS,
-    KIND_CODES,
+from replay.answers import (
+    LOOKUP_COLUMNS,
+    Answers,
+    LookupBatch,
     Progress,
     ReplayResult,
-    _Outcomes,
-    _results_frame,
-    fold_rows,
+    Variant,
     resolve_cache,
 )
 from replay.errors import ReplayError
-from replay.kernels import LOOKUP, KeyTable, _key_meta, _mix
+from replay.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable, _key_meta, _mix
 from replay.spec import TraceConfig
-from replay.trace import HashWords, TraceBatch, hash_words, open_trace, prefetched
+from replay.trace import (
+    HashWords,
+    TraceBatch,
+    TraceReader,
+    TraceSource,
+    hash_words,
+    open_trace,
+    prefetched,
+)
+
+KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
 
 #: Decorrelates the shard from the table slot, which uses the same key
 #: meta's high bits: without it a shard's keys would crowd 1/K of its table.
@@ -149,29 +155,12 @@ class ShardPiece:
         return int(self.kinds.nbytes + self.group_ids.nbytes + self.hashes.nbytes)
 
 
-@dataclass(frozen=True, slots=True)
-class LookupBatch:
-    """What a batch's lookups need once their presence is known."""
-
-    rows: pl.DataFrame
-    #: Hash units of each lookup.
-    units: np.ndarray[Any, np.dtype[np.int64]]
-    #: The shard of each lookup unit (lookups in order); None for one shard.
-    shards: np.ndarray[Any, np.dtype[np.uint16]] | None
-    events: int
-    counts: dict[str, int]
-    first_seq: int | None
-    last_seq: int | None
-    hash_entries: int
-
-    @property
-    def nbytes(self) -> int:
-        size = int(self.rows.estimated_size() + self.units.nbytes)
-        return size + (int(self.shards.nbytes) if self.shards is not None else 0)
-
-
-def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBatch]:
-    """Split one validated batch into its shards' pieces and its lookups."""
+def scatter(
+    batch: TraceBatch, shards: int, *, lookup_hashes: bool = False
+) -> tuple[list[ShardPiece], LookupBatch]:
+    """Split one validated batch into its shards' pieces and its lookups
+    (with their hashes when ``lookup_hashes``: a coordinator that asks by
+    hash needs them)."""
     frame = batch.frame
     kinds = frame["kind"].replace_strict(KIND_CODES, return_dtype=pl.Int8).to_numpy()
     gids = frame["group_id"].fill_null(-1).to_numpy().astype(np.int32)
@@ -179,7 +168,7 @@ def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBat
     n_hashes = frame["n_hashes"].fill_null(0).to_numpy().astype(np.int64)
     counts = {name: int(n) for name, n in frame.group_by("kind").len().iter_rows()}
     seq = frame["seq"]
-    lookups_rows = frame.filter(pl.Series(is_lookup)).select(_LOOKUP_COLUMNS)
+    lookups_rows = frame.filter(pl.Series(is_lookup)).select(LOOKUP_COLUMNS)
     units = n_hashes[is_lookup]
     if shards == 1:
         pieces = [ShardPiece(kinds=kinds, group_ids=gids, hashes=batch.hashes)]
@@ -201,6 +190,7 @@ def scatter(batch: TraceBatch, shards: int) -> tuple[list[ShardPiece], LookupBat
         first_seq=int(seq[0]) if frame.height else None,
         last_seq=int(seq[-1]) if frame.height else None,
         hash_entries=int(n_hashes.sum()),
+        hashes=batch.hashes.take(pa.array(np.flatnonzero(is_lookup))) if lookup_hashes else None,
     )
     return pieces, lookups
 
@@ -214,9 +204,45 @@ class ShardFold:
     def fold(self, piece: ShardPiece) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """Fold a piece in; the presence bytes of its lookup rows, in the
         kernel's layout (per lookup, per group, its units in this shard)."""
-        frame = pl.DataFrame({"group_id": pl.Series(piece.group_ids, dtype=pl.Int32)})
-        out, _, _ = fold_rows(self.table, frame, piece.hashes, piece.kinds)
+        out, _, _ = fold_rows(self.table, piece.group_ids, piece.hashes, piece.kinds)
         return out
+
+
+def fold_rows(
+    table: KeyTable,
+    group_ids: np.ndarray[Any, Any],
+    hashes: pa.Array,
+    kinds: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Fold one validated batch into ``table`` (``kinds`` as kernel codes,
+    ``group_ids`` -1 where a row has none). Returns the lookups' presence
+    bytes, each row's offset into them (lookup rows: ``num_groups`` runs of
+    the row's unit count) and the unit counts."""
+    words = hash_words(hashes)
+    n_units = np.diff(words.row_offsets)
+    out_offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.where(kinds == LOOKUP, n_units * table.num_groups, 0), out=out_offsets[1:])
+    out = np.zeros(int(out_offsets[-1]), dtype=np.uint8)
+    table.fold(
+        _readonly(kinds),
+        _readonly(group_ids.astype(np.int32, copy=False)),
+        words.row_offsets,
+        words.words,
+        words.word_offsets,
+        words.nbytes,
+        words.max_words,
+        out,
+        out_offsets,
+    )
+    return out, out_offsets, n_units
+
+
+def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # One array type for the kernel (numba compiles read-only and writable
+    # arrays separately), whatever the producer handed over.
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
 
 
 def gather(
@@ -246,60 +272,11 @@ def gather(
     return full
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Variant:
-    """One way to answer the lookups: a policy in a cache."""
-
-    policy: str
-    cache: str
-
-
-class Answers:
-    """The fixed point and the flags of every lookup, for each variant, from
-    the same presence bytes."""
-
-    def __init__(self, config: TraceConfig, variants: Sequence[Variant]) -> None:
-        self.config = config
-        self.variants = list(variants)
-        self.coordinators = [Coordinator(config, v.policy, v.cache) for v in self.variants]
-        self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
-        self.outcomes = [_Outcomes(config.num_groups) for _ in self.variants]
-        self.rows: list[pl.DataFrame] = []
-        self.events = 0
-        self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
-
-    def add(self, lookups: LookupBatch, present: np.ndarray[Any, Any]) -> None:
-        num_groups = self.config.num_groups
-        buf = present.tobytes()
-        sizes = lookups.units.tolist()
-        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(lookups.units * num_groups, out=offsets[1:])
-        max_lengths = lookups.rows["max_length"].fill_null(0).to_list()
-        observed = lookups.rows["observed_hit_tokens"].to_list()
-        answerers = list(zip(self.coordinators, self.checkers, self.outcomes, strict=True))
-        for o, n, max_length, seen in zip(
-            offsets[:-1].tolist(), sizes, max_lengths, observed, strict=True
-        ):
-            present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
-            for coord, checker, outcomes in answerers:
-                res = coord.lookup_present(present_g, max_length)
-                outcomes.add(res, checker.check_outcome(present_g, max_length, res, seen))
-        if lookups.rows.height:
-            self.rows.append(lookups.rows)
-        self.events += lookups.events
-        for name, count in lookups.counts.items():
-            self.counts[name] += count
-
-    def frames(self) -> list[pl.DataFrame]:
-        """The results of each variant, one row per lookup in seq order."""
-        return [
-            _results_frame(self.rows, outcomes, v.policy, "reference", v.cache)
-            for v, outcomes in zip(self.variants, self.outcomes, strict=True)
-        ]
-
-
 def variants_for(
-    config: TraceConfig, policies: Sequence[str], caches: Sequence[str | None] = (None,)
+    config: TraceConfig,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
 ) -> list[Variant]:
     """Every policy in every cache, policy by policy; each cache resolved as
     the serial run does (None: the trace's)."""
@@ -307,64 +284,63 @@ def variants_for(
         raise ReplayError("no policy or cache to replay under")
     used = [resolve_cache(config, c) for c in caches]
     pairs = dict.fromkeys((p, c) for p in policies for c in used)
-    return [Variant(policy=p, cache=c) for p, c in pairs]
-
-
-def results_of(
-    config: TraceConfig,
-    variants: Sequence[Variant],
-    frames: Sequence[pl.DataFrame],
-    *,
-    events: int,
-    counts: dict[str, int],
-    seconds: float,
-    trace_path: str | os.PathLike[str],
-) -> list[ReplayResult]:
-    return [
-        ReplayResult(
-            config=config,
-            policy=v.policy,
-            coordinator="reference",
-            cache=v.cache,
-            results=frame,
-            events=events,
-            events_by_kind=dict(counts),
-            seconds=seconds,
-            trace_path=str(trace_path),
-        )
-        for v, frame in zip(variants, frames, strict=True)
-    ]
+    return [Variant(policy=p, cache=c, coordinator=coordinator) for p, c in pairs]
 
 
 def replay_sharded(
-    path: str | os.PathLike[str],
+    trace: TraceSource,
     *,
     policies: Sequence[str],
     caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
+    unit_present: bool = False,
     shards: int = 1,
     progress: Callable[[Progress], None] | None = None,
     progress_every: float = 0.2,
 ) -> list[ReplayResult]:
     """Replay in this process with the store split into ``shards`` shards,
     under each policy in each cache from one fold (``variants_for``): the
-    results are those of ``replay_trace`` for every shard count."""
+    results are those of ``replay_trace`` for every shard count. ``trace``:
+    a path, a binary file object or an open ``TraceReader``."""
+    reader = open_trace(trace)
+    variants = variants_for(reader.config, policies, caches, coordinator)
+    answers = Answers(reader.config, variants, unit_present=unit_present, where=reader.name)
+    return replay_answers(
+        reader, answers, shards=shards, progress=progress, progress_every=progress_every
+    )
+
+
+def replay_answers(
+    reader: TraceReader,
+    answers: Answers,
+    *,
+    shards: int = 1,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+    until_seq: int | None = None,
+) -> list[ReplayResult]:
+    """Every lookup of ``reader`` answered and flagged by ``answers``, with
+    the store split into ``shards`` key shards (one: the serial replay);
+    ``until_seq`` stops reading after the batch that reaches it. Three
+    stages on their own threads: read and validate, fold (compiled, no
+    GIL), and here the coordinators, so a batch folds while the one before
+    it is being looked up."""
     if not 1 <= shards <= MAX_SHARDS:
         raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
-    reader = open_trace(path)
-    config = reader.config
-    variants = variants_for(config, policies, caches)
-    folds = [ShardFold(config.num_groups) for _ in range(shards)]
-    answers = Answers(config, variants)
+    num_groups = reader.config.num_groups
+    folds = [ShardFold(num_groups) for _ in range(shards)]
     state = Progress(total_events=reader.num_rows)
     started = last = time.perf_counter()
 
     def folded() -> Iterator[tuple[LookupBatch, np.ndarray[Any, Any]]]:
         for batch in reader.iter_batches(prefetch=True):
-            pieces, lookups = scatter(batch, shards)
+            pieces, lookups = scatter(batch, shards, lookup_hashes=answers.needs_hashes)
             presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
-            yield lookups, gather(lookups, presences, config.num_groups)
+            yield lookups, gather(lookups, presences, num_groups)
+            last = lookups.last_seq
+            if until_seq is not None and last is not None and last >= until_seq:
+                return
 
-    # As in replay_trace: read, fold (compiled, no GIL) and answer overlap.
     for lookups, present in prefetched(folded()):
         answers.add(lookups, present)
         state.events, state.lookups = answers.events, answers.counts["lookup"]
@@ -373,12 +349,4 @@ def replay_sharded(
             last = time.perf_counter()
     if progress is not None:
         progress(state)
-    return results_of(
-        config,
-        variants,
-        answers.frames(),
-        events=answers.events,
-        counts=answers.counts,
-        seconds=time.perf_counter() - started,
-        trace_path=path,
-    )
+    return answers.results(seconds=time.perf_counter() - started, trace_path=reader.name)

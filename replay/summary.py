@@ -3,16 +3,16 @@ as plain dicts so the CLI can print them or dump them as JSON."""
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from replay.engine import ReplayResult, fold_rows
+from replay.answers import ReplayResult
 from replay.kernels import SKIP, STORE, KeyTable
-from replay.trace import open_trace
+from replay.shard import fold_rows
+from replay.trace import TraceSource, open_trace
 
 
 def prompt_tokens_expr() -> pl.Expr:
@@ -21,8 +21,9 @@ def prompt_tokens_expr() -> pl.Expr:
     return pl.col("num_tokens").fill_null(pl.col("max_length") + 1)
 
 
-def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    reader = open_trace(path)
+def trace_info(trace: TraceSource) -> dict[str, Any]:
+    """Counts, time span and distinct keys of a trace (a path or an open reader)."""
+    reader = open_trace(trace)
     config = reader.config
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
     # Distinct stored keys per group, exact: every store folded into one
@@ -47,7 +48,8 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
             last_ts = hi if last_ts is None else max(last_ts, hi)
         hash_entries += int(frame["n_hashes"].fill_null(0).sum())
         kinds = np.where((frame["kind"] == "store").to_numpy(), STORE, SKIP).astype(np.int8)
-        fold_rows(stored, frame, batch.hashes, kinds)
+        gids = frame["group_id"].fill_null(-1).to_numpy()
+        fold_rows(stored, gids, batch.hashes, kinds)
         lk = frame.filter(pl.col("kind") == "lookup")
         lookups += lk.height
         prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)
@@ -58,7 +60,7 @@ def trace_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         else None
     )
     return {
-        "path": str(path),
+        "path": reader.name,
         "config": config.to_json(),
         "events": sum(counts.values()),
         "events_by_kind": counts,

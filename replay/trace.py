@@ -10,12 +10,13 @@ trace larger than memory can be read and a bad row is reported by its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, BinaryIO, Self, TypeVar
 
 import numpy as np
 import polars as pl
@@ -33,6 +34,10 @@ RESULTS_META_KEY = b"replay.results"
 #: Regression traces: what replaying them must give (see replay.pytest_plugin).
 EXPECT_META_KEY = b"replay.expect"
 EVENT_KINDS = ("store", "remove", "clear", "lookup")
+
+#: Where a trace is read from or written to: a path, or a binary file
+#: object (seekable to read: ``io.BytesIO``, an open file).
+TraceFile = str | os.PathLike[str] | BinaryIO
 
 TRACE_SCHEMA = pa.schema(
     [
@@ -180,6 +185,26 @@ def _conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -
         raise TraceError(f"{path}: rows do not fit the trace format ({_one_line(exc)})") from None
 
 
+def stream_name(stream: BinaryIO) -> str:
+    """How errors name a file object: its file's name, else ``<stream>``."""
+    name = getattr(stream, "name", None)
+    return name if isinstance(name, str) else "<stream>"
+
+
+@contextlib.contextmanager
+def _parquet_sink(target: TraceFile) -> Iterator[Any]:
+    """Where a Parquet writer writes ``target``: a path through the output
+    helper (a temporary file, renamed on success); a file object gets the
+    bytes only once the file is complete, so an error writes nothing to it."""
+    if isinstance(target, str | os.PathLike):
+        with atomic_path(target) as tmp:
+            yield str(tmp)
+        return
+    buffer = pa.BufferOutputStream()
+    yield buffer
+    target.write(buffer.getvalue().to_pybytes())
+
+
 class TraceWriter:
     """Write a trace in row groups as events arrive; atomic on ``close``.
 
@@ -191,22 +216,24 @@ class TraceWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: TraceFile,
         config: TraceConfig,
         *,
         keep_on_interrupt: bool = False,
     ) -> None:
-        self.path = Path(path)
+        #: How errors name the output (a file object: ``stream_name``).
+        self.name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
+        self.path = Path(self.name)
         self.config = config
         self.keep_on_interrupt = keep_on_interrupt
-        self._cm = atomic_path(self.path)
+        self._cm = _parquet_sink(path)
         self._tmp = self._cm.__enter__()
         self._schema = trace_schema(config)
         # No stored Arrow schema: then the footer's key-value metadata is the
         # schema metadata, and close() can replace the config's ``source``
         # (a recorder's gap report) without rewriting the file.
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
-            str(self._tmp), self._schema, compression="zstd", store_schema=False
+            self._tmp, self._schema, compression="zstd", store_schema=False
         )
         self.rows_written = 0
         self._last_seq: int | None = None
@@ -219,15 +246,16 @@ class TraceWriter:
 
     def write_table(self, table: pa.Table) -> None:
         if self._writer is None:
-            raise TraceError(f"{self.path}: writer already closed")
-        table = _conform(self.path, table, self._schema)
+            raise TraceError(f"{self.name}: writer already closed")
+        table = _conform(self.name, table, self._schema)
         if table.num_rows == 0:
             return
         # A writer never makes a trace the readers would refuse.
-        _, self._last_seq = validate_rows(str(self.path), self.config, table, self._last_seq)
+        _, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
         write_bounded(self._writer, table)
         self.rows_written += table.num_rows
-        pause_point("rows", self._tmp)
+        if isinstance(self._tmp, str):
+            pause_point("rows", Path(self._tmp))
 
     def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self.write_table(events_table(rows, self.config))
@@ -271,51 +299,74 @@ class TraceWriter:
 
 
 def write_trace(
-    path: str | os.PathLike[str],
+    path: TraceFile,
     config: TraceConfig,
     table: pa.Table | Sequence[Mapping[str, Any]],
     *,
     expect: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a whole trace at once (atomic). Rows are validated on the way.
-    ``expect`` goes to the ``replay.expect`` metadata (regression traces)."""
+    """Write a whole trace at once (atomic; to a file object, in one write
+    once complete). Rows are validated on the way. ``expect`` goes to the
+    ``replay.expect`` metadata (regression traces). Returns the path (a file
+    object: its name)."""
+    name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
     if not isinstance(table, pa.Table):
         table = events_table(table, config)
     schema = trace_schema(config)
     if expect is not None:
         meta = {**schema.metadata, EXPECT_META_KEY: json.dumps(expect, sort_keys=True).encode()}
         schema = schema.with_metadata(meta)
-    table = _conform(path, table, schema)
-    validate_rows(str(path), config, table, None)
+    table = _conform(name, table, schema)
+    validate_rows(name, config, table, None)
     with (
-        atomic_path(path) as tmp,
-        pq.ParquetWriter(str(tmp), table.schema, compression="zstd") as writer,
+        _parquet_sink(path) as where,
+        pq.ParquetWriter(where, table.schema, compression="zstd") as writer,
     ):
         write_bounded(writer, table)
-    return Path(path)
+    return Path(name)
 
 
 # ---------------------------------------------------------------- reading
 
 
-def _open_parquet(path: str | os.PathLike[str]) -> pq.ParquetFile:
-    try:
-        p = check_input(path, "a Parquet file")
-    except ReplayError as exc:
-        raise TraceError(str(exc)) from None
-    size = p.stat().st_size
+def _ends(fh: BinaryIO) -> tuple[int, bytes, bytes]:
+    """A seekable file's size and its first and last four bytes."""
+    size = fh.seek(0, os.SEEK_END)
+    fh.seek(0)
+    head = fh.read(4)
+    fh.seek(max(0, size - 4))
+    tail = fh.read(4)
+    fh.seek(0)
+    return size, head, tail
+
+
+def _open_parquet(path: TraceFile) -> pq.ParquetFile:
+    source: str | BinaryIO
+    if isinstance(path, str | os.PathLike):
+        try:
+            p = str(check_input(path, "a Parquet file"))
+        except ReplayError as exc:
+            raise TraceError(str(exc)) from None
+        source = p
+        with open(p, "rb") as fh:
+            size, head, tail = _ends(fh)
+    else:
+        source = path
+        p = stream_name(path)
+        try:
+            size, head, tail = _ends(path)
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            raise TraceError(
+                f"{p}: cannot read it as a seekable binary file ({_one_line(exc)})"
+            ) from None
     if size == 0:
         raise TraceError(f"{p}: empty file, expected a Parquet file")
-    with open(p, "rb") as fh:
-        head = fh.read(4)
-        fh.seek(max(0, size - 4))
-        tail = fh.read(4)
     if head != b"PAR1":
         raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
     if tail != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
     try:
-        pf = pq.ParquetFile(str(p))
+        pf = pq.ParquetFile(source)
         # The footer is decoded lazily: a column name or a metadata key that
         # is not UTF-8 (a damaged footer) fails here, not in a later reader.
         pf.schema_arrow  # noqa: B018
@@ -580,13 +631,22 @@ def prefetched(batches: Iterator[T]) -> Iterator[T]:
 
 
 class TraceReader:
-    """A validated, streaming view of a trace file."""
+    """A validated, streaming view of a trace file: a path, or a seekable
+    binary file object (``io.BytesIO``, an open file), which the reader then
+    reads from until it is done with it. Open once and pass it down: every
+    replay, explain and report function takes a reader where it takes a path."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._pf = _open_parquet(self.path)
-        self.config = read_config(self._pf, self.path)
-        self.columns = check_schema(self.path, self._pf.schema_arrow)
+    def __init__(self, path: TraceFile) -> None:
+        #: The file (None for a file object) and how errors name it.
+        self.path: Path | None = None
+        if isinstance(path, str | os.PathLike):
+            self.path = Path(path)
+            self.name = str(self.path)
+        else:
+            self.name = stream_name(path)
+        self._pf = _open_parquet(path)
+        self.config = read_config(self._pf, self.name)
+        self.columns = check_schema(self.name, self._pf.schema_arrow)
 
     @property
     def num_rows(self) -> int:
@@ -611,13 +671,16 @@ class TraceReader:
         last_seq: int | None = None
         try:
             for raw in self._batches(batch_size):
-                batch, last_seq = validate_rows(str(self.path), self.config, raw, last_seq)
+                batch, last_seq = validate_rows(self.name, self.config, raw, last_seq)
                 yield batch
         except (pa.ArrowException, OSError) as exc:
-            raise TraceError(
-                f"{self.path}: {_unreadable_column(self._pf, self.columns)}"
-                f"unreadable Parquet data ({_one_line(exc)})"
-            ) from None
+            raise self._unreadable(exc) from None
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(
+            f"{self.name}: {_unreadable_column(self._pf, self.columns)}"
+            f"unreadable Parquet data ({_one_line(exc)})"
+        )
 
     def iter_frames(
         self, columns: Sequence[str] | None = None, batch_size: int = 65_536
@@ -658,6 +721,34 @@ class TraceReader:
             cols = list(columns) if columns is not None else list(TRACE_COLUMNS)
             return pl.DataFrame(schema={c: _EMPTY_POLARS[c] for c in cols})
         return pl.concat(frames, rechunk=False)
+
+
+class TableReader(TraceReader):
+    """A trace held in memory as an Arrow table (rows a tool is shrinking or
+    building), read exactly as a file would be: conformed to the format's
+    types and validated batch by batch as it streams, with no Parquet in
+    between. Errors name it ``name``."""
+
+    def __init__(self, table: pa.Table, config: TraceConfig, *, name: str = "<memory>") -> None:
+        self.path = None
+        self.name = name
+        try:
+            check_config(config, trace_cache(config.source))
+        except ConfigError as exc:
+            raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
+        self.config = check_config_limits(config, f"{name}: replay.trace metadata")
+        self._table = _conform(name, table, trace_schema(config))
+        self.columns = list(TRACE_COLUMNS)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._table.num_rows)
+
+    def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        yield from self._table.to_batches(max_chunksize=batch_size)
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(f"{self.name}: invalid rows ({_one_line(exc)})")
 
 
 _EMPTY_POLARS: dict[str, Any] = {
@@ -949,8 +1040,17 @@ def _validate_batch(
     return int(seq[-1])
 
 
-def open_trace(path: str | os.PathLike[str]) -> TraceReader:
-    if Path(path).is_dir():
+#: What the commands and the library replay: a trace file, a directory of
+#: them, a binary file object, or a reader already open.
+TraceSource = TraceFile | TraceReader
+
+
+def open_trace(path: TraceSource) -> TraceReader:
+    """A reader of ``path``: a trace file, a directory of them, a binary file
+    object, or a reader already open (returned as it is)."""
+    if isinstance(path, TraceReader):
+        return path
+    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
         # A directory of files is one trace (issue 13): replay.tracedir.
         from replay.tracedir import open_trace_dir
 
@@ -970,6 +1070,16 @@ def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
 def write_results(
     path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]
 ) -> Path:
+    # A results file written through the library carries each lookup's flags
+    # (issue 14): ``replay check``, ``diff`` and ``report`` read them as they are.
+    for name in ("flags", "flag_details"):
+        if name not in table.column_names:
+            raise ReplayError(
+                f"{path}: results without their {name!r} column (replay with "
+                "replay.engine.replay_trace, which flags every lookup)"
+            )
+        if table.column(name).null_count:
+            raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
     schema = results_schema(metadata)
     extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
     table = table.select(list(RESULTS_SCHEMA.names) + extra)
@@ -1122,9 +1232,15 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     )
 
 
-def read_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """A results file, validated like a trace (see ``_check_results``)."""
+def read_results(
+    path: str | os.PathLike[str], *, not_results: str | None = None
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """A results file, validated like a trace (see ``_check_results``), in
+    one opening. ``not_results``: the error for a Parquet file that is not a
+    results file (the caller says what the user should have given)."""
     pf = _open_parquet(path)
+    if not_results is not None and RESULTS_META_KEY not in (pf.schema_arrow.metadata or {}):
+        raise ReplayError(not_results)
     info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
     if not isinstance(info, dict):
         raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")

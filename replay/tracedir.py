@@ -75,12 +75,22 @@ def _seq_range(reader: TraceReader) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
+class _FileReader(TraceReader):
+    """One file of a directory: always a path."""
+
+    path: Path
+
+
 class TraceDir(TraceReader):
     """A validated, streaming view of a directory of trace files."""
 
+    path: Path
+    files: list[_FileReader]
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.files = [TraceReader(f) for f in trace_files(self.path)]
+        self.name = str(self.path)
+        self.files = [_FileReader(f) for f in trace_files(self.path)]
         first = self.files[0]
         self.config = first.config
         cache = trace_cache(first.config.source)
@@ -173,7 +183,9 @@ def _atomic_dir(target: Path, inputs: list[Path]) -> Iterator[Path]:
 
 
 def _inputs(reader: TraceReader) -> list[Path]:
-    return [f.path for f in reader.files] if isinstance(reader, TraceDir) else [reader.path]
+    if isinstance(reader, TraceDir):
+        return [f.path for f in reader.files]
+    return [reader.path] if reader.path is not None else []
 
 
 def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], files: int) -> int:

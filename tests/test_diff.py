@@ -269,6 +269,10 @@ def _results(
         )
     }
     cols["flags"] = [r.get("flags", []) for r in rows]
+    cols["flag_details"] = [
+        [{"flag": f, "group_id": None, "actual": None, "expected": None, "detail": f} for f in fl]
+        for fl in cols["flags"]
+    ]
     table = pa.table(
         {name: cols.get(name, [None] * len(rows)) for name in RESULTS_SCHEMA.names},
         schema=RESULTS_SCHEMA,

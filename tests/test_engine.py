@@ -148,3 +148,23 @@ def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Pa
     assert a.equals(b.drop("unit_present"))
     # A results file with the raw state can have its flags recomputed.
     assert run_cli(["check", str(raw)]).exit_code == 0
+
+
+def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) -> None:
+    from replay.engine import explain_lookups
+    from replay.trace import open_trace
+
+    rng = random.Random(41)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 20))
+    reader = open_trace(path)
+    results = replay_trace(reader, policy="pre-49502").results
+    _, every = explain_lookups(reader, lambda e: True, "pre-49502")
+    assert [e.seq for e, _, _ in every] == results["seq"].to_list()
+    assert [o.hit_tokens for _, o, _ in every] == results["hit_tokens"].to_list()
+    assert [[f.flag for f in fl] for _, _, fl in every] == results["flags"].to_list()
+    until = every[len(every) // 2][0].seq
+    _, part = explain_lookups(reader, lambda e: e.seq % 2 == 0, "pre-49502", until_seq=until)
+    assert [(e.seq, o.hit_tokens) for e, o, _ in part] == [
+        (e.seq, o.hit_tokens) for e, o, _ in every if e.seq <= until and e.seq % 2 == 0
+    ]

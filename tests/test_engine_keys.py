@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import fold_rows, replay_trace
+from replay.engine import replay_trace
 from replay.kernels import LOOKUP, STORE, KeyTable
+from replay.shard import fold_rows
 from replay.spec import TraceConfig
 from replay.trace import (
     ROW_GROUP_ROWS,
@@ -196,9 +196,9 @@ def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> N
         kinds.append(LOOKUP)
         gids.append(0)
         hashes.append(probe)
-        frame = pl.DataFrame({"group_id": gids}, schema={"group_id": pl.Int32})
         arr = pa.array(hashes, pa.list_(pa.binary()))
-        out, _, _ = fold_rows(table, frame, arr, np.array(kinds, dtype=np.int8))
+        group_ids = np.array(gids, dtype=np.int32)
+        out, _, _ = fold_rows(table, group_ids, arr, np.array(kinds, dtype=np.int8))
         want = [[h in truth[g] for h in probe] for g in range(groups)]
         got = out.reshape(groups, len(probe)).astype(bool).tolist()
         assert got == want

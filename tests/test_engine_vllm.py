@@ -94,3 +94,37 @@ def test_flags_of_vllms_answers_match_their_definition(
     result = replay_trace(path, policy=policy, coordinator="vllm", cache=cache)
     got = {(s, f, g) for s, f, g in result.flags().select("seq", "flag", "group_id").rows()}
     assert got == plain_flags(rows, result.results, config, cache)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) -> None:
+    """Both coordinators in one pass (as `replay diff --coordinator reference
+    --coordinator vllm` runs them): vLLM asks by hash, answered from the
+    same presence bytes, and agrees with the reference on every column but
+    the coordinator's name; explain answers by hash too."""
+    from replay.answers import Answers, Variant
+    from replay.engine import explain_lookups
+    from replay.shard import replay_answers
+    from replay.trace import open_trace
+
+    rng = random.Random(9500 + seed)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 16))
+    reader = open_trace(path)
+    variants = [
+        Variant(policy=p, cache=c, coordinator=k)
+        for p in ("vllm-0.33", "pre-49502")
+        for c in CACHES
+        for k in ("reference", "vllm")
+    ]
+    got = replay_answers(reader, Answers(config, variants, unit_present=True))
+    for ref, theirs in zip(got[::2], got[1::2], strict=True):
+        assert (ref.coordinator, theirs.coordinator) == ("reference", "vllm")
+        want = replay_trace(path, policy=ref.policy, cache=ref.cache, unit_present=True)
+        assert ref.results.equals(want.results)
+        assert theirs.results.drop("coordinator").equals(ref.results.drop("coordinator"))
+    _, explained = explain_lookups(reader, lambda e: True, "pre-49502", "vllm", cache="gpu")
+    gpu = got[5].results
+    assert (got[5].policy, got[5].cache, got[5].coordinator) == ("pre-49502", "gpu", "vllm")
+    assert [o.hit_tokens for _, o, _ in explained] == gpu["hit_tokens"].to_list()
+    assert [[f.flag for f in fl] for _, _, fl in explained] == gpu["flags"].to_list()

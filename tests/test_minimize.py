@@ -118,3 +118,32 @@ def test_synthetic_injected_overrun_becomes_a_regression_trace(tmp_path: Path) -
     assert [(f["request_id"], f["actual"] - f["expected"]) for f in overrun] == [
         ("overrun-0000-resend", 16)
     ]
+
+
+def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> None:
+    """Every shrinking step replays in memory, so a trace that exists only as
+    bytes minimizes to the same rows and expectations as its file; the
+    output directory holds the output alone afterwards."""
+    import io
+
+    from replay.minimize import minimize
+
+    big = _noisy_trace(tmp_path / "big.parquet")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    from_file = minimize(big, "victim", out_dir / "a.parquet", flag="mamba_overrun")
+    stream = io.BytesIO(big.read_bytes())
+    from_bytes = minimize(stream, "victim", out_dir / "b.parquet", flag="mamba_overrun")
+    assert from_bytes == from_file
+    assert (from_file["events_before"], from_file["events_after"]) == (2314, 2)
+    assert [(e["policy"], e["flags"], e["hits"]) for e in from_file["expect"]] == [
+        ("vllm-0.33", {}, {"victim": 0}),
+        ("pre-49502", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 16}),
+        ("pre-32802", {}, {"victim": 0}),
+    ]
+    a = open_trace(out_dir / "a.parquet").read_frame()
+    assert a.equals(open_trace(out_dir / "b.parquet").read_frame())
+    assert a["kind"].to_list() == ["store", "lookup"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["a.parquet", "b.parquet"]
+    expect_b = read_expectations(out_dir / "b.parquet")
+    assert expect_b == from_file["expect"]

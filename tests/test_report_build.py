@@ -4,13 +4,14 @@ once, and the one-line errors for files that do not fit."""
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 
 from analysis.report import build_report
 from analysis.report.build import explain_examples
 from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import open_trace, write_trace
+from replay.trace import TraceReader, open_trace, write_trace
 from tests.conftest import issue_43559_rows
 from tests.reports import MAMBA_ROW, report_error, results_of
 from tests.test_diff import write_workload
@@ -170,3 +171,22 @@ def test_bad_explicit_trace_other_lookups(tmp_path: Path, trace_43559: Path) -> 
         f"error: trace {work} has no lookup 'req-43559' at seq 2: it is not the trace of "
         "these results"
     )
+
+
+def test_report_reads_a_trace_handed_over_open(tmp_path: Path, trace_43559: Path) -> None:
+    """The trace is opened once and passed down: an open reader (here of the
+    trace's bytes, which no path can reopen) gives the report the path gives."""
+    results = results_of(trace_43559)
+    by_path = build_report(results, trace=trace_43559)
+    by_reader = build_report(results, trace=TraceReader(io.BytesIO(trace_43559.read_bytes())))
+    assert by_reader.trace_path == "<stream>"
+    assert by_path.trace_path == str(trace_43559)
+    (example,) = by_reader.examples["mamba_overrun"]
+    assert (example.seq, example.request_id, example.actual, example.expected) == (
+        2,
+        "req-43559",
+        64,
+        48,
+    )
+    assert example.explain == by_path.examples["mamba_overrun"][0].explain
+    assert example.explain is not None and MAMBA_ROW in example.explain

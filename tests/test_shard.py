@@ -162,3 +162,19 @@ def test_results_paths_put_the_policy_before_the_suffix(
     got = results_paths(Path("d/t.parquet"), Path("d", output) if output else None, ["a", "b"])
     assert got == [Path("d", n) for n in names]
     assert results_paths(Path("d/t.parquet"), None, ["a"]) == [Path("d/t.results.parquet")]
+
+
+def test_unit_present_for_several_policies_comes_from_one_fold(tmp_path: Path) -> None:
+    """`replay run --unit-present` with several policies: one fold, each
+    results file the serial replay's, store state included."""
+    rng = random.Random(10)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 30))
+    args = ["run", str(path), "-q", "--unit-present", "--policy", "pre-49502"]
+    result = run_cli([*args, "--policy", "vllm-0.33"])
+    assert result.exit_code == 0, result.stderr
+    for policy in ("pre-49502", "vllm-0.33"):
+        got = pl.read_parquet(tmp_path / f"t.{policy}.results.parquet")
+        want = replay_trace(path, policy=policy, unit_present=True).results
+        assert "unit_present" in got.columns
+        assert got.equals(want)

@@ -8,11 +8,13 @@ run (review the diff of `traces/README.md` when they change).
 from __future__ import annotations
 
 import hashlib
+import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import write_trace
+from replay.trace import TraceReader, TraceSource, write_trace
 
 HERE = Path(__file__).parent
 FULL, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
@@ -217,12 +219,15 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
             # One lookup per request in these traces: the total is their sum.
             entry["hit_tokens"] = sum(entry["hits"].values())
         path = HERE / f"{name}.parquet"
-        write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         # Pinned at build time, like the synthetic traces: each group's own
         # hits, so that a zero hit is told apart from a coordinator that
-        # never hits (review the diff of the trace when they change).
+        # never hits (review the diff of the trace when they change). The
+        # rows are replayed from memory; the file is written once.
+        draft = io.BytesIO()
+        write_trace(draft, config, rows)
+        replayed = replayed_results(TraceReader(draft), [e["policy"] for e in expect])
         for entry in expect:
-            entry["group_hit_tokens"] = replayed_group_hits(path, entry["policy"])
+            entry["group_hit_tokens"] = _group_totals(replayed[entry["policy"]].results)
         write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         built.append((path.name, what, expect))
     return built
@@ -280,23 +285,23 @@ def _group_totals(results: Any) -> list[int]:
     return [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
 
 
-def replayed_group_hits(path: Path, policy: str) -> list[int]:
-    from replay.engine import replay_trace
+def replayed_results(trace: TraceSource, policies: Sequence[str]) -> dict[str, Any]:
+    """Each policy's ``ReplayResult``, from one fold of ``trace``."""
+    from replay.shard import replay_sharded
 
-    return _group_totals(replay_trace(path, policy=policy).results)
+    results = replay_sharded(trace, policies=list(dict.fromkeys(policies)))
+    return {r.policy: r for r in results}
 
 
-def replayed_expectation(path: Path) -> list[dict[str, Any]]:
+def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
     """Pin what the replay gives now, per policy: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts
     from replay.coordinator import POLICIES
-    from replay.engine import replay_trace
 
     out = []
-    for policy in POLICIES:
-        result = replay_trace(path, policy=policy)
+    for policy, result in replayed_results(trace, list(POLICIES)).items():
         res = result.results
         hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
         out.append(
@@ -324,14 +329,12 @@ def build_synth() -> list[tuple[str, str, list[dict[str, Any]]]]:
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "raw.parquet"
             synth_trace(raw, **options)
-            expect = replayed_expectation(raw)
-            table = pq.read_table(raw)
-            from replay.trace import open_trace
-
+            reader = TraceReader(raw)
+            expect = replayed_expectation(reader)
             write_trace(
                 path,
-                open_trace(raw).config,
-                table,
+                reader.config,
+                pq.read_table(raw),
                 expect={"expect": expect, "pins": what, "synth": options},
             )
         built.append((path.name, what, expect))

@@ -15,21 +15,22 @@ from replay.coordinator import POLICIES, hit_alignment
 from replay.engine import explain_lookups
 from replay.errors import ReplayError
 from replay.render import explain_header, explain_table
-from replay.trace import TraceReader, results_cache, results_config
+from replay.trace import TraceReader, TraceSource, results_cache, results_config
 
 
 def build_report(
     results_path: str | os.PathLike[str],
     *,
-    trace: str | os.PathLike[str] | None = None,
+    trace: TraceSource | None = None,
     examples: int = 3,
 ) -> ReportData:
-    """Every figure of the report. ``examples``: flagged lookups shown per kind."""
+    """Every figure of the report. ``examples``: flagged lookups shown per
+    kind. ``trace``: a path or an open ``TraceReader`` (read, never reopened)."""
     rpath = Path(results_path)
     res, info = read_report_results(rpath)
     config = results_config(info, rpath)
     cache = results_cache(info)
-    reader, note = resolve_trace(rpath, info, config, Path(trace) if trace else None)
+    reader, note = resolve_trace(rpath, info, config, trace)
     if reader is not None:
         mismatch = lookup_mismatch(reader, res)
         if mismatch is not None:
@@ -53,7 +54,7 @@ def build_report(
         groups=data.groups(res, config),
         flag_rows=flag_rows,
         examples=data.flag_examples(flags, [r["flag"] for r in flag_rows], examples),
-        trace_path=str(reader.path) if reader is not None else None,
+        trace_path=reader.name if reader is not None else None,
         trace_note=note,
     )
     report.extra["flag_details"] = "flag_details" in res.columns or "unit_present" in res.columns
@@ -76,7 +77,7 @@ def explain_examples(report: ReportData, reader: TraceReader) -> None:
     if not wanted:
         return
     config, found = explain_lookups(
-        reader.path,
+        reader,
         lambda e: e.seq in wanted,
         policy,
         cache=report.cache,

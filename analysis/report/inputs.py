@@ -9,27 +9,23 @@ from typing import Any
 
 import polars as pl
 
-from replay.errors import ReplayError, TraceError
+from replay.errors import ReplayError
 from replay.spec import TraceConfig
-from replay.trace import TraceReader, is_results_file, open_trace, read_results
+from replay.trace import TraceReader, TraceSource, open_trace, read_results
 
 
 def read_report_results(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """The results frame and its metadata. A trace given in their place is
-    named as such: the file is looked at again only when reading failed."""
-    try:
-        return read_results(path)
-    except TraceError:
-        if is_results_file(path):
-            raise
-        raise ReplayError(
-            f"{path}: is not a results file (no 'replay.results' metadata), expected the "
-            f"output of `replay run` (for a trace, run `replay run {path}` first)"
-        ) from None
+    """The results frame and its metadata, in one opening; a trace given in
+    their place is named as such."""
+    return read_results(
+        path,
+        not_results=f"{path}: is not a results file (no 'replay.results' metadata), expected "
+        f"the output of `replay run` (for a trace, run `replay run {path}` first)",
+    )
 
 
 def resolve_trace(
-    results_path: Path, info: dict[str, Any], config: TraceConfig, trace: Path | None
+    results_path: Path, info: dict[str, Any], config: TraceConfig, trace: TraceSource | None
 ) -> tuple[TraceReader | None, str | None]:
     """The trace the results came from, opened, or why there is none. An
     explicit ``--trace`` that does not fit is an error; the default is best
@@ -38,7 +34,7 @@ def resolve_trace(
         reader = open_trace(trace)
         if reader.config != config:
             raise ReplayError(
-                f"{trace}: KV-cache config {reader.config.dumps()} differs from the one "
+                f"{reader.name}: KV-cache config {reader.config.dumps()} differs from the one "
                 f"{results_path} was replayed with ({config.dumps()}); expected the trace of "
                 "these results"
             )
@@ -77,7 +73,7 @@ def lookup_mismatch(reader: TraceReader, res: pl.DataFrame) -> str | None:
     if bad.height:
         r = bad.row(0, named=True)
         return (
-            f"trace {reader.path} has no lookup {r['request_id']!r} at seq {r['seq']}: "
+            f"trace {reader.name} has no lookup {r['request_id']!r} at seq {r['seq']}: "
             "it is not the trace of these results"
         )
     return None

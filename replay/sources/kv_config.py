@@ -24,16 +24,18 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
         raise ConfigError("pass either --config or --block-size, not both")
     if path is not None:
         from replay.paths import check_input
-        from replay.trace import check_config_limits, open_trace
+        from replay.trace import TraceReader, check_config_limits
 
         try:
             p = check_input(path, "a KV-cache config JSON")
         except ReplayError as exc:
             raise ConfigError(str(exc)) from None
-        data = p.read_bytes()
-        if data[:4] == b"PAR1":
-            config = open_trace(p).config
-        else:
+        with open(p, "rb") as fh:  # opened once: a trace is read from it as it is
+            parquet = fh.read(4) == b"PAR1"
+            fh.seek(0)
+            data = b"" if parquet else fh.read()
+            config = TraceReader(fh).config if parquet else None
+        if config is None:
             obj = parse_json(
                 data,
                 invalid=f"{p}: not valid JSON",

@@ -1,0 +1,77 @@
+"""The one answering loop: every variant from the same presence bytes, the
+store state kept when asked, and the explain selection."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from replay.answers import Answers, Variant
+from replay.engine import replay_trace
+from replay.shard import replay_answers
+from replay.trace import open_trace, write_trace
+from tests.conftest import full_mamba, issue_43559_rows
+from tests.randtrace import random_config, random_rows
+from traces.build import chain
+
+VARIANTS = [
+    Variant(policy=p, cache=c) for p in ("vllm-0.33", "pre-49502") for c in ("mooncake", "gpu")
+]
+
+
+@pytest.mark.parametrize("seed", range(15))
+@pytest.mark.parametrize("shards", [1, 3])
+def test_every_variant_from_one_fold_is_its_own_replay(
+    tmp_path: Path, seed: int, shards: int
+) -> None:
+    rng = random.Random(900 + seed)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 25))
+    reader = open_trace(path)
+    answers = Answers(config, VARIANTS, unit_present=True, where=reader.name)
+    got = replay_answers(reader, answers, shards=shards)
+    assert [(r.policy, r.cache, r.coordinator) for r in got] == [
+        (v.policy, v.cache, "reference") for v in VARIANTS
+    ]
+    for r in got:
+        want = replay_trace(path, policy=r.policy, cache=r.cache, unit_present=True)
+        assert r.results.equals(want.results)
+        assert (r.events, r.events_by_kind) == (want.events, want.events_by_kind)
+
+
+def test_explain_answers_only_the_selected_lookups_with_their_steps(tmp_path: Path) -> None:
+    rows = issue_43559_rows()
+    other = chain(2, "other")
+    rows += [
+        {"kind": "store", "group_id": 0, "block_hashes": other},
+        {"kind": "lookup", "request_id": "other", "block_hashes": other, "max_length": 31},
+    ]
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    answers = Answers(
+        full_mamba(),
+        [Variant(policy="pre-49502", cache="mooncake")],
+        explain=lambda e: e.request_id == "req-43559",
+    )
+    (result,) = replay_answers(open_trace(path), answers)
+    # Explaining keeps the selected lookups, not results.
+    assert result.results.height == 0
+    ((event, outcome, flags),) = answers.explained
+    assert (event.seq, event.request_id, event.max_length, event.num_tokens) == (
+        2,
+        "req-43559",
+        64,
+        65,
+    )
+    assert list(event.hashes) == chain(4, "43559")
+    assert (outcome.hit_tokens, outcome.verified_tokens, outcome.mamba_state_tokens) == (64, 48, 64)
+    assert [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups] == [(3, 3), (4, 1)]
+    assert outcome.steps, "explain records the coordinator's steps"
+    assert [f.flag for f in flags] == ["mamba_overrun", "eagle_not_dropped"]
+    # The same answer the replay gives, flags included.
+    replayed = replay_trace(path, policy="pre-49502", cache="mooncake").results.row(0, named=True)
+    assert (replayed["hit_tokens"], replayed["flags"]) == (
+        64,
+        ["mamba_overrun", "eagle_not_dropped"],
+    )
