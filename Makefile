@@ -49,9 +49,9 @@ demo: $(STAMP)
 	@echo "open out/demo-report.html in a browser for the charts and every flagged request"
 
 lint: $(STAMP)
-	$(BIN)/ruff check replay analysis tests benchmarks
-	$(BIN)/ruff format --check replay analysis tests benchmarks
-	$(BIN)/mypy --strict replay analysis
+	$(BIN)/ruff check replay analysis tests benchmarks traces
+	$(BIN)/ruff format --check replay analysis tests benchmarks traces
+	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -m "not vllm and not ray"

@@ -16,7 +16,7 @@ from replay.cli_analysis import report
 from replay.engine import replay_trace, save_results
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
-from tests.conftest import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows
 from tests.test_diff import write_workload
 
 MAMBA_ROW = (
