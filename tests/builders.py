@@ -239,6 +239,73 @@ def random_max_length(rng: random.Random, config: TraceConfig, units: int) -> in
     return rng.randrange(limit)
 
 
+def _flagged_twins(rng: random.Random, bs: int) -> list[GroupSpec]:
+    """Two groups of one spec, one flagged EAGLE: sliding window over half
+    the time (the case issue 14 names), else any kind."""
+    kind = SW if rng.random() < 0.5 else rng.choice(KINDS)
+    src = replace(random_group(rng, kind, bs, "twin0"), is_eagle_group=False)
+    twin = replace(equal_spec(rng, src, "twin1"), is_eagle_group=True)
+    pair = [src, twin]
+    rng.shuffle(pair)
+    return pair
+
+
+def random_eagle_config(rng: random.Random, *, partial: bool | None = None) -> TraceConfig:
+    """Two to four groups, at least two of equal spec flagged differently (a
+    third of the time exactly two equal sliding-window groups beside other
+    kinds); EAGLE on or off, chunked local attention among the kinds, partial
+    hits a quarter of the time unless ``partial`` says. May raise
+    ``ConfigError`` (the caller skips it)."""
+    hbs = rng.choice([8, 16])
+    sbs = rng.choice([s for s in (16, 32, 64) if s >= hbs])
+    if partial is None:
+        partial = rng.random() < 0.25
+    sizes = [b for b in (8, 16, 32, 64) if b % hbs == 0 and sbs % b == 0]
+    alignment = hbs if partial else sbs
+    headline = rng.random() < 1 / 3
+    bs = rng.choice(sizes)
+    if headline:
+        window = rng.choice([1, bs, bs + 1, 2 * bs, 3 * bs - 1, rng.randint(1, 4 * bs)])
+        extra = rng.choice([0, 0, bs // 2, bs])
+        swa = GroupSpec(
+            kind=SW, block_size=bs, sliding_window=window, extra_retained_tokens=extra, name="swa0"
+        )
+        groups = [swa, replace(swa, name="swa1", is_eagle_group=True)]
+        rng.shuffle(groups)
+    else:
+        groups = _flagged_twins(rng, alignment if rng.random() < 0.1 else bs)
+    n = rng.randint(2, 4)
+    while len(groups) < n:
+        name = f"g{len(groups)}"
+        if not headline and rng.random() < 0.35:
+            groups.append(equal_spec(rng, rng.choice(groups), name))
+            continue
+        kind = rng.choice(KINDS)
+        if headline and rng.random() < 0.5:
+            kind = rng.choice([GroupKind.FULL_ATTENTION, MB])
+        size = rng.choice(sizes)
+        if kind is CL and rng.random() < 0.9:
+            size = alignment  # vLLM's rule; the rest probe the rejection
+        groups.append(
+            replace(random_group(rng, kind, size, name), is_eagle_group=rng.random() < 0.25)
+        )
+    # Chunked local groups carry an EAGLE drop only sometimes (vLLM refuses it).
+    if any(g.kind is CL for g in groups) and rng.random() < 0.7:
+        groups = [replace(g, is_eagle_group=False) if g.kind is CL else g for g in groups]
+    rng.shuffle(groups)
+    use_eagle = rng.random() < 0.5
+    if any(g.kind is CL for g in groups) and rng.random() < 0.7:
+        use_eagle = False
+    # Every size divides sbs, so it is a valid scheduler block.
+    return TraceConfig(
+        groups=tuple(groups),
+        hash_block_size=hbs,
+        scheduler_block_size=sbs,
+        use_eagle=use_eagle,
+        enable_partial_hash_hits=partial,
+    )
+
+
 # --- random traces for the property tests -------------------------------------
 
 
