@@ -38,6 +38,7 @@ pytest.importorskip(
 
 from replay.backends.vllm import vllm_groups
 from replay.coordinator import Coordinator
+from replay.errors import ReplayError
 from replay.sources.synth import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
@@ -269,13 +270,21 @@ def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[in
     return out
 
 
+def _runs_with_eagle(model: str) -> bool:
+    try:
+        archetype_config(model, use_eagle=True)
+    except ReplayError:
+        return False
+    return True
+
+
 def sessions(rng: random.Random) -> list[Session]:
     out = []
     for model, arch in ARCHETYPES.items():
         sparse = any(k in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA) for k in arch.kinds)
         retentions = ("0", "dense", "interval") if sparse else ("0", "dense")
         for retention in retentions:
-            for eagle in (False, True) if arch.eagle_allowed else (False,):
+            for eagle in (False, True) if _runs_with_eagle(model) else (False,):
                 for _ in range(2):
                     out.append(random_session(rng, model, retention, eagle))
     return out

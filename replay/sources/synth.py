@@ -68,8 +68,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
+from replay.coordinator import CACHES, Coordinator, check_config
+from replay.errors import ConfigError, ReplayError
 from replay.sources.workload import (
     Digests,
     DigestTable,
@@ -93,10 +93,6 @@ class Archetype:
     models: str
     kinds: tuple[GroupKind, ...]
     sliding_window: int | None = None
-
-    @property
-    def eagle_allowed(self) -> bool:
-        return GroupKind.CHUNKED_LOCAL_ATTENTION not in self.kinds
 
 
 _F = GroupKind.FULL_ATTENTION
@@ -169,11 +165,6 @@ def archetype_config(
     ``block_size``. Raises ``ReplayError`` for an unknown name, EAGLE with
     chunked local attention, or sizes vLLM would reject."""
     arch = get_archetype(name)
-    if use_eagle and not arch.eagle_allowed:
-        raise ReplayError(
-            f"model {name!r} has chunked local attention, which vLLM does not combine with "
-            "EAGLE: use --no-eagle"
-        )
     hbs = block_size if hash_block_size is None else hash_block_size
     mbs = block_size if mamba_block_size is None else mamba_block_size
     window = sliding_window if sliding_window is not None else arch.sliding_window
@@ -199,13 +190,25 @@ def archetype_config(
             )
         else:
             groups.append(GroupSpec(block_size=block_size, **common))
-    return TraceConfig(
+    config = TraceConfig(
         groups=tuple(groups),
         hash_block_size=hbs,
         scheduler_block_size=lcm([g.block_size for g in groups]),
         use_eagle=use_eagle,
         source=source,
     )
+    if use_eagle:
+        # No group is flagged, so every group takes the EAGLE drop (the
+        # coordinator's one rule), which vLLM refuses for chunked local attention.
+        try:
+            for cache in CACHES:
+                check_config(config, cache)
+        except ConfigError:
+            raise ReplayError(
+                f"model {name!r} has chunked local attention, which vLLM does not combine "
+                "with EAGLE: use --no-eagle"
+            ) from None
+    return config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
