@@ -107,8 +107,10 @@ def config(
     sbs: int | None = None,
     eagle: bool = False,
     partial: bool = False,
+    check: str | None = "mooncake",
 ) -> TraceConfig:
-    """A configuration of ``groups``, checked for the Mooncake mirror."""
+    """A configuration of ``groups`` (the scheduler block defaults to the LCM
+    of the block sizes), checked for the ``check`` cache unless None."""
     cfg = TraceConfig(
         groups=groups,
         hash_block_size=hbs,
@@ -116,7 +118,8 @@ def config(
         use_eagle=eagle,
         enable_partial_hash_hits=partial,
     )
-    check_config(cfg, "mooncake")
+    if check is not None:
+        check_config(cfg, check)
     return cfg
 
 
@@ -191,13 +194,13 @@ def random_hybrid_config(rng: random.Random) -> TraceConfig:
     # The scheduler block is the LCM of the block sizes or a multiple of it.
     lcm = math.lcm(*(g.block_size for g in groups))
     sbs = lcm * rng.choice([1, 1, 1, 2]) if rng.random() < 0.5 else sbs
-    return TraceConfig(
-        groups=tuple(groups),
-        hash_block_size=hbs,
-        scheduler_block_size=sbs,
-        use_eagle=eagle,
-        enable_partial_hash_hits=partial,
-    )
+    return config(*groups, hbs=hbs, sbs=sbs, eagle=eagle, partial=partial, check=None)
+
+
+def random_chain(rng: random.Random, config: TraceConfig, most: int) -> list[bytes]:
+    """A request's hashes: up to ``most`` units and six scheduler blocks."""
+    top = min(most, 6 * config.scheduler_block_size // config.hash_block_size)
+    return [rng.randbytes(32) for _ in range(rng.randint(0, top))]
 
 
 def mutate_store(rng: random.Random, store: list[set[bytes]], chain: Sequence[bytes]) -> None:
@@ -297,13 +300,7 @@ def random_eagle_config(rng: random.Random, *, partial: bool | None = None) -> T
     if any(g.kind is CL for g in groups) and rng.random() < 0.7:
         use_eagle = False
     # Every size divides sbs, so it is a valid scheduler block.
-    return TraceConfig(
-        groups=tuple(groups),
-        hash_block_size=hbs,
-        scheduler_block_size=sbs,
-        use_eagle=use_eagle,
-        enable_partial_hash_hits=partial,
-    )
+    return config(*groups, hbs=hbs, sbs=sbs, eagle=use_eagle, partial=partial, check=None)
 
 
 # --- random traces for the property tests -------------------------------------

@@ -40,7 +40,7 @@ from replay.backends.vllm import VllmCoordinator
 from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
 from replay.errors import ConfigError, ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
-from tests.builders import mutate_store, random_hybrid_config, random_max_length
+from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
 
 pytestmark = pytest.mark.vllm
 
@@ -197,6 +197,24 @@ def _vllm_refuses(config: TraceConfig, policy: str, cache: str, hashes: list[byt
     return False
 
 
+def valid_caches(
+    config: TraceConfig, chain: list[bytes], rng: random.Random
+) -> tuple[list[str], dict[str, ConfigError]]:
+    """The caches the reference accepts ``config`` for, and its error for each
+    it refuses; vLLM must refuse those too (at construction or first lookup)."""
+    valid: list[str] = []
+    refused: dict[str, ConfigError] = {}
+    for cache in CACHES:
+        try:
+            check_config(config, cache)
+            valid.append(cache)
+        except ConfigError as exc:
+            refused[cache] = exc
+            probe = chain or [rng.randbytes(32)]
+            assert _vllm_refuses(config, POLICIES[0], cache, probe), (cache, config.dumps())
+    return valid, refused
+
+
 def _multi_group_spec(config: TraceConfig, cache: str) -> bool:
     return any(len(sg.group_ids) > 1 for sg in build_spec_groups(config, cache))
 
@@ -220,19 +238,12 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         except ConfigError as exc:
             rejected[_reason(exc)] += 1
             continue
-        units = rng.randint(0, min(48, 6 * config.scheduler_block_size // config.hash_block_size))
-        chain = [rng.randbytes(32) for _ in range(units)]
-        valid = []
-        for cache in CACHES:
-            try:
-                check_config(config, cache)
-                valid.append(cache)
-            except ConfigError as exc:
-                rejected[f"{cache}: {_reason(exc)}"] += 1
-                # vLLM refuses it as well (at construction or first lookup).
-                probe = chain or [rng.randbytes(32)]
-                assert _vllm_refuses(config, POLICIES[0], cache, probe), (cache, config.dumps())
-                refused_by_vllm[cache] += 1
+        chain = random_chain(rng, config, 48)
+        units = len(chain)
+        valid, refused = valid_caches(config, chain, rng)
+        for cache, error in refused.items():
+            rejected[f"{cache}: {_reason(error)}"] += 1
+            refused_by_vllm[cache] += 1
         if not valid:
             continue
         scenarios += 1
