@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 SHARED ?= ../shared
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test lint pytest test-vllm test-ray bench traces clean
+.PHONY: install demo test lint pytest smoke test-vllm test-ray bench traces clean
 
 install: $(STAMP)
 
@@ -49,14 +49,45 @@ demo: $(STAMP)
 	@echo "open out/demo-report.html in a browser for the charts and every flagged request"
 
 lint: $(STAMP)
-	$(BIN)/ruff check replay analysis tests benchmarks
-	$(BIN)/ruff format --check replay analysis tests benchmarks
-	$(BIN)/mypy --strict replay analysis
+	$(BIN)/ruff check replay analysis tests benchmarks traces
+	$(BIN)/ruff format --check replay analysis tests benchmarks traces
+	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -m "not vllm and not ray"
 
 test: lint pytest
+
+# What a user gets from `pip install .`: a fresh virtualenv without the dev
+# extras (a wheel built from a copy of the checkout, not an editable install), then the
+# console script on the bundled demo trace. Catches a module or data file the
+# wheel leaves out and a runtime import of a dev tool. Writes only under out/.
+SMOKE := out/smoke
+SMOKE_BIN := $(SMOKE)/venv/bin
+
+smoke:
+	rm -rf $(SMOKE)
+	@mkdir -p $(SMOKE)/src
+	@# The files git would ship (committed or not, never ignored ones): a
+	@# stale build/ in the checkout cannot put a deleted module in the wheel.
+	git ls-files -z --cached --others --exclude-standard \
+	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp --parents "$$f" $(SMOKE)/src; done' sh
+	$(PYTHON) -m venv $(SMOKE)/venv
+	$(SMOKE_BIN)/pip install -q --upgrade pip
+	$(SMOKE_BIN)/pip install -q --only-binary=:all: $(SMOKE)/src
+	@! $(SMOKE_BIN)/python -c "import pytest" 2>/dev/null || { echo "smoke: pytest is installed, the dev extra leaked in"; exit 1; }
+	cd $(SMOKE) && venv/bin/replay --help > help.txt
+	grep -q "Usage: replay" $(SMOKE)/help.txt
+	cd $(SMOKE) && venv/bin/replay --version
+	cd $(SMOKE) && venv/bin/replay run $(CURDIR)/$(DEMO_TRACE) -o demo.results.parquet
+	cd $(SMOKE) && venv/bin/replay check demo.results.parquet
+	cd $(SMOKE) && venv/bin/python -c "from replay.trace import open_trace, read_results; \
+	  frame, info = read_results('demo.results.parquet'); \
+	  trace = open_trace('$(CURDIR)/$(DEMO_TRACE)').read_frame(['kind']); \
+	  lookups = trace.filter(trace['kind'] == 'lookup').height; \
+	  assert frame.height == lookups > 0, (frame.height, lookups); \
+	  assert info['policy'] == 'vllm-0.33', info.get('policy'); \
+	  print(f'smoke: {frame.height} lookups read back from demo.results.parquet')"
 
 # The differential tests against the real vLLM coordinator, in a CPU
 # virtualenv built by the shared script (a few minutes the first time).

@@ -335,9 +335,9 @@ def scale_out(path: Path) -> bool:
             f"{', '.join(f'{b / 2**20:.0f}' for b in size)} MB "
             f"({sum(size) / max(1, sum(keys)):.0f} bytes per present key); read, split and fold {t['seconds']:.2f} s"
         )
-    for k, ok in same.items():
+    for how, ok in same.items():
         print(
-            f"results of replay run {'DIR' if k == 'dir' else f'DIR --workers {SCALE_WORKERS}'} "
+            f"results of replay run {'DIR' if how == 'dir' else f'DIR --workers {SCALE_WORKERS}'} "
             f"{'identical to' if ok else 'DIFFER from'} replay run FILE's, every column"
         )
     return all(same.values())

@@ -1,7 +1,8 @@
-"""Shared builders: small traces written as real Parquet files."""
+"""Fixtures and the CLI runner; the builders they use live in tests/builders.py."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,8 @@ from click.testing import CliRunner, Result
 from hypothesis import settings
 
 from replay.cli import cli
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
-from traces.build import chain
+from tests.builders import full_mamba, issue_43559_rows
 
 pytest_plugins = ("pytester",)
 
@@ -21,39 +21,6 @@ pytest_plugins = ("pytester",)
 # bug, so no per-example deadline (the example counts stay bounded).
 settings.register_profile("replay", deadline=None)
 settings.load_profile("replay")
-
-FULL = GroupKind.FULL_ATTENTION
-SWA = GroupKind.SLIDING_WINDOW
-CHUNKED = GroupKind.CHUNKED_LOCAL_ATTENTION
-MAMBA = GroupKind.MAMBA
-
-
-def full_mamba(block: int = 16, eagle: bool = True) -> TraceConfig:
-    return TraceConfig(
-        groups=(
-            GroupSpec(kind=FULL, block_size=block, name="attn"),
-            GroupSpec(kind=MAMBA, block_size=block, mamba_cache_mode="align", name="mamba"),
-        ),
-        hash_block_size=block,
-        scheduler_block_size=block,
-        use_eagle=eagle,
-    )
-
-
-def issue_43559_rows() -> list[dict[str, Any]]:
-    """#43559: four blocks of both groups stored, lookup of the four hashes, max_length 64."""
-    hs = chain(4, "43559")
-    return [
-        {"kind": "store", "group_id": 0, "block_hashes": hs},
-        {"kind": "store", "group_id": 1, "block_hashes": hs},
-        {
-            "kind": "lookup",
-            "request_id": "req-43559",
-            "block_hashes": hs,
-            "max_length": 64,
-            "num_tokens": 65,
-        },
-    ]
 
 
 @pytest.fixture
@@ -63,8 +30,8 @@ def trace_43559(tmp_path: Path) -> Path:
     return path
 
 
-def run_cli(args: Sequence[str]) -> Result:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+def run_cli(args: Sequence[str | os.PathLike[str]]) -> Result:
+    return CliRunner().invoke(cli, [os.fspath(a) for a in args], catch_exceptions=False)
 
 
 def check_store_options(command: Any, args: list[str], out: Path, budget: int) -> None:

@@ -12,9 +12,7 @@ from replay.answers import Answers, Variant
 from replay.engine import replay_trace
 from replay.shard import replay_answers
 from replay.trace import open_trace, write_trace
-from tests.conftest import full_mamba, issue_43559_rows
-from tests.randtrace import random_config, random_rows
-from traces.build import chain
+from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows
 
 VARIANTS = [
     Variant(policy=p, cache=c) for p in ("vllm-0.33", "pre-49502") for c in ("mooncake", "gpu")

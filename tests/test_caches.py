@@ -21,7 +21,8 @@ from replay.engine import replay_trace
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
-from tests.conftest import chain, full_mamba, run_cli
+from tests.builders import chain, full_mamba
+from tests.conftest import run_cli
 
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW
@@ -226,7 +227,7 @@ def test_pytest_plugin_expectation_names_a_cache(tmp_path: Path, pytester: pytes
 
 
 def test_43559_is_the_same_in_both_caches(tmp_path: Path) -> None:
-    from tests.conftest import issue_43559_rows
+    from tests.builders import issue_43559_rows
 
     path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
     for cache in ("gpu", "mooncake"):

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from replay.trace import TRACE_META_KEY, events_table
-from tests.conftest import chain, full_mamba, issue_43559_rows, run_cli
+from tests.builders import chain, full_mamba, issue_43559_rows
+from tests.conftest import run_cli
 
 GOOD_META: dict[str, Any] = full_mamba().to_json()
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import polars as pl
 
 from replay.trace import write_trace
-from tests.conftest import chain, full_mamba, run_cli
+from tests.builders import chain, full_mamba
+from tests.conftest import run_cli
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

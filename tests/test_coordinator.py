@@ -13,7 +13,6 @@ the block (``blocks(...)``), as in the trace format.
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,17 +26,12 @@ from replay.coordinator import (
     Coordinator,
     LookupOutcome,
     build_spec_groups,
-    check_config,
     hit_alignment,
 )
 from replay.coordinator.finders import block_view, cdiv
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-
-FA = GroupKind.FULL_ATTENTION
-SW = GroupKind.SLIDING_WINDOW
-CL = GroupKind.CHUNKED_LOCAL_ATTENTION
-MB = GroupKind.MAMBA
+from replay.errors import ReplayError
+from replay.spec import TraceConfig
+from tests.builders import CL, FA, MB, SW, cl, config, fa, mb, scenarios, sw
 
 #: What ``lookup`` builds; the vLLM differential swaps in ``VllmCoordinator``.
 BACKEND: Callable[[TraceConfig, str], Any] = Coordinator
@@ -55,43 +49,6 @@ def vllm_checked(test: Fn) -> Fn:
 
 
 # --- helpers ------------------------------------------------------------------
-
-
-def fa(bs: int = 16, *, eagle: bool = False) -> GroupSpec:
-    return GroupSpec(kind=FA, block_size=bs, is_eagle_group=eagle)
-
-
-def sw(bs: int, window: int, *, extra: int = 0, eagle: bool = False) -> GroupSpec:
-    return GroupSpec(
-        kind=SW, block_size=bs, sliding_window=window, extra_retained_tokens=extra,
-        is_eagle_group=eagle,
-    )  # fmt: skip
-
-
-def cl(bs: int, chunk: int) -> GroupSpec:
-    return GroupSpec(kind=CL, block_size=bs, attention_chunk_size=chunk)
-
-
-def mb(bs: int = 16, *, eagle: bool = False) -> GroupSpec:
-    return GroupSpec(kind=MB, block_size=bs, mamba_cache_mode="align", is_eagle_group=eagle)
-
-
-def config(
-    *groups: GroupSpec,
-    hbs: int = 16,
-    sbs: int | None = None,
-    eagle: bool = False,
-    partial: bool = False,
-) -> TraceConfig:
-    cfg = TraceConfig(
-        groups=groups,
-        hash_block_size=hbs,
-        scheduler_block_size=sbs or math.lcm(*(g.block_size for g in groups)),
-        use_eagle=eagle,
-        enable_partial_hash_hits=partial,
-    )
-    check_config(cfg, "mooncake")
-    return cfg
 
 
 def blocks(cfg: TraceConfig, group_id: int, idx: Iterable[int]) -> list[int]:
@@ -540,48 +497,6 @@ def test_vllm_backend_without_vllm_names_the_fix() -> None:
 # --- properties ---------------------------------------------------------------
 
 
-@st.composite
-def scenarios(draw: st.DrawFn) -> tuple[TraceConfig, int, int, list[set[int]]]:
-    hbs = draw(st.sampled_from([8, 16]))
-    partial = draw(st.booleans())
-    sizes = [b for b in (8, 16, 32, 64) if b % hbs == 0]
-    groups = []
-    for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(list(GroupKind)))
-        bs = draw(st.sampled_from(sizes))
-        eagle = draw(st.booleans()) and draw(st.booleans())
-        if kind is SW:
-            window = draw(st.integers(1, 4 * bs))
-            extra = draw(st.sampled_from([0, 0, 1, bs]))
-            groups.append(sw(bs, window, extra=extra, eagle=eagle))
-        elif kind is CL:
-            groups.append(cl(hbs if partial else bs, draw(st.sampled_from([bs, 2 * bs, 24]))))
-        elif kind is MB:
-            groups.append(mb(bs, eagle=eagle))
-        else:
-            groups.append(fa(bs, eagle=eagle))
-    lcm = math.lcm(*(g.block_size for g in groups))
-    try:
-        cfg = config(
-            *groups,
-            hbs=hbs,
-            sbs=lcm * draw(st.sampled_from([1, 1, 2])),
-            eagle=draw(st.booleans()),
-            partial=partial,
-        )
-    except ConfigError:  # chunked local with EAGLE: drop the chunked groups
-        kept = [g for g in groups if g.kind is not CL] or [fa(hbs)]
-        cfg = config(*kept, hbs=hbs, partial=partial)
-    units = draw(st.integers(0, 20))
-    present = [
-        set(draw(st.lists(st.integers(0, max(units - 1, 0)), max_size=units)))
-        | set(range(draw(st.integers(0, units))))
-        for _ in cfg.groups
-    ]
-    max_length = draw(st.integers(0, (units + 1) * hbs - 1))
-    return cfg, units, max_length, present
-
-
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -624,7 +539,7 @@ def test_full_attention_holds_every_block_below_the_hit(
         if g.kind is not FA:
             continue
         bs = cfg.groups[g.group_id].block_size
-        view = block_view(range(units), cfg.hash_block_size, bs)
+        view = block_view(bytes(range(units)), cfg.hash_block_size, bs)
         assert set(view[: hit // bs]) <= present[g.group_id]
         # Loaded: exactly the blocks of the hit, the partial tail block included.
         assert (g.mask_blocks, g.loaded_blocks) == (cdiv(hit, bs), cdiv(hit, bs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -28,12 +29,12 @@ from replay.cli_analysis import diff
 from replay.engine import replay_trace, save_results
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import RESULTS_SCHEMA, read_results, write_results, write_trace
-from tests.conftest import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows
 
 BLOCK = 16
 
 
-def invoke(args: Sequence[str]) -> Result:
+def invoke(args: Sequence[str | os.PathLike[str]]) -> Result:
     return CliRunner().invoke(diff, [str(a) for a in args], catch_exceptions=False)
 
 

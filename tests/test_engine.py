@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
 
 from replay.coordinator import Coordinator
 from replay.engine import replay_trace, save_results
+from replay.spec import TraceConfig
 from replay.store import ClearEvent, RemoveEvent, StoreEvent
 from replay.trace import read_results, write_trace
-from tests.conftest import full_mamba, issue_43559_rows
-from tests.randtrace import random_config, random_rows
+from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
 
 
-def naive_replay(rows: list[dict], config, policy: str) -> list[tuple]:
+def naive_replay(
+    rows: list[dict[str, Any]], config: TraceConfig, policy: str
+) -> list[tuple[Any, ...]]:
     """Fold into one set of (group, bytes), call the coordinator per lookup."""
     keys: set[tuple[int, bytes]] = set()
     out = []
 
-    def member(g: int) -> Callable[[bytes], bool]:
+    def member(g: int) -> Callable[[Hashable], bool]:
         return lambda h: (g, h) in keys
 
     tests = [member(g) for g in range(config.num_groups)]
@@ -53,7 +56,7 @@ def naive_replay(rows: list[dict], config, policy: str) -> list[tuple]:
     return out
 
 
-def _replayed(path: Path, policy: str) -> list[tuple]:
+def _replayed(path: Path, policy: str) -> list[tuple[Any, ...]]:
     res = replay_trace(path, policy=policy, unit_present=True).results
     columns = ("seq", "hit_tokens", "mask_blocks", "loaded_blocks", "unit_present")
     return list(zip(*(res[c].to_list() for c in columns), strict=True))

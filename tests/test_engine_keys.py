@@ -28,8 +28,7 @@ from replay.trace import (
     write_bounded,
     write_trace,
 )
-from tests.conftest import full_mamba
-from tests.randtrace import random_config, random_rows
+from tests.builders import full_mamba, random_config, random_rows
 from tests.test_engine import naive_replay
 
 SHARED8 = b"\x00\x00\x00\x00\x00\x0b\x2f\x11"
@@ -72,7 +71,14 @@ def _mixed(rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any
     """Each hash takes one of several forms, the same one everywhere it
     appears, so that 8-, 12-, 16-, 20- and 32-byte keys share a trace and
     some keys are another key plus zero bytes or a shared 8-byte prefix."""
-    forms = [_eight, _sixteen_shared, _zero_tail, _odd(12), _odd(20), lambda h: h]
+    forms: list[Callable[[bytes], bytes]] = [
+        _eight,
+        _sixteen_shared,
+        _zero_tail,
+        _odd(12),
+        _odd(20),
+        lambda h: h,
+    ]
     chosen: dict[bytes, bytes] = {}
 
     def form(h: bytes) -> bytes:

@@ -13,9 +13,9 @@ from polars.testing import assert_frame_equal
 
 from replay.engine import replay_trace
 from replay.trace import read_results, write_trace
+from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
 from tests.flagdefs import plain_flags
-from tests.randtrace import random_config, random_rows
 
 pytest.importorskip("vllm", reason="vLLM not importable: run make test-vllm")
 pytestmark = pytest.mark.vllm

@@ -15,9 +15,17 @@ from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags
 from replay.engine import replay_trace
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
-from tests.conftest import MAMBA, SWA, chain, full_mamba, issue_43559_rows, run_cli
+from tests.builders import (
+    MAMBA,
+    SWA,
+    chain,
+    full_mamba,
+    issue_43559_rows,
+    random_config,
+    random_rows,
+)
+from tests.conftest import run_cli
 from tests.flagdefs import plain_flags
-from tests.randtrace import random_config, random_rows
 
 FULL = GroupKind.FULL_ATTENTION
 
@@ -96,7 +104,7 @@ def _result_frame(tmp_path: Path) -> tuple[pl.DataFrame, TraceConfig]:
 
 # A correct coordinator never raises these: feed the checks a wrong answer,
 # as a broken coordinator (or a broken vLLM) would give.
-WRONG_ANSWERS = {
+WRONG_ANSWERS: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {
     "hit_beyond_max_length": ({"hit_tokens": 80, "mask_blocks": [5, 5]}, (80, 64)),
     "hit_misaligned": ({"hit_tokens": 40}, (40, 32)),
     "mamba_state_mismatch": ({"hit_tokens": 32, "mask_blocks": [2, 3]}, (48, 32)),

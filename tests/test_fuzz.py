@@ -24,7 +24,7 @@ import os
 import stat
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from replay.cli import cli
 from replay.engine import replay_trace, save_results
 from replay.sources.dump import DumpWriter
 from replay.trace import TRACE_META_KEY, open_trace, read_results, write_trace
-from tests.conftest import chain, full_mamba, issue_43559_rows
+from tests.builders import chain, full_mamba, issue_43559_rows
 
 FUZZ = settings(
     derandomize=True,
@@ -151,7 +151,7 @@ def outcome(
     command: str,
     args: list[str],
     out: Path,
-    outputs: dict[str, Callable[[Path], object]],
+    outputs: Mapping[str, Callable[[Path], object]],
 ) -> int:
     """Run one command and check everything the module docstring promises
     about it; return its exit status."""
@@ -310,7 +310,7 @@ def _column_values(draw: st.DrawFn, typ: pa.DataType, n: int) -> pa.Array:
         return pa.array([draw(st.binary(max_size=8) | st.none()) for _ in range(n)], typ)
     if pa.types.is_list(typ) or pa.types.is_large_list(typ):
         value = typ.value_type
-        items = []
+        items: list[Any] = []
         for _ in range(n):
             if draw(st.booleans()):
                 items.append(None)
@@ -493,7 +493,7 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
         before = snapshot(case.inputs)
         t = str(trace)
         codes = {}
-        for command, args, outputs in [
+        commands: list[tuple[str, list[str], Mapping[str, Callable[[Path], object]]]] = [
             ("validate", ["validate", t], {}),
             ("info", ["info", t, "--json"], {}),
             ("run", ["run", t, "-o", "{o}/r.parquet", "-q"], {"r.parquet": read_results}),
@@ -506,7 +506,8 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
             ("merge", ["ingest", "merge", t, str(log), "-o", "{o}/x.parquet"], {"x.parquet": read_trace_fully}),
             ("report", ["report", str(results), "--trace", t, "-o", "{o}/r.md"], {"r.md": lambda p: p.read_text(encoding="utf-8")}),
             ("config", ["ingest", "kv-events", str(dump), "--config", t, "-o", "{o}/c.parquet"], {"c.parquet": read_trace_fully}),
-        ]:  # fmt: skip
+        ]  # fmt: skip
+        for command, args, outputs in commands:
             out = case.out()
             argv = [a.format(o=out) for a in args]
             codes[command] = outcome("traces", command, argv, out, outputs)

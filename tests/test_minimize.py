@@ -10,7 +10,8 @@ import polars as pl
 
 from replay.pytest_plugin import read_expectations
 from replay.trace import open_trace, write_trace
-from tests.conftest import chain, full_mamba, run_cli
+from tests.builders import chain, full_mamba
+from tests.conftest import run_cli
 
 
 def _noisy_trace(path: Path) -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from replay.pytest_plugin import read_expectations
 from replay.trace import write_trace
-from tests.conftest import chain, full_mamba
+from tests.builders import chain, full_mamba
 
 TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
 

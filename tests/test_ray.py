@@ -207,7 +207,7 @@ def test_a_worker_killed_mid_run_is_retried_or_reported(
     title: str,
 ) -> None:
     out = tmp_path / "r.parquet"
-    stop, killed = threading.Event(), []
+    stop, killed = threading.Event(), list[str]()
     killer = threading.Thread(target=_kill_first, args=(title, stop, killed), daemon=True)
     killer.start()
     try:

@@ -315,7 +315,7 @@ def drive(
             if rid in cached.resumed_req_ids:
                 admitted[rid].append(computed)
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
+        sampled: list[list[int]] = []
         for rid in req_ids:
             if scheduler.requests[rid].is_prefill_chunk:
                 sampled.append([])  # a prefill chunk that does not end the prompt

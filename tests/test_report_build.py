@@ -12,7 +12,7 @@ from analysis.report import build_report
 from analysis.report.build import explain_examples
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import TraceReader, open_trace, write_trace
-from tests.conftest import issue_43559_rows
+from tests.builders import issue_43559_rows
 from tests.reports import MAMBA_ROW, report_error, results_of
 from tests.test_diff import write_workload
 

@@ -9,7 +9,7 @@ import polars as pl
 
 from analysis.report import data
 from analysis.report.data import Example
-from tests.conftest import full_mamba
+from tests.builders import full_mamba
 
 T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 

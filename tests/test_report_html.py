@@ -12,7 +12,7 @@ from analysis.report import build_report, render_html
 from replay import __version__
 from replay.spec import TraceConfig
 from replay.trace import write_trace
-from tests.conftest import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows
 from tests.reports import MAMBA_ROW, invoke_report, marks, results_of
 from tests.test_diff import write_workload
 

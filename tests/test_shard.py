@@ -18,8 +18,8 @@ from replay.engine import replay_trace
 from replay.errors import ReplayError
 from replay.shard import replay_sharded, shard_of
 from replay.trace import TraceWriter, write_trace
+from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
-from tests.randtrace import random_config, random_rows
 
 POLICIES = ("vllm-0.33", "pre-49502")
 CACHES = ("mooncake", "gpu")

@@ -25,7 +25,7 @@ import pytest
 from replay.paths import PAUSE_ENV
 from replay.sources.dump import DUMP_MAGIC, DumpWriter
 from replay.trace import open_trace, write_trace
-from tests.conftest import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows
 from tests.kvpayloads import T0, payload, stored
 from tests.test_record_zmq import TIMEOUT, Publisher, Step
 

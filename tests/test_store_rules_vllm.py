@@ -38,6 +38,7 @@ pytest.importorskip(
 
 from replay.backends.vllm import vllm_groups
 from replay.coordinator import Coordinator
+from replay.errors import ReplayError
 from replay.sources.archetypes import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
@@ -226,6 +227,26 @@ def _ends(blocks: Any, block_size: int) -> set[int]:
     return {(int(b) + 1) * block_size for b in blocks}
 
 
+def vllm_ends(
+    config: TraceConfig,
+    cache: str,
+    gid: int,
+    gpu: list[set[int]],
+    handed: list[set[int]],
+    mask: list[set[int] | None],
+) -> tuple[set[int], int]:
+    """The token ends vLLM stored for group ``gid`` in ``cache`` (from
+    ``Engine.prefill`` and ``Engine.store_mask``), and how many sub-block
+    entries were left out: the prompt's partial tail when the hash unit is
+    finer than the block, keys no per-block lookup reads without partial
+    hits (counted, not generated)."""
+    g = config.groups[gid]
+    if cache == "gpu":
+        theirs = {e for e in gpu[gid] if e % g.block_size == 0}
+        return theirs, len(gpu[gid]) - len(theirs)
+    return (handed[gid] if g.kind is GroupKind.MAMBA else mask[gid] or set()), 0
+
+
 def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[int]]:
     """Prompts that share prefixes with earlier ones, some block-aligned."""
     a = config.scheduler_block_size
@@ -249,13 +270,21 @@ def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[in
     return out
 
 
+def _runs_with_eagle(model: str) -> bool:
+    try:
+        archetype_config(model, use_eagle=True)
+    except ReplayError:
+        return False
+    return True
+
+
 def sessions(rng: random.Random) -> list[Session]:
     out = []
     for model, arch in ARCHETYPES.items():
         sparse = any(k in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA) for k in arch.kinds)
         retentions = ("0", "dense", "interval") if sparse else ("0", "dense")
         for retention in retentions:
-            for eagle in (False, True) if arch.eagle_allowed else (False,):
+            for eagle in (False, True) if _runs_with_eagle(model) else (False,):
                 for _ in range(2):
                     out.append(random_session(rng, model, retention, eagle))
     return out
@@ -299,15 +328,8 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                 ok = True
                 for gid, g in enumerate(s.config.groups):
                     mine = _ends(got[gid], g.block_size)
-                    if cache == "gpu":
-                        # Sub-block entries (the prompt's partial tail when the
-                        # hash unit is finer than the block) are keys no
-                        # per-block lookup reads without partial hits: counted,
-                        # not generated.
-                        theirs = {e for e in gpu[gid] if e % g.block_size == 0}
-                        partial_tails += len(gpu[gid]) - len(theirs)
-                    else:
-                        theirs = handed[gid] if g.kind is GroupKind.MAMBA else mask[gid] or set()
+                    theirs, tails = vllm_ends(s.config, cache, gid, gpu, handed, mask)
+                    partial_tails += tails
                     if mine != theirs:
                         ok = False
                         if len(failures) < 8:
@@ -343,15 +365,32 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
     ``BlockStored`` events add. The writer looks each request up with the
     engine's coordinator (``--cache gpu``), so its hit is the engine's on
     every request."""
+    same, compared, differ_hit, mismatches = writer_against_engine(
+        sessions(random.Random(1515))[::2]
+    )
+    with capsys.disabled():
+        print(
+            f"\nwriter vs engine: {same}/{compared} requests add the same keys "
+            f"({differ_hit} with a different hit not compared)"
+        )
+    assert compared >= 300
+    assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
+    assert not mismatches, "\n".join(mismatches)
+
+
+def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[str]]:
+    """Per session, the generator's writer (``--cache gpu``, unbounded store)
+    and a real engine fed the same prompts: (requests whose store rows add
+    the engine's keys, requests compared, requests whose hit differs,
+    the first mismatches)."""
     import numpy as np
 
     from replay.sources.workload import WorkloadWriter
 
     v = _vllm()
-    rng = random.Random(1515)
     same = differ_hit = compared = 0
     mismatches: list[str] = []
-    for s in sessions(rng)[::2]:
+    for s in chosen:
         engine = Engine(v, s)
         policy = StorePolicy(
             retention_interval=s.retention, max_num_batched_tokens=s.budget, cache="gpu"
@@ -407,14 +446,7 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
                     f"{s.model} r={s.retention} N={n} hit={hit}: writer {mine} engine {theirs}"
                 )
         writer.close()
-    with capsys.disabled():
-        print(
-            f"\nwriter vs engine: {same}/{compared} requests add the same keys "
-            f"({differ_hit} with a different hit not compared)"
-        )
-    assert compared >= 300
-    assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
-    assert not mismatches, "\n".join(mismatches)
+    return same, compared, differ_hit, mismatches
 
 
 def mooncake_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -488,8 +520,12 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
         )
         mask = engine.store_mask(n, hit)
         theirs: list[set[int]] = []
-        for gid, ends in enumerate((mask[0] or set(), handed[1])):
-            new = {e for e in ends if bytes(request.block_hashes[e // 16 - 1]) not in present[gid]}
+        for gid, stored_ends in enumerate((mask[0] or set(), handed[1])):
+            new = {
+                e
+                for e in stored_ends
+                if bytes(request.block_hashes[e // 16 - 1]) not in present[gid]
+            }
             present[gid] |= {bytes(request.block_hashes[e // 16 - 1]) for e in new}
             theirs.append(new)
         mine = by_request[f"line-{line}"]

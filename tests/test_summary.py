@@ -7,7 +7,7 @@ from pathlib import Path
 
 from replay.summary import trace_info
 from replay.trace import TraceReader, write_trace
-from tests.conftest import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows
 
 
 def test_trace_info_of_an_open_reader_is_that_of_the_path(tmp_path: Path) -> None:

@@ -27,8 +27,7 @@ from replay.trace import (
     write_results,
     write_trace,
 )
-from tests.conftest import full_mamba, issue_43559_rows
-from tests.randtrace import random_config, random_rows
+from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -16,8 +16,8 @@ import pytest
 from replay.engine import replay_trace
 from replay.trace import TRACE_META_KEY, events_table, open_trace, write_trace
 from replay.tracedir import TraceDir
-from tests.conftest import full_mamba, run_cli
-from tests.randtrace import random_config, random_rows
+from tests.builders import full_mamba, random_config, random_rows
+from tests.conftest import run_cli
 
 DEMO = Path(__file__).resolve().parent.parent / "traces" / "demo-full-mamba-eagle.parquet"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -41,6 +40,7 @@ from replay.backends.vllm import VllmCoordinator
 from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
 from replay.errors import ConfigError, ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
+from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
 
 pytestmark = pytest.mark.vllm
 
@@ -55,124 +55,6 @@ FA = GroupKind.FULL_ATTENTION
 SW = GroupKind.SLIDING_WINDOW
 CL = GroupKind.CHUNKED_LOCAL_ATTENTION
 MB = GroupKind.MAMBA
-
-
-# --- generator ---------------------------------------------------------------
-
-
-def _random_group(rng: random.Random, kind: GroupKind, bs: int, name: str) -> GroupSpec:
-    if kind is SW:
-        window = rng.choice(
-            [1, 2, bs - 1, bs, bs + 1, 2 * bs, 2 * bs + 1, 3 * bs - 1, rng.randint(1, 4 * bs)]
-        )
-        extra = rng.choice([0, 0, 0, 1, bs // 2, bs, rng.randint(0, 2 * bs)])
-        return GroupSpec(
-            kind=kind, block_size=bs, sliding_window=max(1, window),
-            extra_retained_tokens=extra, name=name,
-        )  # fmt: skip
-    if kind is CL:
-        chunk = rng.choice([bs, 2 * bs, 4 * bs, 3 * bs, bs + bs // 2, rng.randint(1, 5 * bs)])
-        return GroupSpec(kind=kind, block_size=bs, attention_chunk_size=chunk, name=name)
-    if kind is MB:
-        return GroupSpec(kind=kind, block_size=bs, mamba_cache_mode="align", name=name)
-    return GroupSpec(kind=kind, block_size=bs, name=name)
-
-
-def _equal_spec(rng: random.Random, src: GroupSpec, name: str) -> GroupSpec:
-    """A group whose spec equals ``src``'s, so vLLM merges the two."""
-    g = replace(src, name=name, is_eagle_group=rng.random() < 0.3)
-    if src.kind is SW and src.extra_retained_tokens and rng.random() < 0.5:
-        # Same coverage window, split differently: still one spec in vLLM.
-        assert src.sliding_window is not None
-        moved = rng.randint(1, src.extra_retained_tokens)
-        g = replace(
-            g,
-            sliding_window=src.sliding_window + moved,
-            extra_retained_tokens=src.extra_retained_tokens - moved,
-        )
-    return g
-
-
-def random_config(rng: random.Random) -> TraceConfig:
-    """A random configuration; may raise ``ConfigError`` (counted, skipped)."""
-    hbs = rng.choice([8, 16])
-    sbs = rng.choice([s for s in (16, 32, 64, 128) if s >= hbs])
-    partial = rng.random() < 0.45
-    alignment = hbs if partial else sbs
-    sizes = [b for b in (8, 16, 32, 64, 128) if b % hbs == 0 and sbs % b == 0]
-    n = rng.choice([1, 1, 2, 2, 2, 3, 3, 4])
-    groups: list[GroupSpec] = []
-    for i in range(n):
-        if groups and rng.random() < 0.25:
-            groups.append(_equal_spec(rng, rng.choice(groups), f"g{i}"))
-            continue
-        if groups and rng.random() < 0.2:
-            # An EAGLE draft group with the target's full-attention spec.
-            target = next((g for g in groups if g.kind is FA), None)
-            if target is not None:
-                groups.append(replace(target, name=f"draft{i}", is_eagle_group=True))
-                continue
-        kind = rng.choice(KINDS)
-        bs = rng.choice(sizes)
-        if kind is CL and rng.random() < 0.9:
-            bs = alignment  # vLLM's rule; the rest probe the rejection
-        g = _random_group(rng, kind, bs, f"g{i}")
-        groups.append(replace(g, is_eagle_group=rng.random() < 0.15))
-    eagle = rng.random() < 0.5
-    if n == 1 and rng.random() < 0.7:
-        hbs = groups[0].block_size  # the engine's unitary coordinator needs it
-    if any(g.kind is CL for g in groups) and rng.random() < 0.9:
-        eagle = False
-        groups = [replace(g, is_eagle_group=False) for g in groups]
-    # The scheduler block is the LCM of the block sizes or a multiple of it.
-    lcm = math.lcm(*(g.block_size for g in groups))
-    sbs = lcm * rng.choice([1, 1, 1, 2]) if rng.random() < 0.5 else sbs
-    return TraceConfig(
-        groups=tuple(groups),
-        hash_block_size=hbs,
-        scheduler_block_size=sbs,
-        use_eagle=eagle,
-        enable_partial_hash_hits=partial,
-    )
-
-
-def _mutate(rng: random.Random, store: list[set[bytes]], chain: Sequence[bytes]) -> None:
-    """One store / remove / clear over a random subset of the request's keys."""
-    n = len(chain)
-    targets = range(len(store)) if rng.random() < 0.4 else [rng.randrange(len(store))]
-    op = rng.random()
-    for g in targets:
-        keys = store[g]
-        if op < 0.35:  # a request stored its prefix
-            keys.update(chain[: rng.randint(0, n)])
-        elif op < 0.55:
-            keys.update(h for h in chain if rng.random() < 0.5)
-        elif op < 0.75:
-            keys.difference_update([h for h in chain if rng.random() < 0.3])
-        elif op < 0.9 and n:
-            keys.discard(chain[rng.randrange(n)])
-        elif op < 0.95:
-            keys.update(chain)
-        else:
-            keys.clear()
-
-
-def _max_length(rng: random.Random, config: TraceConfig, units: int) -> int:
-    """Bounds people and vLLM's scheduler use: 0, multiples, non-multiples,
-    up to the validity limit ``(units + 1) * hash_block_size - 1``."""
-    hbs = config.hash_block_size
-    limit = (units + 1) * hbs
-    step = rng.choice([hbs, config.scheduler_block_size, rng.choice(config.groups).block_size, 1])
-    pick = rng.random()
-    if pick < 0.08:
-        return 0
-    if pick < 0.2:
-        return limit - 1
-    if pick < 0.35:
-        return units * hbs
-    if pick < 0.7:
-        return rng.randrange(0, limit, step)
-    return rng.randrange(limit)
 
 
 # --- comparison --------------------------------------------------------------
@@ -315,6 +197,24 @@ def _vllm_refuses(config: TraceConfig, policy: str, cache: str, hashes: list[byt
     return False
 
 
+def valid_caches(
+    config: TraceConfig, chain: list[bytes], rng: random.Random
+) -> tuple[list[str], dict[str, ConfigError]]:
+    """The caches the reference accepts ``config`` for, and its error for each
+    it refuses; vLLM must refuse those too (at construction or first lookup)."""
+    valid: list[str] = []
+    refused: dict[str, ConfigError] = {}
+    for cache in CACHES:
+        try:
+            check_config(config, cache)
+            valid.append(cache)
+        except ConfigError as exc:
+            refused[cache] = exc
+            probe = chain or [rng.randbytes(32)]
+            assert _vllm_refuses(config, POLICIES[0], cache, probe), (cache, config.dumps())
+    return valid, refused
+
+
 def _multi_group_spec(config: TraceConfig, cache: str) -> bool:
     return any(len(sg.group_ids) > 1 for sg in build_spec_groups(config, cache))
 
@@ -334,23 +234,16 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
     scenarios = 0
     while scenarios < SCENARIOS:
         try:
-            config = random_config(rng)
+            config = random_hybrid_config(rng)
         except ConfigError as exc:
             rejected[_reason(exc)] += 1
             continue
-        units = rng.randint(0, min(48, 6 * config.scheduler_block_size // config.hash_block_size))
-        chain = [rng.randbytes(32) for _ in range(units)]
-        valid = []
-        for cache in CACHES:
-            try:
-                check_config(config, cache)
-                valid.append(cache)
-            except ConfigError as exc:
-                rejected[f"{cache}: {_reason(exc)}"] += 1
-                # vLLM refuses it as well (at construction or first lookup).
-                probe = chain or [rng.randbytes(32)]
-                assert _vllm_refuses(config, POLICIES[0], cache, probe), (cache, config.dumps())
-                refused_by_vllm[cache] += 1
+        chain = random_chain(rng, config, 48)
+        units = len(chain)
+        valid, refused = valid_caches(config, chain, rng)
+        for cache, error in refused.items():
+            rejected[f"{cache}: {_reason(error)}"] += 1
+            refused_by_vllm[cache] += 1
         if not valid:
             continue
         scenarios += 1
@@ -377,9 +270,9 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         store: list[set[bytes]] = [set() for _ in config.groups]
         for _ in range(LOOKUPS_PER_SCENARIO):
             for _ in range(rng.randint(1, 3)):
-                _mutate(rng, store, chain)
+                mutate_store(rng, store, chain)
             hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, units)]
-            max_length = _max_length(rng, config, len(hashes))
+            max_length = random_max_length(rng, config, len(hashes))
             if "gpu" in valid:
                 explained = coords[("gpu", POLICIES[0])][0].lookup(
                     hashes, max_length, [s.__contains__ for s in store], explain=True

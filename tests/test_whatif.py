@@ -25,8 +25,8 @@ from replay.whatif import (
     simulate,
     sweep,
 )
+from tests.builders import random_archetype_config, random_prompts, unit_hashes
 from tests.conftest import run_cli
-from tests.prompts import random_config, random_prompts, unit_hashes
 
 
 def rules_trace(
@@ -69,7 +69,7 @@ def rules_trace(
 
 
 def random_case(rng: random.Random, cache: str) -> tuple[TraceConfig, StorePolicy]:
-    config = random_config(rng)
+    config = random_archetype_config(rng)
     sparse = config.num_groups > 1
     return config, StorePolicy(
         retention_interval=rng.choice((0, None)) if sparse else 0,

@@ -36,7 +36,7 @@ from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy
 from replay.trace import open_trace, write_trace
 from replay.whatif import RunSpec, load_requests, simulate
-from tests.prompts import random_config, random_prompts
+from tests.builders import random_archetype_config, random_prompts
 from tests.vllm_modules import vllm_modules
 
 pytestmark = pytest.mark.vllm
@@ -292,7 +292,7 @@ def test_block_pool_matches_vllm_on_random_sessions(capsys: pytest.CaptureFixtur
     rng = random.Random(16)
     agree = total = admitted_off = evicted_total = preempted = 0
     for _ in range(60):
-        config = random_config(rng)
+        config = random_archetype_config(rng)
         a = config.scheduler_block_size
         sparse = config.num_groups > 1
         retention = rng.choice((0, None, 2 * a)) if sparse else 0

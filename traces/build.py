@@ -7,7 +7,6 @@ run (review the diff of `traces/README.md` when they change).
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,32 +14,15 @@ from typing import Any
 
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import TraceReader, TraceSource, write_trace
+from tests.builders import chain, full_mamba, issue_43559_rows
 
 HERE = Path(__file__).parent
-FULL, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 
 
-def chain(n: int, tag: str = "r") -> list[bytes]:
-    """n chained 32-byte hashes: each names its whole prefix, as vLLM's do."""
-    out, parent = [], tag.encode()
-    for i in range(n):
-        parent = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        out.append(parent)
-    return out
-
-
-def full_mamba(block: int = 16, source: str = "hand-made") -> TraceConfig:
-    return TraceConfig(
-        groups=(
-            GroupSpec(kind=FULL, block_size=block, name="model.layers.attn"),
-            GroupSpec(
-                kind=MAMBA, block_size=block, mamba_cache_mode="align", name="model.layers.mamba"
-            ),
-        ),
-        hash_block_size=block,
-        scheduler_block_size=block,
-        use_eagle=True,
-        source={"tool": "traces/build.py", "kind": source},
+def hand_made_config() -> TraceConfig:
+    return full_mamba(
+        names=("model.layers.attn", "model.layers.mamba"),
+        source={"tool": "traces/build.py", "kind": "hand-made"},
     )
 
 
@@ -50,21 +32,11 @@ def clean(hits: dict[str, int]) -> dict[str, Any]:
 
 # name -> (rows, expect list, what it pins)
 def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], str]]:
-    hs4, hs5 = chain(4, "43559"), chain(5, "unaligned")
+    hs5 = chain(5, "unaligned")
     mamba_only, both = chain(3, "mamba-only"), chain(3, "both-groups")
     return {
         "issue-43559": (
-            [
-                {"kind": "store", "group_id": 0, "block_hashes": hs4},
-                {"kind": "store", "group_id": 1, "block_hashes": hs4},
-                {
-                    "kind": "lookup",
-                    "request_id": "req-43559",
-                    "block_hashes": hs4,
-                    "max_length": 64,
-                    "num_tokens": 65,
-                },
-            ],
+            issue_43559_rows(),
             [
                 clean({"req-43559": 48}),
                 # A simple hybrid stops after one pass: nothing to spiral.
@@ -78,18 +50,7 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
             "#43559 as in vLLM's own test: full attention matches 64 and drops to 48; the Mamba peek margin puts the state at 64",
         ),
         "observed-43559-in-production": (
-            [
-                {"kind": "store", "group_id": 0, "block_hashes": hs4},
-                {"kind": "store", "group_id": 1, "block_hashes": hs4},
-                {
-                    "kind": "lookup",
-                    "request_id": "prod-1",
-                    "block_hashes": hs4,
-                    "max_length": 64,
-                    "num_tokens": 65,
-                    "observed_hit_tokens": 64,
-                },
-            ],
+            issue_43559_rows("prod-1", observed_hit_tokens=64),
             [
                 {"policy": "vllm-0.33", "flags": {"observed_mismatch": 1}, "hits": {"prod-1": 48}},
                 {"policy": "pre-32802", "flags": {"observed_mismatch": 1}, "hits": {"prod-1": 48}},
@@ -212,7 +173,7 @@ def spiral_32802() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
 
 def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     built = []
-    cases = {name: (full_mamba(), *case) for name, case in hand_made().items()}
+    cases = {name: (hand_made_config(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
     for name, (config, rows, expect, what) in cases.items():
         for entry in expect:

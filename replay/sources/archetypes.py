@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from replay.errors import ReplayError
+from replay.coordinator import CACHES, check_config
+from replay.errors import ConfigError, ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
@@ -30,10 +31,6 @@ class Archetype:
     models: str
     kinds: tuple[GroupKind, ...]
     sliding_window: int | None = None
-
-    @property
-    def eagle_allowed(self) -> bool:
-        return GroupKind.CHUNKED_LOCAL_ATTENTION not in self.kinds
 
 
 _F = GroupKind.FULL_ATTENTION
@@ -93,11 +90,6 @@ def archetype_config(
     ``block_size``. Raises ``ReplayError`` for an unknown name, EAGLE with
     chunked local attention, or sizes vLLM would reject."""
     arch = get_archetype(name)
-    if use_eagle and not arch.eagle_allowed:
-        raise ReplayError(
-            f"model {name!r} has chunked local attention, which vLLM does not combine with "
-            "EAGLE: use --no-eagle"
-        )
     hbs = block_size if hash_block_size is None else hash_block_size
     mbs = block_size if mamba_block_size is None else mamba_block_size
     window = sliding_window if sliding_window is not None else arch.sliding_window
@@ -123,10 +115,28 @@ def archetype_config(
             )
         else:
             groups.append(GroupSpec(block_size=block_size, **common))
-    return TraceConfig(
+    config = TraceConfig(
         groups=tuple(groups),
         hash_block_size=hbs,
         scheduler_block_size=math.lcm(*(g.block_size for g in groups)),
         use_eagle=use_eagle,
         source=source,
     )
+    # No group is flagged, so every group takes the EAGLE drop (the
+    # coordinator's one rule), which vLLM refuses for chunked local attention.
+    if use_eagle and not _accepted(config) and _accepted(replace(config, use_eagle=False)):
+        raise ReplayError(
+            f"model {name!r} has chunked local attention, which vLLM does not combine "
+            "with EAGLE: use --no-eagle"
+        )
+    return config
+
+
+def _accepted(config: TraceConfig) -> bool:
+    """Whether both of vLLM's caches accept the configuration."""
+    try:
+        for cache in CACHES:
+            check_config(config, cache)
+    except ConfigError:
+        return False
+    return True
