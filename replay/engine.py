@@ -362,17 +362,7 @@ def fold_rows(
     out_offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.where(kinds == LOOKUP, n_units * table.num_groups, 0), out=out_offsets[1:])
     out = np.zeros(int(out_offsets[-1]), dtype=np.uint8)
-    table.fold(
-        _readonly(kinds),
-        gids,
-        words.row_offsets,
-        words.words,
-        words.word_offsets,
-        words.nbytes,
-        words.max_words,
-        out,
-        out_offsets,
-    )
+    table.fold(_readonly(kinds), gids, words, out, out_offsets)
     return out, out_offsets, n_units
 
 
