@@ -15,8 +15,11 @@ One table for all groups rather than one per group: a lookup probes each of
 its hash units once and reads every group's bit from the same slot, and a
 key several groups hold is stored once. Linear probing with backward-shift
 deletion keeps removes from leaving tombstones (an LRU store removes
-millions of keys); the table doubles when it passes 70% load and
-shrinks back when every group is cleared.
+millions of keys); the table doubles in place when it passes 70% load
+(``_double_in_place``: the slot of a key is its mixed hash scaled to the
+table, so doubling only moves keys upward) and shrinks back when every
+group is cleared. The key width ``W`` grows, by a rebuild, when a store
+brings a longer hash than any before.
 
 Everything here is ``nogil``: the reader's prefetch thread decodes the next
 batch while a batch folds. ``cache=True`` keeps the machine code on disk,
