@@ -244,7 +244,8 @@ def _double_in_place(slots: Any, info: Any) -> int:
             continue
         if (spilled + 1) * stride > spill.shape[0]:
             wider = np.empty(spill.shape[0] * 2, dtype=np.uint64)
-            wider[: spilled * stride] = spill[: spilled * stride]
+            for k in range(spilled * stride):  # a loop: a slice copy compiled for 2 s
+                wider[k] = spill[k]
             spill = wider
         for k in range(stride):
             spill[spilled * stride + k] = slots[base + k]
@@ -537,7 +538,12 @@ class KeyTable:
         """Rehash the live slots into a fresh table of ``cap`` slots of key
         width ``w`` words (a group was cleared, or a wider hash came)."""
         new = self._zeros(cap * (1 + int(self.info[_M]) + w))
-        _rehash(self.slots, self.info, new, cap, w)
+        if self.info[_COUNT]:
+            _rehash(self.slots, self.info, new, cap, w)
+        else:
+            # The first store's width: nothing to move (and on a cold JIT
+            # cache nothing to compile for it).
+            self.info[_CAP], self.info[_W] = cap, w
         self.slots = new
 
     def group_counts(self) -> list[int]:
