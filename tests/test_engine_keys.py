@@ -250,7 +250,7 @@ def test_doubling_in_place_with_probe_runs_that_wrap(seed: int) -> None:
     assert int(table.info[0]) == 32_768
     # One more doubling by hand: the crowded ends are what it sets aside.
     table._extend(2 * table.slots.shape[0])
-    assert _double_in_place(table.slots, table.info) >= 50
+    assert _double_in_place(table.slots, table.info) > 64  # the side buffer grows too
     frame = pl.DataFrame({"group_id": [0]}, schema={"group_id": pl.Int32})
     out, _, _ = fold_rows(table, frame, pa.array([universe], pa.list_(pa.binary())), kinds[-1:])
     got = out.reshape(2, len(universe)).astype(bool).tolist()
