@@ -346,6 +346,9 @@ def fold_batch(
         if kind == SKIP or (kind != CLEAR and lo == hi):
             continue
         g = gids[r]
+        # One runtime flag for _set_bit: literal True and False compiled it
+        # twice (0.08 s more on a cold JIT cache).
+        adds = kind == STORE
         stride_w = 1 + m + info[_W]
         cap = info[_CAP]
         if kind == CLEAR:
@@ -353,7 +356,7 @@ def fold_batch(
                 return r + 1, _EMPTIED
             for i in range(cap):
                 if slots[i * stride_w] != 0:
-                    _set_bit(slots, i * stride_w, m, g, False)
+                    _set_bit(slots, i * stride_w, m, g, adds)
             return r + 1, _REBUILD
         for h in range(lo, min(hi, lo + _AHEAD)):
             _prefetch(slots, _home(metas[h], cap) * stride_w)
@@ -379,13 +382,13 @@ def fold_batch(
                     for j in range(nw):
                         slots[b + 1 + m + j] = words[s + j]
                     info[_COUNT] += 1
-                _set_bit(slots, i * stride_w, m, g, True)
+                _set_bit(slots, i * stride_w, m, g, adds)
             elif kind == REMOVE:
                 i = _find(slots, cap, stride_w, m, meta, words, s, nw)
                 if i < 0:
                     continue  # removing an absent key is not an error (the format)
                 b = i * stride_w
-                _set_bit(slots, b, m, g, False)
+                _set_bit(slots, b, m, g, adds)
                 if not _live(slots, b, m):
                     _delete(slots, info, i)
             elif kind == LOOKUP:
