@@ -226,11 +226,7 @@ def fold_rows(
     table.fold(
         _readonly(kinds),
         _readonly(group_ids.astype(np.int32, copy=False)),
-        words.row_offsets,
-        words.words,
-        words.word_offsets,
-        words.nbytes,
-        words.max_words,
+        words,
         out,
         out_offsets,
     )

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from replay.engine import replay_trace
-from replay.kernels import LOOKUP, STORE, KeyTable
+from replay.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
 from replay.shard import fold_rows
 from replay.spec import TraceConfig
 from replay.trace import (
@@ -212,6 +212,69 @@ def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> N
         assert table.num_keys == len(set().union(*truth))
         largest = max(largest, int(table.info[0]))
     assert largest >= 8192
+
+
+def _keys_homed(rng: np.random.Generator, want: int, top: Callable[[int], bool]) -> list[bytes]:
+    """``want`` random 16-byte keys whose mixed hash's top 10 bits pass
+    ``top``: their home slot at every table size lies in that part of it."""
+    found: list[bytes] = []
+    while len(found) < want:
+        key = rng.bytes(16)
+        if top(int(_key_meta(np.frombuffer(key, dtype=np.uint64), 0, 2, 16)) >> 54):
+            found.append(key)
+    return found
+
+
+def _fold(
+    table: KeyTable, kinds: np.ndarray[Any, Any], gids: np.ndarray[Any, Any], hashes: pa.Array
+) -> np.ndarray[Any, Any]:
+    """The table's own fold of one batch; lookup rows' presence bytes."""
+    words = hash_words(hashes)
+    units = np.diff(words.row_offsets)
+    offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.where(kinds == LOOKUP, units * table.num_groups, 0), out=offsets[1:])
+    out = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    kinds.flags.writeable = gids.flags.writeable = False
+    table.fold(kinds, gids, words, out, offsets)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_doubling_in_place_with_probe_runs_that_wrap(seed: int) -> None:
+    """Keys crowded into the last and first 1/256 of the table at every size:
+    their probe runs wrap around the end and start near slot 0, the keys the
+    in-place doubling has to set aside and insert last. Random keys grow the
+    table from 1,024 slots to 32,768 while some of those are removed again;
+    presence always equals a set's."""
+    rng = np.random.default_rng(40 + seed)
+    crowd = _keys_homed(rng, 400, lambda t: t >= 1020) + _keys_homed(rng, 200, lambda t: t < 4)
+    spread = [rng.bytes(16) for _ in range(21_000)]
+    table = KeyTable(2)
+    truth: list[set[bytes]] = [set(), set()]
+    universe = crowd + spread
+    for step in range(30):
+        fresh = spread[step * 700 : (step + 1) * 700]
+        batch = [(STORE, 0, crowd[step * 20 : (step + 1) * 20] + fresh), (STORE, 1, fresh[::5])]
+        batch.append((1, 0, fresh[::7] + crowd[step * 10 : step * 10 + 5]))
+        for kind, g, keys in batch:
+            (truth[g].update if kind == STORE else truth[g].difference_update)(keys)
+        probe = [universe[i] for i in rng.integers(0, len(crowd) + (step + 1) * 700, 600)]
+        batch.append((LOOKUP, 0, probe))
+        arr = pa.array([keys for _, _, keys in batch], pa.list_(pa.binary()))
+        kinds = np.array([k for k, _, _ in batch], dtype=np.int8)
+        out = _fold(table, kinds, np.array([g for _, g, _ in batch], dtype=np.int32), arr)
+        got = out.reshape(2, len(probe)).astype(bool).tolist()
+        assert got == [[h in truth[g] for h in probe] for g in range(2)]
+        assert table.group_counts() == [len(t) for t in truth]
+    assert int(table.info[0]) == 32_768
+    # One more doubling by hand: the crowded ends are what it sets aside.
+    table._extend(2 * table.slots.shape[0])
+    assert _double_in_place(table.slots, table.info) > 64  # the side buffer grows too
+    out = _fold(
+        table, kinds[-1:], np.zeros(1, np.int32), pa.array([universe], pa.list_(pa.binary()))
+    )
+    got = out.reshape(2, len(universe)).astype(bool).tolist()
+    assert got == [[h in truth[g] for h in universe] for g in range(2)]
 
 
 def test_many_keys_grow_the_table_in_a_replay(tmp_path: Path) -> None:
