@@ -20,7 +20,7 @@ import zmq
 from click.testing import CliRunner
 
 from replay import vllm_plugin
-from replay.cli_sources import ingest, record
+from replay.cli.sources import ingest, record
 from replay.sources.record import binds, ingest_dumps
 from replay.trace import open_trace
 from tests.test_record_zmq import Publisher, Step

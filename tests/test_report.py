@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from analysis.report import build_report, nice_ticks, time_ticks
-from replay.cli_analysis import report
+from replay.cli.analysis import report
 from replay.engine import replay_trace, save_results
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from replay.cli_analysis import report
+from replay.cli.analysis import report
 from replay.engine import replay_trace, save_results
 from tests.test_diff import write_workload
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
-from replay.cli_sources import ingest
+from replay.cli.sources import ingest
 from replay.errors import ConfigError, ReplayError, TraceError
 from replay.sources.kv_events import (
     AllBlocksCleared,

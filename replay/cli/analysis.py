@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from replay.cli_common import handles_user_errors
+from replay.cli.common import handles_user_errors
 from replay.coordinator import CACHES, POLICIES
 from replay.engine import COORDINATORS
 

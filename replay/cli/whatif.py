@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from replay.blockpool import EVICTIONS
-from replay.cli_common import fail, handles_user_errors
-from replay.cli_common import retention_interval as parse_retention
+from replay.cli.common import fail, handles_user_errors
+from replay.cli.common import retention_interval as parse_retention
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import resolve_cache
 from replay.whatif import (
