@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from click.testing import CliRunner, Result
 
-from replay.cli_sources import ingest
+from replay.cli.sources import ingest
 from replay.sources.dump import DumpWriter
 from replay.sources.kv_config import load_config
 from replay.spec import GroupKind, GroupSpec, TraceConfig

@@ -25,7 +25,7 @@ from click.testing import CliRunner, Result
 
 from analysis.diff import DIFF_META_KEY, diff_inputs
 from replay.cli import cli
-from replay.cli_analysis import diff
+from replay.cli.analysis import diff
 from replay.engine import replay_trace, save_results
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import RESULTS_SCHEMA, read_results, write_results, write_trace

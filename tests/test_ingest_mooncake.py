@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from replay.cli_synth import bailian, ingest_summary_text, mooncake
+from replay.cli.synth import bailian, ingest_summary_text, mooncake
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
 from replay.sources.mooncake import ingest_bailian, ingest_mooncake

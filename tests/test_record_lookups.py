@@ -20,7 +20,7 @@ import zmq
 from click.testing import CliRunner
 
 from replay import vllm_plugin
-from replay.cli_sources import ingest, record
+from replay.cli.sources import ingest, record
 from replay.sources.record import ingest_dumps
 from replay.sources.zmq_client import binds
 from replay.trace import open_trace

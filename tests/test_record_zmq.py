@@ -24,7 +24,7 @@ import msgspec
 import zmq
 from click.testing import CliRunner
 
-from replay.cli_sources import ingest, record
+from replay.cli.sources import ingest, record
 from replay.sources.record import record as record_stream
 from replay.sources.zmq_client import END_SEQ
 from replay.trace import open_trace
@@ -389,7 +389,7 @@ def test_sigterm_closes_a_valid_trace(tmp_path: Path) -> None:
     with Publisher(steps, with_replay=False) as pub:
         proc = subprocess.Popen(
             [
-                sys.executable, "-c", "from replay.cli_sources import record; record()",
+                sys.executable, "-c", "from replay.cli.sources import record; record()",
                 "--endpoint", pub.endpoint, "-o", str(out), "--block-size", "16",
                 "--duration", str(3 * TIMEOUT),
             ],

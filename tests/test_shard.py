@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from replay.cli_scale import results_paths
+from replay.cli.scale import results_paths
 from replay.engine import replay_trace
 from replay.errors import ReplayError
 from replay.shard import replay_sharded, shard_of

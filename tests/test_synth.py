@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from replay.cli_synth import synth, synth_summary_text
+from replay.cli.synth import synth, synth_summary_text
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
 from replay.sources.archetypes import archetype_config

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from replay.cli_common import exit_on_signal, fail, handles_user_errors, user_errors
+from replay.cli.common import exit_on_signal, fail, handles_user_errors, user_errors
 from replay.paths import check_outputs
 from replay.spec import TraceConfig
 

@@ -12,8 +12,8 @@ import click
 
 from replay.answers import resolve_cache
 from replay.blockpool import EVICTIONS
-from replay.cli_common import fail, handles_user_errors
-from replay.cli_common import retention_interval as parse_retention
+from replay.cli.common import fail, handles_user_errors
+from replay.cli.common import retention_interval as parse_retention
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.whatif import (
     RunSpec,

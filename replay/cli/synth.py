@@ -1,5 +1,5 @@
 """Click commands for trace sources: ``synth`` and the ``mooncake`` / ``bailian``
-importers (wired under ``replay ingest`` by ``replay.cli_sources``).
+importers (wired under ``replay ingest`` by ``replay.cli.sources``).
 
 Click only: each command calls one library function and prints its summary.
 Library errors are ``ReplayError`` (one line); the main entry point prints
@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from replay.cli_common import fail, handles_user_errors, retention_interval
+from replay.cli.common import fail, handles_user_errors, retention_interval
 from replay.coordinator import CACHES
 from replay.paths import check_outputs
 from replay.sources.archetypes import ARCHETYPES

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from replay.answers import COORDINATORS
-from replay.cli_common import handles_user_errors
+from replay.cli.common import handles_user_errors
 from replay.coordinator import CACHES, POLICIES
 
 

@@ -14,8 +14,8 @@ import click
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay import __version__
 from replay.answers import COORDINATORS, Progress, resolve_cache
-from replay.cli_common import command_guard, fail, run_main
-from replay.cli_scale import RAY, WORKERS, replay_for_run, results_paths
+from replay.cli.common import command_guard, fail, run_main
+from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.engine import explain_lookups, save_results, state_at
 from replay.render import config_lines, explain_header, explain_table, group_label
@@ -492,11 +492,11 @@ def minimize(
 
 
 def _register() -> None:
-    from replay.cli_analysis import diff, report
-    from replay.cli_scale import cat, split
-    from replay.cli_sources import ingest, record
-    from replay.cli_synth import bailian, mooncake, synth
-    from replay.cli_whatif import whatif
+    from replay.cli.analysis import diff, report
+    from replay.cli.scale import cat, split
+    from replay.cli.sources import ingest, record
+    from replay.cli.synth import bailian, mooncake, synth
+    from replay.cli.whatif import whatif
 
     cli.add_command(diff)
     cli.add_command(split)
