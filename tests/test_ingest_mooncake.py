@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from replay.cli.synth import bailian, ingest_summary_text, mooncake
+from replay.cli.sources import bailian, mooncake
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
+from replay.render import ingest_summary_text
 from replay.sources.mooncake import count_reuse, ingest_bailian, ingest_mooncake
 from replay.trace import open_trace
 from tests.conftest import check_store_options

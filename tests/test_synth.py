@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from replay.cli.synth import synth, synth_summary_text
+from replay.cli.synth import synth
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
+from replay.render import synth_summary_text
 from replay.sources.synth import ARCHETYPES, archetype_config, synth_trace
 from replay.sources.workload import (
     DigestTable,
