@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from replay.cli.synth import bailian, ingest_summary_text, mooncake
+from replay.cli.sources import bailian, mooncake
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
+from replay.render import ingest_summary_text
 from replay.sources.mooncake import ingest_bailian, ingest_mooncake
 from replay.sources.prefix_reuse import count_reuse
 from replay.trace import open_trace

@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from replay.cli.synth import synth, synth_summary_text
+from replay.cli.synth import synth
 from replay.coordinator import Coordinator
 from replay.errors import ReplayError
+from replay.render import synth_summary_text
 from replay.sources.archetypes import archetype_config
 from replay.sources.synth import synth_trace
 from replay.spec import GroupKind

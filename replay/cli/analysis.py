@@ -1,10 +1,5 @@
-"""``replay diff`` and ``replay report``: click only, over ``analysis.diff`` and
-``analysis.report``. ``replay.cli`` registers them on the group.
-
-Library errors (``ReplayError``) become one ``error: ...`` line and exit
-status 2 here as well, so the commands behave the same when invoked on
-their own (tests) as under the ``replay`` group.
-"""
+"""``replay diff`` and ``replay report``: click only, over ``analysis.diff``
+and ``analysis.report``."""
 
 from __future__ import annotations
 
@@ -14,51 +9,35 @@ from pathlib import Path
 import click
 
 from replay.answers import COORDINATORS
-from replay.cli.common import handles_user_errors
+from replay.cli.common import command
+from replay.cli.options import count_option, output_option, repeated_choice
 from replay.coordinator import CACHES, POLICIES
 
 
-@click.command("diff")
+@command("diff")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
+@repeated_choice(
     "--policy",
     "policies",
-    multiple=True,
-    type=click.Choice(list(POLICIES)),
-    help="With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 "
-    "--policy pre-49502).",
+    POLICIES,
+    "With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 --policy pre-49502).",
 )
-@click.option(
+@repeated_choice(
     "--coordinator",
     "coordinators",
-    multiple=True,
-    type=click.Choice(list(COORDINATORS)),
-    help="With a trace: once for both sides, or twice (A, B). Default: reference.",
+    COORDINATORS,
+    "With a trace: once for both sides, or twice (A, B). Default: reference.",
 )
-@click.option(
+@repeated_choice(
     "--cache",
     "caches",
-    multiple=True,
-    type=click.Choice(list(CACHES)),
-    help="With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
+    CACHES,
+    "With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
     "where the Mooncake mirror drifts from the engine). Default: the trace's source.cache.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Write the changed lookups as Parquet (summary in metadata 'replay.diff').",
-)
-@click.option(
-    "--limit",
-    type=click.IntRange(min=0),
-    default=20,
-    show_default=True,
-    help="Changed lookups to print.",
-)
-@handles_user_errors
+@output_option("Write the changed lookups as Parquet (summary in metadata 'replay.diff').")
+@count_option("--limit", default=20, help="Changed lookups to print.")
 def diff(
     inputs: tuple[Path, ...],
     policies: tuple[str, ...],
@@ -100,15 +79,9 @@ def diff(
         click.echo(f"wrote {result.changed} changed lookups to {output}")
 
 
-@click.command("report")
+@command("report")
 @click.argument("results", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Report file (default: NAME.report.html or .md beside the results).",
-)
+@output_option("Report file (default: NAME.report.html or .md beside the results).")
 @click.option(
     "--trace",
     type=click.Path(path_type=Path),
@@ -124,14 +97,7 @@ def diff(
     help="html: one self-contained page with charts; md: a summary for a pull request. "
     "Default: from the -o extension (.md is Markdown), else html.",
 )
-@click.option(
-    "--examples",
-    type=click.IntRange(min=0),
-    default=3,
-    show_default=True,
-    help="Flagged lookups shown (and explained) per flag kind.",
-)
-@handles_user_errors
+@count_option("--examples", default=3, help="Flagged lookups shown (and explained) per flag kind.")
 def report(
     results: Path, output: Path | None, trace: Path | None, fmt: str | None, examples: int
 ) -> None:
@@ -144,27 +110,20 @@ def report(
     from replay.paths import check_outputs
     from replay.whatif import is_sweep_file
 
+    if fmt is None:
+        fmt = (
+            "md" if output is not None and output.suffix.lower() in (".md", ".markdown") else "html"
+        )
+    out = output or default_report_path(results, fmt)
     if is_sweep_file(results):
         from analysis.report import write_sweep_report
 
-        if fmt is None:
-            fmt = (
-                "md"
-                if output is not None and output.suffix.lower() in (".md", ".markdown")
-                else "html"
-            )
-        out = output or default_report_path(results, fmt)
         check_outputs({"-o": out}, [results], text=True)
         target = write_sweep_report(results, out, fmt)
         if target.kind != "stdout":
             click.echo(f"wrote {out}")
         return
 
-    if fmt is None:
-        fmt = (
-            "md" if output is not None and output.suffix.lower() in (".md", ".markdown") else "html"
-        )
-    out = output or default_report_path(results, fmt)
     check_outputs({"-o": out}, [results, trace], text=True)
     data = build_report(results, trace=trace, examples=max(examples, 0))
     check_outputs({"-o": out}, [results, data.trace_path], text=True)

@@ -2,25 +2,27 @@
 (``error: ...``) and exit status 2, never a traceback; SIGINT, SIGTERM and
 SIGHUP end a command through the same cleanup as an error (no temporary
 file is left) with exit status 128 + the signal number, never 1 (which
-means "flags found")."""
+means "flags found").
+
+The one way an error becomes a message: a command is a :class:`Command`
+(made by :func:`command`), whose callback runs under :func:`command_guard`;
+the guard turns the library's ``ReplayError`` and the system's refusals into
+a :class:`UserError`, and a check of the CLI's own raises :func:`fail`."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import click
 
 from replay.errors import Interrupted, ReplayError
 from replay.paths import EXIT_SIGNALS, note_signal
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class UserError(click.ClickException):
@@ -35,19 +37,6 @@ class UserError(click.ClickException):
 def fail(message: str) -> UserError:
     """The error to raise; whitespace is folded so it stays on one line."""
     return UserError(" ".join(message.split()))
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn the library's errors, and files or sockets the system refused
-    (permissions, a full disk), into one-line user errors."""
-    try:
-        yield
-    except ReplayError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        raise fail(f"{where}{exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager
@@ -110,36 +99,46 @@ def run_main(command: click.Command, prog_name: str) -> None:
 
 @contextlib.contextmanager
 def command_guard() -> Iterator[None]:
-    """Around a whole command: one-line user errors and the signal exits."""
+    """Around a command's callback: the library's errors, and files or
+    sockets the system refused (permissions, a full disk), become one-line
+    user errors; a signal ends the command with its exit status."""
     with signals_raise():
         try:
-            with user_errors():
-                yield
+            yield
+        except ReplayError as exc:
+            raise fail(str(exc)) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise fail(f"{where}{exc.strerror or exc}") from None
         except KeyboardInterrupt:
             raise exit_on_signal(signal.SIGINT) from None
         except Interrupted as exc:
             raise exit_on_signal(exc.signum) from None
 
 
-def handles_user_errors(fn: F) -> F:
-    """The same for one command, so it behaves alike outside the `replay` group."""
+class Command(click.Command):
+    """A `replay` command: its callback runs under :func:`command_guard`, so
+    it behaves the same on its own (a test, ``python -c``) as under the
+    ``replay`` group."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def invoke(self, ctx: click.Context) -> Any:
         with command_guard():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+            return super().invoke(ctx)
 
 
-def retention_interval(text: str) -> int | None:
-    """``--retention-interval N|none``: vLLM's prefix_cache_retention_interval."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        interval = int(text)
-    except ValueError:
-        interval = -1
-    if interval < 0:
-        raise fail(f"--retention-interval: expected an integer >= 0 or 'none', got {text!r}")
-    return interval
+class Group(click.Group):
+    """A group of `replay` commands; the commands and groups it makes are
+    of these classes too."""
+
+    command_class = Command
+    group_class = type
+
+
+def command(name: str | None = None, **attrs: Any) -> Callable[[Callable[..., Any]], Command]:
+    """``@click.command`` for a `replay` command."""
+    return click.command(name, cls=Command, **attrs)
+
+
+def group(name: str | None = None, **attrs: Any) -> Callable[[Callable[..., Any]], Group]:
+    """``@click.group`` for a group of `replay` commands."""
+    return click.group(name, cls=Group, **attrs)

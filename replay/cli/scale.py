@@ -7,30 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
 from replay.answers import Progress, ReplayResult
+from replay.cli.common import command, fail
+from replay.cli.options import TRACE, count_option, output_option
 from replay.engine import default_results_path
-from replay.errors import ReplayError
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _output(help: str) -> Callable[[F], F]:
-    return click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help=help)
-
-
-TRACE = click.argument("trace", type=click.Path(path_type=Path))
-
-
-@click.command()
+@command()
 @TRACE
-@_output("The new directory to write (absent or empty).")
-@click.option(
+@output_option("The new directory to write (absent or empty).", required=True)
+@count_option(
     "--files",
-    type=click.IntRange(min=1),
+    least=1,
     required=True,
     help="How many files: equal rows give or take one (one file a row when there are fewer rows).",
 )
@@ -42,9 +33,9 @@ def split(trace: Path, output: Path, files: int) -> None:
     click.echo(f"{trace} -> {output}: {n} files")
 
 
-@click.command()
+@command()
 @TRACE
-@_output("The one trace file to write.")
+@output_option("The one trace file to write.", required=True)
 def cat(trace: Path, output: Path) -> None:
     """Write every event of a trace directory (or file) TRACE into one file."""
     from replay.tracedir import cat_trace
@@ -111,11 +102,9 @@ def replay_for_run(
     all from one fold: in this process, or on Ray when asked."""
     if workers is not None or ray_address is not None:
         if coordinator != "reference":
-            raise ReplayError(
-                "--coordinator vllm runs in one process: drop --workers/--ray to use it"
-            )
+            raise fail("--coordinator vllm runs in one process: drop --workers/--ray to use it")
         if unit_present:
-            raise ReplayError("--unit-present runs in one process: drop --workers/--ray")
+            raise fail("--unit-present runs in one process: drop --workers/--ray")
         from replay.cluster import import_ray, replay_on_ray
 
         import_ray()  # a missing extra is said before any reading

@@ -1,32 +1,44 @@
-"""``replay record`` and ``replay ingest``: click only, the work is in
-``replay.sources``. Library errors become one line, ``error: ...``, exit 2.
-
-The ``ingest`` group is shared: other importers add their subcommands to it
-(``@ingest.command("mooncake")``) from their own modules, and may reuse
-``config_options`` / ``config_from_options`` for the KV-cache config.
-"""
+"""``replay record`` and ``replay ingest``: traces from elsewhere. Click
+only, the work is in ``replay.sources``: a live vLLM KV-event stream, its
+raw dumps, a lookup log merged into a trace, and the public Mooncake and
+bailian traces."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from replay.cli.common import exit_on_signal, fail, handles_user_errors, user_errors
+from replay.cli.common import command, exit_on_signal, fail, group
+from replay.cli.options import (
+    CAPACITY_BLOCKS,
+    MODEL_HELP,
+    count_option,
+    output_option,
+    store_options,
+)
+from replay.cli.progress import progress_bar
 from replay.paths import check_outputs
+from replay.render import ingest_summary_text
+from replay.sources.archetypes import ARCHETYPES
 from replay.spec import TraceConfig
+from replay.store_rules import StorePolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+TRACE_OUTPUT = click.option(
+    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
+)
 
 
 def config_options(func: F) -> F:
     """``--config FILE`` / ``--block-size N``: the KV-cache config of a trace."""
-    func = click.option(
+    func = count_option(
         "--block-size",
-        type=click.IntRange(min=1),
+        least=1,
         help="Instead of --config: one full-attention group with blocks of N tokens.",
     )(func)
     func = click.option(
@@ -39,12 +51,6 @@ def config_options(func: F) -> F:
     return func
 
 
-def config_from_options(config_path: str | None, block_size: int | None) -> TraceConfig:
-    from replay.sources.kv_config import load_config
-
-    return load_config(config_path, block_size)
-
-
 def _optional_config(
     config_path: str | None, block_size: int | None, lookups: str | None
 ) -> TraceConfig | None:
@@ -52,7 +58,9 @@ def _optional_config(
     plugin's engine facts are the config (checked where they are read)."""
     if config_path is None and block_size is None and lookups is not None:
         return None
-    return config_from_options(config_path, block_size)
+    from replay.sources.kv_config import load_config
+
+    return load_config(config_path, block_size)
 
 
 def _medium_option(func: F) -> F:
@@ -66,7 +74,11 @@ def _medium_option(func: F) -> F:
     )(func)
 
 
-@click.command()
+def _say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@command()
 @click.option(
     "--endpoint",
     required=True,
@@ -91,16 +103,10 @@ def _medium_option(func: F) -> F:
     "every lookup goes in its exact place with the hit vLLM gave it; the plugin's engine "
     "facts replace --config.",
 )
-@click.option(
-    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
-)
+@TRACE_OUTPUT
 @config_options
 @_medium_option
-@click.option(
-    "--max-batches",
-    type=click.IntRange(min=1),
-    help="Stop once N batches (sequence numbers) were taken.",
-)
+@count_option("--max-batches", least=1, help="Stop once N batches (sequence numbers) were taken.")
 @click.option(
     "--duration",
     type=click.FloatRange(min=0, min_open=True),
@@ -120,7 +126,6 @@ def _medium_option(func: F) -> F:
     metavar="SECONDS",
     help="How long to wait for each replay reply.",
 )
-@handles_user_errors
 def record(
     endpoint: str,
     replay_endpoint: str | None,
@@ -146,31 +151,30 @@ def record(
     from replay.sources.record import record as record_stream
     from replay.sources.record import stop_on_signals
 
-    with user_errors():
-        check_outputs({"-o": output, "--dump": dump}, [config_path])
-        config = _optional_config(config_path, block_size, lookups)
-        stop = threading.Event()
-        tty = sys.stderr.isatty()
+    check_outputs({"-o": output, "--dump": dump}, [config_path])
+    config = _optional_config(config_path, block_size, lookups)
+    stop = threading.Event()
+    with progress_bar() as bar, stop_on_signals(stop) as received:
+        say = _say if bar is None else bar.note
         try:
-            with stop_on_signals(stop) as received:
-                summary = record_stream(
-                    endpoint=endpoint,
-                    output=output,
-                    config=config,
-                    replay_endpoint=replay_endpoint,
-                    topic=topic,
-                    bind=bind,
-                    lookups=lookups,
-                    max_batches=max_batches,
-                    duration=duration,
-                    dump=dump,
-                    media=media or None,
-                    replay_timeout=replay_timeout,
-                    stop=stop,
-                    announce=lambda m: click.echo(m, err=True),
-                    report=lambda m: click.echo(("\n" if tty else "") + m, err=True),
-                    progress=(lambda m: click.echo("\r" + m, err=True, nl=False)) if tty else None,
-                )
+            summary = record_stream(
+                endpoint=endpoint,
+                output=output,
+                config=config,
+                replay_endpoint=replay_endpoint,
+                topic=topic,
+                bind=bind,
+                lookups=lookups,
+                max_batches=max_batches,
+                duration=duration,
+                dump=dump,
+                media=media or None,
+                replay_timeout=replay_timeout,
+                stop=stop,
+                announce=say,
+                report=say,
+                progress=None if bar is None else bar.status,
+            )
         except GroupMismatch as exc:
             hint = (
                 f"; the raw frames are in {dump}: `replay ingest kv-events {dump} --config ...`"
@@ -178,24 +182,20 @@ def record(
                 else ""
             )
             raise fail(f"{exc}{hint}") from None
-    if tty:
-        click.echo("", err=True)
-    click.echo(f"recorded {summary.describe()} to {output}", err=True)
+    _say(f"recorded {summary.describe()} to {output}")
     if received:
         # The trace is complete and valid; the status still says a signal ended it.
         raise exit_on_signal(received[0])
 
 
-@click.group()
+@group()
 def ingest() -> None:
     """Import traces from other formats."""
 
 
 @ingest.command("kv-events")
 @click.argument("files", nargs=-1, required=True, metavar="DUMP...")
-@click.option(
-    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
-)
+@TRACE_OUTPUT
 @config_options
 @_medium_option
 @click.option(
@@ -205,7 +205,6 @@ def ingest() -> None:
     "place, and its engine facts replace --config; or a JSONL lookup log, merged in by time "
     "(as `replay ingest merge` does).",
 )
-@handles_user_errors
 def ingest_kv_events(
     files: tuple[str, ...],
     output: str,
@@ -223,24 +222,20 @@ def ingest_kv_events(
     # What the import reports (skipped messages, gaps, a torn last record) is
     # shown once it succeeded: a failed import is its one error line.
     notes: list[str] = []
-    with user_errors():
-        check_outputs({"-o": output}, [*files, lookups, config_path])
-        config = _optional_config(config_path, block_size, lookups)
-        summary = ingest_dumps(
-            list(files), output, config, media=media or None, lookups=lookups, report=notes.append
-        )
+    check_outputs({"-o": output}, [*files, lookups, config_path])
+    config = _optional_config(config_path, block_size, lookups)
+    summary = ingest_dumps(
+        list(files), output, config, media=media or None, lookups=lookups, report=notes.append
+    )
     for note in notes:
-        click.echo(note, err=True)
-    click.echo(f"wrote {output}: {summary.describe()}", err=True)
+        _say(note)
+    _say(f"wrote {output}: {summary.describe()}")
 
 
 @ingest.command("merge")
 @click.argument("trace", metavar="TRACE")
 @click.argument("lookups", metavar="LOOKUPS.jsonl")
-@click.option(
-    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
-)
-@handles_user_errors
+@TRACE_OUTPUT
 def ingest_merge(trace: str, lookups: str, output: str) -> None:
     """Merge a lookup log (JSONL) into a trace by time.
 
@@ -251,9 +246,64 @@ def ingest_merge(trace: str, lookups: str, output: str) -> None:
     """
     from replay.sources.lookup_log import merge_lookups
 
-    with user_errors():
-        check_outputs({"-o": output}, [trace, lookups])
-        summary = merge_lookups(trace, lookups, output)
-    click.echo(
-        f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged", err=True
+    check_outputs({"-o": output}, [trace, lookups])
+    summary = merge_lookups(trace, lookups, output)
+    _say(f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged")
+
+
+def _importer(format_name: str, doc: str) -> click.Command:
+    """``replay ingest FORMAT``: one of ``replay.sources.mooncake``'s formats."""
+
+    @ingest.command(format_name, help=doc)
+    @click.argument("trace", type=click.Path(path_type=Path))
+    @output_option("Trace file to write (Parquet).", required=True)
+    @click.option(
+        "--model",
+        default="full",
+        show_default=True,
+        type=click.Choice(list(ARCHETYPES)),
+        help=MODEL_HELP,
     )
+    @count_option(
+        "--block-size", default=16, least=1, help="Tokens per trace block (and per lookup hash)."
+    )
+    @click.option("--eagle/--no-eagle", default=False, show_default=True)
+    @CAPACITY_BLOCKS
+    @store_options
+    def command(
+        trace: Path,
+        output: Path,
+        model: str,
+        block_size: int,
+        eagle: bool,
+        capacity_blocks: int | None,
+        retention_interval: int | None,
+        max_num_batched_tokens: int,
+        cache: str,
+    ) -> None:
+        from replay.sources.mooncake import ingest as run_ingest
+
+        check_outputs({"-o": output}, [trace])
+        with progress_bar() as bar:
+            summary = run_ingest(
+                format_name,
+                trace,
+                output,
+                model=model,
+                block_size=block_size,
+                eagle=eagle,
+                capacity_blocks=capacity_blocks,
+                policy=StorePolicy(
+                    retention_interval=retention_interval,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    cache=cache,
+                ),
+                progress=None if bar is None else bar.steps("rows"),
+            )
+        click.echo(ingest_summary_text(summary))
+
+    return command
+
+
+mooncake = _importer("mooncake", "Import a Mooncake FAST'25 JSONL trace (512-token hash_ids).")
+bailian = _importer("bailian", "Import a Qwen bailian JSONL trace (16-token hash_ids).")

@@ -1,20 +1,24 @@
-"""``replay whatif``: click only, over ``replay.whatif``. ``replay.cli``
-registers it on the group."""
+"""``replay whatif``: click only, over ``replay.whatif``."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from replay.answers import resolve_cache
 from replay.blockpool import EVICTIONS
-from replay.cli.common import fail, handles_user_errors
-from replay.cli.common import retention_interval as parse_retention
+from replay.cli.common import command, fail
+from replay.cli.options import count_option, output_option
+from replay.cli.options import retention_interval as parse_retention
+from replay.cli.progress import Bar, progress_bar
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.render import sweep_lines
 from replay.whatif import (
     RunSpec,
     blocks_for_bytes,
@@ -51,36 +55,17 @@ def _names(values: tuple[str, ...]) -> list[str]:
     return out
 
 
-class _SweepBar:
-    """Progress over the runs: a bar on a terminal, else a line per run."""
+def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        bar.count(done, total, f"{done}/{total} runs  {bar.elapsed():,.1f} s")
 
-    def __init__(self, tty: bool) -> None:
-        self.started = time.perf_counter()
-        self.shown = False
-        self.tty = tty
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.tty:
-            if done:
-                elapsed = time.perf_counter() - self.started
-                sys.stderr.write(f"{done}/{total} runs done, {elapsed:,.1f} s\n")
-                sys.stderr.flush()
-            return
-        width = 24
-        filled = width * done // max(total, 1)
-        elapsed = time.perf_counter() - self.started
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs  {elapsed:,.1f} s"
-        )
-        sys.stderr.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown and self.tty:
-            sys.stderr.write("\n")
+    return show
 
 
-@click.command("whatif")
+@command(
+    "whatif",
+    short_help="Hit ratios of TRACE's requests under other cache sizes and eviction policies.",
+)
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
     "--capacity-blocks",
@@ -130,16 +115,13 @@ class _SweepBar:
     help="vLLM's prefix_cache_retention_interval: 0, a multiple of the scheduler block "
     "size, or none (dense).",
 )
-@click.option(
+@count_option(
     "--max-num-batched-tokens",
-    type=click.IntRange(min=1),
     default=8192,
-    show_default=True,
+    least=1,
     help="The scheduler's token budget per step (the longest prefill chunk).",
 )
-@click.option(
-    "-o", "--output", type=click.Path(path_type=Path), required=True, help="SWEEP.parquet to write."
-)
+@output_option("SWEEP.parquet to write.", required=True)
 @click.option(
     "--emit-traces",
     type=click.Path(path_type=Path, file_okay=False),
@@ -147,14 +129,8 @@ class _SweepBar:
     help="Also write each run as a trace in this directory (replay run replays it to the "
     "same hits).",
 )
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Runs in parallel (default: the number of cores).",
-)
+@count_option("--jobs", least=1, help="Runs in parallel (default: the number of cores).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
-@handles_user_errors
 def whatif(
     trace: Path,
     capacity_blocks: str | None,
@@ -188,69 +164,51 @@ def whatif(
     cache_name = resolve_cache(config, cache)
     sizes: list[tuple[int, int | None]] = []
     pages: tuple[int, ...] | None = None
-    if capacity_blocks is not None:
-        sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
-    else:
-        assert capacity_bytes is not None
+    if capacity_bytes is not None:
         pages = page_sizes(config, page_bytes)
-        for part in capacity_bytes.split(","):
-            size = parse_bytes(part)
-            sizes.append((blocks_for_bytes(size, pages), size))
+        sizes = [
+            (blocks_for_bytes(b, pages), b) for b in map(parse_bytes, capacity_bytes.split(","))
+        ]
+    elif capacity_blocks is not None:
+        sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
     if emit_traces is not None:
         if emit_traces.exists() and not emit_traces.is_dir():
             raise fail(f"{emit_traces}: not a directory")
         emit_traces.mkdir(parents=True, exist_ok=True)
-    specs: list[RunSpec] = []
-    for n_blocks, b in sizes:
-        for name in names:
-            spec = RunSpec(
-                cache=cache_name,
-                eviction=name,
-                capacity_blocks=n_blocks,
-                capacity_bytes=b,
-                policy=policy,
-                retention_interval=retention,
-                max_num_batched_tokens=max_num_batched_tokens,
-                page_bytes=pages,
-            )
-            if emit_traces is not None:
-                spec = RunSpec(
-                    **{f: getattr(spec, f) for f in RunSpec.__dataclass_fields__ if f != "emit"},
-                    emit=emit_path(emit_traces, spec),
-                )
-            specs.append(spec)
-    bar = None if quiet else _SweepBar(sys.stderr.isatty())
-    started = time.perf_counter()
-    try:
-        rows = sweep(requests, specs, jobs=jobs or os.cpu_count() or 1, progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - started
-    write_sweep(
-        output,
-        rows,
-        {
-            "version": 1,
-            "trace": trace.name,
-            "trace_config": config.to_json(),
-            "cache": cache_name,
-            "policy": policy,
-            "retention_interval": retention,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "page_bytes": list(pages) if pages else None,
-            "seconds": seconds,
-        },
+    run = functools.partial(
+        RunSpec,
+        cache=cache_name,
+        policy=policy,
+        retention_interval=retention,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_bytes=pages,
     )
+    specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
+    if emit_traces is not None:
+        specs = [dataclasses.replace(spec, emit=emit_path(emit_traces, spec)) for spec in specs]
+    started = time.perf_counter()
+    with progress_bar(quiet) as bar:
+        rows = sweep(
+            requests,
+            specs,
+            jobs=jobs or os.cpu_count() or 1,
+            progress=None if bar is None else _sweep_progress(bar),
+        )
+    seconds = time.perf_counter() - started
+    meta = {
+        "version": 1,
+        "trace": trace.name,
+        "trace_config": config.to_json(),
+        "cache": cache_name,
+        "policy": policy,
+        "retention_interval": retention,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "page_bytes": list(pages) if pages else None,
+        "seconds": seconds,
+    }
+    write_sweep(output, rows, meta)
     if quiet:
         return
-    click.echo(f"{trace}: {len(requests)} lookups, {cache_name} cache, policy {policy}")
-    click.echo(
-        f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}"
-    )
-    for r in rows:
-        click.echo(
-            f"{r['capacity_blocks']:>12,} {r['eviction']:8} {r['hit_ratio']:>9.4f} "
-            f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,}"
-        )
+    for line in sweep_lines(trace, len(requests), meta, rows):
+        click.echo(line)
     click.echo(f"wrote {output} ({len(rows)} runs in {seconds:.1f} s)")

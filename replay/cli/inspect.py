@@ -1,0 +1,77 @@
+"""``replay validate``, ``replay info`` and ``replay state``: what a trace
+holds, without replaying its lookups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from replay.answers import resolve_cache
+from replay.cli.common import command, fail
+from replay.cli.options import TRACE, count_option, output_option
+from replay.engine import state_at
+from replay.render import group_label, info_lines, validate_line
+from replay.summary import trace_info
+
+
+@command()
+@TRACE
+def validate(trace: Path) -> None:
+    """Check TRACE against format v1; print ok and the counts, or the first problem."""
+    click.echo(validate_line(trace, trace_info(trace)))
+
+
+@command()
+@TRACE
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(trace: Path, as_json: bool) -> None:
+    """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
+    data = trace_info(trace)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+        return
+    from replay.spec import TraceConfig
+
+    config = TraceConfig.from_json(data["config"])
+    # The cache the trace's events describe, which replays answer by default.
+    for line in info_lines(trace, data, config, resolve_cache(config, None)):
+        click.echo(line)
+
+
+@command()
+@TRACE
+@click.option(
+    "--at",
+    "at",
+    type=int,
+    default=None,
+    help="A seq: the state a lookup at SEQ sees (every event before it). Default: the end of the trace.",
+)
+@click.option("--group", "group", type=int, default=None, help="Only this group_id.")
+@output_option("Write the keys as Parquet (group_id int32, hash binary).")
+@count_option("--show", default=5, help="Keys to print per group.")
+def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
+    """Present (group_id, hash) keys at a point of the log."""
+    from replay.paths import check_outputs
+
+    check_outputs({"-o": output}, [trace])
+    config, store = state_at(trace, at)
+    if group is not None and not 0 <= group < config.num_groups:
+        raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")
+    groups = [group] if group is not None else list(range(config.num_groups))
+    where = f"before seq {at}" if at is not None else "at the end of the trace"
+    click.echo(f"state {where}: {trace}")
+    for gid in groups:
+        keys = sorted(store.keys(gid))
+        click.echo(f"group {group_label(config, gid)}: {len(keys)} keys")
+        for key in keys[:show]:
+            click.echo(f"  {key.hex()}")
+        if len(keys) > show:
+            click.echo(f"  … {len(keys) - show} more")
+    if output is not None:
+        from replay.trace import write_keys
+
+        n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
+        click.echo(f"wrote {n} keys to {output}")

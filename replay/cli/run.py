@@ -1,0 +1,292 @@
+"""``replay run``, ``replay check``, ``replay explain`` and ``replay
+minimize``: the commands that replay a trace through the coordinator and
+read its flags. Checks that find a problem exit 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from analysis.flags import FLAG_KINDS, flag_lines
+from replay.answers import COORDINATORS, Progress, resolve_cache
+from replay.cli.common import command
+from replay.cli.options import TRACE, count_option, output_option, repeated_choice
+from replay.cli.progress import Bar, progress_bar
+from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
+from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.engine import explain_lookups, save_results
+from replay.render import (
+    check_lines,
+    config_lines,
+    explain_header,
+    explain_table,
+    minimize_lines,
+    run_summary_lines,
+)
+from replay.summary import run_summary
+
+
+def _given(name: str) -> bool:
+    """Whether the user gave option ``name`` (not its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, click.core.ParameterSource.DEFAULT)
+
+
+POLICY = click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=DEFAULT_POLICY,
+    show_default=True,
+    help="Coordinator semantics: "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
+CACHE = click.option(
+    "--cache",
+    type=click.Choice(list(CACHES)),
+    default=None,
+    help="Which vLLM cache answers: "
+    + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
+    + ". Default: the trace's source.cache (recorded KV events: gpu), else mooncake.",
+)
+COORDINATOR = click.option(
+    "--coordinator",
+    type=click.Choice(list(COORDINATORS)),
+    default="reference",
+    show_default=True,
+    help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
+)
+SEQ = click.option(
+    "--seq",
+    type=int,
+    default=None,
+    help="The seq of the lookup, when the request_id occurs in several.",
+)
+
+
+def _replay_progress(bar: Bar) -> Callable[[Progress], None]:
+    def show(p: Progress) -> None:
+        rate = 1 / bar.elapsed()
+        bar.count(
+            p.events,
+            p.total_events,
+            f"{p.events}/{p.total_events} events {p.events * rate:,.0f}/s  "
+            f"{p.lookups} lookups {p.lookups * rate:,.0f}/s",
+        )
+
+    return show
+
+
+@command()
+@TRACE
+@output_option(
+    "Results file (default: NAME.results.parquet beside the trace). With several "
+    "--policy, each policy's name goes before the suffix."
+)
+@repeated_choice(
+    "--policy",
+    "policies",
+    POLICIES,
+    f"Coordinator semantics (default {DEFAULT_POLICY}); repeat it for one results file "
+    "per policy from one fold: "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
+@repeated_choice(
+    "--cache",
+    "caches",
+    CACHES,
+    "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
+    "repeat it for one results file per cache from the same fold.",
+)
+@COORDINATOR
+@WORKERS
+@RAY
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option(
+    "--unit-present",
+    is_flag=True,
+    help="Also write, per lookup and group, which hash units the store held (the raw store "
+    "state each lookup saw; larger results).",
+)
+@count_option("--examples", default=5, help="Flagged lookups to show.")
+def run(
+    trace: Path,
+    output: Path | None,
+    policies: tuple[str, ...],
+    caches: tuple[str, ...],
+    coordinator: str,
+    workers: int | None,
+    ray_address: str | None,
+    quiet: bool,
+    as_json: bool,
+    unit_present: bool,
+    examples: int,
+) -> None:
+    """Replay TRACE (a trace file or directory) through the coordinator and
+    write the results file.
+
+    Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
+    """
+    from analysis.flags import flag_counts, flag_examples
+    from replay.paths import check_outputs
+
+    policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
+    used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
+    outs = results_paths(trace, output, policies, used)
+    check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
+    with progress_bar(quiet or as_json) as bar:
+        results = replay_for_run(
+            trace,
+            policies=policies,
+            caches=used,
+            coordinator=coordinator,
+            unit_present=unit_present,
+            workers=workers,
+            ray_address=ray_address,
+            progress=None if bar is None else _replay_progress(bar),
+        )
+    summaries = []
+    for result, out in zip(results, outs, strict=True):
+        flags = result.flags()
+        save_results(result, out)
+        summary = run_summary(result, flag_counts(flags))
+        summary["results"] = str(out)
+        summary["examples"] = flag_examples(flags, examples)
+        summaries.append(summary)
+    if as_json:
+        click.echo(
+            json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2, default=str)
+        )
+        return
+    if quiet:
+        return
+    for summary in summaries:
+        for line in run_summary_lines(summary):
+            click.echo(line)
+
+
+@command()
+@TRACE
+@click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
+@SEQ
+@POLICY
+@CACHE
+@COORDINATOR
+def explain(
+    trace: Path,
+    request_id: str,
+    seq: int | None,
+    policy: str,
+    cache: str | None,
+    coordinator: str,
+) -> None:
+    """Show how the coordinator decided one request's hit, step by step, and
+    the lookup's flags."""
+    from replay.lookup_choice import choose_lookup
+
+    config, found = explain_lookups(
+        trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
+    )
+    chosen = choose_lookup(trace, request_id, [lk.seq for lk, _, _ in found], seq)
+    used = resolve_cache(config, cache)
+    for lookup, outcome, flags in found:
+        if lookup.seq != chosen:
+            continue
+        click.echo(explain_header(config, lookup, policy, used))
+        for line in config_lines(config, used):
+            click.echo(line)
+        click.echo("")
+        click.echo(explain_table(config, outcome))
+        click.echo("")
+        click.echo(flag_lines(flags))
+        click.echo("")
+
+
+@command()
+@click.argument("path", type=click.Path(path_type=Path))
+@POLICY
+@CACHE
+@COORDINATOR
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
+@count_option("--examples", default=10, help="Flagged lookups to list.")
+def check(
+    path: Path,
+    policy: str,
+    cache: str | None,
+    coordinator: str,
+    as_json: bool,
+    examples: int,
+) -> None:
+    """Exit 1 when any lookup of PATH is flagged, 0 when clean, 2 on bad input.
+
+    PATH is a trace (replayed now, under --policy) or a results file of
+    `replay run` (checked as it is, against its trace).
+    """
+    from analysis.flags import check_path, flag_counts, flag_examples
+
+    flags, policy_used = check_path(
+        path,
+        policy=policy if _given("policy") else None,
+        coordinator=coordinator,
+        cache=cache,
+    )
+    counts = flag_counts(flags)
+    if as_json:
+        rows = flags.to_dicts()
+        click.echo(
+            json.dumps(
+                {"path": str(path), "policy": policy_used, "flags": rows, "counts": counts},
+                default=str,
+            )
+        )
+    else:
+        lookups = flags["seq"].n_unique() if counts else 0
+        for line in check_lines(path, policy_used, counts, lookups, flag_examples(flags, examples)):
+            click.echo(line)
+    if counts:
+        sys.exit(1)
+
+
+@command()
+@TRACE
+@click.option(
+    "--request", "request_id", required=True, help="The request_id whose lookup is flagged."
+)
+@SEQ
+@click.option(
+    "--flag",
+    type=click.Choice(list(FLAG_KINDS)),
+    default=None,
+    help="Keep this flag (default: any flag).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default="pre-49502",
+    show_default=True,
+    help="Policy under which the flag fires.",
+)
+@CACHE
+@output_option("The small trace to write.", required=True)
+def minimize(
+    trace: Path,
+    request_id: str,
+    seq: int | None,
+    flag: str | None,
+    policy: str,
+    cache: str | None,
+    output: Path,
+) -> None:
+    """Shrink TRACE to a small trace on which REQUEST still raises the flag,
+    with its expectation (per policy) in the metadata: ready for traces/."""
+    from replay.minimize import minimize as run_minimize
+    from replay.paths import check_outputs
+
+    check_outputs({"-o": output}, [trace])
+    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)
+    for line in minimize_lines(trace, output, info, request_id):
+        click.echo(line)

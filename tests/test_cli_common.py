@@ -1,0 +1,113 @@
+"""replay.cli.common and the group: the one rule that turns what a command
+raises into a message and an exit status, alike for a command run alone and
+under ``replay``; and ``replay --help`` naming every command."""
+
+from __future__ import annotations
+
+import errno
+import signal
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from replay.cli import cli
+from replay.cli.common import Command, command, fail
+from replay.errors import Interrupted, ReplayError
+
+
+def _leaves(
+    group: click.Group, prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], click.Command]:
+    out: dict[tuple[str, ...], click.Command] = {}
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            out.update(_leaves(cmd, (*prefix, name)))
+        else:
+            out[(*prefix, name)] = cmd
+    return out
+
+
+LEAVES = _leaves(cli)
+
+
+def test_every_command_runs_under_the_guard() -> None:
+    assert [" ".join(p) for p, c in LEAVES.items() if not isinstance(c, Command)] == []
+
+
+RAISED: dict[str, tuple[BaseException, int, str]] = {
+    "library error": (ReplayError("t.parquet: seq 3: bad\n   value"), 2, "error: t.parquet: seq 3: bad value\n"),
+    "refused by the system": (PermissionError(errno.EACCES, "Permission denied", "out.parquet"), 2, "error: out.parquet: Permission denied\n"),
+    "no file name": (OSError(errno.ENOSPC, "No space left on device"), 2, "error: No space left on device\n"),
+    "the CLI's own check": (fail("--x: expected 1,\n got 2"), 2, "error: --x: expected 1, got 2\n"),
+    "SIGINT": (KeyboardInterrupt(), 130, "interrupted by SIGINT\n"),
+    "SIGTERM": (Interrupted(signal.SIGTERM), 143, "interrupted by SIGTERM\n"),
+    "SIGHUP": (Interrupted(signal.SIGHUP), 129, "interrupted by SIGHUP\n"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(RAISED))
+def test_what_a_command_raises_is_one_line_and_a_status(case: str) -> None:
+    raised, status, line = RAISED[case]
+
+    @command()
+    def task() -> None:
+        click.echo("started")
+        raise raised
+
+    result = CliRunner().invoke(task, [], catch_exceptions=False)
+    assert (result.exit_code, result.stdout, result.stderr) == (status, "started\n", line)
+
+
+# A command line per command that fails on its missing input ({m}); {o} is
+# an output that must not appear.
+BAD: dict[tuple[str, ...], list[str]] = {
+    ("validate",): ["{m}"],
+    ("info",): ["{m}"],
+    ("state",): ["{m}"],
+    ("run",): ["{m}", "-q", "-o", "{o}"],
+    ("check",): ["{m}"],
+    ("explain",): ["{m}", "--request", "r"],
+    ("minimize",): ["{m}", "--request", "r", "-o", "{o}"],
+    ("diff",): ["{m}", "{m}"],
+    ("report",): ["{m}", "-o", "{o}"],
+    ("whatif",): ["{m}", "--capacity-blocks", "10", "-o", "{o}"],
+    ("record",): ["--endpoint", "tcp://127.0.0.1:1", "-o", "{o}", "--config", "{m}"],
+    ("ingest", "kv-events"): ["{m}", "-o", "{o}", "--block-size", "16"],
+    ("ingest", "merge"): ["{m}", "{m}", "-o", "{o}"],
+    ("ingest", "mooncake"): ["{m}", "-o", "{o}"],
+    ("ingest", "bailian"): ["{m}", "-o", "{o}"],
+    ("synth",): ["-o", "{o}", "--model", "full", "--cache", "{m}"],
+    ("split",): ["{m}", "-o", "{o}", "--files", "2"],
+    ("cat",): ["{m}", "-o", "{o}"],
+}
+
+
+def test_the_table_holds_every_command() -> None:
+    assert sorted(BAD) == sorted(LEAVES)
+
+
+@pytest.mark.parametrize("path", sorted(BAD), ids=" ".join)
+def test_a_command_alone_says_what_it_says_under_the_group(
+    tmp_path: Path, path: tuple[str, ...]
+) -> None:
+    missing, out = tmp_path / "missing.parquet", tmp_path / "out.parquet"
+    args = [a.format(m=missing, o=out) for a in BAD[path]]
+    grouped = CliRunner().invoke(cli, [*path, *args], catch_exceptions=False)
+    alone = CliRunner().invoke(LEAVES[path], args, catch_exceptions=False)
+    assert grouped.exit_code == 2 and grouped.stdout == ""
+    assert grouped.stderr.startswith("error: ") and grouped.stderr.count("\n") == 1
+    assert str(missing) in grouped.stderr
+    assert (alone.exit_code, alone.stdout, alone.stderr) == (2, "", grouped.stderr)
+    assert not out.exists()
+
+
+def test_help_explains_every_command_in_a_whole_sentence() -> None:
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    for path, cmd in LEAVES.items():
+        sentence = cmd.get_short_help_str(limit=1000)
+        assert sentence.endswith(".") and not sentence.endswith("..."), path
+        assert f" {' '.join(path)} {sentence}" in text, path

@@ -1,0 +1,158 @@
+"""replay.cli.progress: the long commands draw a bar when stderr is a
+terminal, and write nothing there when it is not or when they are quiet."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import tty
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from replay.cli import cli
+from replay.cli.progress import progress_bar
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "traces" / "demo-full-mamba-eagle.parquet"
+
+
+@contextlib.contextmanager
+def terminal() -> Iterator[Callable[[], str]]:
+    """sys.stderr on a raw pseudo-terminal (no newline translation) while
+    the block runs (pytest puts its own back between a fixture and the
+    test); it yields what reads the terminal's other end."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    err = os.fdopen(slave, "w")
+
+    def drawn() -> str:
+        # Linux hands a pty's bytes to the other end asynchronously: read
+        # until nothing more arrives, not once.
+        err.flush()
+        chunks = []
+        while select.select([master], [], [], 0.3)[0]:
+            chunk = os.read(master, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    saved, sys.stderr = sys.stderr, err
+    try:
+        yield drawn
+    finally:
+        sys.stderr = saved
+        err.close()
+        os.close(master)
+
+
+def test_a_bar_with_its_percentage_then_the_line_ends() -> None:
+    with terminal() as drawn:
+        with progress_bar() as bar:
+            assert bar is not None
+            bar.count(1, 4, "1/4 runs")
+            bar.steps("requests", 10)(5)
+            bar.count(9, 0, "nothing to do")
+        text = drawn()
+    assert text == (
+        "\r[######..................]  25.0%  1/4 runs\x1b[K"
+        "\r[############............]  50.0%  5/10 requests\x1b[K"
+        "\r[########################] 100.0%  nothing to do\x1b[K"
+        "\n"
+    )
+
+
+def test_a_count_without_a_total_and_notes_on_their_own_lines() -> None:
+    with terminal() as drawn:
+        with progress_bar() as bar:
+            assert bar is not None
+            bar.note("listening")
+            rows = bar.steps("rows")
+            rows(1000)
+            rows(500)
+            bar.note("gap at seq 4")
+            bar.status("3 batches")
+        text = drawn()
+    assert re.fullmatch(
+        r"listening\n\r1,000 rows  \d+\.\d s\x1b\[K\r1,500 rows  \d+\.\d s\x1b\[K"
+        r"\ngap at seq 4\n\r3 batches\x1b\[K\n",
+        text,
+    ), text
+
+
+def test_nothing_when_quiet_or_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    with terminal() as drawn:
+        with progress_bar(quiet=True) as bar:
+            assert bar is None
+        assert drawn() == ""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with progress_bar() as bar:
+        assert bar is None
+
+
+def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
+    """``python -m replay ARGS`` with stderr on a terminal: the status, its
+    stdout and what the terminal showed."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replay", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    os.close(slave)
+    shown: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the process closed the terminal
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out, _ = proc.communicate(timeout=120)
+    reader.join(10)
+    os.close(master)
+    return proc.returncode, out.decode(), b"".join(shown).decode()
+
+
+LONG = {
+    "run": (["run", str(DEMO), "-o", "{d}/r.parquet"], "1575/1575 events ", "replayed 1575 events"),
+    "synth": (["synth", "-o", "{d}/s.parquet", "--model", "full", "--requests", "300"], "300/300 requests", "Wrote "),
+    "whatif": (["whatif", str(DEMO), "--capacity-blocks", "100,200", "--jobs", "1", "-o", "{d}/w.parquet"], "2/2 runs", f"{DEMO}: 404 lookups"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LONG))
+def test_long_commands_show_the_bar_on_a_terminal_only(tmp_path: Path, name: str) -> None:
+    template, shown, first = LONG[name]
+    args = [a.format(d=tmp_path) for a in template]
+    status, out, terminal = _on_a_terminal(args)
+    assert status == 0 and out.startswith(first)
+    assert "] 100.0%  " in terminal and shown in terminal and terminal.endswith("\n")
+    # The same command with stderr captured (not a terminal) writes there nothing.
+    piped = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert (piped.exit_code, piped.stderr) == (0, "")
+    assert piped.stdout.splitlines()[0] == out.splitlines()[0]
+
+
+def test_quiet_draws_nothing_even_on_a_terminal(tmp_path: Path) -> None:
+    status, out, terminal = _on_a_terminal(["run", str(DEMO), "-q", "-o", str(tmp_path / "r.parquet")])  # fmt: skip
+    assert (status, out, terminal) == (0, "", "")
