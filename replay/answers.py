@@ -19,6 +19,7 @@ import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -85,17 +86,37 @@ class Progress:
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """One way to answer the lookups: a policy in a cache, by a coordinator."""
+
+    policy: str
+    cache: str
+    coordinator: str = "reference"
+
+
 @dataclass(slots=True, kw_only=True)
 class ReplayResult:
     config: TraceConfig
-    policy: str
-    coordinator: str
-    cache: str
+    #: how the lookups were answered: the policy, the cache, the coordinator
+    variant: Variant
     results: pl.DataFrame
     events: int
     events_by_kind: dict[str, int]
     seconds: float
     trace_path: str
+
+    @property
+    def policy(self) -> str:
+        return self.variant.policy
+
+    @property
+    def cache(self) -> str:
+        return self.variant.cache
+
+    @property
+    def coordinator(self) -> str:
+        return self.variant.coordinator
 
     def flags(self) -> pl.DataFrame:
         """One row per (lookup, flag), with the numbers that prove it."""
@@ -114,15 +135,6 @@ class ReplayResult:
             "trace": os.path.basename(self.trace_path),
             "keys": "exact",
         }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Variant:
-    """One way to answer the lookups: a policy in a cache, by a coordinator."""
-
-    policy: str
-    cache: str
-    coordinator: str = "reference"
 
 
 #: The columns of a lookup row the results carry as they are.
@@ -405,18 +417,16 @@ def results_of(
     seconds: float,
     trace_path: str | os.PathLike[str],
 ) -> list[ReplayResult]:
+    """One result per variant, all of the same run (one fold, one pass)."""
+    of_run = partial(
+        ReplayResult,
+        config=config,
+        events=events,
+        seconds=seconds,
+        trace_path=str(trace_path),
+    )
     return [
-        ReplayResult(
-            config=config,
-            policy=v.policy,
-            coordinator=v.coordinator,
-            cache=v.cache,
-            results=frame,
-            events=events,
-            events_by_kind=dict(counts),
-            seconds=seconds,
-            trace_path=str(trace_path),
-        )
+        of_run(variant=v, results=frame, events_by_kind=dict(counts))
         for v, frame in zip(variants, frames, strict=True)
     ]
 

@@ -1,4 +1,4 @@
-"""Trace and results formats, version 1 (``shared/design/trace-format.md``).
+"""Trace and results formats, version 1 (``docs/format.md``).
 
 The only module, with ``engine``, that reads or writes these files. Writers
 are atomic (a temporary file in the target's folder, renamed on success), so
@@ -39,11 +39,14 @@ EVENT_KINDS = ("store", "remove", "clear", "lookup")
 #: object (seekable to read: ``io.BytesIO``, an open file).
 TraceFile = str | os.PathLike[str] | BinaryIO
 
+#: A small set of names (event kinds, policies, caches) as a dictionary column.
+LABEL = pa.dictionary(pa.int8(), pa.string())
+
 TRACE_SCHEMA = pa.schema(
     [
         pa.field("seq", pa.int64(), nullable=False),
         pa.field("ts", pa.timestamp("us", tz="UTC")),
-        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("kind", LABEL, nullable=False),
         pa.field("group_id", pa.int32()),
         pa.field("block_hashes", pa.list_(pa.binary())),
         pa.field("request_id", pa.string()),
@@ -56,26 +59,26 @@ TRACE_SCHEMA = pa.schema(
 TRACE_COLUMNS = tuple(TRACE_SCHEMA.names)
 REQUIRED_COLUMNS = ("seq", "kind", "group_id", "block_hashes", "request_id", "max_length")
 
+# A lookup's own columns are carried into its results row as the trace has them.
+_lookup = TRACE_SCHEMA.field
 RESULTS_SCHEMA = pa.schema(
     [
-        pa.field("seq", pa.int64(), nullable=False),
-        pa.field("request_id", pa.string()),
-        pa.field("max_length", pa.int64()),
+        _lookup("seq"),
+        _lookup("request_id"),
+        _lookup("max_length"),
         pa.field("hit_tokens", pa.int64()),
         pa.field("mask_blocks", pa.list_(pa.int32())),
         pa.field("loaded_blocks", pa.list_(pa.int32())),
         # The project's own columns (the contract allows adding).
-        pa.field("num_tokens", pa.int64()),
+        _lookup("num_tokens"),
         pa.field("group_hit_tokens", pa.list_(pa.int64())),
         pa.field("verified_tokens", pa.int64()),
         pa.field("mamba_state_tokens", pa.int64()),
-        pa.field("observed_hit_tokens", pa.int64()),
+        _lookup("observed_hit_tokens"),
         pa.field("observed_match", pa.bool_()),
-        pa.field("ts", pa.timestamp("us", tz="UTC")),
+        _lookup("ts"),
         pa.field("flags", pa.list_(pa.string())),
-        pa.field("policy", pa.dictionary(pa.int8(), pa.string())),
-        pa.field("coordinator", pa.dictionary(pa.int8(), pa.string())),
-        pa.field("cache", pa.dictionary(pa.int8(), pa.string())),
+        *(pa.field(name, LABEL) for name in ("policy", "coordinator", "cache")),
         # Each flag with the numbers that prove it (analysis/flags.py).
         pa.field(
             "flag_details",

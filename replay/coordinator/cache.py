@@ -48,22 +48,21 @@ class Cache(Entry):
     derive_partial_hits: bool = True
 
 
-# The defaults above are the engine's rules; the mirror departs from each.
-CACHES: dict[str, Cache] = by_name(
-    Cache(
-        name="mooncake",
-        description="the Mooncake store (MooncakeStoreCoordinator, vLLM 0.33.0)",
-        widen_window=True,
-        drop_needs_use_eagle=False,
-        single_spec_shortcut=True,
-        unitary_single_group=False,
-        derive_partial_hits=False,
-    ),
-    Cache(
-        name="gpu",
-        description="vLLM's engine prefix cache (KVCacheCoordinator over the BlockPool, 0.33.0)",
-    ),
+ENGINE = Cache(
+    name="gpu",
+    description="vLLM's engine prefix cache (KVCacheCoordinator over the BlockPool, 0.33.0)",
 )
+# The defaults above are the engine's rules; the mirror departs from each.
+MIRROR = Cache(
+    name="mooncake",
+    description="the Mooncake store (MooncakeStoreCoordinator, vLLM 0.33.0)",
+    widen_window=True,
+    drop_needs_use_eagle=False,
+    single_spec_shortcut=True,
+    unitary_single_group=False,
+    derive_partial_hits=False,
+)
+CACHES: dict[str, Cache] = by_name(MIRROR, ENGINE)
 DEFAULT_CACHE = "mooncake"
 
 
