@@ -1,17 +1,20 @@
 """Plain text of the project's objects, shared by the CLI and the reports
 (no I/O here): tables, group labels, the explain table, and every summary a
-command prints (of a trace, a replay, a check, a sweep, a written trace).
+command prints (of a trace, a replay, a check, a sweep, a written or recorded trace).
 The figures come from ``replay.summary``; this module only words them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.coordinator import LookupOutcome, hit_alignment
 from replay.spec import TraceConfig
 from replay.store import LookupEvent
+
+if TYPE_CHECKING:
+    from replay.sources.stream import RecordSummary
 
 
 def _numeric(cell: str) -> bool:
@@ -314,3 +317,25 @@ def ingest_summary_text(s: Mapping[str, Any]) -> str:
         f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
         f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
     )
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n > 1 else ''}"
+
+
+def record_summary_text(s: RecordSummary) -> str:
+    """What ``replay record`` and ``ingest kv-events`` took: batches, rows,
+    and every way the stream fell short."""
+    parts = [f"{s.batches} batches", f"{s.rows} rows"]
+    if s.lookups is not None:
+        parts.append(f"{s.lookups} lookups placed")
+    if s.filled:
+        parts.append(f"{s.filled} filled from the replay endpoint")
+    if s.gaps:
+        missing = sum(g["count"] for g in s.gaps)
+        parts.append(f"{missing} missing in {_plural(len(s.gaps), 'gap')}")
+    if s.restarts:
+        parts.append(_plural(len(s.restarts), "publisher restart"))
+    if s.skipped:
+        parts.append(f"{s.skipped} malformed skipped")
+    return ", ".join(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,38 @@ def trace_43559(tmp_path: Path) -> Path:
     path = tmp_path / "t43559.parquet"
     write_trace(path, full_mamba(), issue_43559_rows())
     return path
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    """One of each input a command reads, in one folder."""
+    from replay.engine import replay_trace, save_results
+    from replay.sources.dump import DumpWriter
+    from replay.trace import write_trace
+    from tests.kvpayloads import T0, payload, stored
+
+    d = tmp_path / "in"
+    d.mkdir()
+    trace = write_trace(d / "t.parquet", full_mamba(), issue_43559_rows())
+    results = d / "t.results.parquet"
+    save_results(replay_trace(trace, policy="pre-49502", unit_present=True), results)
+    dump = d / "d.kvdump"
+    with DumpWriter(dump) as w:
+        w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([1]))], "live", T0)
+    lookups = d / "l.jsonl"
+    lookups.write_text(
+        json.dumps({"request_id": "x", "ts": T0, "block_hashes": [1], "max_length": 15}) + "\n"
+    )
+    config = d / "kv.json"
+    config.write_text(
+        json.dumps({k: v for k, v in full_mamba().to_json().items() if k != "version"})
+    )
+    mooncake = d / "m.jsonl"
+    mooncake.write_text(
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]})
+        + "\n"
+    )
+    return {"trace": trace, "results": results, "dump": dump, "lookups": lookups, "config": config, "mooncake": mooncake}  # fmt: skip
 
 
 def run_cli(args: Sequence[str | os.PathLike[str]]) -> Result:

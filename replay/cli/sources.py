@@ -22,7 +22,7 @@ from replay.cli.options import (
 )
 from replay.cli.progress import progress_bar
 from replay.paths import check_outputs
-from replay.render import ingest_summary_text
+from replay.render import ingest_summary_text, record_summary_text
 from replay.sources.archetypes import ARCHETYPES
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy
@@ -182,7 +182,7 @@ def record(
                 else ""
             )
             raise fail(f"{exc}{hint}") from None
-    _say(f"recorded {summary.describe()} to {output}")
+    _say(f"recorded {record_summary_text(summary)} to {output}")
     if received:
         # The trace is complete and valid; the status still says a signal ended it.
         raise exit_on_signal(received[0])
@@ -229,7 +229,7 @@ def ingest_kv_events(
     )
     for note in notes:
         _say(note)
-    _say(f"wrote {output}: {summary.describe()}")
+    _say(f"wrote {output}: {record_summary_text(summary)}")
 
 
 @ingest.command("merge")

@@ -464,22 +464,3 @@ class RecordSummary:
     stop_reason: str = ""
     dump: Path | None = None
     lookups: int | None = None
-
-    def describe(self) -> str:
-        n_gap = sum(g["count"] for g in self.gaps)
-        parts = [f"{self.batches} batches", f"{self.rows} rows"]
-        if self.lookups is not None:
-            parts.append(f"{self.lookups} lookups placed")
-        if self.filled:
-            parts.append(f"{self.filled} filled from the replay endpoint")
-        if self.gaps:
-            parts.append(
-                f"{n_gap} missing in {len(self.gaps)} gap{'s' if len(self.gaps) > 1 else ''}"
-            )
-        if self.restarts:
-            parts.append(
-                f"{len(self.restarts)} publisher restart{'s' if len(self.restarts) > 1 else ''}"
-            )
-        if self.skipped:
-            parts.append(f"{self.skipped} malformed skipped")
-        return ", ".join(parts)
