@@ -8,16 +8,18 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from hypothesis import strategies as st
 
 from replay.coordinator import check_config
+from replay.coordinator.hybrid import Contains
 from replay.errors import ConfigError
 from replay.sources.archetypes import archetype_config
 from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.trace import TraceReader
 
 FULL = FA = GroupKind.FULL_ATTENTION
 SWA = SW = GroupKind.SLIDING_WINDOW
@@ -487,3 +489,32 @@ def scenarios(draw: st.DrawFn) -> tuple[TraceConfig, int, int, list[set[int]]]:
     ]
     max_length = draw(st.integers(0, (units + 1) * hbs - 1))
     return cfg, units, max_length, present
+
+
+def hand_fold(
+    rows: Iterable[dict[str, Any]], num_groups: int
+) -> Iterator[tuple[int, dict[str, Any], list[set[bytes]]]]:
+    """Each lookup row, with its index and the store as it stands then (a
+    set of keys per group), folded by hand: the plain restatement a test
+    checks the compiled fold against. The sets are live: read them before
+    taking the next lookup."""
+    present: list[set[bytes]] = [set() for _ in range(num_groups)]
+    for i, r in enumerate(rows):
+        if r["kind"] == "store":
+            present[r["group_id"]].update(r["block_hashes"])
+        elif r["kind"] == "remove":
+            present[r["group_id"]].difference_update(r["block_hashes"])
+        elif r["kind"] == "clear":
+            for g, keys in enumerate(present):
+                if r["group_id"] in (None, g):
+                    keys.clear()
+        elif r["kind"] == "lookup":
+            yield i, r, present
+
+
+def hand_folded_lookups(reader: TraceReader) -> Iterator[tuple[dict[str, Any], Contains]]:
+    """Each lookup row of a trace with a membership test per group (live,
+    as in ``hand_fold``)."""
+    rows = reader.read_frame().iter_rows(named=True)
+    for _, r, present in hand_fold(rows, reader.config.num_groups):
+        yield r, [keys.__contains__ for keys in present]

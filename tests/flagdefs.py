@@ -10,6 +10,7 @@ import polars as pl
 
 from replay.coordinator import build_spec_groups, hit_alignment, partial_hits
 from replay.spec import GroupKind, TraceConfig
+from tests.builders import hand_fold
 
 FULL = GroupKind.FULL_ATTENTION
 SWA = GroupKind.SLIDING_WINDOW
@@ -18,21 +19,10 @@ MAMBA = GroupKind.MAMBA
 
 def _fold(rows: list[dict[str, Any]], num_groups: int) -> dict[int, list[list[bool]]]:
     """Per lookup seq: per group, whether each of its hash units was present."""
-    keys: list[set[bytes]] = [set() for _ in range(num_groups)]
-    out: dict[int, list[list[bool]]] = {}
-    for seq, row in enumerate(rows):
-        seq = row.get("seq", seq)
-        if row["kind"] == "store":
-            keys[row["group_id"]].update(row["block_hashes"])
-        elif row["kind"] == "remove":
-            keys[row["group_id"]].difference_update(row["block_hashes"])
-        elif row["kind"] == "clear":
-            for g, s in enumerate(keys):
-                if row["group_id"] in (None, g):
-                    s.clear()
-        else:
-            out[seq] = [[h in s for h in row["block_hashes"]] for s in keys]
-    return out
+    return {
+        row.get("seq", i): [[h in keys for h in row["block_hashes"]] for keys in present]
+        for i, row, present in hand_fold(rows, num_groups)
+    }
 
 
 def plain_flags(

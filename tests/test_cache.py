@@ -21,7 +21,8 @@ from replay.engine import replay_trace
 from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
-from tests.builders import chain, full_mamba
+from tests import builders
+from tests.builders import chain, full_mamba, mb, sw
 from tests.conftest import run_cli
 
 FULL = GroupKind.FULL_ATTENTION
@@ -113,15 +114,7 @@ def test_single_group_is_the_unitary_coordinator_in_the_engine() -> None:
 def test_partial_hits_are_derived_by_the_engine() -> None:
     """Declared on, but a sliding-window group with a block larger than the
     hash unit cannot probe inside blocks: the engine turns them off."""
-    config = TraceConfig(
-        groups=(
-            GroupSpec(kind=SWA, block_size=32, sliding_window=64),
-            GroupSpec(kind=MAMBA, block_size=32, mamba_cache_mode="align"),
-        ),
-        hash_block_size=16,
-        scheduler_block_size=32,
-        enable_partial_hash_hits=True,
-    )
+    config = builders.config(sw(32, 64), mb(32), hbs=16, partial=True, check=None)
     assert hit_alignment(config, "mooncake") == 16
     assert hit_alignment(config, "gpu") == 32
     # A trace's flag can only turn them off.

@@ -15,14 +15,17 @@ from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags
 from replay.engine import replay_trace
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import write_trace
+from tests import builders
 from tests.builders import (
     MAMBA,
     SWA,
     chain,
     full_mamba,
     issue_43559_rows,
+    mb,
     random_config,
     random_rows,
+    sw,
 )
 from tests.conftest import run_cli
 from tests.flagdefs import plain_flags
@@ -220,15 +223,7 @@ def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) 
 
 
 def test_swa_mamba_overrun_under_pre_49502(tmp_path: Path) -> None:
-    config = TraceConfig(
-        groups=(
-            GroupSpec(kind=SWA, block_size=16, sliding_window=32),
-            GroupSpec(kind=MAMBA, block_size=16, mamba_cache_mode="align"),
-        ),
-        hash_block_size=16,
-        scheduler_block_size=16,
-        use_eagle=True,
-    )
+    config = builders.config(sw(16, 32), mb(16), eagle=True, check=None)
     hs = chain(6)
     rows = [
         {"kind": "store", "group_id": 0, "block_hashes": hs},

@@ -17,6 +17,7 @@ from replay.render import ingest_summary_text
 from replay.sources.mooncake import ingest_bailian, ingest_mooncake
 from replay.sources.prefix_reuse import count_reuse
 from replay.trace import open_trace
+from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
 
 # Mooncake: one id per 512 tokens; the last, partial block has an id (ceil)
@@ -84,17 +85,10 @@ def _replay_hits(path: Path, policy: str = "vllm-0.33") -> tuple[int, int]:
     coordinator over the folded store."""
     reader = open_trace(path)
     coordinator = Coordinator(reader.config, policy)
-    present: list[set[bytes]] = [set() for _ in reader.config.groups]
     hits = tokens = 0
-    for r in reader.read_frame().iter_rows(named=True):
-        if r["kind"] == "store":
-            present[r["group_id"]].update(r["block_hashes"])
-        elif r["kind"] == "remove":
-            present[r["group_id"]].difference_update(r["block_hashes"])
-        elif r["kind"] == "lookup":
-            contains = [s.__contains__ for s in present]
-            hits += coordinator.lookup(r["block_hashes"], r["max_length"], contains).hit_tokens
-            tokens += r["num_tokens"]
+    for r, contains in hand_folded_lookups(reader):
+        hits += coordinator.lookup(r["block_hashes"], r["max_length"], contains).hit_tokens
+        tokens += r["num_tokens"]
     return hits, tokens
 
 

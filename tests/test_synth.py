@@ -17,6 +17,7 @@ from replay.sources.archetypes import archetype_config
 from replay.sources.synth import synth_trace
 from replay.spec import GroupKind
 from replay.trace import open_trace
+from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
 
 F, S, C, M = (
@@ -177,20 +178,11 @@ def test_inject_overrun_43559(tmp_path: Path, model: str) -> None:
     assert sorted(injected) == [f"overrun-{j:04d}-resend" for j in range(3)]
     assert config.source["injected_overruns"] == summary["injected_overruns"]
     policies = {p: Coordinator(config, p) for p in ("pre-49502", "vllm-0.33")}
-    present: list[set[bytes]] = [set() for _ in config.groups]
     seen = 0
-    for r in reader.read_frame().iter_rows(named=True):
-        if r["kind"] == "store":
-            present[r["group_id"]].update(r["block_hashes"])
-        elif r["kind"] == "remove":
-            present[r["group_id"]].difference_update(r["block_hashes"])
-        elif r["kind"] == "clear":
-            for s in present:
-                s.clear()
-        elif r["request_id"] in injected:
+    for r, contains in hand_folded_lookups(reader):
+        if r["request_id"] in injected:
             d = injected[r["request_id"]]
             assert r["seq"] == d["seq"]
-            contains = [s.__contains__ for s in present]
             pre = policies["pre-49502"].lookup(r["block_hashes"], r["max_length"], contains)
             fixed = policies["vllm-0.33"].lookup(r["block_hashes"], r["max_length"], contains)
             # Attention verified one block less than the prompt; the peek margin
