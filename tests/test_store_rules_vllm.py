@@ -42,7 +42,7 @@ from replay.errors import ReplayError
 from replay.sources.archetypes import ARCHETYPES, archetype_config
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
-from tests.vllm_modules import vllm_modules
+from tests.vllm_modules import split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
 
@@ -129,21 +129,7 @@ class Engine:
         )
         self.hasher = v.utils.get_request_block_hasher(cfg.hash_block_size, v.sha256)
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
-        # The scheduler state ``_mamba_block_aligned_split`` reads, as vLLM
-        # sets it for these specs (no partial hits, no checkpoint blocks).
-        self.split_state = SimpleNamespace(
-            cache_config=SimpleNamespace(block_size=cfg.scheduler_block_size),
-            block_size=cfg.scheduler_block_size,
-            hash_block_size=cfg.hash_block_size,
-            mamba_partial_cache_hit=False,
-            use_eagle_block_drop=cfg.use_eagle,
-            num_hash_lookahead_tokens=0,
-            mamba_has_prefill_checkpoint_blocks=False,
-            mamba_prefill_checkpoint_alignment=None,
-            max_num_scheduled_tokens=s.budget,
-            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-            mamba_shared_prefix_checkpoint=False,
-        )
+        self.split_state = split_state(cfg, s.budget)
         self.mooncake = v.Mooncake(
             self.groups,
             cfg.scheduler_block_size,

@@ -37,7 +37,7 @@ from replay.store_rules import StorePolicy
 from replay.trace import open_trace, write_trace
 from replay.whatif import RunSpec, load_requests, simulate
 from tests.builders import random_archetype_config, random_prompts
-from tests.vllm_modules import vllm_modules
+from tests.vllm_modules import split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
 
@@ -101,20 +101,7 @@ class Engine:
         )
         self.hasher = v.utils.get_request_block_hasher(config.hash_block_size, v.sha256)
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in config.groups)
-        a = config.scheduler_block_size
-        self.split_state = SimpleNamespace(
-            cache_config=SimpleNamespace(block_size=a),
-            block_size=a,
-            hash_block_size=config.hash_block_size,
-            mamba_partial_cache_hit=False,
-            use_eagle_block_drop=config.use_eagle,
-            num_hash_lookahead_tokens=0,
-            mamba_has_prefill_checkpoint_blocks=False,
-            mamba_prefill_checkpoint_alignment=None,
-            max_num_scheduled_tokens=budget,
-            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-            mamba_shared_prefix_checkpoint=False,
-        )
+        self.split_state = split_state(config, budget)
 
     def request(self, rid: str, tokens: list[int]) -> Any:
         v = self.v

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from replay.spec import TraceConfig
+
 
 def vllm_modules() -> SimpleNamespace:
     """The KV-cache manager, scheduler, request and spec classes of the vLLM
@@ -30,4 +32,23 @@ def vllm_modules() -> SimpleNamespace:
         Request=Request,
         SamplingParams=SamplingParams,
         Mooncake=coordinator.MooncakeStoreCoordinator,
+    )
+
+
+def split_state(config: TraceConfig, budget: int) -> SimpleNamespace:
+    """The scheduler state ``Scheduler._mamba_block_aligned_split`` reads, as
+    vLLM sets it for these specs (no partial hits, no checkpoint blocks) with
+    ``budget`` tokens a step."""
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=config.scheduler_block_size),
+        block_size=config.scheduler_block_size,
+        hash_block_size=config.hash_block_size,
+        mamba_partial_cache_hit=False,
+        use_eagle_block_drop=config.use_eagle,
+        num_hash_lookahead_tokens=0,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        max_num_scheduled_tokens=budget,
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        mamba_shared_prefix_checkpoint=False,
     )
