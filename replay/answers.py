@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -223,45 +223,9 @@ class Outcomes:
         return columns
 
 
-def vllm_contains(
-    hashes: Sequence[bytes], present: Sequence[bytes]
-) -> list[Callable[[Hashable], bool]]:
-    """Per-group membership for one lookup, from its presence bytes: vLLM's
-    pool only asks about the request's own hashes."""
-    unit = {h: u for u, h in enumerate(hashes)}
-    return [lambda h, p=p: p[unit[h]] == 1 for p in present]  # type: ignore[misc]
-
-
 #: One coordinator's answer to one lookup: presence bytes, max_length, (for
 #: a coordinator that asks by hash) the lookup's hashes, and whether to
 #: record its steps (``replay explain``).
-Answer = Callable[[Sequence[bytes], int, Sequence[bytes] | None, bool], LookupOutcome]
-
-
-def answerer(coordinator: LookupCoordinator) -> Answer:
-    """How ``coordinator`` answers from presence bytes: the reference reads
-    them as they are, any other asks per hash of the lookup."""
-    if isinstance(coordinator, Coordinator):
-        ref = coordinator
-
-        def from_bytes(
-            present: Sequence[bytes], max_length: int, _: Sequence[bytes] | None, explain: bool
-        ) -> LookupOutcome:
-            return ref.lookup_present(present, max_length, explain=explain)
-
-        return from_bytes
-
-    def by_hash(
-        present: Sequence[bytes], max_length: int, hashes: Sequence[bytes] | None, explain: bool
-    ) -> LookupOutcome:
-        if hashes is None:
-            raise ReplayError(f"the {coordinator.name} coordinator needs the lookups' hashes")
-        contains = vllm_contains(hashes, present)
-        return coordinator.lookup(hashes, max_length, contains, explain=explain)
-
-    return by_hash
-
-
 #: A lookup explained: the event, the coordinator's answer with its steps,
 #: and the answer's flags.
 Explained = tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]
@@ -290,14 +254,11 @@ class Answers:
             make_coordinator(config, v.policy, v.coordinator, v.cache, path=where)
             for v in self.variants
         ]
-        self._answers = [answerer(c) for c in self.coordinators]
         self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
         self.explain = explain
         self.explained: list[Explained] = []
-        self.needs_hashes = explain is not None or any(
-            not isinstance(c, Coordinator) for c in self.coordinators
-        )
+        self.needs_hashes = explain is not None or any(c.asks_by_hash for c in self.coordinators)
         self.unit_present = unit_present
         self._present: list[np.ndarray[Any, Any]] = []
         self._units: list[np.ndarray[Any, Any]] = []
@@ -320,7 +281,7 @@ class Answers:
             if self.needs_hashes and lookups.hashes is not None
             else [None] * len(sizes)
         )
-        variants = list(zip(self._answers, self.checkers, self.outcomes, strict=True))
+        variants = list(zip(self.coordinators, self.checkers, self.outcomes, strict=True))
         explaining = self.explain is not None
         events = (
             _selected(lookups, hashes, self.explain)
@@ -333,8 +294,8 @@ class Answers:
             if explaining and event is None:
                 continue
             present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
-            for answer, checker, outcomes in variants:
-                res = answer(present_g, max_length, hs, explaining)
+            for coordinator, checker, outcomes in variants:
+                res = coordinator.answer(present_g, max_length, hs, explain=explaining)
                 flags = checker.check_outcome(present_g, max_length, res, seen)
                 if event is None:
                     outcomes.add(res, flags)

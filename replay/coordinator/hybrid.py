@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
 from replay.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
 from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
-from replay.errors import ConfigError
+from replay.errors import ConfigError, ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
@@ -244,17 +244,49 @@ class LookupCoordinator:
     def _prepare(self) -> None:
         """What a coordinator builds once for its configuration."""
 
+    #: Whether answering needs the lookup's hashes, not only its presence
+    #: bytes (a coordinator that asks the store by hash, as vLLM's pools do).
+    asks_by_hash = True
+
     def lookup(
         self, hashes: Hashes, max_length: int, contains: Contains, *, explain: bool = False
     ) -> LookupOutcome:
         """``contains[g]`` tests whether group ``g`` holds a key for a hash."""
         raise NotImplementedError
 
+    def answer(
+        self,
+        present: Sequence[bytes],
+        max_length: int,
+        hashes: Sequence[bytes] | None,
+        *,
+        explain: bool = False,
+    ) -> LookupOutcome:
+        """The answer from the lookup's presence bytes (``present[g][u]``: group
+        ``g`` holds hash unit ``u``), asked per hash of the lookup by default:
+        the store only ever hears about the request's own hashes."""
+        if hashes is None:
+            raise ReplayError(f"the {self.name} coordinator needs the lookups' hashes")
+        unit = {h: u for u, h in enumerate(hashes)}
+        contains = [lambda h, p=p: p[unit[h]] == 1 for p in present]
+        return self.lookup(hashes, max_length, contains, explain=explain)
+
 
 class Coordinator(LookupCoordinator):
     """Finds the longest cache hit every KV-cache group agrees on."""
 
     name = "reference"
+    asks_by_hash = False
+
+    def answer(
+        self,
+        present: Sequence[bytes],
+        max_length: int,
+        hashes: Sequence[bytes] | None,
+        *,
+        explain: bool = False,
+    ) -> LookupOutcome:
+        return self.lookup_present(present, max_length, explain=explain)
 
     def _prepare(self) -> None:
         config = self.config
