@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.answers import ReplayResult
-from replay.kernels import SKIP, STORE, KeyTable
-from replay.shard import fold_rows
-from replay.trace import TraceSource, open_trace
+from replay.engine.answers import ReplayResult
+from replay.engine.kernels import SKIP, STORE, KeyTable
+from replay.engine.shard import fold_rows
+from replay.format.tracedir import TraceSource, open_trace
 
 
 def prompt_tokens_expr() -> pl.Expr:

@@ -10,17 +10,17 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.coordinator import (
+from replay.base.errors import ConfigError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.trace import write_trace
+from replay.rules.coordinator import (
     Coordinator,
     build_spec_groups,
     check_config,
     eagle_group_ids,
     hit_alignment,
 )
-from replay.engine import replay_trace
-from replay.errors import ConfigError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import write_trace
 from tests import builders
 from tests.builders import chain, full_mamba, mb, sw
 from tests.conftest import run_cli
@@ -242,7 +242,7 @@ def test_a_trace_the_chosen_cache_cannot_answer_is_one_line(tmp_path: Path) -> N
     res = run_cli(["run", str(path), "--cache", "gpu", "-o", str(out)])
     assert (res.exit_code, res.stdout) == (2, "")
     assert res.stderr == (
-        f"error: {path}: replay.trace metadata: the gpu cache answers a single KV-cache group "
+        f"error: {path}: replay.format.trace metadata: the gpu cache answers a single KV-cache group "
         "with vLLM's UnitaryKVCacheCoordinator, which needs hash_block_size equal to "
         "block_size 32, got 16\n"
     )

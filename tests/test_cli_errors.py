@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.trace import TRACE_META_KEY, events_table
+from replay.format.trace import TRACE_META_KEY, events_table
 from tests.builders import chain, full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 
@@ -88,60 +88,60 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "truncated_parquet": (_truncated, "{p}: truncated Parquet file (no PAR1 magic at the end)"),
     "no_metadata": (
         lambda tmp: _write(tmp / "t.parquet", _table(), None),
-        "{p}: missing 'replay.trace' metadata (not a replay trace v1)",
+        "{p}: missing 'replay.format.trace' metadata (not a replay trace v1)",
     ),
     "metadata_not_json": (
         lambda tmp: _write(tmp / "t.parquet", _table(), b"{not json"),
-        "{p}: 'replay.trace' metadata is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+        "{p}: 'replay.format.trace' metadata is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
     ),
     "metadata_missing_field": (
         lambda tmp: _with_meta(tmp, hash_block_size=...),
-        "{p}: replay.trace metadata: missing field 'hash_block_size'",
+        "{p}: replay.format.trace metadata: missing field 'hash_block_size'",
     ),
     "metadata_wrong_type": (
         lambda tmp: _with_meta(tmp, use_eagle="yes"),
-        "{p}: replay.trace metadata: use_eagle must be a boolean, got 'yes'",
+        "{p}: replay.format.trace metadata: use_eagle must be a boolean, got 'yes'",
     ),
     "metadata_wrong_version": (
         lambda tmp: _with_meta(tmp, version=2),
-        "{p}: replay.trace metadata: field 'version': expected 1, got 2",
+        "{p}: replay.format.trace metadata: field 'version': expected 1, got 2",
     ),
     "unknown_group_kind": (
         lambda tmp: _with_group(tmp, {"kind": "linear_attention", "block_size": 16}),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: unknown kind 'linear_attention', "
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: unknown kind 'linear_attention', "
         "expected one of full_attention, sliding_window, chunked_local_attention, mamba",
     ),
     "zero_block_size": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": 0}),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got 0",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got 0",
     ),
     "negative_block_size": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": -16}),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got -16",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got -16",
     ),
     "block_not_multiple_of_hash_block": (
         lambda tmp: _with_group(
             tmp, {"kind": "full_attention", "block_size": 24}, scheduler_block_size=48
         ),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size 24 must be a multiple of hash_block_size 16",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size 24 must be a multiple of hash_block_size 16",
     ),
     "scheduler_not_multiple_of_block": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": 32}),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: scheduler_block_size 16 must be a multiple of block_size 32",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: scheduler_block_size 16 must be a multiple of block_size 32",
     ),
     "sliding_window_without_window": (
         lambda tmp: _with_group(tmp, {"kind": "sliding_window", "block_size": 16}),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: sliding_window group needs a positive integer sliding_window, got None",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: sliding_window group needs a positive integer sliding_window, got None",
     ),
     "chunked_with_eagle": (
         lambda tmp: _with_group(
             tmp, {"kind": "chunked_local_attention", "block_size": 16, "attention_chunk_size": 64}
         ),
-        "{p}: replay.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid in the mooncake cache)",
+        "{p}: replay.format.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid in the mooncake cache)",
     ),
     "no_groups": (
         lambda tmp: _with_meta(tmp, kv_cache_groups=[]),
-        "{p}: replay.trace metadata: kv_cache_groups: at least one KV-cache group is required",
+        "{p}: replay.format.trace metadata: kv_cache_groups: at least one KV-cache group is required",
     ),
     "missing_column": (
         lambda tmp: _drop_column(tmp, "max_length"),
@@ -318,7 +318,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
             scheduler_block_size=2**32,
             kv_cache_groups=[{"kind": "full_attention", "block_size": 2**32}],
         ),
-        "{p}: replay.trace metadata: hash_block_size 4294967296 is above 2147483647 tokens",
+        "{p}: replay.format.trace metadata: hash_block_size 4294967296 is above 2147483647 tokens",
     ),
     "metadata_lone_surrogate": (
         lambda tmp: _write(
@@ -326,11 +326,11 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
             _table(),
             json.dumps({**GOOD_META, "source": {"x": "\ud800"}}).encode(),
         ),
-        "{p}: 'replay.trace' metadata holds a lone surrogate escape (not text)",
+        "{p}: 'replay.format.trace' metadata holds a lone surrogate escape (not text)",
     ),
     "metadata_integer_of_5000_digits": (
         lambda tmp: _write(tmp / "t.parquet", _table(), b'{"version": ' + b"1" * 5000 + b"}"),
-        "{p}: 'replay.trace' metadata is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
+        "{p}: 'replay.format.trace' metadata is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
     ),
     "group_id_names_no_group": (
         lambda tmp: _rows(tmp, [{"kind": "remove", "group_id": 2, "block_hashes": HS}]),
@@ -385,8 +385,8 @@ def test_negative_counts_are_refused(trace_43559: Path, args: list[str]) -> None
 
 
 def test_hashes_of_different_widths_in_one_trace_are_valid_everywhere(tmp_path: Path) -> None:
-    from replay.engine import replay_trace
-    from replay.trace import write_trace
+    from replay.engine.replay import replay_trace
+    from replay.format.trace import write_trace
 
     wide, narrow, odd = chain(3, "w"), [(i + 1).to_bytes(8, "big") for i in range(3)], [b"\x01", b"\x02" * 100]  # fmt: skip
     rows = [
@@ -540,8 +540,8 @@ def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Pa
 
 
 def test_check_with_no_lookups_has_nothing_to_check(tmp_path: Path) -> None:
-    from replay.engine import replay_trace, save_results
-    from replay.trace import write_trace
+    from replay.engine.replay import replay_trace, save_results
+    from replay.format.trace import write_trace
 
     trace = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows()[:2])
     result = run_cli(["check", str(trace)])
@@ -565,7 +565,7 @@ def test_check_results_under_another_policy_names_both(inputs: dict[str, Path]) 
 
 
 def test_a_request_id_in_several_lookups_needs_seq(tmp_path: Path) -> None:
-    from replay.trace import write_trace
+    from replay.format.trace import write_trace
 
     rows = issue_43559_rows()
     trace = write_trace(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.engine import replay_trace
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import RESULTS_SCHEMA, TRACE_SCHEMA, UNIT_PRESENT_FIELD
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.trace import RESULTS_SCHEMA, TRACE_SCHEMA, UNIT_PRESENT_FIELD
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
 
@@ -96,7 +96,7 @@ def test_trace_metadata_fields_are_the_written_ones() -> None:
         scheduler_block_size=16,
         source={"cache": "gpu"},
     )
-    marker = "Key `replay.trace`: a JSON object (UTF-8) describing the KV-cache"
+    marker = "Key `replay.format.trace`: a JSON object (UTF-8) describing the KV-cache"
     assert set(doc_table(marker)) == set(config.to_json())
     group_fields = {f.name for f in dataclasses.fields(GroupSpec)}
     assert set(doc_table("Each object of `kv_cache_groups`:")) == group_fields

@@ -14,19 +14,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace, save_results
-from replay.errors import ReplayError, TraceError
-from replay.trace import (
+from replay.base.errors import ReplayError, TraceError
+from replay.engine.replay import replay_trace, save_results
+from replay.format.trace import (
     TableReader,
     TraceReader,
     TraceWriter,
     events_table,
-    open_trace,
     read_results,
     trace_schema,
     write_results,
     write_trace,
 )
+from replay.format.tracedir import open_trace
 from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
 
 

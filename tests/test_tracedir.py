@@ -13,9 +13,9 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace
-from replay.trace import TRACE_META_KEY, events_table, open_trace, write_trace
-from replay.tracedir import TraceDir
+from replay.engine.replay import replay_trace
+from replay.format.trace import TRACE_META_KEY, events_table, write_trace
+from replay.format.tracedir import TraceDir, open_trace
 from tests.builders import full_mamba, random_config, random_rows
 from tests.conftest import run_cli
 
@@ -190,7 +190,7 @@ def test_a_different_config_names_the_file(tmp_path: Path) -> None:
     write_trace(d / "a.parquet", full_mamba(), [{"seq": 0, "kind": "clear"}])
     write_trace(d / "b.parquet", full_mamba(block=32), [{"seq": 1, "kind": "clear"}])
     assert _error(["run", str(d), "-q"]) == (
-        f"error: {d / 'b.parquet'}: replay.trace config differs from a.parquet's "
+        f"error: {d / 'b.parquet'}: replay.format.trace config differs from a.parquet's "
         "(every file of a trace directory is recorded under the same config)\n"
     )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from replay.errors import ConfigError
+from replay.base.errors import ConfigError
 
 
 class GroupKind(StrEnum):

@@ -35,7 +35,7 @@ back on and changes the hits it was meant to record).
 Records (JSON objects, ``type`` first):
 
 - ``engine``: once per scheduler, the engine facts the KV events do not
-  carry: ``config`` (the trace's ``replay.trace`` metadata object: groups and
+  carry: ``config`` (the trace's ``replay.format.trace`` metadata object: groups and
   their specs, ``use_eagle`` as the coordinator takes it (the EAGLE drop),
   hash and scheduler block sizes, partial hits) and ``engine`` (speculative
   method, whether vLLM's EAGLE drop is on, lookahead hash tokens, retention
@@ -234,7 +234,7 @@ def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
         get_kv_cache_spec_kind,
     )
 
-    from replay.spec import GroupKind, GroupSpec, TraceConfig
+    from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 
     coordinator = manager.coordinator
     kv_config = manager.kv_cache_config

@@ -2,8 +2,8 @@
 the same step, collected as results.
 
 This is the one place a lookup is answered during a replay, whoever folded
-the store: the serial replay (``replay.engine``, the one-shard case of
-``replay.shard``), the sharded one and the Ray workers (``replay.cluster``)
+the store: the serial replay (``replay.engine.replay``, the one-shard case of
+``replay.engine.shard``), the sharded one and the Ray workers (``replay.engine.cluster``)
 all hand ``Answers.add`` a batch's lookups with their presence bytes
 (``present[g][u]``: group ``g`` held the key of hash unit ``u`` at that
 seq). The reference coordinator consumes those bytes unchanged
@@ -28,7 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
-from replay.coordinator import (
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.trace import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.rules.coordinator import (
     Coordinator,
     LookupCoordinator,
     LookupOutcome,
@@ -36,10 +39,7 @@ from replay.coordinator import (
     get_policy,
     trace_cache,
 )
-from replay.errors import ConfigError, ReplayError
-from replay.spec import TraceConfig
-from replay.store import LookupEvent
-from replay.trace import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.rules.store import LookupEvent
 
 COORDINATORS = ("reference", "vllm")
 
@@ -66,9 +66,9 @@ def make_coordinator(
         except ConfigError as exc:
             # A trace valid for one cache may not be for the other.
             where = f"{path}: " if path is not None else ""
-            raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
+            raise ConfigError(f"{where}replay.format.trace metadata: {exc}") from None
     if coordinator == "vllm":
-        from replay.backends.vllm import VllmCoordinator
+        from replay.format.backends.vllm import VllmCoordinator
 
         return VllmCoordinator(config, policy, cache)
     raise ReplayError(

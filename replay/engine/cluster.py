@@ -2,7 +2,7 @@
 
 Per file of the trace (a directory's files, or the one file), a task reads
 and validates it and splits it into the K shards' pieces
-(``replay.shard.scatter``); K long-lived actors, one per shard, each fold
+(``replay.engine.shard.scatter``); K long-lived actors, one per shard, each fold
 their pieces in file order into their own compiled table and return the
 presence bytes of every lookup's units in their shard; a task per file then
 gathers those bytes and runs the fixed point and the flags for every
@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.answers import Answers, LookupBatch, Progress, ReplayResult, Variant, results_of
-from replay.errors import ReplayError, TraceError
-from replay.shard import (
+from replay.base.errors import ReplayError, TraceError
+from replay.base.spec import TraceConfig
+from replay.engine.answers import Answers, LookupBatch, Progress, ReplayResult, Variant, results_of
+from replay.engine.shard import (
     MAX_SHARDS,
     ShardFold,
     ShardPiece,
@@ -43,8 +44,8 @@ from replay.shard import (
     scatter,
     variants_for,
 )
-from replay.spec import TraceConfig
-from replay.trace import TraceReader, open_trace
+from replay.format.trace import TraceReader
+from replay.format.tracedir import open_trace
 
 INSTALL_HINT = "pip install 'cache-trace-replay[ray]'"
 #: The namespace of the shard actors, so a test or an operator can find them.

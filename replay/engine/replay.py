@@ -3,12 +3,12 @@ through a coordinator against the state at that point, flag each answer and
 collect the results.
 
 Keys are always the whole hash bytes. The fold runs in compiled code
-(``replay.kernels``, through ``replay.shard``): each batch's
-``block_hashes`` are viewed as words in place (``replay.trace.hash_words``),
+(``replay.engine.kernels``, through ``replay.engine.shard``): each batch's
+``block_hashes`` are viewed as words in place (``replay.format.trace.hash_words``),
 stores, removes and clears update one open-addressing table, and every
 lookup gets its presence bytes per group. ``replay_trace`` is the serial
-replay: ``replay.shard``'s pipeline with one shard, answered and flagged by
-``replay.answers``, the one loop every replay shares. No Python object is
+replay: ``replay.engine.shard``'s pipeline with one shard, answered and flagged by
+``replay.engine.answers``, the one loop every replay shares. No Python object is
 made per stored hash.
 """
 
@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from analysis.flags import Flag
-from replay.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
-from replay.coordinator import DEFAULT_POLICY, LookupOutcome
-from replay.shard import replay_answers
-from replay.spec import TraceConfig
-from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
-from replay.trace import TraceSource, open_trace, write_results
+from replay.base.spec import TraceConfig
+from replay.engine.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
+from replay.engine.shard import replay_answers
+from replay.format.trace import write_results
+from replay.format.tracedir import TraceSource, open_trace
+from replay.rules.coordinator import DEFAULT_POLICY, LookupOutcome
+from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
 
 Event = StoreEvent[bytes] | RemoveEvent[bytes] | ClearEvent | LookupEvent[bytes]
 

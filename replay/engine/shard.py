@@ -5,7 +5,7 @@ it that touch those units' keys, so the store can be split by key into K
 shards that never need each other: shard ``k`` folds the stores and removes
 of its keys (a clear goes to every shard) and answers its keys' probes of
 every lookup. The presence bytes then come back to the lookup, which runs
-the coordinator's fixed point and the flags (``replay.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
+the coordinator's fixed point and the flags (``replay.engine.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
 presence does not depend on the policy or the cache, each extra variant
 costs only its fixed point.
 
@@ -14,13 +14,13 @@ hashes share their first 8 bytes, so a prefix would put them all in one
 shard). Every group's key of one hash lands in the same shard: the compiled
 table keeps one slot per hash with a bit per group, so a shard's probe of a
 unit answers every group at once. One shard is the serial replay
-(``replay.engine.replay_trace``): its piece is the batch itself and
+(``replay.engine.replay.replay_trace``): its piece is the batch itself and
 gathering is the identity.
 
 The stages (``scatter``, ``ShardFold.fold``, ``gather``, ``Answers.add``)
 are the same whether they run here, one batch after another
 (``replay_answers``), or as Ray tasks and actors over a directory's files
-(``replay.cluster``).
+(``replay.engine.cluster``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ import polars as pl
 import pyarrow as pa
 from numba import njit
 
-from replay.answers import (
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.engine.answers import (
     LOOKUP_COLUMNS,
     Answers,
     LookupBatch,
@@ -44,18 +46,9 @@ from replay.answers import (
     Variant,
     resolve_cache,
 )
-from replay.errors import ReplayError
-from replay.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable, _key_meta, _mix
-from replay.spec import TraceConfig
-from replay.trace import (
-    HashWords,
-    TraceBatch,
-    TraceReader,
-    TraceSource,
-    hash_words,
-    open_trace,
-    prefetched,
-)
+from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable, _key_meta, _mix
+from replay.format.trace import HashWords, TraceBatch, TraceReader, hash_words, prefetched
+from replay.format.tracedir import TraceSource, open_trace
 
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
 

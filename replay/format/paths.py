@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 
 PathLike = str | os.PathLike[str]
 

@@ -24,12 +24,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from replay.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
-from replay.errors import ConfigError, ReplayError, TraceError
-from replay.paths import atomic_output, check_input, pause_point
-from replay.spec import TraceConfig
+from replay.base.errors import ConfigError, ReplayError, TraceError
+from replay.base.spec import TraceConfig
+from replay.format.paths import atomic_output, check_input, pause_point
+from replay.rules.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
 
-TRACE_META_KEY = b"replay.trace"
+TRACE_META_KEY = b"replay.format.trace"
 RESULTS_META_KEY = b"replay.results"
 #: Regression traces: what replaying them must give (see replay.pytest_plugin).
 EXPECT_META_KEY = b"replay.expect"
@@ -492,8 +492,8 @@ def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig
         # A trace must be answerable by the cache its events describe.
         check_config(config, trace_cache(config.source))
     except ConfigError as exc:
-        raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
-    return check_config_limits(config, f"{path}: replay.trace metadata")
+        raise TraceError(f"{path}: replay.format.trace metadata: {exc}") from None
+    return check_config_limits(config, f"{path}: replay.format.trace metadata")
 
 
 @dataclass(frozen=True, slots=True)
@@ -760,8 +760,8 @@ class TableReader(TraceReader):
         try:
             check_config(config, trace_cache(config.source))
         except ConfigError as exc:
-            raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
-        self.config = check_config_limits(config, f"{name}: replay.trace metadata")
+            raise TraceError(f"{name}: replay.format.trace metadata: {exc}") from None
+        self.config = check_config_limits(config, f"{name}: replay.format.trace metadata")
         self._table = _conform(name, table, trace_schema(config))
         self.columns = list(TRACE_COLUMNS)
 
@@ -1065,24 +1065,6 @@ def _validate_batch(
     return int(seq[-1])
 
 
-#: What the commands and the library replay: a trace file, a directory of
-#: them, a binary file object, or a reader already open.
-TraceSource = TraceFile | TraceReader
-
-
-def open_trace(path: TraceSource) -> TraceReader:
-    """A reader of ``path``: a trace file, a directory of them, a binary file
-    object, or a reader already open (returned as it is)."""
-    if isinstance(path, TraceReader):
-        return path
-    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
-        # A directory of files is one trace (issue 13): replay.tracedir.
-        from replay.tracedir import open_trace_dir
-
-        return open_trace_dir(path)
-    return TraceReader(path)
-
-
 # ---------------------------------------------------------------- results
 
 
@@ -1101,7 +1083,7 @@ def write_results(
         if name not in table.column_names:
             raise ReplayError(
                 f"{path}: results without their {name!r} column (replay with "
-                "replay.engine.replay_trace, which flags every lookup)"
+                "replay.engine.replay.replay_trace, which flags every lookup)"
             )
         if table.column(name).null_count:
             raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
@@ -1117,7 +1099,7 @@ def write_results(
 
 def is_results_file(path: str | os.PathLike[str]) -> bool:
     if Path(path).is_dir():
-        return False  # a trace directory (replay.tracedir)
+        return False  # a trace directory (replay.format.tracedir)
     pf = _open_parquet(path)
     return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
 

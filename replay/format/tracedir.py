@@ -3,7 +3,7 @@
 A day of a fleet's KV events does not fit one file, and files are how a
 cluster's tasks divide the reading. The directory's ``*.parquet`` files, in
 file-name order, are one event log: their seq ranges are disjoint and
-increasing, and each carries the same ``replay.trace`` config. Both are
+increasing, and each carries the same ``replay.format.trace`` config. Both are
 checked from the footers (the config, and the seq column's row-group
 statistics) before any data is read, so a mismatched file fails at once with
 a one-line error naming it, not after an hour of replay. Files whose
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.coordinator import trace_cache
-from replay.errors import ReplayError, TraceError
-from replay.trace import TRACE_COLUMNS, TraceBatch, TraceReader, TraceWriter, open_trace
+from replay.base.errors import ReplayError, TraceError
+from replay.format.trace import TRACE_COLUMNS, TraceBatch, TraceFile, TraceReader, TraceWriter
+from replay.rules.coordinator import trace_cache
 
 #: How ``replay split`` names its files: zero-padded so that file-name order
 #: is seq order for any count up to a million files.
@@ -99,7 +99,7 @@ class TraceDir(TraceReader):
         for reader in self.files[1:]:
             if reader.config != self.config:
                 raise TraceError(
-                    f"{reader.path}: replay.trace config differs from {first.path.name}'s "
+                    f"{reader.path}: replay.format.trace config differs from {first.path.name}'s "
                     "(every file of a trace directory is recorded under the same config)"
                 )
             if trace_cache(reader.config.source) != cache:
@@ -245,3 +245,19 @@ def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int
         for batch in reader.iter_batches(prefetch=True):
             writer.write_table(batch_table(batch))
     return writer.rows_written
+
+
+#: What the commands and the library replay: a trace file, a directory of
+#: them, a binary file object, or a reader already open.
+TraceSource = TraceFile | TraceReader
+
+
+def open_trace(path: TraceSource) -> TraceReader:
+    """A reader of ``path``: a trace file, a directory of them, a binary file
+    object, or a reader already open (returned as it is)."""
+    if isinstance(path, TraceReader):
+        return path
+    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
+        # A directory of files is one trace (issue 13).
+        return open_trace_dir(path)
+    return TraceReader(path)

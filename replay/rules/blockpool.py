@@ -20,7 +20,7 @@ drives them chunk by chunk:
 * Per chunk (``allocate_slots``): blocks below the sliding window and Mamba
   states below the computed position are freed first, the hit blocks are
   touched (first chunk), new blocks are allocated group by group, then the
-  full blocks are hashed as the store rules say (``replay.store_rules``,
+  full blocks are hashed as the store rules say (``replay.rules.store_rules``,
   ``gpu`` cache: the ``BlockStored`` set); a finished request frees group by
   group in group-id order, each table in reverse.
 * Admission as with one request running and ``scheduler_reserve_full_isl``
@@ -43,11 +43,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from replay.coordinator import Coordinator, LookupOutcome, Policy
-from replay.coordinator.finders import block_view, cdiv
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, TraceConfig
-from replay.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, TraceConfig
+from replay.rules.coordinator import Coordinator, LookupOutcome, Policy
+from replay.rules.coordinator.finders import block_view, cdiv
+from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 NEVER = 1 << 62

@@ -4,7 +4,7 @@ The state is the set of present ``(group_id, hash)`` keys, kept as one set of
 hashes per group. ``apply`` is the projection step; ``fold`` runs it over an
 event log up to a point. This is the plain definition, used where one
 lookup's state is shown (``replay explain``, ``replay state``); the replay
-itself folds the same events in compiled code (``replay.kernels``), and the
+itself folds the same events in compiled code (``replay.engine.kernels``), and the
 tests hold the two to identical answers.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from replay.errors import TraceError
+from replay.base.errors import TraceError
 
 H = TypeVar("H", bound=Hashable)
 

@@ -65,14 +65,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from replay.coordinator import (
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator import (
     LookupOutcome,
     build_spec_groups,
     engine_derives_partial_hits,
     get_cache,
 )
-from replay.errors import ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 Blocks = range | npt.NDArray[np.int64]
 """One group's stored block indices, ascending: a ``range`` when contiguous."""
@@ -93,7 +93,7 @@ class StorePolicy:
     #: The scheduler's token budget per step: the longest prefill chunk.
     max_num_batched_tokens: int = 8192
     #: Which cache's stores: ``mooncake`` (the store connector's saves) or
-    #: ``gpu`` (the block pool's BlockStored events); ``replay.coordinator.CACHES``.
+    #: ``gpu`` (the block pool's BlockStored events); ``replay.rules.coordinator.CACHES``.
     cache: str = "mooncake"
 
     def __post_init__(self) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from replay.errors import ConfigError, ReplayError
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.sources.values import parse_json
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
 class GroupMismatch(ConfigError):
@@ -18,13 +18,13 @@ class GroupMismatch(ConfigError):
 
 def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> TraceConfig:
     """The KV-cache config for a recording: a JSON file holding the
-    ``replay.trace`` metadata object (or a trace, whose config is taken), or
+    ``replay.format.trace`` metadata object (or a trace, whose config is taken), or
     one full-attention group of ``block_size`` tokens."""
     if path is not None and block_size is not None:
         raise ConfigError("pass either --config or --block-size, not both")
     if path is not None:
-        from replay.paths import check_input
-        from replay.trace import TraceReader, check_config_limits
+        from replay.format.paths import check_input
+        from replay.format.trace import TraceReader, check_config_limits
 
         try:
             p = check_input(path, "a KV-cache config JSON")
@@ -58,6 +58,6 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
             scheduler_block_size=block_size,
         )
     raise ConfigError(
-        "no KV-cache config: pass --config kv-config.json (the replay.trace metadata "
+        "no KV-cache config: pass --config kv-config.json (the replay.format.trace metadata "
         "object) or --block-size N (one full-attention group)"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 
 
 def choose_lookup(

@@ -15,20 +15,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from replay.coordinator import POLICIES
-from replay.engine import iter_events, replay_trace
-from replay.errors import ReplayError
-from replay.shard import replay_sharded
-from replay.spec import TraceConfig
-from replay.trace import (
-    TRACE_COLUMNS,
-    TableReader,
-    TraceReader,
-    TraceSource,
-    events_table,
-    open_trace,
-    write_trace,
-)
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.engine.replay import iter_events, replay_trace
+from replay.engine.shard import replay_sharded
+from replay.format.trace import TRACE_COLUMNS, TableReader, TraceReader, events_table, write_trace
+from replay.format.tracedir import TraceSource, open_trace
+from replay.rules.coordinator import POLICIES
 
 Row = dict[str, Any]
 
@@ -104,7 +97,7 @@ def minimize(
     the request id occurs in several. The trace is read once; every
     shrinking step replays its rows in memory, and ``out`` is written once,
     at the end."""
-    from replay.lookup_choice import choose_lookup
+    from replay.tools.lookup_choice import choose_lookup
 
     reader = open_trace(trace)
     config = reader.config

@@ -1,7 +1,7 @@
 """Plain text of the project's objects, shared by the CLI and the reports
 (no I/O here): tables, group labels, the explain table, and every summary a
 command prints (of a trace, a replay, a check, a sweep, a written or recorded trace).
-The figures come from ``replay.summary``; this module only words them."""
+The figures come from ``analysis.summary``; this module only words them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replay.coordinator import LookupOutcome, hit_alignment
-from replay.spec import TraceConfig
-from replay.store import LookupEvent
+from replay.base.spec import TraceConfig
+from replay.rules.coordinator import LookupOutcome, hit_alignment
+from replay.rules.store import LookupEvent
 
 if TYPE_CHECKING:
     from replay.sources.stream import RecordSummary
@@ -168,7 +168,7 @@ def validate_line(path: Path, info: Mapping[str, Any]) -> str:
 
 
 def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: str) -> list[str]:
-    """``replay info``: ``replay.summary.trace_info`` of a trace whose
+    """``replay info``: ``analysis.summary.trace_info`` of a trace whose
     replays ``cache`` answers."""
     first, last = info["seq_range"]
     span = info["time_span"]
@@ -193,7 +193,7 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
 
 
 def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
-    """``replay run``: ``replay.summary.run_summary`` with the flagged
+    """``replay run``: ``analysis.summary.run_summary`` with the flagged
     ``examples`` and the ``results`` path."""
     lines = [
         f"replayed {s['events']} events ({kinds_text(s['events_by_kind'])}) with "

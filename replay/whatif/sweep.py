@@ -3,11 +3,11 @@
 The trace's ``store`` / ``remove`` / ``clear`` rows are dropped; its lookups,
 in ``seq`` order, are the requests. For each, the hit is computed against
 the simulated cache by the project's exact coordinator, then the request
-leaves behind what vLLM 0.33 would store for that hit (``replay.store_rules``),
+leaves behind what vLLM 0.33 would store for that hit (``replay.rules.store_rules``),
 evicting per the policy when the cache is full. One request at a time: no
 concurrency model.
 
-* ``gpu``: vLLM's engine block pool (``replay.blockpool.GpuCache``): N
+* ``gpu``: vLLM's engine block pool (``replay.rules.blockpool.GpuCache``): N
   allocatable blocks shared by every group, admission and eviction exactly as
   vLLM does them under ``lru``; ``fifo``, ``lfu`` and ``belady`` pick another
   cached block to evict from the same pool.
@@ -47,13 +47,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, FlagChecker
-from replay.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
-from replay.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
-from replay.coordinator.finders import block_view
-from replay.errors import ReplayError
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy, StoreRules, junction_tokens
-from replay.trace import TraceWriter, atomic_path, open_trace
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.trace import TraceWriter, atomic_path
+from replay.format.tracedir import open_trace
+from replay.rules.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
+from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
+from replay.rules.coordinator.finders import block_view
+from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 
 SWEEP_META_KEY = b"replay.sweep"
 SWEEP_COLUMNS = (

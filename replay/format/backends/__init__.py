@@ -1,6 +1,6 @@
 """Optional coordinators behind the reference ``Coordinator``'s interface.
 
-``replay.backends.vllm.VllmCoordinator`` runs vLLM 0.33.0's own
+``replay.format.backends.vllm.VllmCoordinator`` runs vLLM 0.33.0's own
 ``MooncakeStoreCoordinator``; vLLM is imported only when one is built, so
 importing this package never needs vLLM.
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from replay.backends.vllm import VllmCoordinator
+    from replay.format.backends.vllm import VllmCoordinator
 
 __all__ = ["VllmCoordinator"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "VllmCoordinator":
-        from replay.backends.vllm import VllmCoordinator
+        from replay.format.backends.vllm import VllmCoordinator
 
         return VllmCoordinator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

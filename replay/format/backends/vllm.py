@@ -37,15 +37,15 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from replay.coordinator.hybrid import (
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator.hybrid import (
     Contains,
     GroupOutcome,
     Hashes,
     LookupCoordinator,
     LookupOutcome,
 )
-from replay.errors import ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
 def _missing_vllm(exc: ImportError) -> str:

@@ -1,8 +1,8 @@
 """The reference coordinator: vLLM 0.33.0's hybrid cache-hit semantics."""
 
-from replay.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
-from replay.coordinator.finders import FINDERS, FinderResult, block_view
-from replay.coordinator.hybrid import (
+from replay.rules.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
+from replay.rules.coordinator.finders import FINDERS, FinderResult, block_view
+from replay.rules.coordinator.hybrid import (
     Coordinator,
     GroupOutcome,
     LookupCoordinator,
@@ -17,7 +17,7 @@ from replay.coordinator.hybrid import (
     lookup_spec,
     partial_hits,
 )
-from replay.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
+from replay.rules.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
 
 __all__ = [
     "CACHES",

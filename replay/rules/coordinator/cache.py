@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from replay.errors import Entry, by_name, named
+from replay.base.errors import Entry, by_name, named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from replay.spec import GroupKind, GroupSpec
+from replay.base.spec import GroupKind, GroupSpec
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from replay.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
-from replay.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
-from replay.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
+from replay.rules.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
+from replay.rules.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

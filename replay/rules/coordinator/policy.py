@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replay.errors import Entry, by_name, named
+from replay.base.errors import Entry, by_name, named
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
