@@ -242,7 +242,7 @@ def test_a_trace_the_chosen_cache_cannot_answer_is_one_line(tmp_path: Path) -> N
     res = run_cli(["run", str(path), "--cache", "gpu", "-o", str(out)])
     assert (res.exit_code, res.stdout) == (2, "")
     assert res.stderr == (
-        f"error: {path}: replay.format.trace metadata: the gpu cache answers a single KV-cache group "
+        f"error: {path}: replay.trace metadata: the gpu cache answers a single KV-cache group "
         "with vLLM's UnitaryKVCacheCoordinator, which needs hash_block_size equal to "
         "block_size 32, got 16\n"
     )

@@ -88,60 +88,60 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "truncated_parquet": (_truncated, "{p}: truncated Parquet file (no PAR1 magic at the end)"),
     "no_metadata": (
         lambda tmp: _write(tmp / "t.parquet", _table(), None),
-        "{p}: missing 'replay.format.trace' metadata (not a replay trace v1)",
+        "{p}: missing 'replay.trace' metadata (not a replay trace v1)",
     ),
     "metadata_not_json": (
         lambda tmp: _write(tmp / "t.parquet", _table(), b"{not json"),
-        "{p}: 'replay.format.trace' metadata is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+        "{p}: 'replay.trace' metadata is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
     ),
     "metadata_missing_field": (
         lambda tmp: _with_meta(tmp, hash_block_size=...),
-        "{p}: replay.format.trace metadata: missing field 'hash_block_size'",
+        "{p}: replay.trace metadata: missing field 'hash_block_size'",
     ),
     "metadata_wrong_type": (
         lambda tmp: _with_meta(tmp, use_eagle="yes"),
-        "{p}: replay.format.trace metadata: use_eagle must be a boolean, got 'yes'",
+        "{p}: replay.trace metadata: use_eagle must be a boolean, got 'yes'",
     ),
     "metadata_wrong_version": (
         lambda tmp: _with_meta(tmp, version=2),
-        "{p}: replay.format.trace metadata: field 'version': expected 1, got 2",
+        "{p}: replay.trace metadata: field 'version': expected 1, got 2",
     ),
     "unknown_group_kind": (
         lambda tmp: _with_group(tmp, {"kind": "linear_attention", "block_size": 16}),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: unknown kind 'linear_attention', "
+        "{p}: replay.trace metadata: kv_cache_groups[0]: unknown kind 'linear_attention', "
         "expected one of full_attention, sliding_window, chunked_local_attention, mamba",
     ),
     "zero_block_size": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": 0}),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got 0",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got 0",
     ),
     "negative_block_size": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": -16}),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got -16",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size must be a positive integer, got -16",
     ),
     "block_not_multiple_of_hash_block": (
         lambda tmp: _with_group(
             tmp, {"kind": "full_attention", "block_size": 24}, scheduler_block_size=48
         ),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: block_size 24 must be a multiple of hash_block_size 16",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: block_size 24 must be a multiple of hash_block_size 16",
     ),
     "scheduler_not_multiple_of_block": (
         lambda tmp: _with_group(tmp, {"kind": "full_attention", "block_size": 32}),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: scheduler_block_size 16 must be a multiple of block_size 32",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: scheduler_block_size 16 must be a multiple of block_size 32",
     ),
     "sliding_window_without_window": (
         lambda tmp: _with_group(tmp, {"kind": "sliding_window", "block_size": 16}),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: sliding_window group needs a positive integer sliding_window, got None",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: sliding_window group needs a positive integer sliding_window, got None",
     ),
     "chunked_with_eagle": (
         lambda tmp: _with_group(
             tmp, {"kind": "chunked_local_attention", "block_size": 16, "attention_chunk_size": 64}
         ),
-        "{p}: replay.format.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid in the mooncake cache)",
+        "{p}: replay.trace metadata: kv_cache_groups[0]: chunked_local_attention does not combine with EAGLE (vLLM rejects this hybrid in the mooncake cache)",
     ),
     "no_groups": (
         lambda tmp: _with_meta(tmp, kv_cache_groups=[]),
-        "{p}: replay.format.trace metadata: kv_cache_groups: at least one KV-cache group is required",
+        "{p}: replay.trace metadata: kv_cache_groups: at least one KV-cache group is required",
     ),
     "missing_column": (
         lambda tmp: _drop_column(tmp, "max_length"),
@@ -318,7 +318,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
             scheduler_block_size=2**32,
             kv_cache_groups=[{"kind": "full_attention", "block_size": 2**32}],
         ),
-        "{p}: replay.format.trace metadata: hash_block_size 4294967296 is above 2147483647 tokens",
+        "{p}: replay.trace metadata: hash_block_size 4294967296 is above 2147483647 tokens",
     ),
     "metadata_lone_surrogate": (
         lambda tmp: _write(
@@ -326,11 +326,11 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
             _table(),
             json.dumps({**GOOD_META, "source": {"x": "\ud800"}}).encode(),
         ),
-        "{p}: 'replay.format.trace' metadata holds a lone surrogate escape (not text)",
+        "{p}: 'replay.trace' metadata holds a lone surrogate escape (not text)",
     ),
     "metadata_integer_of_5000_digits": (
         lambda tmp: _write(tmp / "t.parquet", _table(), b'{"version": ' + b"1" * 5000 + b"}"),
-        "{p}: 'replay.format.trace' metadata is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
+        "{p}: 'replay.trace' metadata is not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)",
     ),
     "group_id_names_no_group": (
         lambda tmp: _rows(tmp, [{"kind": "remove", "group_id": 2, "block_hashes": HS}]),

@@ -96,7 +96,7 @@ def test_trace_metadata_fields_are_the_written_ones() -> None:
         scheduler_block_size=16,
         source={"cache": "gpu"},
     )
-    marker = "Key `replay.format.trace`: a JSON object (UTF-8) describing the KV-cache"
+    marker = "Key `replay.trace`: a JSON object (UTF-8) describing the KV-cache"
     assert set(doc_table(marker)) == set(config.to_json())
     group_fields = {f.name for f in dataclasses.fields(GroupSpec)}
     assert set(doc_table("Each object of `kv_cache_groups`:")) == group_fields

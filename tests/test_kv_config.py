@@ -32,7 +32,7 @@ def test_load_config_errors(tmp_path: Path) -> None:
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"version": 1, "kv_cache_groups": []}))
     cases = [
-        ((None, None), "no KV-cache config: pass --config kv-config.json (the replay.format.trace metadata object) or --block-size N (one full-attention group)"),
+        ((None, None), "no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
         ((str(bad), 16), "pass either --config or --block-size, not both"),
         ((str(tmp_path / "nope.json"), None), f"{tmp_path}/nope.json: no such file"),
         ((str(bad), None), f"{bad}: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),

@@ -247,7 +247,7 @@ def test_directories_given_as_inputs_are_one_line_errors(
     # here one of them is a results file, and the error names it.
     results = inputs["results"]
     cases = {
-        ("validate", str(d)): f"{results}: missing 'replay.format.trace' metadata (not a replay trace v1)",
+        ("validate", str(d)): f"{results}: missing 'replay.trace' metadata (not a replay trace v1)",
         ("ingest", "kv-events", str(d), "-o", str(out), "--block-size", "16"): f"{d}: is a directory, expected a KV-event dump",
         ("ingest", "bailian", str(d), "-o", str(out)): f"{d}: is a directory, expected a bailian JSONL file",
         ("ingest", "kv-events", str(inputs["dump"]), "-o", str(out), "--lookups", str(d), "--block-size", "16"): f"{d}: is a directory, expected a JSONL lookup log",

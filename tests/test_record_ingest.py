@@ -113,7 +113,7 @@ def test_ingest_errors_are_one_line_with_exit_2_and_no_output(tmp_path: Path) ->
     )
     out = tmp_path / "out.parquet"
     cases = [
-        (["kv-events", str(good), "-o", str(out)], "error: no KV-cache config: pass --config kv-config.json (the replay.format.trace metadata object) or --block-size N (one full-attention group)"),
+        (["kv-events", str(good), "-o", str(out)], "error: no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
         (["kv-events", str(tmp_path / "missing.kvdump"), "-o", str(out), "--block-size", "16"], f"error: {tmp_path}/missing.kvdump: no such file"),
         (["kv-events", str(notdump), "-o", str(out), "--block-size", "16"], f"error: {notdump}: not a KV-event dump (expected the magic bytes RKVDUMP1 at the start; `replay record --dump FILE` writes one)"),
         (["kv-events", str(future), "-o", str(out), "--block-size", "16"], f"error: {future}: dump layout version '2' is not supported (expected RKVDUMP1)"),

@@ -219,7 +219,7 @@ def test_the_entry_point_is_installed_and_inert_without_the_variable(
     (ep,) = [
         e for e in entry_points(group="vllm.general_plugins") if e.name == "cache_trace_replay"
     ]
-    assert ep.value == "replay.base.vllm_plugin:register"
+    assert ep.value == "replay.vllm_plugin:register"
     monkeypatch.delenv(vllm_plugin.ENV, raising=False)
     ep.load()()
     assert not vllm_plugin.installed()

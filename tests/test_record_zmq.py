@@ -429,7 +429,7 @@ def test_record_without_config_is_a_one_line_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(record, ["--endpoint", "tcp://127.0.0.1:1", "-o", str(out)])
     assert (result.exit_code, result.stderr) == (
         2,
-        "error: no KV-cache config: pass --config kv-config.json (the replay.format.trace metadata "
+        "error: no KV-cache config: pass --config kv-config.json (the replay.trace metadata "
         "object) or --block-size N (one full-attention group)\n",
     )
     assert list(tmp_path.iterdir()) == []

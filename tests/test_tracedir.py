@@ -190,7 +190,7 @@ def test_a_different_config_names_the_file(tmp_path: Path) -> None:
     write_trace(d / "a.parquet", full_mamba(), [{"seq": 0, "kind": "clear"}])
     write_trace(d / "b.parquet", full_mamba(block=32), [{"seq": 1, "kind": "clear"}])
     assert _error(["run", str(d), "-q"]) == (
-        f"error: {d / 'b.parquet'}: replay.format.trace config differs from a.parquet's "
+        f"error: {d / 'b.parquet'}: replay.trace config differs from a.parquet's "
         "(every file of a trace directory is recorded under the same config)\n"
     )
 

@@ -35,7 +35,7 @@ back on and changes the hits it was meant to record).
 Records (JSON objects, ``type`` first):
 
 - ``engine``: once per scheduler, the engine facts the KV events do not
-  carry: ``config`` (the trace's ``replay.format.trace`` metadata object: groups and
+  carry: ``config`` (the trace's ``replay.trace`` metadata object: groups and
   their specs, ``use_eagle`` as the coordinator takes it (the EAGLE drop),
   hash and scheduler block sizes, partial hits) and ``engine`` (speculative
   method, whether vLLM's EAGLE drop is on, lookahead hash tokens, retention

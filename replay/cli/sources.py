@@ -45,7 +45,7 @@ def config_options(func: F) -> F:
         "--config",
         "config_path",
         metavar="FILE",
-        help="KV-cache config: a JSON file holding the replay.format.trace metadata object "
+        help="KV-cache config: a JSON file holding the replay.trace metadata object "
         "(or a trace whose config to reuse).",
     )(func)
     return func

@@ -66,7 +66,7 @@ def make_coordinator(
         except ConfigError as exc:
             # A trace valid for one cache may not be for the other.
             where = f"{path}: " if path is not None else ""
-            raise ConfigError(f"{where}replay.format.trace metadata: {exc}") from None
+            raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
     if coordinator == "vllm":
         from replay.format.backends.vllm import VllmCoordinator
 

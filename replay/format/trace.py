@@ -29,7 +29,7 @@ from replay.base.spec import TraceConfig
 from replay.format.paths import atomic_output, check_input, pause_point
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
 
-TRACE_META_KEY = b"replay.format.trace"
+TRACE_META_KEY = b"replay.trace"
 RESULTS_META_KEY = b"replay.results"
 #: Regression traces: what replaying them must give (see replay.pytest_plugin).
 EXPECT_META_KEY = b"replay.expect"
@@ -492,8 +492,8 @@ def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig
         # A trace must be answerable by the cache its events describe.
         check_config(config, trace_cache(config.source))
     except ConfigError as exc:
-        raise TraceError(f"{path}: replay.format.trace metadata: {exc}") from None
-    return check_config_limits(config, f"{path}: replay.format.trace metadata")
+        raise TraceError(f"{path}: replay.trace metadata: {exc}") from None
+    return check_config_limits(config, f"{path}: replay.trace metadata")
 
 
 @dataclass(frozen=True, slots=True)
@@ -760,8 +760,8 @@ class TableReader(TraceReader):
         try:
             check_config(config, trace_cache(config.source))
         except ConfigError as exc:
-            raise TraceError(f"{name}: replay.format.trace metadata: {exc}") from None
-        self.config = check_config_limits(config, f"{name}: replay.format.trace metadata")
+            raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
+        self.config = check_config_limits(config, f"{name}: replay.trace metadata")
         self._table = _conform(name, table, trace_schema(config))
         self.columns = list(TRACE_COLUMNS)
 

@@ -3,7 +3,7 @@
 A day of a fleet's KV events does not fit one file, and files are how a
 cluster's tasks divide the reading. The directory's ``*.parquet`` files, in
 file-name order, are one event log: their seq ranges are disjoint and
-increasing, and each carries the same ``replay.format.trace`` config. Both are
+increasing, and each carries the same ``replay.trace`` config. Both are
 checked from the footers (the config, and the seq column's row-group
 statistics) before any data is read, so a mismatched file fails at once with
 a one-line error naming it, not after an hour of replay. Files whose
@@ -99,7 +99,7 @@ class TraceDir(TraceReader):
         for reader in self.files[1:]:
             if reader.config != self.config:
                 raise TraceError(
-                    f"{reader.path}: replay.format.trace config differs from {first.path.name}'s "
+                    f"{reader.path}: replay.trace config differs from {first.path.name}'s "
                     "(every file of a trace directory is recorded under the same config)"
                 )
             if trace_cache(reader.config.source) != cache:

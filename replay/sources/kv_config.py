@@ -18,7 +18,7 @@ class GroupMismatch(ConfigError):
 
 def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> TraceConfig:
     """The KV-cache config for a recording: a JSON file holding the
-    ``replay.format.trace`` metadata object (or a trace, whose config is taken), or
+    ``replay.trace`` metadata object (or a trace, whose config is taken), or
     one full-attention group of ``block_size`` tokens."""
     if path is not None and block_size is not None:
         raise ConfigError("pass either --config or --block-size, not both")
@@ -58,6 +58,6 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
             scheduler_block_size=block_size,
         )
     raise ConfigError(
-        "no KV-cache config: pass --config kv-config.json (the replay.format.trace metadata "
+        "no KV-cache config: pass --config kv-config.json (the replay.trace metadata "
         "object) or --block-size N (one full-attention group)"
     )
