@@ -11,7 +11,7 @@ import polars as pl
 from analysis.flags import results_flags
 from replay.base.errors import ReplayError
 from replay.engine.replay import replay_trace
-from replay.format.trace import is_results_file, read_results, results_cache, results_config
+from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.rules.coordinator import DEFAULT_POLICY
 
 

@@ -45,14 +45,9 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.engine.answers import Answers, Variant, resolve_cache
 from replay.engine.shard import replay_answers
-from replay.format.trace import (
-    atomic_path,
-    is_results_file,
-    read_results,
-    results_cache,
-    results_config,
-)
+from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
+from replay.format.writer import atomic_path
 from replay.rules.coordinator import (
     DEFAULT_POLICY,
     build_spec_groups,

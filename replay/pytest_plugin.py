@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from replay.format.trace import EXPECT_META_KEY, TraceReader
+from replay.format.schema import EXPECT_META_KEY
+from replay.format.trace import TraceReader
 
 
 def read_expectations(path: Path) -> list[dict[str, Any]] | None:

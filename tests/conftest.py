@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 from hypothesis import settings
 
 from replay.cli import cli
-from replay.format.trace import write_trace
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 
 pytest_plugins = ("pytester",)
@@ -35,7 +35,7 @@ def trace_43559(tmp_path: Path) -> Path:
 def inputs(tmp_path: Path) -> dict[str, Path]:
     """One of each input a command reads, in one folder."""
     from replay.engine.replay import replay_trace, save_results
-    from replay.format.trace import write_trace
+    from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
     from tests.kvpayloads import T0, payload, stored
 

@@ -11,8 +11,8 @@ import pytest
 from replay.engine.answers import Answers, Variant
 from replay.engine.replay import replay_trace
 from replay.engine.shard import replay_answers
-from replay.format.trace import write_trace
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows
 
 VARIANTS = [

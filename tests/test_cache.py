@@ -13,7 +13,7 @@ import pytest
 from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.replay import replay_trace
-from replay.format.trace import write_trace
+from replay.format.writer import write_trace
 from replay.rules.coordinator import (
     Coordinator,
     build_spec_groups,

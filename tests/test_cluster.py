@@ -21,8 +21,8 @@ import polars as pl
 import pytest
 
 from replay.engine.replay import replay_trace
-from replay.format.trace import TraceWriter
 from replay.format.tracedir import open_trace, split_trace
+from replay.format.writer import TraceWriter
 from replay.sources.synth import synth_trace
 from tests.conftest import run_cli
 

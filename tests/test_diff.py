@@ -28,7 +28,9 @@ from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli import cli
 from replay.cli.analysis import diff
 from replay.engine.replay import replay_trace, save_results
-from replay.format.trace import RESULTS_SCHEMA, read_results, write_results, write_trace
+from replay.format.results import read_results, write_results
+from replay.format.schema import RESULTS_SCHEMA
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 
 BLOCK = 16

@@ -12,7 +12,8 @@ import pytest
 
 from replay.base.spec import TraceConfig
 from replay.engine.replay import replay_trace, save_results
-from replay.format.trace import read_results, write_trace
+from replay.format.results import read_results
+from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
 from replay.rules.store import ClearEvent, RemoveEvent, StoreEvent
 from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
@@ -125,7 +126,7 @@ def test_store_fold_events_and_order() -> None:
 def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, seed: int) -> None:
     """Every event its own row group: state carries across every batch the
     prefetching reader hands over (clears and removes included)."""
-    from replay.format.trace import TraceWriter
+    from replay.format.writer import TraceWriter
 
     rng = random.Random(300 + seed)
     config = random_config(rng)

@@ -12,7 +12,8 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from replay.engine.replay import replay_trace
-from replay.format.trace import read_results, write_trace
+from replay.format.results import read_results
+from replay.format.writer import write_trace
 from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
 from tests.flagdefs import plain_flags

@@ -14,7 +14,7 @@ import pytest
 from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.replay import replay_trace
-from replay.format.trace import write_trace
+from replay.format.writer import write_trace
 from tests import builders
 from tests.builders import (
     MAMBA,

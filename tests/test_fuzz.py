@@ -39,8 +39,10 @@ from hypothesis import strategies as st
 
 from replay.cli import cli
 from replay.engine.replay import replay_trace, save_results
-from replay.format.trace import TRACE_META_KEY, read_results, write_trace
+from replay.format.results import read_results
+from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.sources.dump import DumpWriter
 from tests.builders import chain, full_mamba, issue_43559_rows
 

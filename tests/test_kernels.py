@@ -19,15 +19,15 @@ from replay.base.spec import TraceConfig
 from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
 from replay.engine.replay import replay_trace
 from replay.engine.shard import fold_rows
-from replay.format.trace import (
+from replay.format.hashwords import hash_words
+from replay.format.tracedir import open_trace
+from replay.format.writer import (
     ROW_GROUP_ROWS,
     TraceWriter,
-    hash_words,
     trace_schema,
     write_bounded,
     write_trace,
 )
-from replay.format.tracedir import open_trace
 from tests.builders import full_mamba, random_config, random_rows
 from tests.test_engine import naive_replay
 

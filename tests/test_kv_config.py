@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from replay.base.errors import ConfigError
-from replay.format.trace import write_trace
+from replay.format.writer import write_trace
 from replay.sources.kv_config import load_config
 from tests.kvpayloads import two_groups
 

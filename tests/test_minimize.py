@@ -8,8 +8,8 @@ from pathlib import Path
 
 import polars as pl
 
-from replay.format.trace import write_trace
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
 from tests.builders import chain, full_mamba
 from tests.conftest import run_cli

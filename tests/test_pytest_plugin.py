@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from replay.format.trace import write_trace
+from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
 from tests.builders import chain, full_mamba
 

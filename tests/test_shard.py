@@ -17,7 +17,7 @@ from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
 from replay.engine.replay import replay_trace
 from replay.engine.shard import replay_sharded, shard_of
-from replay.format.trace import TraceWriter, write_trace
+from replay.format.writer import TraceWriter, write_trace
 from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
 

@@ -23,8 +23,8 @@ import msgspec
 import pytest
 
 from replay.format.paths import PAUSE_ENV
-from replay.format.trace import write_trace
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.sources.dump import DUMP_MAGIC, DumpWriter
 from tests.builders import full_mamba, issue_43559_rows
 from tests.kvpayloads import T0, payload, stored

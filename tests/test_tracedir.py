@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from replay.engine.replay import replay_trace
-from replay.format.trace import TRACE_META_KEY, events_table, write_trace
+from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import TraceDir, open_trace
+from replay.format.writer import events_table, write_trace
 from tests.builders import full_mamba, random_config, random_rows
 from tests.conftest import run_cli
 

@@ -12,8 +12,8 @@ import pytest
 
 from replay.base.spec import TraceConfig
 from replay.engine.replay import replay_trace
-from replay.format.trace import write_trace
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.sources.archetypes import archetype_config

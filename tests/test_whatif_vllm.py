@@ -31,8 +31,8 @@ pytest.importorskip(
 
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.backends.vllm import vllm_groups
-from replay.format.trace import write_trace
 from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.rules.blockpool import GpuCache
 from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config

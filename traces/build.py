@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.format.trace import TraceReader, write_trace
+from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows
 
 HERE = Path(__file__).parent

@@ -13,7 +13,8 @@ from analysis.report.data import ReportData
 from analysis.report.inputs import lookup_mismatch, read_report_results, resolve_trace
 from replay.base.errors import ReplayError
 from replay.engine.replay import explain_lookups
-from replay.format.trace import TraceReader, results_cache, results_config
+from replay.format.results import results_cache, results_config
+from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.rules.coordinator import POLICIES, hit_alignment
 from replay.tools.render import explain_header, explain_table

@@ -11,7 +11,8 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.trace import TraceReader, read_results
+from replay.format.results import read_results
+from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 
 

@@ -71,7 +71,7 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
         if len(keys) > show:
             click.echo(f"  … {len(keys) - show} more")
     if output is not None:
-        from replay.format.trace import write_keys
+        from replay.format.writer import write_keys
 
         n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
         click.echo(f"wrote {n} keys to {output}")

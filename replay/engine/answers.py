@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.trace import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.format.schema import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
 from replay.rules.coordinator import (
     Coordinator,
     LookupCoordinator,

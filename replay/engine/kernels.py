@@ -40,7 +40,7 @@ from numba.extending import intrinsic
 from replay.base.errors import ReplayError
 
 if TYPE_CHECKING:
-    from replay.format.trace import HashWords
+    from replay.format.hashwords import HashWords
 
 # Row kinds as the kernel sees them (SKIP: a row that changes nothing).
 STORE, REMOVE, CLEAR, LOOKUP, SKIP = 0, 1, 2, 3, 4
@@ -331,7 +331,7 @@ def fold_batch(
 
     Row ``r`` owns hashes ``row_off[r]:row_off[r + 1]``; hash ``h`` is laid
     out in ``words`` as ``_span`` reads ``voff``, ``base``, ``stride`` and
-    ``width`` (``replay.format.trace.HashWords``). A lookup row writes ``n``
+    ``width`` (``replay.format.hashwords.HashWords``). A lookup row writes ``n``
     presence bytes per group at ``out[out_off[r] + g * n]``: 1 when group
     ``g`` holds the key of hash unit ``u`` at that point. ``gids[r] == -1``
     on a clear means every group; ``metas[h]`` is hash ``h``'s

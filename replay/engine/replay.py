@@ -4,7 +4,7 @@ collect the results.
 
 Keys are always the whole hash bytes. The fold runs in compiled code
 (``replay.engine.kernels``, through ``replay.engine.shard``): each batch's
-``block_hashes`` are viewed as words in place (``replay.format.trace.hash_words``),
+``block_hashes`` are viewed as words in place (``replay.format.hashwords.hash_words``),
 stores, removes and clears update one open-addressing table, and every
 lookup gets its presence bytes per group. ``replay_trace`` is the serial
 replay: ``replay.engine.shard``'s pipeline with one shard, answered and flagged by
@@ -23,7 +23,7 @@ from analysis.flags import Flag
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
 from replay.engine.shard import replay_answers
-from replay.format.trace import write_results
+from replay.format.results import write_results
 from replay.format.tracedir import TraceSource, open_trace
 from replay.rules.coordinator import DEFAULT_POLICY, LookupOutcome
 from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold

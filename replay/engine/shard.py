@@ -47,7 +47,9 @@ from replay.engine.answers import (
     resolve_cache,
 )
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable, _key_meta, _mix
-from replay.format.trace import HashWords, TraceBatch, TraceReader, hash_words, prefetched
+from replay.format.hashwords import HashWords, hash_words
+from replay.format.schema import TraceBatch
+from replay.format.trace import TraceReader, prefetched
 from replay.format.tracedir import TraceSource, open_trace
 
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}

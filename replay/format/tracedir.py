@@ -27,7 +27,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from replay.base.errors import ReplayError, TraceError
-from replay.format.trace import TRACE_COLUMNS, TraceBatch, TraceFile, TraceReader, TraceWriter
+from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
+from replay.format.trace import TraceReader
+from replay.format.writer import TraceWriter
 from replay.rules.coordinator import trace_cache
 
 #: How ``replay split`` names its files: zero-padded so that file-name order

@@ -24,7 +24,8 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
         raise ConfigError("pass either --config or --block-size, not both")
     if path is not None:
         from replay.format.paths import check_input
-        from replay.format.trace import TraceReader, check_config_limits
+        from replay.format.schema import check_config_limits
+        from replay.format.trace import TraceReader
 
         try:
             p = check_input(path, "a KV-cache config JSON")

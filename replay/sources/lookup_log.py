@@ -93,7 +93,7 @@ def _lookup_hash(value: object) -> bytes:
 
 
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
-    from replay.format.trace import TOKEN_LIMIT
+    from replay.format.validate import TOKEN_LIMIT
 
     value = obj.get(name)
     if value is None:
@@ -244,8 +244,8 @@ def merge_lookups(
     batch_rows: int = 65_536,
 ) -> MergeSummary:
     """Write ``out_path``: the trace's rows with the lookup log merged in by time."""
-    from replay.format.trace import TraceWriter
     from replay.format.tracedir import open_trace
+    from replay.format.writer import TraceWriter
 
     reader = open_trace(trace_path)
     config = reader.config

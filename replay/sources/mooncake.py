@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.format.trace import TraceWriter
+from replay.format.writer import TraceWriter
 from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import (

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from replay.base.errors import ReplayError
 from replay.format.paths import check_input
-from replay.format.trace import TOKEN_LIMIT
+from replay.format.validate import TOKEN_LIMIT
 from replay.sources.values import JSON_TYPES, is_text, type_name
 
 #: Timestamps are kept relative to the epoch; the last one a trace can hold.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.trace import TraceWriter
+from replay.format.writer import TraceWriter
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
 from replay.sources.plugin_log import (
     LookupPlacer,

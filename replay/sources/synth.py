@@ -60,7 +60,7 @@ import numpy.typing as npt
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.trace import TraceWriter
+from replay.format.writer import TraceWriter
 from replay.rules.coordinator import Coordinator
 from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config

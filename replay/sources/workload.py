@@ -56,7 +56,8 @@ import pyarrow as pa
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.trace import EVENT_KINDS, trace_schema
+from replay.format.schema import EVENT_KINDS
+from replay.format.writer import trace_schema
 from replay.rules.coordinator import Coordinator
 from replay.rules.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
 from replay.sources.dense_store import EMPTY_KEYS, DenseStore

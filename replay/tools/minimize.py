@@ -19,8 +19,10 @@ from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.engine.replay import iter_events, replay_trace
 from replay.engine.shard import replay_sharded
-from replay.format.trace import TRACE_COLUMNS, TableReader, TraceReader, events_table, write_trace
+from replay.format.schema import TRACE_COLUMNS
+from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
+from replay.format.writer import events_table, write_trace
 from replay.rules.coordinator import POLICIES
 
 Row = dict[str, Any]

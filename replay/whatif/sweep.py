@@ -49,8 +49,8 @@ import pyarrow.parquet as pq
 from analysis.flags import FLAG_KINDS, FlagChecker
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.trace import TraceWriter, atomic_path
 from replay.format.tracedir import open_trace
+from replay.format.writer import TraceWriter, atomic_path
 from replay.rules.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
 from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
 from replay.rules.coordinator.finders import block_view
