@@ -36,7 +36,8 @@ from replay.format.writer import write_trace
 from replay.rules.blockpool import GpuCache
 from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
-from replay.whatif.sweep import RunSpec, load_requests, simulate
+from replay.whatif.requests import load_requests
+from replay.whatif.sweep import RunSpec, simulate
 from tests.builders import random_archetype_config, random_prompts
 from tests.vllm_modules import split_state, vllm_modules
 

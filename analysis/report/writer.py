@@ -11,7 +11,7 @@ from analysis.report.html import render_html, render_sweep_html
 from analysis.report.markdown import render_markdown, render_sweep_markdown
 from replay.base.errors import ReplayError
 from replay.format.paths import OutputTarget, check_outputs, write_text
-from replay.whatif.sweep import read_sweep
+from replay.format.sweepfile import read_sweep
 
 FORMATS = ("html", "md")
 

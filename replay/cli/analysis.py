@@ -108,7 +108,7 @@ def report(
     policy, and the table (-o x.md: Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
     from replay.format.paths import check_outputs
-    from replay.whatif.sweep import is_sweep_file
+    from replay.format.sweepfile import is_sweep_file
 
     if fmt is None:
         fmt = (

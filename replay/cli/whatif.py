@@ -19,16 +19,9 @@ from replay.engine.answers import resolve_cache
 from replay.rules.blockpool import EVICTIONS
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
-from replay.whatif.sweep import (
-    RunSpec,
-    blocks_for_bytes,
-    emit_path,
-    load_requests,
-    page_sizes,
-    parse_bytes,
-    sweep,
-    write_sweep,
-)
+from replay.whatif.requests import load_requests
+from replay.whatif.sizes import blocks_for_bytes, page_sizes, parse_bytes
+from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
 
 
 def _int_list(text: str, option: str) -> list[int]:

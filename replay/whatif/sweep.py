@@ -24,234 +24,35 @@ attention on random streams).
 
 Each run can be written as a trace (``emit``): its lookups and the key
 appearances and disappearances in order, which ``replay run`` replays to the
-same hits.
-"""
+same hits."""
 
 from __future__ import annotations
 
-import bisect
 import os
-import re
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, FlagChecker
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.tracedir import open_trace
-from replay.format.writer import TraceWriter, atomic_path
-from replay.rules.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
+from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
+from replay.format.writer import TraceWriter
+from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
 from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
 from replay.rules.coordinator.finders import block_view
+from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.whatif.requests import Requests
 
-SWEEP_META_KEY = b"replay.sweep"
-SWEEP_COLUMNS = (
-    "capacity_blocks",
-    "capacity_bytes",
-    "eviction",
-    "cache",
-    "policy",
-    "lookups",
-    "prompt_tokens",
-    "hit_tokens",
-    "hit_ratio",
-    "evicted_blocks",
-    "not_admitted",
-    "preempted",
-    "seconds",
-    *FLAG_KINDS,
-)
-
-
-# ---------------------------------------------------------------- sizes
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
-
-
-def parse_bytes(text: str) -> int:
-    """``64GiB``, ``500MB``, ``4096``: a byte count (``Ki`` = 1024, ``K`` = 1000)."""
-    m = _SIZE.match(text)
-    if m is None:
-        raise ReplayError(f"size {text!r}: expected a number with an optional unit such as 64GiB")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    base = unit[:1]
-    factor = 1024 ** "_kmgtp".index(base) if unit[1:2] == "i" else _UNITS[base]
-    value = int(number * factor)
-    if value <= 0:
-        raise ReplayError(f"size {text!r}: must be positive")
-    return value
-
-
-def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
-    """Per group, the bytes of one block (all of its layers): ``--page-bytes``
-    (one size for every group, or one per group, comma-separated), else the
-    trace's ``source.page_bytes``."""
-    if page_bytes is None:
-        source = config.source or {}
-        given = source.get("page_bytes")
-        if given is None:
-            raise ReplayError(
-                "--capacity-bytes needs the groups' page sizes: give --page-bytes "
-                "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
-            )
-        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
-    else:
-        parts = [p for p in page_bytes.split(",") if p.strip()]
-    sizes = [parse_bytes(p) for p in parts]
-    if len(sizes) == 1:
-        sizes *= config.num_groups
-    if len(sizes) != config.num_groups:
-        raise ReplayError(
-            f"--page-bytes: {len(sizes)} sizes for {config.num_groups} KV-cache groups"
-        )
-    return tuple(sizes)
-
-
-def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
-    """Blocks of ``capacity_bytes``: the gpu pool gives every group one page
-    size, so a block costs the largest page; the mooncake store counts each
-    key's own page against the bytes, and this is only its nominal size."""
-    blocks = capacity_bytes // max(pages)
-    if blocks < 1:
-        raise ReplayError(f"{capacity_bytes} bytes hold no block of {max(pages)} bytes")
-    return blocks
-
-
-# ---------------------------------------------------------------- requests
-
-
-@dataclass(slots=True, kw_only=True)
-class Requests:
-    """A trace's lookups, keyed by dense integer ids of their hashes."""
-
-    config: TraceConfig
-    path: str
-    seq: list[int]
-    request_id: list[str]
-    max_length: list[int]
-    num_tokens: list[int]
-    ts: list[Any]
-    offsets: npt.NDArray[np.int64]
-    ids: npt.NDArray[np.int64]
-    #: id -> the hash bytes (for emitted traces)
-    digests: pa.Array
-    #: Belady's future: for each id, the requests holding it, ascending
-    _uses: npt.NDArray[np.int64] | None = field(default=None, repr=False)
-    _use_starts: npt.NDArray[np.int64] | None = field(default=None, repr=False)
-    _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
-    _now: int = field(default=-1, repr=False)
-    _soon: dict[int, int] = field(default_factory=dict, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def unit_ids(self, i: int) -> list[int]:
-        ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
-        return ids
-
-    def _future(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        if self._uses is None:
-            owner = np.repeat(np.arange(len(self.seq), dtype=np.int64), np.diff(self.offsets))
-            order = np.lexsort((owner, self.ids))
-            ids, uses = self.ids[order], owner[order]
-            self._uses = uses
-            self._use_starts = np.searchsorted(
-                ids, np.arange(len(self.digests) + 1, dtype=np.int64)
-            )
-            # Per unit, the next request holding its hash (a hash twice in one
-            # prompt defers to its later copy's next request).
-            after = np.full(len(ids), NEVER, dtype=np.int64)
-            same = ids[1:] == ids[:-1]
-            after[:-1][same] = uses[1:][same]
-            for k in np.flatnonzero(after == uses)[::-1].tolist():
-                after[k] = after[k + 1]
-            self._after = np.empty_like(after)
-            self._after[order] = after
-        assert self._use_starts is not None
-        return self._uses, self._use_starts
-
-    def next_use(self, key: Hashable, now: int) -> int:
-        """The first request after ``now`` whose prompt holds ``key``."""
-        uses, starts = self._future()
-        if now != self._now:
-            # The keys asked about are mostly the running request's own.
-            o, e = int(self.offsets[now]), int(self.offsets[now + 1])
-            self._now = now
-            self._soon = dict(zip(self.ids[o:e].tolist(), self._after[o:e].tolist(), strict=True))
-        hit = self._soon.get(key)  # type: ignore[call-overload]
-        if hit is not None:
-            return int(hit)
-        assert isinstance(key, int)
-        lo, hi = int(starts[key]), int(starts[key + 1])
-        j = bisect.bisect_right(uses, now, lo, hi)
-        return int(uses[j]) if j < hi else NEVER
-
-
-def load_requests(path: str | os.PathLike[str]) -> Requests:
-    """The lookups of a trace (its cache events are ignored). A lookup
-    without ``num_tokens`` is taken as ``max_length + 1`` tokens, vLLM's
-    ``get_computed_blocks`` bound."""
-    reader = open_trace(path)
-    frame = reader.read_frame(
-        ["seq", "ts", "kind", "block_hashes", "request_id", "max_length", "num_tokens"]
-    ).filter(pl.col("kind") == "lookup")
-    if frame.height == 0:
-        raise ReplayError(f"{path}: no lookup rows, nothing to simulate")
-    hashes = frame.get_column("block_hashes")
-    lengths = hashes.list.len().to_numpy().astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat = hashes.explode().drop_nulls()
-    # Dense ids in order of first appearance, by the exact bytes.
-    uniq = pl.DataFrame({"h": flat}).unique("h", keep="first", maintain_order=True)
-    digests = uniq.get_column("h")
-    ids = (
-        pl.DataFrame({"h": flat})
-        .join(uniq.with_row_index("id"), on="h", how="left", maintain_order="left")
-        .get_column("id")
-        .to_numpy()
-        .astype(np.int64)
-    )
-    max_length = frame.get_column("max_length").to_list()
-    num_tokens = [
-        n if n is not None else m + 1
-        for n, m in zip(frame.get_column("num_tokens").to_list(), max_length, strict=True)
-    ]
-    seqs = frame.get_column("seq").to_list()
-    for seq, n, m in zip(seqs, num_tokens, max_length, strict=True):
-        if not 0 <= m < n:
-            raise ReplayError(
-                f"{path}: seq {seq}: max_length {m} must be in [0, num_tokens {n}) for the "
-                "what-if (vLLM recomputes a prompt's last token)"
-            )
-    return Requests(
-        config=reader.config,
-        path=str(path),
-        seq=seqs,
-        request_id=frame.get_column("request_id").to_list(),
-        max_length=max_length,
-        num_tokens=num_tokens,
-        ts=frame.get_column("ts").to_list(),
-        offsets=offsets,
-        ids=ids,
-        digests=digests.to_arrow(),
-    )
-
-
-# ---------------------------------------------------------------- one run
+SWEEP_COLUMNS = (*SWEEP_BASE_COLUMNS, *FLAG_KINDS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -330,57 +131,6 @@ class _Log:
             for k in range(0, len(self.rows), 4096):
                 chunk = self.rows[k : k + 4096]
                 writer.write_rows([{"seq": k + n, **row} for n, row in enumerate(chunk)])
-
-
-class MooncakeStore:
-    """A capacity-bounded external key store with an eviction policy."""
-
-    def __init__(
-        self,
-        num_groups: int,
-        order: EvictionOrder,
-        capacity: int,
-        costs: Sequence[int],
-        on_key: Callable[[str, int, Hashable], None] | None,
-    ) -> None:
-        self.present: list[set[int]] = [set() for _ in range(num_groups)]
-        self.order = order
-        self.capacity = capacity
-        self.costs = costs
-        self.size = 0
-        self.on_key = on_key
-        self.evicted = 0
-        self._num_groups = num_groups
-
-    def item(self, gid: int, key: int) -> int:
-        return key * self._num_groups + gid
-
-    def touch(self, gid: int, key: int) -> None:
-        item = self.item(gid, key)
-        self.order.used(item)
-        if self.order.policy != "fifo":
-            self.order.discard(item)
-            self.order.add(item)
-
-    def put(self, gid: int, key: int) -> None:
-        if key in self.present[gid]:
-            self.touch(gid, key)
-            return
-        item = self.item(gid, key)
-        self.present[gid].add(key)
-        self.order.reset(item)
-        self.order.add(item)
-        self.size += self.costs[gid]
-        if self.on_key is not None:
-            self.on_key("store", gid, key)
-        while self.size > self.capacity:
-            victim = self.order.pop()
-            vg, vk = victim % self._num_groups, victim // self._num_groups
-            self.present[vg].discard(vk)
-            self.size -= self.costs[vg]
-            self.evicted += 1
-            if self.on_key is not None:
-                self.on_key("remove", vg, vk)
 
 
 def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
@@ -508,9 +258,6 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- the sweep
-
-
 #: A worker's copy of the sweep's requests, sent once when it starts.
 _LOADED: Requests | None = None
 
@@ -610,36 +357,7 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
 def write_sweep(
     path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], metadata: dict[str, Any]
 ) -> Path:
-    import json
-
-    table = sweep_frame(rows).to_arrow()
-    table = table.replace_schema_metadata({SWEEP_META_KEY: json.dumps(metadata).encode()})
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp))
-    return Path(path)
-
-
-def is_sweep_file(path: str | os.PathLike[str]) -> bool:
-    try:
-        meta = pq.read_schema(str(path)).metadata or {}
-    except (OSError, pa.ArrowInvalid):
-        return False
-    return SWEEP_META_KEY in meta
-
-
-def read_sweep(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, Any]]:
-    import json
-
-    if not is_sweep_file(path):
-        raise ReplayError(f"{path}: not a sweep file (replay whatif writes them)")
-    table = pq.read_table(str(path))
-    meta = json.loads((table.schema.metadata or {})[SWEEP_META_KEY])
-    frame = pl.from_arrow(table)
-    assert isinstance(frame, pl.DataFrame)
-    missing = [c for c in SWEEP_COLUMNS if c not in frame.columns and c not in FLAG_KINDS]
-    if missing:
-        raise ReplayError(f"{path}: sweep file lacks column {missing[0]!r}")
-    return frame, meta
+    return write_sweep_frame(path, sweep_frame(rows), metadata)
 
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
