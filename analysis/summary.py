@@ -6,12 +6,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-import numpy as np
 import polars as pl
 
 from replay.engine.answers import ReplayResult
-from replay.engine.kernels import SKIP, STORE, KeyTable
-from replay.engine.shard import fold_rows
+from replay.engine.shard import StoredKeys
 from replay.format.tracedir import TraceSource, open_trace
 
 
@@ -26,9 +24,8 @@ def trace_info(trace: TraceSource) -> dict[str, Any]:
     reader = open_trace(trace)
     config = reader.config
     counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
-    # Distinct stored keys per group, exact: every store folded into one
-    # table (removes and clears skipped), counted once at the end.
-    stored = KeyTable(config.num_groups)
+    # Distinct stored keys per group: the engine's fold, counted at the end.
+    stored = StoredKeys(config.num_groups)
     first_ts: datetime | None = None
     last_ts: datetime | None = None
     first_seq = last_seq = None
@@ -47,9 +44,7 @@ def trace_info(trace: TraceSource) -> dict[str, Any]:
             first_ts = lo if first_ts is None else min(first_ts, lo)
             last_ts = hi if last_ts is None else max(last_ts, hi)
         hash_entries += int(frame["n_hashes"].fill_null(0).sum())
-        kinds = np.where((frame["kind"] == "store").to_numpy(), STORE, SKIP).astype(np.int8)
-        gids = frame["group_id"].fill_null(-1).to_numpy()
-        fold_rows(stored, gids, batch.hashes, kinds)
+        stored.add(batch)
         lk = frame.filter(pl.col("kind") == "lookup")
         lookups += lk.height
         prompt += int(lk.select(prompt_tokens_expr()).sum().item() or 0)

@@ -46,7 +46,7 @@ from replay.engine.answers import (
     Variant,
     resolve_cache,
 )
-from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, STORE, KeyTable, _key_meta, _mix
+from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
 from replay.format.hashwords import HashWords, hash_words
 from replay.format.schema import TraceBatch
 from replay.format.trace import TraceReader, prefetched
@@ -226,6 +226,26 @@ def fold_rows(
         out_offsets,
     )
     return out, out_offsets, n_units
+
+
+class StoredKeys:
+    """The distinct stored ``(group, hash)`` keys of a trace, exact: every
+    store folded into one table by the compiled fold, removes and clears
+    skipped (``replay info``'s count; analysis.summary calls it batch by
+    batch, in the same pass as its other figures)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self._table = KeyTable(num_groups)
+
+    def add(self, batch: TraceBatch) -> None:
+        frame = batch.frame
+        kinds = np.where((frame["kind"] == "store").to_numpy(), STORE, SKIP).astype(np.int8)
+        gids = frame["group_id"].fill_null(-1).to_numpy()
+        fold_rows(self._table, gids, batch.hashes, kinds)
+
+    def group_counts(self) -> list[int]:
+        """Keys each group stored."""
+        return self._table.group_counts()
 
 
 def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
