@@ -119,4 +119,4 @@ traces: $(STAMP)
 	$(BIN)/python -m traces.build
 
 clean:
-	rm -rf out bench-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf out bench-data .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
