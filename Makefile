@@ -82,7 +82,7 @@ smoke:
 	cd $(SMOKE) && venv/bin/replay --version
 	cd $(SMOKE) && venv/bin/replay run $(CURDIR)/$(DEMO_TRACE) -o demo.results.parquet
 	cd $(SMOKE) && venv/bin/replay check demo.results.parquet
-	cd $(SMOKE) && venv/bin/python -c "from replay.trace import read_results; from replay.format.tracedir import open_trace; \
+	cd $(SMOKE) && venv/bin/python -c "from replay.format.results import read_results; from replay.format.tracedir import open_trace; \
 	  frame, info = read_results('demo.results.parquet'); \
 	  trace = open_trace('$(CURDIR)/$(DEMO_TRACE)').read_frame(['kind']); \
 	  lookups = trace.filter(trace['kind'] == 'lookup').height; \

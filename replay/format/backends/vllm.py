@@ -52,7 +52,10 @@ def _missing_vllm(exc: ImportError) -> str:
     import os
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The checkout that holds this package: replay/format/backends/vllm.py.
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     return (
         f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
         "run the tool inside the Python that has vLLM 0.33, e.g. "
