@@ -46,7 +46,7 @@ import polars as pl
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.results import write_results
-from replay.format.schema import FACT_COLUMNS
+from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
 from replay.rules.facts import FactRules, LookupFacts
 
@@ -352,7 +352,10 @@ def add_flags(results: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
         raise ReplayError(
             "results have neither the facts columns nor flags: re-run `replay run` to produce them"
         )
-    return results.with_columns(*flag_exprs(Layout.of(config)))
+    flagged = results.with_columns(*flag_exprs(Layout.of(config)))
+    # The results file's column order (flags among the answers' columns).
+    known = [n for n in RESULTS_SCHEMA.names if n in flagged.columns]
+    return flagged.select(known + [n for n in flagged.columns if n not in known])
 
 
 def flag_results(results: Sequence[ReplayResult]) -> list[ReplayResult]:
@@ -463,10 +466,13 @@ def flags_table(results: pl.DataFrame) -> pl.DataFrame:
 def recompute_flags(
     results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
 ) -> pl.DataFrame:
-    """The flags of a results frame recomputed from its facts, or from its
-    ``unit_present`` (the store state each lookup saw), whoever wrote it."""
+    """The flags of a results frame recomputed from its ``unit_present``
+    (the store state each lookup saw: the facts are worked out again from
+    it, for answers whoever wrote them), else from its facts."""
     if results.height == 0:
         return empty_flags()
+    if "unit_present" in results.columns:
+        results = results.drop(FACT_COLUMNS, strict=False)
     return flags_table(add_flags(with_facts(results, config, cache), config))
 
 

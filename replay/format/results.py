@@ -53,8 +53,17 @@ def write_results(
         if table.column(name).null_count:
             raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
     schema = results_schema(metadata)
+    facts = [n for n in FACT_COLUMNS if n in table.column_names]
+    if not facts:
+        # A writer from before the facts: its flags are the file's, as written.
+        schema = pa.schema(
+            [f for f in schema if f.name not in FACT_COLUMNS], metadata=schema.metadata
+        )
+    elif len(facts) < len(FACT_COLUMNS):
+        gone = next(n for n in FACT_COLUMNS if n not in facts)
+        raise ReplayError(f"{path}: results without the fact column {gone!r} (they come together)")
     extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
-    table = table.select(list(RESULTS_SCHEMA.names) + extra)
+    table = table.select(schema.names + extra)
     fields = list(schema) + [table.schema.field(n) for n in extra]
     table = table.cast(pa.schema(fields, metadata=schema.metadata))
     with atomic_path(path) as tmp:
