@@ -228,7 +228,8 @@ class FlagKind:
     def expression(self, layout: Layout) -> pl.Expr:
         """Whether each lookup has this flag."""
         conds = [c.fill_null(False) for c, _ in self.occurrences(layout)]
-        return pl.any_horizontal(conds) if conds else pl.lit(False)
+        # With no place to occur (no Mamba group, say): false on every row.
+        return pl.any_horizontal(conds) if conds else H.is_null() & pl.lit(False)
 
     def details(self, layout: Layout) -> pl.Expr:
         """Each lookup's occurrences of this flag, with their numbers

@@ -13,6 +13,7 @@ import pytest
 
 from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.schema import FACT_COLUMNS
 from replay.format.writer import write_trace
 from tests import builders
 from tests.builders import (
@@ -307,3 +308,128 @@ def test_flag_column_lists_each_lookups_flags(tmp_path: Path) -> None:
         ("req-43559", ["mamba_overrun", "eagle_not_dropped"]),
         ("miss", []),
     ]
+
+
+# --- the registry and the facts (issue 21) -----------------------------------
+
+
+def test_every_flag_is_one_registry_entry_with_a_severity() -> None:
+    from analysis.flags import FLAGS
+
+    assert (
+        tuple(FLAGS)
+        == FLAG_KINDS
+        == (
+            "mamba_overrun",
+            "mamba_state_mismatch",
+            "hit_beyond_max_length",
+            "hit_misaligned",
+            "missing_block",
+            "eagle_not_dropped",
+            "observed_mismatch",
+        )
+    )
+    assert {k.name: k.severity for k in FLAGS.values()} == {
+        "mamba_overrun": "corruption",
+        "mamba_state_mismatch": "inconsistent",
+        "hit_beyond_max_length": "inconsistent",
+        "hit_misaligned": "inconsistent",
+        "missing_block": "corruption",
+        "eagle_not_dropped": "performance",
+        "observed_mismatch": "observed",
+    }
+
+
+def test_the_43559_lookup_carries_its_facts(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
+    row = replay_trace(path, policy="pre-49502").results.row(0, named=True)
+    assert {k: row[k] for k in FACT_COLUMNS} == {
+        "hit_alignment": 16,
+        "group_state_tokens": [None, 64],
+        "attention_tokens": 48,
+        "first_absent_block": [None, None],
+        "eagle_unit_present": [False, None],
+    }
+    assert row["flags"] == ["mamba_overrun", "eagle_not_dropped"]
+
+
+def test_a_flag_is_one_expression_and_the_expression_matches_its_details(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new registry entry is all a new flag takes; and on random traces
+    each flag's expression holds exactly where it has details."""
+    from analysis.flags import FLAGS, FlagKind, Layout, add_flags, flag_exprs
+    from replay.engine.run import ReplayOptions, replay
+
+    rng = random.Random(77)
+    for i in range(12):
+        config = random_config(rng)
+        path = write_trace(tmp_path / f"r{i}.parquet", config, random_rows(rng, config, 20))
+        (result,) = replay(path, ReplayOptions(policies=("pre-49502",)))
+        layout = Layout.of(config)
+        frame = result.results.with_columns(flag_exprs(layout)[1])
+        for name, kind in FLAGS.items():
+            got = frame.select(kind.expression(layout).alias("x"))["x"].to_list()
+            has = frame["flag_details"].list.eval(pl.element().struct.field("flag") == name)
+            assert got == has.list.any().to_list()
+
+    def no_hit(layout: Layout) -> list[tuple[pl.Expr, pl.Expr]]:
+        h = pl.col("hit_tokens")
+        text = pl.format("hit {} of {}", h, pl.col("max_length"))
+        detail = pl.struct(
+            pl.lit("no_hit").alias("flag"),
+            pl.lit(None, pl.Int32).alias("group_id"),
+            h.alias("actual"),
+            pl.lit(None, pl.Int64).alias("expected"),
+            text.alias("detail"),
+        )
+        return [((h == 0) & (pl.col("max_length") > 0), detail)]
+
+    monkeypatch.setitem(FLAGS, "no_hit", FlagKind("no_hit", "performance", "no hit", no_hit))
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
+    (result,) = replay(path)
+    flagged = add_flags(
+        result.results.with_columns(pl.lit(0, pl.Int64).alias("hit_tokens")), result.config
+    )
+    flags, details = flagged.select("flags", "flag_details").row(0)
+    assert flags == ["mamba_overrun", "mamba_state_mismatch", "no_hit"]
+    assert details[-1] == {
+        "flag": "no_hit",
+        "group_id": None,
+        "actual": 0,
+        "expected": None,
+        "detail": "hit 0 of 64",
+    }
+
+
+def test_results_files_with_and_without_facts(tmp_path: Path) -> None:
+    """A file with facts has its flags recomputed from them (a flags column
+    edited by hand does not count); a file from before the facts keeps the
+    flags it was written with."""
+    import pyarrow.parquet as pq
+
+    from analysis.check import check_path
+    from analysis.flags import save_results
+
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
+    out = save_results(replay_trace(path, policy="pre-49502"), tmp_path / "t.results.parquet")
+    table = pq.read_table(out)
+    empty = pl.Series([[]], dtype=pl.List(pl.String)).to_arrow()
+    i = table.schema.get_field_index("flags")
+    tampered = table.set_column(i, table.schema.field(i), empty.cast(table.schema.field(i).type))
+    pq.write_table(tampered, tmp_path / "edited.results.parquet")
+    flags, _ = check_path(tmp_path / "edited.results.parquet", policy=None)
+    assert flags["flag"].to_list() == ["mamba_overrun", "eagle_not_dropped"]
+    # Before the facts: the file's own flag_details, numbers and all.
+    old = table.drop_columns(list(FACT_COLUMNS))
+    pq.write_table(old, tmp_path / "old.results.parquet")
+    flags, _ = check_path(tmp_path / "old.results.parquet", policy=None)
+    assert flags.select("flag", "group_id", "actual", "expected").rows() == [
+        ("mamba_overrun", 1, 64, 48),
+        ("eagle_not_dropped", 0, 64, None),
+    ]
+    # The facts come together.
+    pq.write_table(table.drop_columns(["attention_tokens"]), tmp_path / "part.results.parquet")
+    bad = run_cli(["check", str(tmp_path / "part.results.parquet")])
+    assert bad.exit_code == 2
+    assert "missing column 'attention_tokens' (the facts columns" in bad.stderr

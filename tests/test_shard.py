@@ -177,3 +177,44 @@ def test_unit_present_for_several_policies_comes_from_one_fold(tmp_path: Path) -
         want = replay_trace(path, policy=policy, unit_present=True).results
         assert "unit_present" in got.columns
         assert got.equals(want)
+
+
+def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path: Path) -> None:
+    """Refusals are ReplayErrors said before Ray starts or the trace is read
+    (the CLI prints them as its one-line errors)."""
+    import io
+
+    from replay.base.errors import ReplayError
+    from replay.engine.run import ReplayOptions, replay
+
+    missing = tmp_path / "nowhere.parquet"  # never opened: each refusal comes first
+    for options, message in [
+        (
+            ReplayOptions(workers=2, coordinator="vllm"),
+            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+        ),
+        (
+            ReplayOptions(ray_address="auto", variants=(("vllm-0.33", None, "vllm"),)),
+            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+        ),
+        (
+            ReplayOptions(workers=2, unit_present=True),
+            "--unit-present runs in one process: drop --workers/--ray",
+        ),
+    ]:
+        with pytest.raises(ReplayError) as err:
+            replay(missing, options)
+        assert str(err.value) == message
+    with pytest.raises(ReplayError) as err:
+        replay(io.BytesIO(b""), ReplayOptions(workers=2))
+    assert str(err.value) == "--workers: Ray replays a trace file or directory by its path"
+    rng = random.Random(3)
+    config = random_config(rng)
+    path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 5))
+    with pytest.raises(ReplayError, match="no policy or cache to replay under"):
+        replay(path, ReplayOptions(policies=()))
+    run = run_cli(["run", str(path), "--workers", "2", "--coordinator", "vllm"])
+    assert (run.exit_code, run.stderr) == (
+        2,
+        "error: --coordinator vllm runs in one process: drop --workers/--ray to use it\n",
+    )
