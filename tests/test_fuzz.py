@@ -320,7 +320,10 @@ def _column_values(draw: st.DrawFn, typ: pa.DataType, n: int) -> pa.Array:
                 continue
             k = draw(st.integers(0, 3))
             items.append(
-                _column_values(draw, value, k).to_pylist() if not pa.types.is_string(value) else []
+                # Lists of strings or structs (``flag_details``) come empty or null.
+                _column_values(draw, value, k).to_pylist()
+                if not (pa.types.is_string(value) or pa.types.is_struct(value))
+                else []
             )
         return pa.array(items, typ)
     raise AssertionError(typ)  # pragma: no cover
