@@ -13,14 +13,14 @@ from replay.engine.replay import replay_trace
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
-from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows
+from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows, seeds
 
 VARIANTS = [
     Variant(policy=p, cache=c) for p in ("vllm-0.33", "pre-49502") for c in ("mooncake", "gpu")
 ]
 
 
-@pytest.mark.parametrize("seed", range(15))
+@pytest.mark.parametrize("seed", seeds(15))
 @pytest.mark.parametrize("shards", [1, 3])
 def test_every_variant_from_one_fold_is_its_own_replay(
     tmp_path: Path, seed: int, shards: int

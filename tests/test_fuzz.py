@@ -56,6 +56,9 @@ FUZZ = settings(
 TRIED: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
 
+# Long: every command on hundreds of mutated inputs (`make test-slow`).
+pytestmark = pytest.mark.slow
+
 T0 = 1_800_000_000.0
 BIG = "<an integer of 5000 digits>"
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 from click.testing import CliRunner
 
@@ -383,6 +384,7 @@ def test_record_wrong_config_keeps_the_dump_but_no_trace(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump"]
 
 
+@pytest.mark.slow
 def test_sigterm_closes_a_valid_trace(tmp_path: Path) -> None:
     steps = [Step(seq=i, body=payload(T0 + i, stored([i]))) for i in range(3)]
     out = tmp_path / "t.parquet"
