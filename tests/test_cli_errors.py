@@ -481,22 +481,6 @@ def test_a_config_written_by_hand_may_leave_out_the_version(
     assert "version" not in json.loads(inputs["config"].read_text())
 
 
-def test_lookup_logs_range_check_every_field(tmp_path: Path, inputs: dict[str, Path]) -> None:
-    log = tmp_path / "l.jsonl"
-    out = tmp_path / "o.parquet"
-    for line, message in [
-        (b'{"request_id": "\\udc00", "ts": 1, "block_hashes": [1], "max_length": 3}', "field 'request_id': holds a lone surrogate escape (not text)"),
-        (b'{"request_id": "a", "ts": "0001-01-01T00:00:00+01:00", "block_hashes": [1], "max_length": 3}', "field 'ts': '0001-01-01T00:00:00+01:00' is outside the representable time range"),
-        (b'{"request_id": "a", "ts": 1, "block_hashes": [""], "max_length": 3}', "field 'block_hashes'[0]: hash is empty (expected a non-empty hex string)"),
-        (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": 3, "num_tokens": 2}', "num_tokens 2 cannot hold max_length 3 (expected num_tokens >= max_length)"),
-        (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": ' + b"9" * 5000 + b"}", "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)"),
-    ]:  # fmt: skip
-        log.write_bytes(line + b"\n")
-        result = run_cli(["ingest", "merge", str(inputs["trace"]), str(log), "-o", str(out)])
-        assert (result.exit_code, result.stderr) == (2, f"error: {log}: line 1: {message}\n")
-        assert not out.exists()
-
-
 def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Path) -> None:
     from replay.sources.dump import DumpWriter
     from tests.kvpayloads import T0, payload, stored

@@ -19,7 +19,7 @@ from replay.sources.prefix_reuse import count_reuse
 from replay.tools.render import ingest_summary_text
 from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
-from tests.contracts.source import SourceContract
+from tests.contracts.source import DeterministicSourceContract
 
 # Mooncake: one id per 512 tokens; the last, partial block has an id (ceil)
 # except in the last row, which omits it (floor).
@@ -303,7 +303,7 @@ def test_store_options_are_recorded(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the sources' contract
 
 
-class TestMooncakeImporter(SourceContract):
+class TestMooncakeImporter(DeterministicSourceContract):
     def expected_counts(self) -> dict[str, int]:
         return {"lookup": 5, "store": 4}
 
@@ -330,7 +330,7 @@ class TestMooncakeImporter(SourceContract):
         return cases
 
 
-class TestBailianImporter(SourceContract):
+class TestBailianImporter(DeterministicSourceContract):
     def expected_counts(self) -> dict[str, int]:
         return {"lookup": 3, "store": 4}
 

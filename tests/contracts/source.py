@@ -7,8 +7,9 @@ run as a user runs it, through the CLI.
   ``expected_counts``), names where it came from (``source`` metadata),
   replays to one result per lookup, and writes back through the format
   unchanged.
-- **Deterministic**: the same input gives a byte-identical trace (sources
-  that timestamp their own run say ``deterministic = False``).
+- **Deterministic** (``DeterministicSourceContract``: every source but the
+  live recorder, whose trace says when it recorded): the same input gives a
+  byte-identical trace.
 - **Atomic output**: a trace already at the output path is replaced whole
   on success and left byte-for-byte alone on any refusal; no temporary file
   is ever left beside it.
@@ -40,9 +41,6 @@ PREVIOUS = b"a trace the user already had\n"
 
 class SourceContract:
     """What every source does with its input and its output path."""
-
-    #: The same input always gives the same bytes.
-    deterministic = True
 
     def command(self, folder: Path, out: Path) -> list[str]:
         """Write the source's inputs under ``folder``; the command line (without
@@ -93,13 +91,6 @@ class SourceContract:
         again = write_trace(tmp_path / "again.parquet", trace.config, frame.to_dicts())
         assert open_trace(again).read_frame().equals(frame)
 
-    def test_same_input_same_bytes(self, tmp_path: Path) -> None:
-        if not self.deterministic:
-            return
-        one = self._write(tmp_path, "one.parquet")
-        two = self._write(tmp_path, "two.parquet")
-        assert one.read_bytes() == two.read_bytes()
-
     # --- atomic output --------------------------------------------------------------
 
     def test_an_existing_output_is_replaced_whole(self, tmp_path: Path) -> None:
@@ -136,3 +127,12 @@ class SourceContract:
             f"error: {out}: no such directory {out.parent} (it is not created)\n",
         )
         assert not out.parent.exists()
+
+
+class DeterministicSourceContract(SourceContract):
+    """A source whose output depends on its input only (importers, generators)."""
+
+    def test_same_input_same_bytes(self, tmp_path: Path) -> None:
+        one = self._write(tmp_path, "one.parquet")
+        two = self._write(tmp_path, "two.parquet")
+        assert one.read_bytes() == two.read_bytes()
