@@ -84,12 +84,12 @@ def check_store_options(command: Any, args: list[str], out: Path, budget: int) -
     """Run a trace source with dense retention, ``budget``-token steps and the
     GPU cache; check its summary line and the trace's ``source`` name them."""
     from replay.format.tracedir import open_trace
-    from replay.rules.store_rules import StorePolicy
+    from replay.rules.store_rules import StoreSettings
 
     args = [*args, "--retention-interval", "none", "--max-num-batched-tokens", str(budget)]
     result = CliRunner().invoke(command, [*args, "--cache", "gpu"])
     assert result.exit_code == 0, result.output
     assert f"gpu stores (dense retention, {budget:,}-token steps)" in result.output
     source = open_trace(out).config.source or {}
-    want = StorePolicy(retention_interval=None, max_num_batched_tokens=budget, cache="gpu")
+    want = StoreSettings(retention_interval=None, max_num_batched_tokens=budget, cache="gpu")
     assert {k: source.get(k) for k in want.as_source()} == want.as_source()

@@ -25,7 +25,7 @@ _W, _H = 760, 300
 _BLUE, _GREY, _MUTED, _GRID = "#2563eb", "#94a3b8", "#64748b", "#e2e8f0"
 _PURPLE = "#7c3aed"
 
-#: One colour per eviction policy of a sweep, lru (vLLM's own order) first.
+#: One colour per eviction order of a sweep, lru (vLLM's own order) first.
 POLICY_COLOURS = {"lru": _BLUE, "fifo": "#d97706", "lfu": "#059669", "belady": _PURPLE}
 
 
@@ -304,7 +304,7 @@ def _label_blocks(v: float) -> str:
 
 
 def sweep_svg(frame: pl.DataFrame) -> Markup:
-    """Hit ratio against capacity, one line per eviction policy (log scale
+    """Hit ratio against capacity, one line per eviction order (log scale
     when the capacities span 10x or more)."""
     title = "Hit ratio against cache capacity"
     left, right, top, bottom = 64, _W - 20, 34, _H - 56

@@ -15,7 +15,7 @@ from replay.rules.blockpool import EvictionOrder
 
 
 class MooncakeStore:
-    """A capacity-bounded external key store with an eviction policy."""
+    """A capacity-bounded external key store with an eviction order."""
 
     def __init__(
         self,
@@ -40,7 +40,7 @@ class MooncakeStore:
     def touch(self, gid: int, key: int) -> None:
         item = self.item(gid, key)
         self.order.used(item)
-        if self.order.policy != "fifo":
+        if self.order.eviction != "fifo":
             self.order.discard(item)
             self.order.add(item)
 

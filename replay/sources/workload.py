@@ -59,7 +59,7 @@ from replay.base.spec import TraceConfig
 from replay.format.schema import EVENT_KINDS
 from replay.format.writer import trace_schema
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
+from replay.rules.store_rules import StoreRules, StoreSettings, group_block_keys, junction_tokens
 from replay.sources.dense_store import EMPTY_KEYS, DenseStore
 from replay.sources.hashing import Digester, Keys
 
@@ -100,7 +100,7 @@ class WorkloadWriter:
         digest: Digester,
         *,
         capacity_blocks: int | None = None,
-        policy: StorePolicy | None = None,
+        settings: StoreSettings | None = None,
         clear_every: int | None = None,
         flush_hashes: int = 2_000_000,
         flush_events: int = 200_000,
@@ -111,7 +111,7 @@ class WorkloadWriter:
         if clear_every is not None and clear_every <= 0:
             raise ReplayError(f"clear_every must be positive, got {clear_every}")
         self.config = config
-        self.policy = policy or StorePolicy()
+        self.settings = settings or StoreSettings()
         self._sink = sink
         self._digest = digest
         self._schema = trace_schema(config)
@@ -120,10 +120,10 @@ class WorkloadWriter:
         self._flush_hashes = flush_hashes
         self._flush_events = flush_events
         self._hbs = config.hash_block_size
-        self.rules = StoreRules(config, self.policy)
+        self.rules = StoreRules(config, self.settings)
         # The hit each request's prefill starts from, as a lookup of the store
         # finds it (``explain`` for the steps that give the junction).
-        self._coordinator = Coordinator(config, cache=self.policy.cache)
+        self._coordinator = Coordinator(config, cache=self.settings.cache)
         self._store = DenseStore(config.num_groups, capacity_blocks)
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
