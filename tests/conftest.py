@@ -38,9 +38,10 @@ def trace_43559(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def inputs_once(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One of each input a command reads, built once per session."""
-    from replay.engine.replay import replay_trace, save_results
+    from analysis.flags import save_results
     from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
+    from tests.builders import replay_trace
     from tests.kvpayloads import T0, payload, stored
 
     d = tmp_path_factory.mktemp("inputs") / "in"
