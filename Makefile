@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 SHARED ?= ../shared
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test lint pytest smoke test-vllm test-ray bench traces clean
+.PHONY: install demo test test-slow lint pytest smoke test-vllm test-ray bench traces clean
 
 install: $(STAMP)
 
@@ -54,10 +54,21 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
 	$(BIN)/lint-imports
 
+# `make test` is the quick loop (under 2 minutes on a 2-core machine): the
+# long fuzz, Hypothesis, seed-sweep and subprocess runs carry the `slow`
+# marker and run in `make test-slow` (CI runs both; every test is in one of
+# them, or in test-vllm / test-ray). Both spread the tests over the cores
+# with pytest-xdist; PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS)
+
 pytest: $(STAMP)
-	$(BIN)/pytest -q -m "not vllm and not ray"
+	$(PYTEST) -m "not vllm and not ray and not slow"
 
 test: lint pytest
+
+test-slow: $(STAMP)
+	$(PYTEST) -m "slow and not vllm and not ray"
 
 # What a user gets from `pip install .`: a fresh virtualenv without the dev
 # extras (a wheel built from a copy of the checkout, not an editable install), then the

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import strategies as st
 
 from replay.base.errors import ConfigError
@@ -26,6 +27,19 @@ SWA = SW = GroupKind.SLIDING_WINDOW
 CHUNKED = CL = GroupKind.CHUNKED_LOCAL_ATTENTION
 MAMBA = MB = GroupKind.MAMBA
 KINDS = tuple(GroupKind)
+
+
+# --- seeded parametrizations: a few in `make test`, all in `make test-slow` --
+
+
+def seeds(n: int, fast: int = 2, start: int = 0) -> list[Any]:
+    """Seeds ``start .. start + n - 1`` for a random differential test: the
+    first ``fast`` run in ``make test``, the others carry the ``slow`` marker
+    (``make test-slow``), so every seed still runs in CI."""
+    return [
+        s if s < start + fast else pytest.param(s, marks=pytest.mark.slow)
+        for s in range(start, start + n)
+    ]
 
 
 # --- hash chains, fixed configurations, the #43559 rows ----------------------

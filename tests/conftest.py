@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from tests.builders import full_mamba, issue_43559_rows
 
 pytest_plugins = ("pytester",)
 
+# The contract suites are plain modules: their asserts say what differed too.
+pytest.register_assert_rewrite("tests.contracts")
+
 # Property tests run on a shared 2-core machine: a slow example is load, not a
 # bug, so no per-example deadline (the example counts stay bounded).
 settings.register_profile("replay", deadline=None)
@@ -31,16 +35,16 @@ def trace_43559(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def inputs(tmp_path: Path) -> dict[str, Path]:
-    """One of each input a command reads, in one folder."""
+@pytest.fixture(scope="session")
+def inputs_once(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One of each input a command reads, built once per session."""
     from analysis.flags import save_results
     from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
     from tests.builders import replay_trace
     from tests.kvpayloads import T0, payload, stored
 
-    d = tmp_path / "in"
+    d = tmp_path_factory.mktemp("inputs") / "in"
     d.mkdir()
     trace = write_trace(d / "t.parquet", full_mamba(), issue_43559_rows())
     results = d / "t.results.parquet"
@@ -64,6 +68,15 @@ def inputs(tmp_path: Path) -> dict[str, Path]:
     return {"trace": trace, "results": results, "dump": dump, "lookups": lookups, "config": config, "mooncake": mooncake}  # fmt: skip
 
 
+@pytest.fixture
+def inputs(tmp_path: Path, inputs_once: dict[str, Path]) -> dict[str, Path]:
+    """One of each input a command reads, in one folder of the test's own
+    (a copy: tests link, rename and compare these files)."""
+    d = tmp_path / "in"
+    shutil.copytree(next(iter(inputs_once.values())).parent, d)
+    return {k: d / p.name for k, p in inputs_once.items()}
+
+
 def run_cli(args: Sequence[str | os.PathLike[str]]) -> Result:
     return CliRunner().invoke(cli, [os.fspath(a) for a in args], catch_exceptions=False)
 
@@ -72,12 +85,12 @@ def check_store_options(command: Any, args: list[str], out: Path, budget: int) -
     """Run a trace source with dense retention, ``budget``-token steps and the
     GPU cache; check its summary line and the trace's ``source`` name them."""
     from replay.format.tracedir import open_trace
-    from replay.rules.store_rules import StorePolicy
+    from replay.rules.store_rules import StoreSettings
 
     args = [*args, "--retention-interval", "none", "--max-num-batched-tokens", str(budget)]
     result = CliRunner().invoke(command, [*args, "--cache", "gpu"])
     assert result.exit_code == 0, result.output
     assert f"gpu stores (dense retention, {budget:,}-token steps)" in result.output
     source = open_trace(out).config.source or {}
-    want = StorePolicy(retention_interval=None, max_num_batched_tokens=budget, cache="gpu")
+    want = StoreSettings(retention_interval=None, max_num_batched_tokens=budget, cache="gpu")
     assert {k: source.get(k) for k in want.as_source()} == want.as_source()

@@ -21,6 +21,7 @@ from tests.builders import (
     random_config,
     random_rows,
     replay_trace,
+    seeds,
 )
 
 VARIANTS = [
@@ -28,7 +29,7 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("seed", range(15))
+@pytest.mark.parametrize("seed", seeds(15))
 @pytest.mark.parametrize("shards", [1, 3])
 def test_every_variant_from_one_fold_is_its_own_replay(
     tmp_path: Path, seed: int, shards: int

@@ -140,7 +140,10 @@ LONG = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(LONG))
+# One real terminal per command (a process each): `run` in `make test`.
+@pytest.mark.parametrize(
+    "name", [n if n == "run" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(LONG)]
+)
 def test_long_commands_show_the_bar_on_a_terminal_only(tmp_path: Path, name: str) -> None:
     template, shown, first = LONG[name]
     args = [a.format(d=tmp_path) for a in template]
@@ -153,6 +156,7 @@ def test_long_commands_show_the_bar_on_a_terminal_only(tmp_path: Path, name: str
     assert piped.stdout.splitlines()[0] == out.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_quiet_draws_nothing_even_on_a_terminal(tmp_path: Path) -> None:
     status, out, terminal = _on_a_terminal(["run", str(DEMO), "-q", "-o", str(tmp_path / "r.parquet")])  # fmt: skip
     assert (status, out, terminal) == (0, "", "")

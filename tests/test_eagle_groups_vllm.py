@@ -41,7 +41,7 @@ from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.backends.vllm import VllmCoordinator
 from replay.rules.coordinator import Coordinator, build_spec_groups, check_config
-from replay.rules.store_rules import StorePolicy, StoreRules
+from replay.rules.store_rules import StoreRules, StoreSettings
 from tests.builders import (
     MB,
     SW,
@@ -237,7 +237,7 @@ def test_store_rules_for_flagged_twins_match_vllm(capsys: pytest.CaptureFixture[
         rules = {
             cache: StoreRules(
                 s.config,
-                StorePolicy(
+                StoreSettings(
                     retention_interval=s.retention, max_num_batched_tokens=s.budget, cache=cache
                 ),
             )

@@ -16,7 +16,14 @@ from replay.format.results import read_results
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
 from replay.rules.store import ClearEvent, RemoveEvent, StoreEvent
-from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows, replay_trace
+from tests.builders import (
+    full_mamba,
+    issue_43559_rows,
+    random_config,
+    random_rows,
+    replay_trace,
+    seeds,
+)
 
 
 def naive_replay(
@@ -63,7 +70,7 @@ def _replayed(path: Path, policy: str) -> list[tuple[Any, ...]]:
     return list(zip(*(res[c].to_list() for c in columns), strict=True))
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", seeds(40, fast=3))
 @pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502"])
 def test_engine_matches_naive_loop_on_random_traces(tmp_path: Path, seed: int, policy: str) -> None:
     rng = random.Random(seed)
@@ -122,7 +129,7 @@ def test_store_fold_events_and_order() -> None:
         s.apply(StoreEvent(seq=5, group_id=0, hashes=[b"c"]))
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", seeds(10))
 def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, seed: int) -> None:
     """Every event its own row group: state carries across every batch the
     prefetching reader hands over (clears and removes included)."""

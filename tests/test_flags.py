@@ -26,6 +26,7 @@ from tests.builders import (
     random_config,
     random_rows,
     replay_trace,
+    seeds,
     sw,
 )
 from tests.conftest import run_cli
@@ -274,7 +275,7 @@ def test_pre_32802_spirals_the_hit_down(tmp_path: Path) -> None:
         assert result_flags(replay_trace(path, policy="pre-32802", cache=cache)).height == 0
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", seeds(60))
 @pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502", "pre-32802"])
 @pytest.mark.parametrize("cache", ["mooncake", "gpu"])
 def test_flags_agree_with_plain_python_on_random_traces(

@@ -56,6 +56,9 @@ FUZZ = settings(
 TRIED: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
 
+# Long: every command on hundreds of mutated inputs (`make test-slow`).
+pytestmark = pytest.mark.slow
+
 T0 = 1_800_000_000.0
 BIG = "<an integer of 5000 digits>"
 
@@ -311,6 +314,22 @@ def _column_values(draw: st.DrawFn, typ: pa.DataType, n: int) -> pa.Array:
         )
     if pa.types.is_binary(typ) or pa.types.is_large_binary(typ):
         return pa.array([draw(st.binary(max_size=8) | st.none()) for _ in range(n)], typ)
+    if pa.types.is_list(typ) and pa.types.is_struct(typ.value_type):
+        # flag_details: struct items built as arrays (their strings may be
+        # invalid UTF-8, which a Python round trip cannot carry).
+        offsets, nulls, chunks = [0], [], []
+        for _ in range(n):
+            null = draw(st.booleans())
+            k = 0 if null else draw(st.integers(0, 3))
+            chunks.append(_column_values(draw, typ.value_type, k))
+            offsets.append(offsets[-1] + k)
+            nulls.append(null)
+        return pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()),
+            pa.concat_arrays(chunks) if chunks else _column_values(draw, typ.value_type, 0),
+            type=typ,
+            mask=pa.array(nulls, pa.bool_()),
+        )
     if pa.types.is_list(typ) or pa.types.is_large_list(typ):
         value = typ.value_type
         items: list[Any] = []
@@ -326,6 +345,12 @@ def _column_values(draw: st.DrawFn, typ: pa.DataType, n: int) -> pa.Array:
                 else []
             )
         return pa.array(items, typ)
+    if pa.types.is_struct(typ):
+        # The results' flag_details: each field awkward on its own.
+        fields = list(typ)
+        return pa.StructArray.from_arrays(
+            [_column_values(draw, f.type, n) for f in fields], fields=fields
+        )
     raise AssertionError(typ)  # pragma: no cover
 
 

@@ -27,7 +27,7 @@ from replay.format.writer import (
     write_bounded,
     write_trace,
 )
-from tests.builders import full_mamba, random_config, random_rows, replay_trace
+from tests.builders import full_mamba, random_config, random_rows, replay_trace, seeds
 from tests.test_engine import naive_replay
 
 SHARED8 = b"\x00\x00\x00\x00\x00\x0b\x2f\x11"
@@ -96,7 +96,7 @@ def _check(tmp_path: Path, config: TraceConfig, rows: list[dict[str, Any]], poli
     assert list(zip(*(res[c].to_list() for c in columns), strict=True)) == want
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", seeds(12))
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_every_hash_width_matches_the_naive_loop(tmp_path: Path, seed: int, form: str) -> None:
     rng = random.Random(1000 + seed)
@@ -105,7 +105,7 @@ def test_every_hash_width_matches_the_naive_loop(tmp_path: Path, seed: int, form
     _check(tmp_path, config, rows, rng.choice(["vllm-0.33", "pre-49502"]))
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", seeds(20))
 def test_mixed_widths_in_one_trace_match_the_naive_loop(tmp_path: Path, seed: int) -> None:
     rng = random.Random(2000 + seed)
     config = random_config(rng)
@@ -113,7 +113,7 @@ def test_mixed_widths_in_one_trace_match_the_naive_loop(tmp_path: Path, seed: in
     _check(tmp_path, config, rows, rng.choice(["vllm-0.33", "pre-49502"]))
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", seeds(8))
 def test_mixed_widths_one_row_group_per_event(tmp_path: Path, seed: int) -> None:
     """Batches alternate between the zero-copy view (whole words) and the
     padded copy (a 12- or 20-byte hash in the batch): a key must be the same
@@ -238,7 +238,7 @@ def _fold(
     return out
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", seeds(3, fast=1))
 def test_doubling_in_place_with_probe_runs_that_wrap(seed: int) -> None:
     """Keys crowded into the last and first 1/256 of the table at every size:
     their probe runs wrap around the end and start near slot 0, the keys the

@@ -217,6 +217,7 @@ hostile = st.recursive(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(derandomize=True, database=None, max_examples=300, deadline=None)
 @given(st.lists(events, max_size=6), st.none() | st.integers(0, 3))
 def test_the_one_call_path_and_the_event_by_event_path_agree(
@@ -226,6 +227,7 @@ def test_the_one_call_path_and_the_event_by_event_path_agree(
     assert decode_batch(body) == kv_wire._decode_slowly(body)
 
 
+@pytest.mark.slow
 @settings(derandomize=True, database=None, max_examples=500, deadline=None)
 @given(events, st.data())
 def test_a_hostile_value_anywhere_in_an_event_is_one_line_naming_the_event(

@@ -12,6 +12,7 @@ from replay.base.errors import ReplayError, TraceError
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
+from tests.contracts.source import DeterministicSourceContract
 from tests.kvpayloads import T0, at, one_group, run_ingest, u64
 
 
@@ -92,3 +93,57 @@ def test_merge_needs_ts_on_every_event() -> None:
     assert str(info.value) == (
         "t.parquet: seq 4: no ts (lookups are merged by time, so every event needs one)"
     )
+
+
+# ---------------------------------------------------------------- the sources' contract
+
+
+class TestLookupMerge(DeterministicSourceContract):
+    """``replay ingest merge``: a trace and a lookup log in, one trace out."""
+
+    def _trace(self, folder: Path) -> Path:
+        return write_trace(
+            folder / "events.parquet",
+            one_group(),
+            [
+                {"seq": 10, "ts": at(T0), "kind": "store", "group_id": 0, "block_hashes": [u64(1), u64(2)]},
+                {"seq": 11, "ts": at(T0 + 2), "kind": "remove", "group_id": 0, "block_hashes": [u64(2)]},
+            ],
+        )  # fmt: skip
+
+    def command(self, folder: Path, out: Path) -> list[str]:
+        log = folder / "lookups.jsonl"
+        log.write_text(
+            json.dumps({"request_id": "a", "ts": T0 + 1, "block_hashes": [1, 2], "num_tokens": 32})
+            + "\n"
+            + json.dumps(
+                {"request_id": "b", "ts": T0 + 3, "block_hashes": [1, 2], "max_length": 31}
+            )
+            + "\n"
+        )
+        return ["ingest", "merge", str(self._trace(folder)), str(log), "-o", str(out)]
+
+    def expected_counts(self) -> dict[str, int]:
+        return {"store": 1, "lookup": 2, "remove": 1}
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        trace = self._trace(folder)
+        cases = []
+        for i, (line, message) in enumerate(
+            [
+                (b'{"request_id": "\\udc00", "ts": 1, "block_hashes": [1], "max_length": 3}', "field 'request_id': holds a lone surrogate escape (not text)"),
+                (b'{"request_id": "a", "ts": "0001-01-01T00:00:00+01:00", "block_hashes": [1], "max_length": 3}', "field 'ts': '0001-01-01T00:00:00+01:00' is outside the representable time range"),
+                (b'{"request_id": "a", "ts": 1, "block_hashes": [""], "max_length": 3}', "field 'block_hashes'[0]: hash is empty (expected a non-empty hex string)"),
+                (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": 3, "num_tokens": 2}', "num_tokens 2 cannot hold max_length 3 (expected num_tokens >= max_length)"),
+                (b'{"request_id": "a", "ts": 1, "block_hashes": [1], "max_length": ' + b"9" * 5000 + b"}", "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit)"),
+            ]
+        ):  # fmt: skip
+            log = folder / f"l{i}.jsonl"
+            log.write_bytes(line + b"\n")
+            cases.append(
+                (
+                    ["ingest", "merge", str(trace), str(log), "-o", str(out)],
+                    f"{log}: line 1: {message}",
+                )
+            )
+        return cases

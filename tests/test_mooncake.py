@@ -19,6 +19,7 @@ from replay.sources.prefix_reuse import count_reuse
 from replay.tools.render import ingest_summary_text
 from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
+from tests.contracts.source import DeterministicSourceContract
 
 # Mooncake: one id per 512 tokens; the last, partial block has an id (ceil)
 # except in the last row, which omits it (floor).
@@ -285,11 +286,6 @@ def test_bailian_command(tmp_path: Path) -> None:
     result = CliRunner().invoke(bailian, args)
     assert result.exit_code == 0, result.output
     assert "Prefix reuse ratio 0.3380 (48 of 142 input tokens" in result.output
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("nope\n")
-    result = CliRunner().invoke(bailian, [str(bad), "-o", str(out)])
-    assert result.exit_code == 2
-    assert result.stderr == f"error: {bad}: line 1: not valid JSON (Expecting value at column 1)\n"
 
 
 def test_store_options_are_recorded(tmp_path: Path) -> None:
@@ -302,3 +298,51 @@ def test_store_options_are_recorded(tmp_path: Path) -> None:
     assert bad.exit_code == 2
     assert bad.stderr == "error: --cache: expected one of mooncake, gpu, got 'disk'\n"
     assert not (tmp_path / "x.parquet").exists()
+
+
+# ---------------------------------------------------------------- the sources' contract
+
+
+class TestMooncakeImporter(DeterministicSourceContract):
+    def expected_counts(self) -> dict[str, int]:
+        return {"lookup": 5, "store": 4}
+
+    def command(self, folder: Path, out: Path) -> list[str]:
+        src = _write(folder / "mooncake.jsonl", MOONCAKE_ROWS)
+        return ["ingest", "mooncake", str(src), "-o", str(out)]
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        cases = []
+        for i, (obj, message) in enumerate(
+            [
+                ({"timestamp": 1e300, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}, "field 'timestamp' must be a finite number >= 0 (at most 253402300799000, the year 9999), got 1e+300"),
+                ({"timestamp": 0, "input_length": 2**60, "output_length": 1, "hash_ids": [1, 2]}, "field 'input_length' must be at most 2**48, got 1152921504606846976"),
+            ]
+        ):  # fmt: skip
+            src = _write(folder / f"bad{i}.jsonl", [obj])
+            cases.append(
+                (["ingest", "mooncake", str(src), "-o", str(out)], f"{src}: line 1: {message}")
+            )
+        missing = folder / "missing.jsonl"
+        cases.append(
+            (["ingest", "mooncake", str(missing), "-o", str(out)], f"{missing}: no such file")
+        )
+        return cases
+
+
+class TestBailianImporter(DeterministicSourceContract):
+    def expected_counts(self) -> dict[str, int]:
+        return {"lookup": 3, "store": 4}
+
+    def command(self, folder: Path, out: Path) -> list[str]:
+        src = _write(folder / "bailian.jsonl", BAILIAN_ROWS)
+        return ["ingest", "bailian", str(src), "-o", str(out), "--model", "full+mamba", "--eagle", "--capacity-blocks", "9"]  # fmt: skip
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        notjson = folder / "bad.jsonl"
+        notjson.write_text("nope\n")
+        surrogate = _write(folder / "surrogate.jsonl", [{**BAILIAN_ROWS[0], "chat_id": "\ud800"}])
+        return [
+            (["ingest", "bailian", str(notjson), "-o", str(out)], f"{notjson}: line 1: not valid JSON (Expecting value at column 1)"),
+            (["ingest", "bailian", str(surrogate), "-o", str(out)], f"{surrogate}: line 1: field 'chat_id' holds a lone surrogate escape (not text)"),
+        ]  # fmt: skip

@@ -36,6 +36,7 @@ def _entries() -> list[tuple[str, dict[str, Any]]]:
     return [(t.name, e) for t in TRACES for e in read_expectations(t) or []]
 
 
+@pytest.mark.slow
 def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pytester) -> None:
     """Every item fails but those whose true answer is no hit at all in any
     group (before #32802, a sliding-window + Mamba EAGLE model spiralled every
@@ -57,6 +58,7 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
     )
 
 
+@pytest.mark.slow
 def test_the_regression_corpus_passes(pytester: pytest.Pytester) -> None:
     for trace in TRACES:
         shutil.copy(trace, pytester.path / trace.name)

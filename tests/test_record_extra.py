@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from replay.sources.dump import DumpWriter
 from tests.kvpayloads import T0, frames, payload, stored
 
@@ -44,6 +46,7 @@ def replay(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_record_and_ingest_kv_events_say_what_to_install(tmp_path: Path) -> None:
     dump = tmp_path / "d.kvdump"
     with DumpWriter(dump) as writer:
@@ -65,6 +68,7 @@ def test_record_and_ingest_kv_events_say_what_to_install(tmp_path: Path) -> None
         assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump"]
 
 
+@pytest.mark.slow
 def test_help_run_synth_mooncake_and_merge_run_without_the_extra(tmp_path: Path) -> None:
     mooncake = tmp_path / "m.jsonl"
     row = {"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}

@@ -9,6 +9,7 @@ import msgspec
 
 from replay.format.tracedir import open_trace
 from replay.sources.dump import DUMP_MAGIC
+from tests.contracts.source import DeterministicSourceContract
 from tests.kvpayloads import (
     T0,
     at,
@@ -100,35 +101,6 @@ def test_ingest_several_dumps_as_one_stream(tmp_path: Path) -> None:
     ]
 
 
-def test_ingest_errors_are_one_line_with_exit_2_and_no_output(tmp_path: Path) -> None:
-    good = write_dump(tmp_path / "good.kvdump", [(frames(0, payload(T0, stored([1]))), "live")])
-    notdump = tmp_path / "notdump.bin"
-    notdump.write_bytes(b"PAR1 something else")
-    badrec = tmp_path / "badrec.kvdump"
-    badrec.write_bytes(DUMP_MAGIC + (3).to_bytes(4, "big") + msgspec.msgpack.encode([1, 2]))
-    future = tmp_path / "future.kvdump"
-    future.write_bytes(b"RKVDUMP2")
-    wrong_group = write_dump(
-        tmp_path / "g.kvdump", [(frames(0, payload(T0, stored([1], group=3))), "live")]
-    )
-    out = tmp_path / "out.parquet"
-    cases = [
-        (["kv-events", str(good), "-o", str(out)], "error: no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
-        (["kv-events", str(tmp_path / "missing.kvdump"), "-o", str(out), "--block-size", "16"], f"error: {tmp_path}/missing.kvdump: no such file"),
-        (["kv-events", str(notdump), "-o", str(out), "--block-size", "16"], f"error: {notdump}: not a KV-event dump (expected the magic bytes RKVDUMP1 at the start; `replay record --dump FILE` writes one)"),
-        (["kv-events", str(future), "-o", str(out), "--block-size", "16"], f"error: {future}: dump layout version '2' is not supported (expected RKVDUMP1)"),
-        (["kv-events", str(badrec), "-o", str(out), "--block-size", "16"], f"error: {badrec}: record 0 at byte 8: expected a msgpack array [recv_ts, origin, frames]"),
-        (["kv-events", str(wrong_group), "-o", str(out), "--block-size", "16"], f"error: {wrong_group} record 0 (seq 0): BlockStored names group_idx 3, but the config has 1 KV-cache group (0..0)"),
-        (["kv-events", str(good), "-o", str(good), "--block-size", "16"], f"error: -o {good}: is the input {good}; refusing to overwrite it (give another output path)"),
-    ]  # fmt: skip
-    for args, message in cases:
-        result = run_ingest(args)
-        assert (result.exit_code, result.stderr.strip()) == (2, message), args
-        assert not out.exists()
-        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    assert good.read_bytes()[:8] == DUMP_MAGIC
-
-
 def test_ingest_with_lookups_merges_them(tmp_path: Path) -> None:
     dump = write_dump(
         tmp_path / "d.kvdump",
@@ -153,3 +125,45 @@ def test_ingest_with_lookups_merges_them(tmp_path: Path) -> None:
         (2, "store", None),
     ]
     assert (trace.config.source or {})["lookups"]["count"] == 1
+
+
+# ---------------------------------------------------------------- the sources' contract
+
+
+class TestKvEventsImporter(DeterministicSourceContract):
+    """``replay ingest kv-events``: the recorder's dumps, read back offline."""
+
+    def command(self, folder: Path, out: Path) -> list[str]:
+        dump = write_dump(
+            folder / "d.kvdump",
+            [
+                (frames(0, payload(T0, stored([1, 2]))), "live"),
+                (frames(1, payload(T0 + 1, stored([3], parent=2))), "live"),
+                (frames(2, payload(T0 + 2, removed([3]))), "live"),
+            ],
+        )
+        return ["ingest", "kv-events", str(dump), "-o", str(out), "--block-size", "16"]
+
+    def expected_counts(self) -> dict[str, int]:
+        return {"store": 2, "remove": 1}
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        good = write_dump(folder / "good.kvdump", [(frames(0, payload(T0, stored([1]))), "live")])
+        notdump = folder / "notdump.bin"
+        notdump.write_bytes(b"PAR1 something else")
+        badrec = folder / "badrec.kvdump"
+        badrec.write_bytes(DUMP_MAGIC + (3).to_bytes(4, "big") + msgspec.msgpack.encode([1, 2]))
+        future = folder / "future.kvdump"
+        future.write_bytes(b"RKVDUMP2")
+        wrong_group = write_dump(
+            folder / "g.kvdump", [(frames(0, payload(T0, stored([1], group=3))), "live")]
+        )
+        missing = folder / "missing.kvdump"
+        return [
+            (["ingest", "kv-events", str(good), "-o", str(out)], "no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
+            (["ingest", "kv-events", str(missing), "-o", str(out), "--block-size", "16"], f"{missing}: no such file"),
+            (["ingest", "kv-events", str(notdump), "-o", str(out), "--block-size", "16"], f"{notdump}: not a KV-event dump (expected the magic bytes RKVDUMP1 at the start; `replay record --dump FILE` writes one)"),
+            (["ingest", "kv-events", str(future), "-o", str(out), "--block-size", "16"], f"{future}: dump layout version '2' is not supported (expected RKVDUMP1)"),
+            (["ingest", "kv-events", str(badrec), "-o", str(out), "--block-size", "16"], f"{badrec}: record 0 at byte 8: expected a msgpack array [recv_ts, origin, frames]"),
+            (["ingest", "kv-events", str(wrong_group), "-o", str(out), "--block-size", "16"], f"{wrong_group} record 0 (seq 0): BlockStored names group_idx 3, but the config has 1 KV-cache group (0..0)"),
+        ]  # fmt: skip

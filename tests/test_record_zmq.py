@@ -16,18 +16,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from replay.cli.sources import ingest, record
 from replay.format.tracedir import open_trace
 from replay.sources.record import record as record_stream
 from replay.sources.zmq_client import END_SEQ
+from tests.contracts.source import SourceContract
 from tests.kvpayloads import (
     T0,
     at,
@@ -383,6 +386,7 @@ def test_record_wrong_config_keeps_the_dump_but_no_trace(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump"]
 
 
+@pytest.mark.slow
 def test_sigterm_closes_a_valid_trace(tmp_path: Path) -> None:
     steps = [Step(seq=i, body=payload(T0 + i, stored([i]))) for i in range(3)]
     out = tmp_path / "t.parquet"
@@ -424,12 +428,62 @@ def test_scenario_payloads_use_both_encodings() -> None:
     assert isinstance(events[1][0], list) and events[1][0][0] == "BlockStored"
 
 
-def test_record_without_config_is_a_one_line_error(tmp_path: Path) -> None:
-    out = tmp_path / "t.parquet"
-    result = CliRunner().invoke(record, ["--endpoint", "tcp://127.0.0.1:1", "-o", str(out)])
-    assert (result.exit_code, result.stderr) == (
-        2,
-        "error: no KV-cache config: pass --config kv-config.json (the replay.trace metadata "
-        "object) or --block-size N (one full-attention group)\n",
-    )
-    assert list(tmp_path.iterdir()) == []
+# ---------------------------------------------------------------- the sources' contract
+
+RECORDED = [
+    (0, payload(T0, stored([1, 2]))),
+    (1, payload(T0 + 1, stored([3], parent=2))),
+    (2, payload(T0 + 2, removed([3]))),
+]
+
+
+class TestRecorder(SourceContract):
+    """``replay record``: a live publisher on a real ZMQ socket, three batches."""
+
+    def command(self, folder: Path, out: Path) -> list[str]:
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        port = self._pub.bind_to_random_port("tcp://127.0.0.1")
+        return [
+            "record", "--endpoint", f"tcp://127.0.0.1:{port}", "-o", str(out),
+            "--block-size", "16", "--max-batches", str(len(RECORDED)), "--duration", str(TIMEOUT),
+        ]  # fmt: skip
+
+    def run(self, args: Sequence[str | os.PathLike[str]]) -> Result:
+        pub = getattr(self, "_pub", None)
+        if pub is None:
+            return super().run(args)
+        stop = threading.Event()
+
+        def publish() -> None:
+            # Once the recorder subscribed (XPUB hears it), the three batches.
+            while not stop.is_set():
+                if pub.poll(20) and pub.recv()[:1] == b"\x01":
+                    for seq, body in RECORDED:
+                        pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+                    return
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        try:
+            return super().run(args)
+        finally:
+            stop.set()
+            thread.join(TIMEOUT)
+            self._ctx.destroy(linger=0)
+            del self._pub
+
+    def expected_counts(self) -> dict[str, int]:
+        return {"store": 2, "remove": 1}
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        missing = folder / "kv.json"
+        badjson = folder / "bad.json"
+        badjson.write_text("{nope")
+        endpoint = ["record", "--endpoint", "tcp://127.0.0.1:1", "-o", str(out)]
+        return [
+            (endpoint, "no KV-cache config: pass --config kv-config.json (the replay.trace metadata object) or --block-size N (one full-attention group)"),
+            ([*endpoint, "--config", str(missing)], f"{missing}: no such file"),
+            ([*endpoint, "--config", str(badjson)], f"{badjson}: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        ]  # fmt: skip

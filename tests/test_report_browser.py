@@ -90,6 +90,7 @@ def _chart_marks(dom: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_workload_report_renders(tmp_path: Path) -> None:
     trace = write_workload(tmp_path / "work.parquet")
     dom = _dom(tmp_path, _report(tmp_path, trace))
@@ -107,6 +108,7 @@ def test_43559_report_renders(tmp_path: Path, trace_43559: Path) -> None:
     assert "state at 64" in dom
 
 
+@pytest.mark.slow
 def test_screenshot(tmp_path: Path) -> None:
     trace = write_workload(tmp_path / "work.parquet")
     page = _report(tmp_path, trace)

@@ -17,7 +17,7 @@ from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
 from replay.engine.shard import shard_of
 from replay.format.writer import TraceWriter, write_trace
-from tests.builders import random_config, random_rows, replay_sharded, replay_trace
+from tests.builders import random_config, random_rows, replay_sharded, replay_trace, seeds
 from tests.conftest import run_cli
 
 POLICIES = ("vllm-0.33", "pre-49502")
@@ -63,7 +63,7 @@ def write_dir(tmp_path: Path, config: Any, rows: list[dict[str, Any]], files: in
     return d
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", seeds(30, fast=3))
 def test_sharded_replay_is_the_serial_replay(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     config = random_config(rng)

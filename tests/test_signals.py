@@ -105,14 +105,21 @@ def _results(trace: Path) -> Path:
     return out
 
 
+# Each case starts a real process (seconds each): one in `make test`, every
+# command, stage and signal in `make test-slow`.
 CASES = [
-    ("run", "publish", signal.SIGINT),
     ("run", "publish", signal.SIGTERM),
-    ("run", "publish", signal.SIGHUP),
-    ("report", "publish", signal.SIGHUP),
-    ("state", "publish", signal.SIGTERM),
-    ("kv-events", "rows", signal.SIGTERM),
-    ("mooncake", "rows", signal.SIGINT),
+    *(
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in [
+            ("run", "publish", signal.SIGINT),
+            ("run", "publish", signal.SIGHUP),
+            ("report", "publish", signal.SIGHUP),
+            ("state", "publish", signal.SIGTERM),
+            ("kv-events", "rows", signal.SIGTERM),
+            ("mooncake", "rows", signal.SIGINT),
+        ]
+    ),
 ]
 
 
@@ -148,6 +155,7 @@ def test_a_signal_mid_write_leaves_no_temporary_file_and_keeps_the_old_output(
     assert {p.name: digest(p) for p in inputs.iterdir()} == inputs_before
 
 
+@pytest.mark.slow
 def test_a_second_signal_during_cleanup_changes_nothing(tmp_path: Path, trace: Path) -> None:
     target = tmp_path / "r.parquet"
     marker = tmp_path / "paused"
@@ -172,6 +180,7 @@ def _recorder(pub: Publisher, out: Path, dump: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_record_closes_a_valid_trace_on_a_signal_and_exits_128_plus_it(
     tmp_path: Path, sig: signal.Signals
@@ -190,6 +199,7 @@ def test_record_closes_a_valid_trace_on_a_signal_and_exits_128_plus_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump", "t.parquet"]
 
 
+@pytest.mark.slow
 def test_a_recorder_killed_with_sigkill_leaves_a_dump_that_reads_back(tmp_path: Path) -> None:
     steps = [Step(seq=i, body=payload(T0 + i, stored([i + 1]))) for i in range(3)]
     out, dump = tmp_path / "t.parquet", tmp_path / "d.kvdump"
@@ -231,6 +241,7 @@ def _records(path: Path) -> list[bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_a_torn_last_record_is_dropped_saying_how_much(tmp_path: Path) -> None:
     """What a recorder killed in the middle of a write leaves behind."""
     dump = _dump(tmp_path)

@@ -14,8 +14,8 @@ import pytest
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.store_rules import (
-    StorePolicy,
     StoreRules,
+    StoreSettings,
     checkpoint_position,
     replay_boundaries,
     request_stores,
@@ -31,12 +31,12 @@ def stores(
     junction: int = 0,
     *,
     config: dict[str, Any] | None = None,
-    **policy: Any,
+    **settings: Any,
 ) -> list[list[int]]:
     cfg = archetype_config(model, use_eagle=eagle, **(config or {}))
     got = request_stores(
         cfg,
-        StorePolicy(**policy),
+        StoreSettings(**settings),
         num_tokens=num_tokens,
         hit_tokens=hit,
         junction_tokens=junction,
@@ -159,13 +159,13 @@ def test_flagged_group_without_eagle_is_flagged_only_in_the_store() -> None:
         scheduler_block_size=16,
     )
     mooncake = request_stores(config, num_tokens=170, hit_tokens=0)[1]
-    gpu = request_stores(config, StorePolicy(cache="gpu"), num_tokens=170, hit_tokens=0)[1]
+    gpu = request_stores(config, StoreSettings(cache="gpu"), num_tokens=170, hit_tokens=0)[1]
     assert [int(b) for b in mooncake] == [7, 8, 9]
     assert [int(b) for b in gpu] == [8, 9]
 
 
 @pytest.mark.parametrize(
-    ("model", "policy", "message"),
+    ("model", "settings", "message"),
     [
         (
             "full+mamba",
@@ -186,20 +186,20 @@ def test_flagged_group_without_eagle_is_flagged_only_in_the_store() -> None:
         ),
     ],
 )
-def test_configurations_vllm_refuses(model: str, policy: dict[str, Any], message: str) -> None:
+def test_configurations_vllm_refuses(model: str, settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ReplayError) as err:
-        StoreRules(archetype_config(model), StorePolicy(**policy))
+        StoreRules(archetype_config(model), StoreSettings(**settings))
     assert str(err.value) == message
 
 
-def test_policy_validation() -> None:
+def test_store_settings_validation() -> None:
     with pytest.raises(ReplayError, match="retention interval must be an integer >= 0"):
-        StorePolicy(retention_interval=-16)
+        StoreSettings(retention_interval=-16)
     with pytest.raises(ReplayError, match="max_num_batched_tokens must be a positive"):
-        StorePolicy(max_num_batched_tokens=0)
+        StoreSettings(max_num_batched_tokens=0)
     with pytest.raises(ReplayError, match="unknown cache 'cpu', expected one of mooncake, gpu"):
-        StorePolicy(cache="cpu")
-    assert StorePolicy().as_source() == {
+        StoreSettings(cache="cpu")
+    assert StoreSettings().as_source() == {
         "cache": "mooncake",
         "retention_interval": 0,
         "max_num_batched_tokens": 8192,
@@ -222,6 +222,6 @@ def test_engine_pins_a_sliding_window_tail_at_the_junction() -> None:
 
 
 def test_chunks_without_mamba_are_budget_sized() -> None:
-    rules = StoreRules(archetype_config("full"), StorePolicy(max_num_batched_tokens=64))
+    rules = StoreRules(archetype_config("full"), StoreSettings(max_num_batched_tokens=64))
     assert rules.chunk_ends(150, 32) == [96, 150]
     assert not rules.uses_junction

@@ -40,7 +40,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.backends.vllm import vllm_groups
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StorePolicy, StoreRules
+from replay.rules.store_rules import StoreRules, StoreSettings
 from replay.sources.archetypes import ARCHETYPES, archetype_config
 from tests.vllm_modules import split_state, vllm_modules
 
@@ -290,7 +290,7 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         rules = {
             cache: StoreRules(
                 s.config,
-                StorePolicy(
+                StoreSettings(
                     retention_interval=s.retention, max_num_batched_tokens=s.budget, cache=cache
                 ),
             )
@@ -378,7 +378,7 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
     mismatches: list[str] = []
     for s in chosen:
         engine = Engine(v, s)
-        policy = StorePolicy(
+        settings = StoreSettings(
             retention_interval=s.retention, max_num_batched_tokens=s.budget, cache="gpu"
         )
         rows: list[Any] = []
@@ -386,7 +386,7 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
             s.config,
             rows.append,
             lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
-            policy=policy,
+            settings=settings,
             background=False,
         )
         dense: dict[bytes, int] = {}
@@ -478,8 +478,8 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
     src = tmp_path / "mooncake.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     interval = 0 if retention == "0" else None
-    policy = StorePolicy(retention_interval=interval)
-    ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=policy)
+    settings = StoreSettings(retention_interval=interval)
+    ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=settings)
     frame = open_trace(tmp_path / "t.parquet").read_frame()
     config = archetype_config("full+mamba", 16, None, True)
     v = _vllm()

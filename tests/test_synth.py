@@ -19,6 +19,7 @@ from replay.sources.synth import synth_trace
 from replay.tools.render import synth_summary_text
 from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
+from tests.contracts.source import DeterministicSourceContract
 
 F, S, C, M = (
     GroupKind.FULL_ATTENTION,
@@ -230,17 +231,6 @@ def test_synth_command(tmp_path: Path) -> None:
     assert out.read_bytes() == (tmp_path / "lib.parquet").read_bytes()
 
 
-def test_synth_command_chunked_with_eagle(tmp_path: Path) -> None:
-    out = tmp_path / "t.parquet"
-    result = CliRunner().invoke(synth, ["-o", str(out), "--model", "full+chunked", "--eagle"])
-    assert result.exit_code == 2
-    assert result.stderr == (
-        "error: model 'full+chunked' has chunked local attention, which vLLM does not "
-        "combine with EAGLE: use --no-eagle\n"
-    )
-    assert not out.exists()
-
-
 def test_synth_store_options(tmp_path: Path) -> None:
     out = tmp_path / "cli.parquet"
     args = ["-o", str(out), "--model", "full+swa+mamba", "--requests", "60", "--eagle"]
@@ -299,3 +289,22 @@ def test_synth_store_option_errors(tmp_path: Path, args: list[str], message: str
     assert result.exit_code == 2
     assert result.stderr == f"error: {message}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the sources' contract
+
+
+class TestSynthGenerator(DeterministicSourceContract):
+    def command(self, folder: Path, out: Path) -> list[str]:
+        return ["synth", "-o", str(out), "--model", "full+mamba", "--requests", "40", "--seed", "3", "--eagle", "--capacity-blocks", "300", "--inject-overrun", "1"]  # fmt: skip
+
+    def expected_counts(self) -> dict[str, int]:
+        # 40 requests and the injected scenario's two lookups.
+        return {"lookup": 42, "store": 75, "remove": 57}
+
+    def bad_inputs(self, folder: Path, out: Path) -> list[tuple[list[str], str]]:
+        # A generator reads no file: what it refuses is named by its option.
+        return [
+            (["synth", "-o", str(out), "--model", "full+chunked", "--eagle"], "model 'full+chunked' has chunked local attention, which vLLM does not combine with EAGLE: use --no-eagle"),
+            (["synth", "-o", str(out), "--model", "full+swa", "--eagle", "--inject-overrun", "1"], "--inject-overrun needs a model with a Mamba group (#43559), got 'full+swa'"),
+        ]  # fmt: skip

@@ -90,7 +90,7 @@ def spec_for(policy: StorePolicy, cache: str, eviction: str, capacity: int, emit
     )
 
 
-@pytest.mark.parametrize("cache", ["gpu", "mooncake"])
+@pytest.mark.parametrize("cache", [pytest.param("gpu", marks=pytest.mark.slow), "mooncake"])
 def test_unbounded_capacity_reproduces_the_traces_own_hits(cache: str, tmp_path: Path) -> None:
     rng = random.Random(1600 + len(cache))
     compared = nonzero = 0
@@ -196,6 +196,7 @@ def _demo_trace(tmp_path: Path) -> Path:
     return rules_trace(tmp_path / "demo.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
 
 
+@pytest.mark.slow
 def test_cli_writes_one_row_per_capacity_and_policy(tmp_path: Path) -> None:
     trace = _demo_trace(tmp_path)
     out = tmp_path / "sweep.parquet"

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay.base.spec import TraceConfig
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 from replay.sources.workload import WorkloadWriter
 
@@ -19,7 +19,7 @@ def _rows(
     config: TraceConfig,
     requests: list[tuple[str, list[int], int]],
     capacity_blocks: int | None,
-    **policy: Any,
+    **settings: Any,
 ) -> list[Row]:
     """The rows a writer emits for ``(request_id, unit keys, num_tokens)``,
     each unit key its own 8-byte digest."""
@@ -29,7 +29,7 @@ def _rows(
         tables.append,
         lambda keys: keys.astype(">u8").view(np.uint8).reshape(len(keys), 8),
         capacity_blocks=capacity_blocks,
-        policy=StorePolicy(**policy),
+        settings=StoreSettings(**settings),
     )
     for rid, units, num_tokens in requests:
         keys = np.array(units, dtype=np.int64)

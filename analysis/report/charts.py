@@ -25,8 +25,8 @@ _W, _H = 760, 300
 _BLUE, _GREY, _MUTED, _GRID = "#2563eb", "#94a3b8", "#64748b", "#e2e8f0"
 _PURPLE = "#7c3aed"
 
-#: One colour per eviction policy of a sweep, lru (vLLM's own order) first.
-POLICY_COLOURS = {"lru": _BLUE, "fifo": "#d97706", "lfu": "#059669", "belady": _PURPLE}
+#: One colour per eviction order of a sweep, lru (vLLM's own order) first.
+EVICTION_COLOURS = {"lru": _BLUE, "fifo": "#d97706", "lfu": "#059669", "belady": _PURPLE}
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5, *, integer: bool = False) -> list[float]:
@@ -304,7 +304,7 @@ def _label_blocks(v: float) -> str:
 
 
 def sweep_svg(frame: pl.DataFrame) -> Markup:
-    """Hit ratio against capacity, one line per eviction policy (log scale
+    """Hit ratio against capacity, one line per eviction order (log scale
     when the capacities span 10x or more)."""
     title = "Hit ratio against cache capacity"
     left, right, top, bottom = 64, _W - 20, 34, _H - 56
@@ -338,7 +338,7 @@ def sweep_svg(frame: pl.DataFrame) -> Markup:
     parts += _axes(left, top, right, bottom, y_ticks, x_ticks, x_label, "hit ratio")
     evictions = list(dict.fromkeys(frame["eviction"].to_list()))
     for k, eviction in enumerate(evictions):
-        colour = POLICY_COLOURS.get(eviction, _GREY)
+        colour = EVICTION_COLOURS.get(eviction, _GREY)
         rows = frame.filter(pl.col("eviction") == eviction).sort("capacity_blocks")
         pts = list(zip(rows["capacity_blocks"].to_list(), rows["hit_ratio"].to_list(), strict=True))
         lx = left + 20 + 110 * k

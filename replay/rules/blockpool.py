@@ -47,7 +47,7 @@ from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.rules.coordinator import Coordinator, LookupOutcome, Policy
 from replay.rules.coordinator.finders import block_view, cdiv
-from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 NEVER = 1 << 62
@@ -57,7 +57,7 @@ KeyListener = Callable[[str, int, Hashable], None]
 
 
 class EvictionOrder:
-    """The eviction candidates of a cache, in a policy's order.
+    """The eviction candidates of a cache, in an eviction order.
 
     ``lru``: the order items were added (vLLM's free-queue tail); ``fifo``:
     the order their content arrived (``reset``); ``lfu``: fewest uses, then
@@ -66,18 +66,18 @@ class EvictionOrder:
 
     def __init__(
         self,
-        policy: str,
+        eviction: str,
         next_use: Callable[[int, int], int] | None = None,
         *,
         newest_first: bool = False,
     ) -> None:
-        if policy not in EVICTIONS:
+        if eviction not in EVICTIONS:
             raise ReplayError(
-                f"unknown eviction {policy!r}, expected one of {', '.join(EVICTIONS)}"
+                f"unknown eviction {eviction!r}, expected one of {', '.join(EVICTIONS)}"
             )
-        if policy == "belady" and next_use is None:
+        if eviction == "belady" and next_use is None:
             raise ReplayError("belady eviction needs the trace's future uses")
-        self.policy = policy
+        self.eviction = eviction
         #: Ties go newest first (else oldest first). Of equally distant keys
         #: the deepest in its prompt should go first, since the hashes chain:
         #: a store adds a prompt's keys shallow to deep (newest first), a
@@ -90,12 +90,12 @@ class EvictionOrder:
         self._live: dict[int, tuple[int, int, int]] = {}
         self._stamp = 0
         #: fifo and lfu order by arrival and use counts; the others need neither
-        self._counts = policy in ("fifo", "lfu")
+        self._counts = eviction in ("fifo", "lfu")
         self._born: dict[int, int] = {}
         self._uses: dict[int, int] = {}
 
     def __len__(self) -> int:
-        return len(self._lru) if self.policy == "lru" else len(self._live)
+        return len(self._lru) if self.eviction == "lru" else len(self._live)
 
     def reset(self, item: int) -> None:
         """The item holds new content: its arrival and its use count start now."""
@@ -110,7 +110,7 @@ class EvictionOrder:
             self._uses[item] = self._uses.get(item, 0) + 1
 
     def add(self, item: int) -> None:
-        if self.policy == "lru":
+        if self.eviction == "lru":
             self._lru[item] = None
             return
         self._stamp += 1
@@ -125,9 +125,9 @@ class EvictionOrder:
             heapq.heapify(self._heap)
 
     def _priority(self, item: int) -> int:
-        if self.policy == "fifo":
+        if self.eviction == "fifo":
             return self._born.get(item, 0)
-        if self.policy == "lfu":
+        if self.eviction == "lfu":
             return self._uses.get(item, 0)
         assert self._next_use is not None
         return -self._next_use(item, self.now)
@@ -135,25 +135,25 @@ class EvictionOrder:
     def refile(self, item: int) -> None:
         """Belady: the item's key is used now; file it under its next use.
         (A stale entry looks needed soonest, so it would never surface.)"""
-        if self.policy == "belady" and item in self._live:
+        if self.eviction == "belady" and item in self._live:
             self.discard(item)
             self.add(item)
 
     def discard(self, item: int) -> None:
-        if self.policy == "lru":
+        if self.eviction == "lru":
             self._lru.pop(item, None)
         else:
             self._live.pop(item, None)
 
     def pop(self) -> int:
-        if self.policy == "lru":
+        if self.eviction == "lru":
             return self._lru.popitem(last=False)[0]
         while True:
             entry = heapq.heappop(self._heap)
             priority, stamp, item = entry
             if self._live.get(item) is not entry:
                 continue
-            if self.policy == "belady" and -priority <= self.now:
+            if self.eviction == "belady" and -priority <= self.now:
                 # Filed under a use that has come without touching it: re-file.
                 entry = (self._priority(item), stamp, item)
                 self._live[item] = entry
@@ -294,7 +294,7 @@ class GpuCache:
         *,
         policy: str | Policy = "vllm-0.33",
         eviction: str = "lru",
-        store_policy: StorePolicy | None = None,
+        store_policy: StoreSettings | None = None,
         next_use: Callable[[Hashable, int], int] | None = None,
         on_key: KeyListener | None = None,
         max_model_len: int = 1 << 20,
@@ -312,7 +312,7 @@ class GpuCache:
                     f"kv_cache_groups[{gid}]: the GPU block-pool model needs block_size "
                     f"{g.block_size} equal to hash_block_size {config.hash_block_size}"
                 )
-        sp = store_policy or StorePolicy(cache="gpu")
+        sp = store_policy or StoreSettings(cache="gpu")
         if sp.cache != "gpu":
             raise ReplayError("the GPU block pool caches by the gpu store rules")
         self.config = config
@@ -476,7 +476,7 @@ class GpuCache:
             block_view(unit_hashes, self._hbs, g.block_size)  # type: ignore[arg-type]
             for g in config.groups
         ]
-        if pool.cached.policy == "belady":
+        if pool.cached.eviction == "belady":
             for gid, view in enumerate(views):
                 copies = pool.copies[gid]
                 for h in view:

@@ -1,8 +1,11 @@
-"""The Mooncake store model of the what-if: a capacity-bounded external key store
-with an eviction order (replay.rules.blockpool.EvictionOrder).
+"""The what-if's model of the Mooncake store (the ``mooncake`` cache): a
+capacity-bounded external key cache with an eviction order
+(replay.rules.blockpool.EvictionOrder). Named a cache, as ``--cache
+mooncake`` does: in this project "store" is the event-sourced key state of a
+trace (replay.rules.store).
 
-The generators and importers keep their own, DenseStore
-(replay.sources.dense_store): LRU only, over dense integer keys in numpy
+The generators and importers keep their own model, DenseCache
+(replay.sources.dense_cache): LRU only, over dense integer keys in numpy
 arrays, counting entries rather than bytes. One model for both would change
 either's costs or eviction orders, so it waits for a change that proves it
 identical on every trace (issue 21)."""
@@ -14,8 +17,8 @@ from collections.abc import Callable, Hashable, Sequence
 from replay.rules.blockpool import EvictionOrder
 
 
-class MooncakeStore:
-    """A capacity-bounded external key store with an eviction policy."""
+class MooncakeCache:
+    """A capacity-bounded external key cache with an eviction order."""
 
     def __init__(
         self,
@@ -40,7 +43,7 @@ class MooncakeStore:
     def touch(self, gid: int, key: int) -> None:
         item = self.item(gid, key)
         self.order.used(item)
-        if self.order.policy != "fifo":
+        if self.order.eviction != "fifo":
             self.order.discard(item)
             self.order.add(item)
 
@@ -63,3 +66,8 @@ class MooncakeStore:
             self.evicted += 1
             if self.on_key is not None:
                 self.on_key("remove", vg, vk)
+
+
+#: Deprecated name of ``MooncakeCache``, kept while the what-if (edited on
+#: another branch) imports it; new code says MooncakeCache.
+MooncakeStore = MooncakeCache

@@ -7,7 +7,7 @@ to the cache: the ``store`` rows a production log shows for it. Pure: no
 I/O, no Arrow; the generator, the importers and a what-if simulator all ask
 it the same question.
 
-Two caches, chosen by ``StorePolicy.cache``:
+Two caches, chosen by ``StoreSettings.cache``:
 
 * ``gpu``: the engine's block pool, i.e. the ``BlockStored`` events vLLM
   publishes (``BlockPool.cache_full_blocks`` called by each manager's
@@ -83,8 +83,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StorePolicy:
-    """The deployment knobs that decide what a prefill leaves behind."""
+class StoreSettings:
+    """The deployment's store settings: the knobs that decide what a prefill
+    leaves behind. (Not a policy: in this project a policy is a vLLM
+    behaviour, ``replay.rules.coordinator.Policy``.)"""
 
     #: vLLM's ``prefix_cache_retention_interval``: 0 (its default) keeps only
     #: the replay boundaries, ``k > 0`` one tail or state per ``k`` tokens as
@@ -112,6 +114,11 @@ class StorePolicy:
             "retention_interval": self.retention_interval,
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
+
+
+#: Deprecated name of ``StoreSettings``, kept while the CLI and the what-if
+#: (edited on other branches) still import it; new code says StoreSettings.
+StorePolicy = StoreSettings
 
 
 def replay_boundaries(num_tokens: int, alignment: int, use_eagle: bool) -> tuple[int, ...]:
@@ -203,11 +210,12 @@ def _sliding_mask(
 
 
 class StoreRules:
-    """The store rules of one configuration and policy (see the module docstring)."""
+    """The store rules of one configuration and its store settings (see the
+    module docstring)."""
 
-    def __init__(self, config: TraceConfig, policy: StorePolicy | None = None) -> None:
+    def __init__(self, config: TraceConfig, settings: StoreSettings | None = None) -> None:
         self.config = config
-        self.policy = policy = policy or StorePolicy()
+        self.settings = settings = settings or StoreSettings()
         if config.enable_partial_hash_hits or engine_derives_partial_hits(config):
             raise ReplayError(
                 "the store rules do not model partial hash hits (vLLM enables them for a "
@@ -217,7 +225,7 @@ class StoreRules:
         a = config.scheduler_block_size
         kinds = {g.kind for g in config.groups}
         sparse = bool(kinds & {GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
-        r = policy.retention_interval
+        r = settings.retention_interval
         # vLLM refuses these at start-up (``_validate_prefix_cache_retention_interval``).
         if r and not sparse:
             raise ReplayError(
@@ -229,9 +237,9 @@ class StoreRules:
                 f"retention interval {r} must be a multiple of the scheduler block size {a}"
             )
         self.has_mamba = GroupKind.MAMBA in kinds
-        if self.has_mamba and policy.max_num_batched_tokens < a:
+        if self.has_mamba and settings.max_num_batched_tokens < a:
             raise ReplayError(
-                f"max_num_batched_tokens {policy.max_num_batched_tokens} must be at least "
+                f"max_num_batched_tokens {settings.max_num_batched_tokens} must be at least "
                 f"the scheduler block size {a}: a Mamba prefill chunk ends on a block"
             )
         self.alignment = a
@@ -239,7 +247,7 @@ class StoreRules:
         #: Whether the shared-prefix junction can change a store: it ends a
         #: Mamba chunk, and pins a tail in the engine's sliding-window groups.
         self.uses_junction = not self.unitary and (
-            self.has_mamba or (policy.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds)
+            self.has_mamba or (settings.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds)
         )
         # Which groups drop for EAGLE, as each cache's coordinator merges and
         # flags them (the one rule: ``build_spec_groups``): the engine drops
@@ -271,7 +279,7 @@ class StoreRules:
         the scheduler splits a Mamba model's prefill (``_mamba_block_aligned_split``);
         without Mamba, plain budget-sized chunks."""
         n, a = num_tokens, self.alignment
-        budget = self.policy.max_num_batched_tokens
+        budget = self.settings.max_num_batched_tokens
         last_cache = checkpoint_position(n, a, self.engine_any_eagle)
         ends: list[int] = []
         start = hit_tokens
@@ -312,7 +320,7 @@ class StoreRules:
 
     def _mamba_keeps(self, block: int, group: _Group, boundaries: Sequence[int]) -> bool:
         """``MambaManager.reachable_block_mask`` for one state block."""
-        r = self.policy.retention_interval
+        r = self.settings.retention_interval
         if r is None:
             return True
         bs, a = group.block_size, self.alignment
@@ -353,8 +361,8 @@ class StoreRules:
     def _attention(self, group: _Group, req: _Request) -> Blocks:
         bs, n, a = group.block_size, req.num_tokens, self.alignment
         hit_tokens, junction = req.hit, req.junction
-        r = self.policy.retention_interval
-        if self.policy.cache == "gpu":
+        r = self.settings.retention_interval
+        if self.settings.cache == "gpu":
             start = hit_tokens // bs
             end = self._cacheable(group, n, req.hashed) // bs
             window, eagle = group.engine_window, group.engine_eagle
@@ -412,14 +420,14 @@ class StoreRules:
 
 def request_stores(
     config: TraceConfig,
-    policy: StorePolicy | None = None,
+    settings: StoreSettings | None = None,
     *,
     num_tokens: int,
     hit_tokens: int,
     junction_tokens: int = 0,
 ) -> tuple[Blocks, ...]:
-    """``StoreRules(config, policy).stores(...)``, for a one-off question."""
-    return StoreRules(config, policy).stores(
+    """``StoreRules(config, settings).stores(...)``, for a one-off question."""
+    return StoreRules(config, settings).stores(
         num_tokens=num_tokens, hit_tokens=hit_tokens, junction_tokens=junction_tokens
     )
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from replay.format.writer import TraceWriter
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import (
     Digests,
@@ -112,17 +112,18 @@ def ingest(
     block_size: int = 16,
     eagle: bool = False,
     capacity_blocks: int | None = None,
-    policy: StorePolicy | None = None,
+    policy: StoreSettings | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Import a JSONL trace in ``format_name`` (``mooncake`` or ``bailian``);
-    return a summary with the trace's own prefix-reuse ratio. ``policy``
-    chooses the store rules (default: vLLM's defaults, the Mooncake store)."""
+    return a summary with the trace's own prefix-reuse ratio. ``policy`` is
+    the deployment's store settings (default: vLLM's defaults, the Mooncake
+    store); the keyword keeps its name for ``replay ingest``'s call."""
     fmt = FORMATS[format_name]
     path = Path(src)
     fine, coarse = granularity(fmt, block_size)
     config = archetype_config(model, block_size, None, eagle)
-    policy = policy or StorePolicy()
+    settings = policy or StoreSettings()
     keymap = _KeyMap(fine, coarse)
     counter = ReuseCounter(fine, coarse, block_size)
     with (
@@ -132,7 +133,7 @@ def ingest(
             trace.write_table,
             keymap.digest,
             capacity_blocks=capacity_blocks,
-            policy=policy,
+            settings=settings,
         ) as writer,
     ):
         done = 0
@@ -159,7 +160,7 @@ def ingest(
                 "source_block_tokens": fmt.block_tokens,
                 "model": model,
                 "capacity_blocks": capacity_blocks,
-                **policy.as_source(),
+                **settings.as_source(),
                 "reuse_ratio": reuse.ratio,
                 "reused_tokens": reuse.reused_tokens,
                 "input_tokens": reuse.input_tokens,
@@ -175,7 +176,7 @@ def ingest(
         "eagle": eagle,
         "block_size": block_size,
         "capacity_blocks": capacity_blocks,
-        **policy.as_source(),
+        **settings.as_source(),
         "rows": reuse.rows,
         **stats.as_dict(),
         "bytes": Path(out).stat().st_size,

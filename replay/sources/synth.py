@@ -62,7 +62,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.writer import TraceWriter
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import Digests, DigestTable, Keys, digest_keys, lane_salts
 from replay.sources.workload import WorkloadWriter
@@ -264,7 +264,7 @@ def synth_trace(
     two more lookups. ``capacity_blocks`` bounds the store (None: unbounded),
     ``clear_every`` emits a ``clear`` row before every that-many-th request.
     ``retention_interval``, ``max_num_batched_tokens`` and ``cache`` choose
-    the store rules (``replay.rules.store_rules.StorePolicy``). ``progress`` is
+    the store rules (``replay.rules.store_rules.StoreSettings``). ``progress`` is
     called with the number of requests done since its last call."""
     if requests < 0:
         raise ReplayError(f"requests must be >= 0, got {requests}")
@@ -273,7 +273,7 @@ def synth_trace(
     if hash_bytes not in (16, 32):
         raise ReplayError(f"hash_bytes must be 16 or 32, got {hash_bytes}")
     sm = session_model or SessionModel()
-    policy = StorePolicy(
+    settings = StoreSettings(
         retention_interval=retention_interval,
         max_num_batched_tokens=max_num_batched_tokens,
         cache=cache,
@@ -301,7 +301,7 @@ def synth_trace(
 
     # Plan the injected scenarios before writing: their expectations go into
     # the trace's metadata, which the writer puts in the file's schema.
-    probe = WorkloadWriter(config, lambda _t: None, digest, policy=policy, background=False)
+    probe = WorkloadWriter(config, lambda _t: None, digest, settings=settings, background=False)
     injections: list[_Injection] = []
     expected: list[dict[str, Any]] = []
     extras: list[dict[int, list[int]]] = []
@@ -350,7 +350,7 @@ def synth_trace(
         "requests": requests,
         "capacity_blocks": capacity_blocks,
         "clear_every": clear_every,
-        **policy.as_source(),
+        **settings.as_source(),
         "session_model": sm.as_source(),
         "hash_bytes": hash_bytes,
         "injected_overruns": expected,
@@ -370,7 +370,7 @@ def synth_trace(
             out.write_table,
             digest,
             capacity_blocks=capacity_blocks,
-            policy=policy,
+            settings=settings,
             clear_every=clear_every,
         ) as writer,
     ):
@@ -444,7 +444,7 @@ def synth_trace(
         "eagle": eagle,
         "requests": requests,
         "capacity_blocks": capacity_blocks,
-        **policy.as_source(),
+        **settings.as_source(),
         **stats.as_dict(),
         "distinct_units": counter - 1,
         "bytes": size,

@@ -1,4 +1,4 @@
-"""From requests to trace rows: the store logic shared by the generator and the importers.
+"""From requests to trace rows (lookup, store, remove), shared by the generator and the importers.
 
 A *request* here is what every source can provide: an arrival time, an id,
 its prompt length and one integer **unit key** per ``hash_block_size`` tokens
@@ -7,7 +7,7 @@ prefix exactly (two requests share a key iff they share every token up to
 the unit's end), so keys play the part of vLLM's chained block hashes; the
 source's ``digest`` function turns keys into the bytes written to the trace.
 The keys of one prompt are distinct, and keys are small dense integers
-(the store and the digest memo are arrays indexed by key), so the memory
+(the cache model and the digest memo are arrays indexed by key), so the memory
 is about 10 bytes per distinct key and group, plus a bounded window of
 memoised digests and at most two row batches in flight.
 
@@ -18,7 +18,7 @@ shows for it, in this order:
    num_tokens - 1`` (vLLM's scheduler always recomputes the last prompt
    token for its logits), ``num_tokens``;
 2. ``remove`` rows (one per group, LRU order) for the keys evicted to make
-   room, when the store has a finite ``capacity_blocks``;
+   room, when the cache has a finite ``capacity_blocks``;
 3. ``store`` rows (one per group, block order) for the keys the request's
    prefill leaves behind that were not already present. Keys already
    present are refreshed in the LRU but not re-stored, as vLLM's
@@ -26,20 +26,20 @@ shows for it, in this order:
 
 Which keys a request stores is decided by ``replay.rules.store_rules`` (vLLM
 0.33.0's rules for the chosen cache, retention interval and token budget),
-from the hit the request's own lookup gets against the store as it stands
+from the hit the request's own lookup gets against the cache as it stands
 (the reference coordinator) and the shared-prefix junction that lookup finds.
 The prefix the hit used is refreshed in the LRU.
 
-The store: a set of ``(group, key)`` entries, unbounded, or an LRU of
+The cache (``replay.sources.dense_cache``): a set of ``(group, key)`` entries, unbounded, or an LRU of
 ``capacity_blocks`` entries counted across all groups (a Mamba state counts
 as one entry like an attention block). A request touches its groups last to
 first and each group's keys from the prompt's tail to its head, so the
 first group's head is the most recently used and evicted last, like vLLM's
 block pool, which frees a request's blocks in reverse order so that shared
 prefixes outlive their tails. Evictions are
-emitted before the stores, so the store never holds more than
+emitted before the stores, so the cache never holds more than
 ``capacity_blocks`` keys at any point of the log; a request larger than
-the whole store evicts its own tail, which is then never stored.
+the whole cache evicts its own tail, which is then never stored.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ from replay.base.spec import TraceConfig
 from replay.format.schema import EVENT_KINDS
 from replay.format.writer import trace_schema
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
-from replay.sources.dense_store import EMPTY_KEYS, DenseStore
+from replay.rules.store_rules import StoreRules, StoreSettings, group_block_keys, junction_tokens
+from replay.sources.dense_cache import EMPTY_KEYS, DenseCache
 from replay.sources.hashing import Digester, Keys
 
 Sink = Callable[[pa.Table], None]
@@ -91,7 +91,7 @@ class WorkloadStats:
 
 class WorkloadWriter:
     """Turns requests into trace rows for one configuration, through a
-    capacity-bounded LRU store, and hands them to ``sink`` in row groups."""
+    capacity-bounded LRU cache, and hands them to ``sink`` in row groups."""
 
     def __init__(
         self,
@@ -100,7 +100,7 @@ class WorkloadWriter:
         digest: Digester,
         *,
         capacity_blocks: int | None = None,
-        policy: StorePolicy | None = None,
+        settings: StoreSettings | None = None,
         clear_every: int | None = None,
         flush_hashes: int = 2_000_000,
         flush_events: int = 200_000,
@@ -111,7 +111,7 @@ class WorkloadWriter:
         if clear_every is not None and clear_every <= 0:
             raise ReplayError(f"clear_every must be positive, got {clear_every}")
         self.config = config
-        self.policy = policy or StorePolicy()
+        self.settings = settings or StoreSettings()
         self._sink = sink
         self._digest = digest
         self._schema = trace_schema(config)
@@ -120,11 +120,11 @@ class WorkloadWriter:
         self._flush_hashes = flush_hashes
         self._flush_events = flush_events
         self._hbs = config.hash_block_size
-        self.rules = StoreRules(config, self.policy)
-        # The hit each request's prefill starts from, as a lookup of the store
+        self.rules = StoreRules(config, self.settings)
+        # The hit each request's prefill starts from, as a lookup of the cache
         # finds it (``explain`` for the steps that give the junction).
-        self._coordinator = Coordinator(config, cache=self.policy.cache)
-        self._store = DenseStore(config.num_groups, capacity_blocks)
+        self._coordinator = Coordinator(config, cache=self.settings.cache)
+        self._cache = DenseCache(config.num_groups, capacity_blocks)
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
         self._clear_due = False
@@ -233,7 +233,7 @@ class WorkloadWriter:
         ]
         return pa.Table.from_arrays(columns, schema=self._schema)
 
-    # -- the store
+    # -- the cache
 
     def group_views(self, unit_keys: Keys) -> list[Keys]:
         """Each group's per-block keys of a prompt."""
@@ -267,8 +267,8 @@ class WorkloadWriter:
         return out
 
     def clear(self, ts_us: int | None) -> int:
-        """A ``clear`` row for every group: the store forgets everything."""
-        self._store.clear()
+        """A ``clear`` row for every group: the cache forgets everything."""
+        self._cache.clear()
         self._clear_due = False
         seq = self._event(ts_us, CLEAR, None, EMPTY_KEYS)
         self._maybe_flush()
@@ -288,7 +288,7 @@ class WorkloadWriter:
         """Emit one request's rows; return the ``seq`` of its lookup.
 
         Unit keys are distinct non-negative integers, dense enough to index
-        arrays (the store allocates up to the largest); ``max_key``, when the
+        arrays (the cache allocates up to the largest); ``max_key``, when the
         caller knows a bound, saves a scan.
 
         ``extra_blocks`` adds block indices for a group beyond what the store
@@ -311,9 +311,9 @@ class WorkloadWriter:
             self._clear_due = True
         seq = self._event(ts_us, LOOKUP, None, unit_keys, request_id, num_tokens - 1, num_tokens)
         groups = self.config.num_groups
-        store = self._store
+        cache = self._cache
         views = self.group_views(unit_keys)
-        present = [store.present(gid, unit_keys) for gid in range(groups)]
+        present = [cache.present(gid, unit_keys) for gid in range(groups)]
         outcome = self._coordinator.lookup_present(
             [p.view(np.uint8).tobytes() for p in present],
             num_tokens - 1,
@@ -341,17 +341,17 @@ class WorkloadWriter:
                     else np.concatenate((used_idx.astype(np.int64), idx))
                 )
             keys = views[gid][idx]
-            new[gid] = keys[store.touch(gid, keys, max_key)]
+            new[gid] = keys[cache.touch(gid, keys, max_key)]
             touched += len(keys)
         removed: list[Keys] = []
-        if self.capacity is not None and store.count > self.capacity:
-            untouched = store.count - touched
-            evicted = store.evict(store.count - self.capacity)
-            removed = store.split(evicted[:untouched])
+        if self.capacity is not None and cache.count > self.capacity:
+            untouched = cache.count - touched
+            evicted = cache.evict(cache.count - self.capacity)
+            removed = cache.split(evicted[:untouched])
             if len(evicted) > untouched:
-                # The request alone overflows the store: its own oldest keys go
+                # The request alone overflows the cache: its own oldest keys go
                 # too, and the new ones among them are never stored at all.
-                for gid, own in enumerate(store.split(evicted[untouched:])):
+                for gid, own in enumerate(cache.split(evicted[untouched:])):
                     fresh = new[gid]
                     dropped = np.isin(own, fresh)
                     new[gid] = fresh[~np.isin(fresh, own)]
@@ -364,7 +364,7 @@ class WorkloadWriter:
             if len(fresh_keys):
                 self._event(ts_us, STORE, gid, fresh_keys, request_id)
                 self.stats.stored_keys[gid] += len(fresh_keys)
-        size = store.count
+        size = cache.count
         self.stats.max_present_keys = max(self.stats.max_present_keys, size)
         self._maybe_flush()
         return seq

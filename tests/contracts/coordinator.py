@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,6 +66,7 @@ class CoordinatorContract:
 
     # --- the two ways to ask ------------------------------------------------------
 
+    @pytest.mark.slow
     @PROPERTY_SETTINGS
     @given(scenarios(), st.sampled_from(["vllm-0.33", "pre-49502", "pre-32802"]))
     def test_answer_from_presence_bytes_is_the_lookup(
@@ -329,6 +331,7 @@ class CoordinatorContract:
 
     # --- properties -----------------------------------------------------------------
 
+    @pytest.mark.slow
     @PROPERTY_SETTINGS
     @given(scenarios(), st.sampled_from(["vllm-0.33", "pre-49502"]))
     def test_hit_never_exceeds_max_length(
@@ -337,6 +340,7 @@ class CoordinatorContract:
         cfg, units, max_length, present = scenario
         assert self.lookup(cfg, units, max_length, present, policy).hit_tokens <= max_length
 
+    @pytest.mark.slow
     @PROPERTY_SETTINGS
     @given(scenarios())
     def test_hit_is_aligned_and_masks_are_skipped_then_loaded(
@@ -350,6 +354,7 @@ class CoordinatorContract:
         for g in out.groups:
             assert 0 <= g.loaded_blocks <= g.mask_blocks
 
+    @pytest.mark.slow
     @PROPERTY_SETTINGS
     @given(scenarios())
     def test_full_attention_holds_every_block_below_the_hit(
@@ -368,6 +373,7 @@ class CoordinatorContract:
             # Loaded: exactly the blocks of the hit, the partial tail block included.
             assert (g.mask_blocks, g.loaded_blocks) == (cdiv(hit, bs), cdiv(hit, bs))
 
+    @pytest.mark.slow
     @PROPERTY_SETTINGS
     @given(scenarios())
     def test_mamba_state_is_at_the_hit(

@@ -1,5 +1,7 @@
-"""The store model of the generator and the importers: which ``(group, key)``
-entries are present and, with a capacity, their LRU order.
+"""The cache model of the generator and the importers: which ``(group, key)``
+entries are present and, with a capacity, their LRU order. (A cache model,
+not a store: the store is the event-sourced key state of a trace,
+``replay.rules.store``.)
 
 The order of the touches, and why, is ``replay.sources.workload``'s.
 """
@@ -17,7 +19,7 @@ from replay.sources.hashing import Keys
 EMPTY_KEYS: Keys = np.zeros(0, dtype=np.int64)
 
 
-class DenseStore:
+class DenseCache:
     """The present ``(group, key)`` entries and, with a capacity, their LRU order.
 
     Unit keys are small dense integers, so an entry is a flag in an array: at
