@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from analysis.diff import DiffResult
+from analysis.flags import severity
 from replay.render import table
 
 
@@ -43,7 +44,9 @@ def render_text(diff: DiffResult, limit: int = 20) -> str:
         return "\n".join(lines)
     reason_rows = [
         [
-            r["reason"] if r["reason_kind"] != "flag" else f"flag {r['reason']}",
+            r["reason"]
+            if r["reason_kind"] != "flag"
+            else f"flag {r['reason']} ({severity(r['reason'])})",
             f"only in {r['reason_side']}" if r["reason_side"] else "-",
             r["lookups"],
             r["gained"],

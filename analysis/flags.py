@@ -39,7 +39,7 @@ least ``mask_blocks x block_size`` over the non-Mamba groups):
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,15 +57,87 @@ from replay.coordinator import (
 from replay.errors import ReplayError
 from replay.spec import GroupKind, TraceConfig
 
-FLAG_KINDS = (
-    "mamba_overrun",
-    "mamba_state_mismatch",
-    "hit_beyond_max_length",
-    "hit_misaligned",
-    "missing_block",
-    "eagle_not_dropped",
-    "observed_mismatch",
-)
+#: How bad a flag is, worst first. ``corruption``: the request computes with
+#: state that belongs to other tokens, silently; ``inconsistent``: the answer
+#: contradicts itself or the lookup's bounds (an invariant of vLLM's is
+#: broken; what follows depends on the code path); ``performance``: the answer
+#: is consistent but costs work or speculative acceptance; ``observed``: the
+#: production-reported hit differs from the replay (the trace or the recorded
+#: vLLM disagrees with the replayed semantics).
+SEVERITIES = ("corruption", "inconsistent", "performance", "observed")
+
+
+@dataclass(frozen=True, slots=True)
+class FlagKind:
+    """A flag's name, its severity and what it means, kept together so that
+    each moves with its flag."""
+
+    name: str
+    severity: str
+    meaning: str
+
+
+#: Every flag, in the order ``FlagChecker.check`` reports them.
+FLAGS: dict[str, FlagKind] = {
+    k.name: k
+    for k in (
+        FlagKind(
+            "mamba_overrun",
+            "corruption",
+            "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
+        ),
+        FlagKind(
+            "mamba_state_mismatch",
+            "inconsistent",
+            "Mamba resumes state at a position other than the hit",
+        ),
+        FlagKind(
+            "hit_beyond_max_length",
+            "inconsistent",
+            "the hit is longer than the lookup's max_length",
+        ),
+        FlagKind(
+            "hit_misaligned",
+            "inconsistent",
+            "the hit is not a multiple of the hit alignment",
+        ),
+        FlagKind(
+            "missing_block",
+            "corruption",
+            "a block the hit relies on is absent from the store at that seq",
+        ),
+        FlagKind(
+            "eagle_not_dropped",
+            "performance",
+            "EAGLE is on but the hit covers the whole present prefix (nothing left to recompute)",
+        ),
+        FlagKind(
+            "observed_mismatch",
+            "observed",
+            "the production-reported hit differs from the replayed one",
+        ),
+    )
+}
+
+FLAG_KINDS = tuple(FLAGS)
+
+
+def severity(flag: str) -> str:
+    """The severity of ``flag``; a flag this version does not know (in a
+    results file from another version) counts as ``inconsistent``."""
+    kind = FLAGS.get(flag)
+    return kind.severity if kind is not None else "inconsistent"
+
+
+def by_severity(flags: Sequence[str]) -> list[str]:
+    """``flags`` worst first (corruption first), each severity's in
+    ``FLAG_KINDS`` order, unknown names last."""
+    order = {name: i for i, name in enumerate(FLAG_KINDS)}
+    return sorted(
+        dict.fromkeys(flags),
+        key=lambda f: (f not in FLAGS, SEVERITIES.index(severity(f)), order.get(f, 0), f),
+    )
+
 
 FLAGS_SCHEMA: dict[str, Any] = {
     "seq": pl.Int64,
@@ -313,7 +385,21 @@ def flag_lines(flags: Sequence[Flag]) -> str:
     """A lookup's flags as ``replay explain`` prints them under its table."""
     if not flags:
         return "flags: none"
-    return "\n".join(["flags:", *(f"  {f.flag}: {f.detail}" for f in flags)])
+    return "\n".join(
+        [
+            "flags:",
+            *(
+                f"  {f.flag} ({severity(f.flag)}): {f.detail}"
+                for f in sorted(flags, key=lambda f: SEVERITIES.index(severity(f.flag)))
+            ),
+        ]
+    )
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    """Lookups per flag, worst first, each with its severity:
+    ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
+    return ", ".join(f"{f} {counts[f]} ({severity(f)})" for f in by_severity(list(counts)))
 
 
 def flag_names(flags: Sequence[Flag]) -> list[str]:
@@ -426,7 +512,7 @@ def flag_counts(flags: pl.DataFrame) -> dict[str, int]:
 def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
     """The first ``limit`` flagged rows of each kind, as dicts with a ``text`` line."""
     rows: list[dict[str, Any]] = []
-    for name in FLAG_KINDS:
+    for name in by_severity(FLAG_KINDS):
         part = flags.filter(pl.col("flag") == name).head(limit)
         for r in part.iter_rows(named=True):
             r["text"] = f"{r['flag']}: request {r['request_id']} seq {r['seq']}: {r['detail']}"

@@ -150,11 +150,6 @@ def kinds_text(by_kind: Mapping[str, int]) -> str:
     return f"store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}"
 
 
-def counts_text(counts: Mapping[str, int]) -> str:
-    """``name n`` per entry, by name: the flag counts."""
-    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
-
-
 def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["  " + ex["text"] for ex in examples]
 
@@ -192,9 +187,10 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
     return lines
 
 
-def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
+def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     """``replay run``: ``replay.summary.run_summary`` with the flagged
-    ``examples`` and the ``results`` path."""
+    ``examples`` and the ``results`` path; ``flags_text`` words its flag
+    counts (``analysis.flags.counts_text``)."""
     lines = [
         f"replayed {s['events']} events ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
@@ -218,7 +214,7 @@ def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
         f"{s['lookups_per_second'] or 0:,} lookups/s)"
     )
     if s["flags"]:
-        lines.append(f"flags: {counts_text(s['flags'])}")
+        lines.append(f"flags: {flags_text}")
         lines.append("flagged lookups (first examples):")
         lines += _example_lines(s["examples"])
     else:
@@ -230,17 +226,20 @@ def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
 def check_lines(
     path: Path,
     policy: str,
-    counts: Mapping[str, int],
+    counts_text: str,
     lookups: int,
     examples: Sequence[Mapping[str, Any]],
+    verdict: str,
 ) -> list[str]:
     """``replay check``: the verdict on ``path`` under ``policy``; ``lookups``
-    is how many lookups are flagged, ``counts`` how many per flag."""
-    if not counts:
+    is how many lookups are flagged, ``counts_text`` how many per flag (with
+    severities), ``verdict`` whether that fails and why."""
+    if not lookups:
         return [f"{path}: clean under {policy} (no flags)"]
     return [
-        f"{path}: {lookups} flagged lookup(s) under {policy} ({counts_text(counts)})",
+        f"{path}: {lookups} flagged lookup(s) under {policy}: {counts_text}",
         *_example_lines(examples),
+        verdict,
     ]
 
 

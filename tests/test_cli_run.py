@@ -41,7 +41,7 @@ def test_run_summary_text_and_json(tmp_path: Path) -> None:
     text = run_cli(["run", str(trace), "-o", str(out)]).stdout.splitlines()
     assert "prompt tokens: 65, hit tokens: 48 (hit ratio 73.85%)" in text
     assert "observed hits: 1 reported, 1 differ from the replay" in text
-    assert "flags: observed_mismatch 1" in text
+    assert "flags: observed_mismatch 1 (observed)" in text
     assert (
         "  observed_mismatch: request prod-1 seq 2: replayed hit 48 but production reported 64"
         in text
@@ -60,7 +60,7 @@ def test_run_summary_is_these_lines(tmp_path: Path) -> None:
         "  group 0 full_attention block=16: loaded 3 blocks (48 tokens), skipped 0",
         "  group 1 mamba block=16: loaded 1 blocks (16 tokens), skipped 3",
         "time: T",
-        "flags: eagle_not_dropped 1, mamba_overrun 1",
+        "flags: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)",
         "flagged lookups (first examples):",
         "  mamba_overrun: request req-43559 seq 2: group 1 resumes Mamba state at 64, 16 tokens past the attention KV loaded for 48 tokens",
         "  eagle_not_dropped: request req-43559 seq 2: hit 64 reaches group 0's whole match: EAGLE recomputes nothing past it",
@@ -73,7 +73,8 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     flagged = run_cli(["check", str(trace), "--policy", "pre-49502", "--examples", "0"])
     assert (flagged.exit_code, flagged.stdout) == (
         1,
-        f"{trace}: 1 flagged lookup(s) under pre-49502 (eagle_not_dropped 1, mamba_overrun 1)\n",
+        f"{trace}: 1 flagged lookup(s) under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)\n"
+        "fail (--fail-on corruption): 1 lookup(s) with mamba_overrun 1 (corruption)\n",
     )
     clean = run_cli(["check", str(trace)])
     assert (clean.exit_code, clean.stdout) == (0, f"{trace}: clean under vllm-0.33 (no flags)\n")

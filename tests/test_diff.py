@@ -117,7 +117,18 @@ def test_diff_policies_43559(trace_43559: Path) -> None:
     assert lines[3] == "lookups: 1 compared, 1 with a different hit (B higher on 1, lower on 0)"
     assert lines[4] == "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)"
     reasons = lines[lines.index("explained by:") + 3]
-    assert reasons.split() == ["flag", "mamba_overrun", "only", "in", "B", "1", "16", "0", "+16"]
+    assert reasons.split() == [
+        "flag",
+        "mamba_overrun",
+        "(corruption)",
+        "only",
+        "in",
+        "B",
+        "1",
+        "16",
+        "0",
+        "+16",
+    ]
     row = lines[-1].split()
     assert row == [
         "2",
@@ -196,7 +207,7 @@ def test_diff_results_files_43559(tmp_path: Path, trace_43559: Path) -> None:
         in res.output
     )
     assert "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)" in res.output
-    assert "flag mamba_overrun  only in B        1      16     0  +16" in res.output
+    assert "flag mamba_overrun (corruption)  only in B        1      16     0  +16" in res.output
 
 
 def test_diff_output_parquet(tmp_path: Path, trace_43559: Path) -> None:

@@ -49,6 +49,7 @@ def test_summary_counts_a_lookup_with_two_flags_once() -> None:
         "hit_tokens": 96,
         "hit_ratio": 0.32,
         "flagged_lookups": 2,
+        "by_severity": {"corruption": 1, "inconsistent": 0, "performance": 2, "observed": 0},
         "observed": 2,
         "observed_mismatches": 1,
         "mean_hit": 32.0,
@@ -142,24 +143,33 @@ def test_groups_sum_loaded_and_skipped_blocks() -> None:
     ]
 
 
-def test_flag_rows_in_flag_kinds_order_unknown_kinds_last() -> None:
+def test_flag_rows_worst_severity_first_unknown_kinds_last() -> None:
     flags = _flags(
         [("zz_new", 0), ("eagle_not_dropped", 2), ("mamba_overrun", 2), ("eagle_not_dropped", 4)]
     )
     assert data.flag_rows(flags, 4) == [
         {
             "flag": "mamba_overrun",
+            "severity": "corruption",
             "lookups": 1,
             "share": 0.25,
             "meaning": "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
         },
         {
             "flag": "eagle_not_dropped",
+            "severity": "performance",
             "lookups": 2,
             "share": 0.5,
             "meaning": "EAGLE is on but the hit covers the whole present prefix (nothing left to recompute)",
         },
-        {"flag": "zz_new", "lookups": 1, "share": 0.25, "meaning": ""},
+        # A flag of a newer version: inconsistent until this version knows it, listed last.
+        {
+            "flag": "zz_new",
+            "severity": "inconsistent",
+            "lookups": 1,
+            "share": 0.25,
+            "meaning": "",
+        },
     ]
     assert data.flag_rows(_flags([]), 0) == []
 

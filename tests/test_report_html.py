@@ -27,11 +27,20 @@ def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     assert "<title>Replay report: t43559.parquet</title>" in page
     assert '<div class="v">98.46%</div><div class="k">hit ratio</div>' in page
     assert (
-        '<div class="card bad"><div class="v">1</div><div class="k">flagged lookups</div>' in page
+        '<div class="card bad sev-corruption"><div class="v">1</div><div class="k">corruption</div>'
+        in page
+    )
+    assert (
+        '<div class="card bad sev-performance"><div class="v">1</div><div class="k">performance</div>'
+        in page
+    )
+    assert page.index('<div class="k">corruption</div>') < page.index(
+        '<div class="k">performance</div>'
     )
     # The flag table row, then the example with its detail.
     assert (
-        '<tr><td><a href="#flag-mamba_overrun"><code>mamba_overrun</code></a></td>'
+        '<tr class="sev-corruption"><td><span class="severity">corruption</span></td>'
+        '<td><a href="#flag-mamba_overrun"><code>mamba_overrun</code></a></td>'
         '<td class="n">1</td><td class="n"><span class="meter" style="width:60px"></span>'
         "100.00%</td><td>Mamba resumes recurrent state past the hit or the attention KV it "
         "loads (#43559)</td></tr>"
@@ -123,8 +132,8 @@ def test_report_workload_page(tmp_path: Path) -> None:
     assert page.count("<details open") == 1
     # 56 lookups carry each flag, 3 of each are shown.
     assert (
-        '<h3 id="flag-mamba_overrun"><span class="flag">mamba_overrun</span> — 56 lookups, '
-        "first 3</h3>"
+        '<h3 id="flag-mamba_overrun" class="sev-corruption"><span class="flag">mamba_overrun</span> '
+        '<span class="severity">corruption</span> — 56 lookups, first 3</h3>'
     ) in page
 
 

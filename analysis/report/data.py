@@ -13,7 +13,7 @@ from typing import Any
 
 import polars as pl
 
-from analysis.flags import FLAG_KINDS
+from analysis.flags import FLAGS, SEVERITIES, by_severity, severity
 from analysis.report.fmt import fmt_time
 from replay.render import group_label
 from replay.spec import TraceConfig
@@ -22,16 +22,8 @@ from replay.summary import hit_figures, prompt_tokens_expr
 TIMELINE_BINS = 40
 HISTOGRAM_BINS = 30
 
-FLAG_MEANINGS: dict[str, str] = {
-    "mamba_overrun": "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
-    "mamba_state_mismatch": "Mamba resumes state at a position other than the hit",
-    "hit_beyond_max_length": "the hit is longer than the lookup's max_length",
-    "hit_misaligned": "the hit is not a multiple of the hit alignment",
-    "missing_block": "a block the hit relies on is absent from the store at that seq",
-    "eagle_not_dropped": "EAGLE is on but the hit covers the whole present prefix "
-    "(nothing left to recompute)",
-    "observed_mismatch": "the production-reported hit differs from the replayed one",
-}
+#: What each flag means, as the report words it (from ``analysis.flags.FLAGS``).
+FLAG_MEANINGS: dict[str, str] = {name: kind.meaning for name, kind in FLAGS.items()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,10 +100,25 @@ def summary(res: pl.DataFrame, flags: pl.DataFrame) -> dict[str, Any]:
     return {
         **figures,
         "flagged_lookups": int(flags["seq"].n_unique()) if flags.height else 0,
+        "by_severity": lookups_by_severity(flags),
         "observed": observed["lookups"],
         "observed_mismatches": observed["mismatches"],
         "mean_hit": float(res["hit_tokens"].mean() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
         "median_hit": float(res["hit_tokens"].median() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
+    }
+
+
+def lookups_by_severity(flags: pl.DataFrame) -> dict[str, int]:
+    """Lookups with at least one flag of each severity (a lookup counts under
+    every severity it has)."""
+    names = flags["flag"].unique().to_list() if flags.height else []
+    return {
+        sev: int(
+            flags.filter(pl.col("flag").is_in([f for f in names if severity(f) == sev]))[
+                "seq"
+            ].n_unique()
+        )
+        for sev in SEVERITIES
     }
 
 
@@ -216,8 +223,9 @@ def groups(res: pl.DataFrame, config: TraceConfig) -> list[dict[str, Any]]:
 
 
 def flag_rows(flags: pl.DataFrame, lookups: int) -> list[dict[str, Any]]:
-    """One row per flag kind that occurs, in ``FLAG_KINDS`` order (kinds this
-    version does not know last): lookups flagged, their share, the meaning."""
+    """One row per flag kind that occurs, worst severity first (each
+    severity's in ``FLAG_KINDS`` order, kinds this version does not know
+    last): its severity, lookups flagged, their share, the meaning."""
     counts = (
         {
             str(f): int(n)
@@ -226,15 +234,15 @@ def flag_rows(flags: pl.DataFrame, lookups: int) -> list[dict[str, Any]]:
         if flags.height
         else {}
     )
-    kinds = [k for k in FLAG_KINDS if k in counts] + sorted(set(counts) - set(FLAG_KINDS))
     return [
         {
             "flag": k,
+            "severity": severity(k),
             "lookups": counts[k],
             "share": counts[k] / lookups if lookups else 0.0,
             "meaning": FLAG_MEANINGS.get(k, ""),
         }
-        for k in kinds
+        for k in by_severity(list(counts))
     ]
 
 

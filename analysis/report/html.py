@@ -19,6 +19,7 @@ from typing import Any
 import jinja2
 import polars as pl
 
+from analysis.flags import SEVERITIES
 from analysis.report import charts
 from analysis.report.data import Example, ReportData
 from analysis.report.fmt import num, pct
@@ -138,13 +139,19 @@ def _cards(s: dict[str, Any]) -> list[dict[str, Any]]:
         ("prompt tokens", num(s["prompt_tokens"]), False),
         ("hit tokens", num(s["hit_tokens"]), False),
         ("hit ratio", pct(s["hit_ratio"]), False),
-        ("flagged lookups", num(s["flagged_lookups"]), s["flagged_lookups"] > 0),
     ]
+    # One card per severity, worst first: corruption red, performance amber.
+    for sev, n in s["by_severity"].items():
+        if n or sev == "corruption":
+            cards.append((sev, num(n), n > 0))
     if s["observed"]:
         cards.append(
             ("observed ≠ replay", f"{s['observed_mismatches']:,} / {s['observed']:,}", False)
         )
-    return [{"key": k, "value": v, "bad": bad} for k, v, bad in cards]
+    return [
+        {"key": k, "value": v, "bad": bad, "severity": k if k in SEVERITIES else None}
+        for k, v, bad in cards
+    ]
 
 
 def _described(name: str, description: object) -> str:

@@ -131,7 +131,7 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import flag_counts, flag_examples
+    from analysis.flags import counts_text, flag_counts, flag_examples
     from replay.paths import check_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
@@ -165,7 +165,7 @@ def run(
     if quiet:
         return
     for summary in summaries:
-        for line in run_summary_lines(summary):
+        for line in run_summary_lines(summary, counts_text(summary["flags"])):
             click.echo(line)
 
 
@@ -206,11 +206,29 @@ def explain(
         click.echo("")
 
 
+FAIL_ON = click.option(
+    "--fail-on",
+    "fail_on",
+    multiple=True,
+    metavar="SEVERITY|FLAG,...",
+    help="Which flags fail: severities (corruption, inconsistent, performance, observed), "
+    "flag names or all, comma-separated  [default: corruption]",
+)
+IGNORE = click.option(
+    "--ignore",
+    multiple=True,
+    metavar="FLAG|SEVERITY,...",
+    help="Flags (or severities) that never fail, taken from what --fail-on selects.",
+)
+
+
 @command()
 @click.argument("path", type=click.Path(path_type=Path))
 @POLICY
 @CACHE
 @COORDINATOR
+@FAIL_ON
+@IGNORE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @count_option("--examples", default=10, help="Flagged lookups to list.")
 def check(
@@ -218,16 +236,24 @@ def check(
     policy: str,
     cache: str | None,
     coordinator: str,
+    fail_on: tuple[str, ...],
+    ignore: tuple[str, ...],
     as_json: bool,
     examples: int,
 ) -> None:
-    """Exit 1 when any lookup of PATH is flagged, 0 when clean, 2 on bad input.
+    """Exit 1 when a lookup of PATH has a flag that --fail-on selects (by
+    default a corruption: mamba_overrun, missing_block), 0 otherwise, 2 on bad
+    input.
 
     PATH is a trace (replayed now, under --policy) or a results file of
-    `replay run` (checked as it is, against its trace).
+    `replay run` (checked as it is, against its trace). Every flag is
+    listed with its severity, worst first.
     """
-    from analysis.flags import check_path, flag_counts, flag_examples
+    from analysis.flags import check_path, counts_text, flag_counts, flag_examples
+    from analysis.selection import failing, select_flags, selection_text
 
+    selected = select_flags(fail_on, ignore)
+    chosen = selection_text(fail_on, ignore)
     flags, policy_used = check_path(
         path,
         policy=policy if _given("policy") else None,
@@ -235,6 +261,7 @@ def check(
         cache=cache,
     )
     counts = flag_counts(flags)
+    fails = failing(counts, selected)
     if as_json:
         rows = flags.to_dicts()
         click.echo(
@@ -245,9 +272,17 @@ def check(
         )
     else:
         lookups = flags["seq"].n_unique() if counts else 0
-        for line in check_lines(path, policy_used, counts, lookups, flag_examples(flags, examples)):
+        failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
+        verdict = (
+            f"fail ({chosen}): {failed} lookup(s) with {counts_text(fails)}"
+            if fails
+            else f"pass ({chosen}): no flag it selects"
+        )
+        for line in check_lines(
+            path, policy_used, counts_text(counts), lookups, flag_examples(flags, examples), verdict
+        ):
             click.echo(line)
-    if counts:
+    if fails:
         sys.exit(1)
 
 
