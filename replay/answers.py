@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.coordinator import (
+    COORDINATORS,
     Coordinator,
     LookupCoordinator,
     LookupOutcome,
@@ -40,8 +41,6 @@ from replay.errors import ConfigError, ReplayError
 from replay.spec import TraceConfig
 from replay.store import LookupEvent
 from replay.trace import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
-
-COORDINATORS = ("reference", "vllm")
 
 
 def resolve_cache(config: TraceConfig, cache: str | None) -> str:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
-from replay.answers import COORDINATORS
 from replay.cli.common import command
 from replay.cli.options import count_option, output_option, repeated_choice
-from replay.coordinator import CACHES, POLICIES
+from replay.coordinator import CACHES, COORDINATORS, POLICIES
 
 
 @command("diff")

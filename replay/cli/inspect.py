@@ -8,18 +8,17 @@ from pathlib import Path
 
 import click
 
-from replay.answers import resolve_cache
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine import state_at
 from replay.render import group_label, info_lines, validate_line
-from replay.summary import trace_info
 
 
 @command()
 @TRACE
 def validate(trace: Path) -> None:
     """Check TRACE against format v1; print ok and the counts, or the first problem."""
+    from replay.summary import trace_info
+
     click.echo(validate_line(trace, trace_info(trace)))
 
 
@@ -28,6 +27,9 @@ def validate(trace: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(trace: Path, as_json: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
+    from replay.answers import resolve_cache
+    from replay.summary import trace_info
+
     data = trace_info(trace)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -54,6 +56,7 @@ def info(trace: Path, as_json: bool) -> None:
 @count_option("--show", default=5, help="Keys to print per group.")
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
+    from replay.engine import state_at
     from replay.paths import check_outputs
 
     check_outputs({"-o": output}, [trace])

@@ -8,17 +8,15 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from analysis.flags import FLAG_KINDS, flag_lines
-from replay.answers import COORDINATORS, Progress, resolve_cache
-from replay.cli.common import command
+from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
-from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.engine import explain_lookups, save_results
+from replay.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
 from replay.render import (
     check_lines,
     config_lines,
@@ -27,7 +25,9 @@ from replay.render import (
     minimize_lines,
     run_summary_lines,
 )
-from replay.summary import run_summary
+
+if TYPE_CHECKING:
+    from replay.answers import Progress
 
 
 def _given(name: str) -> bool:
@@ -132,7 +132,9 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import counts_text, flag_counts, flag_examples
+    from replay.engine import save_results
     from replay.paths import check_outputs
+    from replay.summary import run_summary
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
@@ -186,6 +188,9 @@ def explain(
 ) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags."""
+    from analysis.flags import flag_lines
+    from replay.answers import resolve_cache
+    from replay.engine import explain_lookups
     from replay.lookup_choice import choose_lookup
 
     config, found = explain_lookups(
@@ -294,9 +299,10 @@ def check(
 @SEQ
 @click.option(
     "--flag",
-    type=click.Choice(list(FLAG_KINDS)),
     default=None,
-    help="Keep this flag (default: any flag).",
+    metavar="FLAG",
+    help="Keep this flag, e.g. mamba_overrun (`replay check --help` names them all; default: "
+    "any flag).",
 )
 @click.option(
     "--policy",
@@ -318,8 +324,12 @@ def minimize(
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
+    from analysis.flags import FLAG_KINDS
     from replay.minimize import minimize as run_minimize
     from replay.paths import check_outputs
+
+    if flag is not None and flag not in FLAG_KINDS:
+        raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")
 
     check_outputs({"-o": output}, [trace])
     info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)

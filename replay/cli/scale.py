@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from replay.answers import Progress, ReplayResult
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine import default_results_path
+
+if TYPE_CHECKING:
+    from replay.answers import Progress, ReplayResult
 
 
 @command()
@@ -71,6 +73,8 @@ def results_paths(
     the one path for one variant, else the varying names before the suffix
     (``t.results.parquet`` -> ``t.pre-49502.results.parquet``, or
     ``t.pre-49502.gpu.results.parquet`` with several of both)."""
+    from replay.engine import default_results_path
+
     base = output or default_results_path(trace)
     labels = [
         ".".join([p] * (len(policies) > 1) + [str(c)] * (len(caches) > 1))

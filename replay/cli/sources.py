@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -24,8 +24,9 @@ from replay.cli.progress import progress_bar
 from replay.paths import check_outputs
 from replay.render import ingest_summary_text, record_summary_text
 from replay.sources.archetypes import ARCHETYPES
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy
+
+if TYPE_CHECKING:
+    from replay.spec import TraceConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -282,6 +283,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         cache: str,
     ) -> None:
         from replay.sources.mooncake import ingest as run_ingest
+        from replay.store_rules import StorePolicy
 
         check_outputs({"-o": output}, [trace])
         with progress_bar() as bar:

@@ -11,24 +11,12 @@ from pathlib import Path
 
 import click
 
-from replay.answers import resolve_cache
-from replay.blockpool import EVICTIONS
 from replay.cli.common import command, fail
 from replay.cli.options import count_option, output_option
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.render import sweep_lines
-from replay.whatif import (
-    RunSpec,
-    blocks_for_bytes,
-    emit_path,
-    load_requests,
-    page_sizes,
-    parse_bytes,
-    sweep,
-    write_sweep,
-)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -42,6 +30,8 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
+    from replay.blockpool import EVICTIONS
+
     out: list[str] = []
     for value in values:
         for name in value.split(","):
@@ -153,6 +143,18 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
+    from replay.answers import resolve_cache
+    from replay.whatif import (
+        RunSpec,
+        blocks_for_bytes,
+        emit_path,
+        load_requests,
+        page_sizes,
+        parse_bytes,
+        sweep,
+        write_sweep,
+    )
+
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
     if output.resolve() == trace.resolve():
