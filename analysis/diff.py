@@ -164,13 +164,6 @@ class DiffResult:
             "same_hit_groups_changed": self.same_hit_groups_changed,
         }
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.summary(),
-            "reasons": self.reasons.to_dicts(),
-            "changed_lookups": self.lookups.to_dicts(),
-        }
-
 
 # ---------------------------------------------------------------- the diff
 

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from replay.sources.stream import RecordSummary
 
 
+def percent(ratio: float) -> str:
+    """A ratio (0 to 1) as every text output spells it: ``54.24%``."""
+    return f"{100 * ratio:.2f}%"
+
+
 def _numeric(cell: str) -> bool:
     return cell.lstrip("+-").isdigit()
 
@@ -196,7 +201,7 @@ def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
         f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)",
         f"prompt tokens: {s['prompt_tokens']}, hit tokens: {s['hit_tokens']} "
-        f"(hit ratio {100 * s['hit_ratio']:.2f}%)",
+        f"(hit ratio {percent(s['hit_ratio'])})",
     ]
     lines += [
         f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded "
@@ -263,7 +268,7 @@ def sweep_lines(
         f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}",
     ]
     lines += [
-        f"{r['capacity_blocks']:>12,} {r['eviction']:8} {r['hit_ratio']:>9.4f} "
+        f"{r['capacity_blocks']:>12,} {r['eviction']:8} {percent(r['hit_ratio']):>9} "
         f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,}"
         for r in rows
     ]
@@ -313,7 +318,7 @@ def ingest_summary_text(s: Mapping[str, Any]) -> str:
         f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
         f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
-        f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
+        f"{_events_text(s)}. Prefix reuse {percent(s['reuse_ratio'])} "
         f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
     )
 

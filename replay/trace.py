@@ -1122,6 +1122,15 @@ def is_results_file(path: str | os.PathLike[str]) -> bool:
     return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
 
 
+def results_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A results file's ``replay.results`` metadata, without reading its rows."""
+    pf = _open_parquet(path)
+    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    if not isinstance(info, dict):
+        raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
+    return info
+
+
 _RESULTS_REQUIRED = (
     "seq",
     "request_id",

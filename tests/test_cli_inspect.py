@@ -52,7 +52,7 @@ def test_info_counts_distinct_keys_time_span_and_tokens(tmp_path: Path) -> None:
     assert data["distinct_keys_per_group"] == [5, 1]
     assert data["hash_entries"] == 3 + 2 + 1 + 3 + 1 + 2 + 2
     assert data["time_span"]["seconds"] == 90.0
-    assert (data["lookups"], data["lookup_prompt_tokens"], data["lookup_max_length_tokens"]) == (
+    assert (data["lookups"], data["prompt_tokens"], data["max_length_tokens"]) == (
         2,
         48 + 32,
         78,

@@ -14,7 +14,9 @@ TRACES = Path(__file__).resolve().parents[1] / "traces"
 def test_run_summary_text_and_json(tmp_path: Path) -> None:
     trace = Path(__file__).parent.parent / "traces" / "observed-43559-in-production.parquet"
     out = tmp_path / "r.parquet"
-    data = json.loads(run_cli(["run", str(trace), "-o", str(out), "--json"]).stdout)
+    payload = json.loads(run_cli(["run", str(trace), "-o", str(out), "--json"]).stdout)
+    assert (payload["version"], payload["command"], payload["trace"]) == (1, "run", str(trace))
+    (data,) = payload["variants"]
     assert {
         k: data[k]
         for k in ("lookups", "lookups_with_hit", "prompt_tokens", "hit_tokens", "hit_ratio")
@@ -27,7 +29,7 @@ def test_run_summary_text_and_json(tmp_path: Path) -> None:
     }
     assert data["events_by_kind"] == {"store": 2, "remove": 0, "clear": 0, "lookup": 1}
     assert data["observed"] == {"lookups": 1, "mismatches": 1}
-    assert data["flags"] == {"observed_mismatch": 1}
+    assert data["flags"] == [{"flag": "observed_mismatch", "severity": "observed", "lookups": 1}]
     assert data["groups"][1] == {
         "group_id": 1,
         "kind": "mamba",

@@ -148,8 +148,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
     res = invoke([trace_43559, "--policy", "vllm-0.33", "--policy", "pre-49502", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
-    assert data["a"]["policy"] == "vllm-0.33"
-    assert data["b"]["policy"] == "pre-49502"
+    assert [v["policy"] for v in data["variants"]] == ["vllm-0.33", "pre-49502"]
     assert (data["lookups"], data["changed"], data["gained"], data["lost"], data["net"]) == (
         1,
         1,
@@ -157,7 +156,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
         0,
         16,
     )
-    assert (data["hit_tokens_a"], data["hit_tokens_b"]) == (48, 64)
+    assert [v["hit_tokens"] for v in data["variants"]] == [48, 64]
     assert data["reasons"] == [
         {
             "reason": "mamba_overrun",
@@ -168,6 +167,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
             "gained": 16,
             "lost": 0,
             "net": 16,
+            "severity": "corruption",
         }
     ]
     (lk,) = data["changed_lookups"]

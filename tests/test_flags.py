@@ -68,8 +68,12 @@ def test_check_cli_exit_codes_and_json(trace_43559: Path) -> None:
     import json
 
     data = json.loads(bad.stdout)
-    assert data["counts"] == {"eagle_not_dropped": 1, "mamba_overrun": 1}
-    assert data["flags"][0] | {"detail": ""} == {
+    (variant,) = data["variants"]
+    assert variant["flags"] == [
+        {"flag": "mamba_overrun", "severity": "corruption", "lookups": 1, "fails": True},
+        {"flag": "eagle_not_dropped", "severity": "performance", "lookups": 1, "fails": False},
+    ]
+    assert variant["flagged"][0] | {"detail": ""} == {
         "seq": 2,
         "request_id": "req-43559",
         "flag": "mamba_overrun",
@@ -79,6 +83,7 @@ def test_check_cli_exit_codes_and_json(trace_43559: Path) -> None:
         "actual": 64,
         "expected": 48,
         "detail": "",
+        "severity": "corruption",
     }
 
 

@@ -115,7 +115,8 @@ def test_synthetic_injected_overrun_becomes_a_regression_trace(tmp_path: Path) -
 
     check = run_cli(["check", str(small), "--policy", "pre-49502", "--json"])
     assert check.exit_code == 1
-    overrun = [f for f in json.loads(check.stdout)["flags"] if f["flag"] == "mamba_overrun"]
+    (variant,) = json.loads(check.stdout)["variants"]
+    overrun = [f for f in variant["flagged"] if f["flag"] == "mamba_overrun"]
     assert [(f["request_id"], f["actual"] - f["expected"]) for f in overrun] == [
         ("overrun-0000-resend", 16)
     ]

@@ -67,9 +67,9 @@ def test_timeline_by_seq_without_timestamps() -> None:
         (4.0, 1.0, 1, 100, 100),
     ]
     assert [p.label for p in points] == [
-        "seq 0: 1 lookups, hit ratio 50.0% (50 of 100 tokens)",
-        "seq 2: 1 lookups, hit ratio 0.0% (0 of 100 tokens)",
-        "seq 4: 1 lookups, hit ratio 100.0% (100 of 100 tokens)",
+        "seq 0: 1 lookups, hit ratio 50.00% (50 of 100 tokens)",
+        "seq 2: 1 lookups, hit ratio 0.00% (0 of 100 tokens)",
+        "seq 4: 1 lookups, hit ratio 100.00% (100 of 100 tokens)",
     ]
 
 
@@ -88,7 +88,7 @@ def test_timeline_bins_by_time_at_most_40() -> None:
     assert sum(p.hit_tokens for p in points) == int(res["hit_tokens"].sum())
     # 99 s over 40 bins: the first bin holds seconds 0-2, said as clock times.
     assert points[0].lookups == 3
-    assert points[0].label == "12:00:00 – 12:00:02: 3 lookups, hit ratio 10.0% (30 of 300 tokens)"
+    assert points[0].label == "12:00:00 – 12:00:02: 3 lookups, hit ratio 10.00% (30 of 300 tokens)"
 
 
 def test_timeline_empty() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 
 from analysis.flags import FLAGS, SEVERITIES, by_severity, severity
-from analysis.report.fmt import fmt_time
+from analysis.report.fmt import fmt_time, pct
 from replay.render import group_label
 from replay.spec import TraceConfig
 from replay.summary import hit_figures, prompt_tokens_expr
@@ -165,7 +165,7 @@ def timeline(res: pl.DataFrame) -> tuple[str, list[Point]]:
                 lookups=int(r["n"]),
                 hit_tokens=int(r["hit"]),
                 prompt_tokens=int(r["prompt"]),
-                label=f"{where}: {r['n']} lookups, hit ratio {100 * ratio:.1f}% "
+                label=f"{where}: {r['n']} lookups, hit ratio {pct(ratio)} "
                 f"({r['hit']} of {r['prompt']} tokens)",
             )
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from replay.render import percent
+
 
 def num(v: float) -> str:
     """Thousands separators; no decimals on a whole number, at most two otherwise."""
@@ -14,7 +16,8 @@ def num(v: float) -> str:
 
 
 def pct(v: float) -> str:
-    return f"{100 * v:.2f}%"
+    """A ratio as a percentage, as the command line prints it."""
+    return percent(v)
 
 
 def fmt_time(us: float, span_us: float) -> str:

@@ -3,7 +3,6 @@ and ``analysis.report``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -68,10 +67,14 @@ def diff(
     if output is not None:
         write_diff(result, output)
     if as_json:
-        payload = result.to_json()
-        if output is not None:
-            payload["output"] = str(output)
-        click.echo(json.dumps(payload, indent=2, default=str))
+        from replay.cli import payloads
+
+        payloads.echo(
+            "diff",
+            payloads.diff(
+                result, [str(p) for p in inputs], None if output is None else str(output)
+            ),
+        )
         return
     click.echo(render_text(result, limit=max(limit, 0)))
     if output is not None:

@@ -3,7 +3,6 @@ holds, without replaying its lookups."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -32,7 +31,9 @@ def info(trace: Path, as_json: bool) -> None:
 
     data = trace_info(trace)
     if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
+        from replay.cli import payloads
+
+        payloads.echo("info", payloads.info(data))
         return
     from replay.spec import TraceConfig
 

@@ -4,7 +4,6 @@ read its flags. Checks that find a problem exit 1."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -131,7 +130,7 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import counts_text, flag_counts, flag_examples
+    from analysis.flags import counts_text, flag_counts, flag_examples, severity
     from replay.engine import save_results
     from replay.paths import check_outputs
     from replay.summary import run_summary
@@ -160,8 +159,43 @@ def run(
         summary["examples"] = flag_examples(flags, examples)
         summaries.append(summary)
     if as_json:
-        click.echo(
-            json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2, default=str)
+        from replay.cli import payloads
+
+        payloads.echo(
+            "run",
+            {
+                "trace": str(trace),
+                "variants": [
+                    payloads.variant(
+                        s["policy"],
+                        s["cache"],
+                        s["coordinator"],
+                        results=s["results"],
+                        **{
+                            k: v
+                            for k, v in s.items()
+                            if k
+                            not in (
+                                "trace",
+                                "policy",
+                                "cache",
+                                "coordinator",
+                                "results",
+                                "examples",
+                            )
+                        }
+                        | {
+                            "flags": payloads.flag_list(s["flags"]),
+                            "flagged": [
+                                {k: v for k, v in e.items() if k != "text"}
+                                | {"severity": severity(e["flag"])}
+                                for e in s["examples"]
+                            ],
+                        },
+                    )
+                    for s in summaries
+                ],
+            },
         )
         return
     if quiet:
@@ -268,12 +302,36 @@ def check(
     counts = flag_counts(flags)
     fails = failing(counts, selected)
     if as_json:
-        rows = flags.to_dicts()
-        click.echo(
-            json.dumps(
-                {"path": str(path), "policy": policy_used, "flags": rows, "counts": counts},
-                default=str,
-            )
+        from replay.answers import resolve_cache
+        from replay.trace import is_results_file, open_trace, results_cache, results_info
+
+        if is_results_file(path):
+            info = results_info(path)
+            where = {"trace": info.get("trace"), "results": str(path)}
+            cache_used, coordinator_used = results_cache(info), str(info.get("coordinator"))
+        else:
+            where = {"trace": str(path), "results": None}
+            cache_used = resolve_cache(open_trace(path).config, cache)
+            coordinator_used = coordinator
+        from replay.cli import payloads
+
+        payloads.echo(
+            "check",
+            {
+                **where,
+                "fail_on": sorted(selected),
+                "failed": bool(fails),
+                "variants": [
+                    payloads.variant(
+                        policy_used,
+                        cache_used,
+                        coordinator_used,
+                        flagged_lookups=int(flags["seq"].n_unique()) if counts else 0,
+                        flags=payloads.flag_list(counts, selected),
+                        flagged=payloads.flag_rows(flags),
+                    )
+                ],
+            },
         )
     else:
         lookups = flags["seq"].n_unique() if counts else 0
