@@ -10,7 +10,7 @@ import polars as pl
 
 from analysis.diff import DiffResult
 from analysis.flags import severity
-from replay.render import table
+from replay.tools.render import table
 
 
 def _signed(n: int) -> str:

@@ -10,8 +10,8 @@ import pytest
 
 from analysis.flags import FLAG_KINDS, FLAGS, SEVERITIES, by_severity, counts_text, severity
 from analysis.selection import failing, select_flags, selection_text
-from replay.errors import ReplayError
-from replay.trace import write_trace
+from replay.base.errors import ReplayError
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 

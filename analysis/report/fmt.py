@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from replay.render import percent
+from replay.tools.render import percent
 
 
 def num(v: float) -> str:

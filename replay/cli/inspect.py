@@ -9,14 +9,14 @@ import click
 
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.render import group_label, info_lines, validate_line
+from replay.tools.render import group_label, info_lines, validate_line
 
 
 @command()
 @TRACE
 def validate(trace: Path) -> None:
     """Check TRACE against format v1; print ok and the counts, or the first problem."""
-    from replay.summary import trace_info
+    from analysis.summary import trace_info
 
     click.echo(validate_line(trace, trace_info(trace)))
 
@@ -26,8 +26,8 @@ def validate(trace: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(trace: Path, as_json: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
-    from replay.answers import resolve_cache
-    from replay.summary import trace_info
+    from analysis.summary import trace_info
+    from replay.engine.answers import resolve_cache
 
     data = trace_info(trace)
     if as_json:
@@ -35,7 +35,7 @@ def info(trace: Path, as_json: bool) -> None:
 
         payloads.echo("info", payloads.info(data))
         return
-    from replay.spec import TraceConfig
+    from replay.base.spec import TraceConfig
 
     config = TraceConfig.from_json(data["config"])
     # The cache the trace's events describe, which replays answer by default.
@@ -57,8 +57,8 @@ def info(trace: Path, as_json: bool) -> None:
 @count_option("--show", default=5, help="Keys to print per group.")
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
-    from replay.engine import state_at
-    from replay.paths import check_outputs
+    from replay.engine.replay import state_at
+    from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, [trace])
     config, store = state_at(trace, at)
@@ -75,7 +75,7 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
         if len(keys) > show:
             click.echo(f"  … {len(keys) - show} more")
     if output is not None:
-        from replay.trace import write_keys
+        from replay.format.writer import write_keys
 
         n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
         click.echo(f"wrote {n} keys to {output}")

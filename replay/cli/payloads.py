@@ -55,7 +55,7 @@ def variant(policy: str, cache: str, coordinator: str, **rest: Any) -> dict[str,
 
 
 def info(data: Mapping[str, Any]) -> dict[str, Any]:
-    """``replay info``: ``replay.summary.trace_info`` under the shared keys."""
+    """``replay info``: ``analysis.summary.trace_info`` under the shared keys."""
     renamed = {
         "path": "trace",
         "lookup_prompt_tokens": "prompt_tokens",

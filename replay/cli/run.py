@@ -15,8 +15,8 @@ from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
-from replay.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
-from replay.render import (
+from replay.rules.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
+from replay.tools.render import (
     check_lines,
     config_lines,
     explain_header,
@@ -26,7 +26,7 @@ from replay.render import (
 )
 
 if TYPE_CHECKING:
-    from replay.answers import Progress
+    from replay.engine.answers import Progress
 
 
 def _given(name: str) -> bool:
@@ -131,9 +131,9 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import counts_text, flag_counts, flag_examples, severity
-    from replay.engine import save_results
-    from replay.paths import check_outputs
-    from replay.summary import run_summary
+    from analysis.summary import run_summary
+    from replay.engine.replay import save_results
+    from replay.format.paths import check_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
@@ -223,9 +223,9 @@ def explain(
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags."""
     from analysis.flags import flag_lines
-    from replay.answers import resolve_cache
-    from replay.engine import explain_lookups
-    from replay.lookup_choice import choose_lookup
+    from replay.engine.answers import resolve_cache
+    from replay.engine.replay import explain_lookups
+    from replay.tools.lookup_choice import choose_lookup
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -288,7 +288,8 @@ def check(
     `replay run` (checked as it is, against its trace). Every flag is
     listed with its severity, worst first.
     """
-    from analysis.flags import check_path, counts_text, flag_counts, flag_examples
+    from analysis.check import check_path
+    from analysis.flags import counts_text, flag_counts, flag_examples
     from analysis.selection import failing, select_flags, selection_text
 
     selected = select_flags(fail_on, ignore)
@@ -302,8 +303,9 @@ def check(
     counts = flag_counts(flags)
     fails = failing(counts, selected)
     if as_json:
-        from replay.answers import resolve_cache
-        from replay.trace import is_results_file, open_trace, results_cache, results_info
+        from replay.engine.answers import resolve_cache
+        from replay.format.results import is_results_file, results_cache, results_info
+        from replay.format.tracedir import open_trace
 
         if is_results_file(path):
             info = results_info(path)
@@ -383,8 +385,8 @@ def minimize(
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
     from analysis.flags import FLAG_KINDS
-    from replay.minimize import minimize as run_minimize
-    from replay.paths import check_outputs
+    from replay.format.paths import check_outputs
+    from replay.tools.minimize import minimize as run_minimize
 
     if flag is not None and flag not in FLAG_KINDS:
         raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")

@@ -1,7 +1,7 @@
 """Commands and options for traces beyond one file and one process:
 ``replay split`` / ``replay cat`` convert between a trace file and a trace
 directory, and ``replay run --workers N`` / ``--ray ADDRESS`` replay on Ray
-with the store sharded by key (``replay.shard``, ``replay.cluster``)."""
+with the store sharded by key (``replay.engine.shard``, ``replay.engine.cluster``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
 
 if TYPE_CHECKING:
-    from replay.answers import Progress, ReplayResult
+    from replay.engine.answers import Progress, ReplayResult
 
 
 @command()
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 )
 def split(trace: Path, output: Path, files: int) -> None:
     """Write TRACE as a trace directory of FILES files, in seq order."""
-    from replay.tracedir import split_trace
+    from replay.format.tracedir import split_trace
 
     n = split_trace(trace, output, files)
     click.echo(f"{trace} -> {output}: {n} files")
@@ -40,7 +40,7 @@ def split(trace: Path, output: Path, files: int) -> None:
 @output_option("The one trace file to write.", required=True)
 def cat(trace: Path, output: Path) -> None:
     """Write every event of a trace directory (or file) TRACE into one file."""
-    from replay.tracedir import cat_trace
+    from replay.format.tracedir import cat_trace
 
     n = cat_trace(trace, output)
     click.echo(f"{trace} -> {output}: {n} events")
@@ -73,7 +73,7 @@ def results_paths(
     the one path for one variant, else the varying names before the suffix
     (``t.results.parquet`` -> ``t.pre-49502.results.parquet``, or
     ``t.pre-49502.gpu.results.parquet`` with several of both)."""
-    from replay.engine import default_results_path
+    from replay.engine.replay import default_results_path
 
     base = output or default_results_path(trace)
     labels = [
@@ -109,7 +109,7 @@ def replay_for_run(
             raise fail("--coordinator vllm runs in one process: drop --workers/--ray to use it")
         if unit_present:
             raise fail("--unit-present runs in one process: drop --workers/--ray")
-        from replay.cluster import import_ray, replay_on_ray
+        from replay.engine.cluster import import_ray, replay_on_ray
 
         import_ray()  # a missing extra is said before any reading
         return replay_on_ray(
@@ -120,7 +120,7 @@ def replay_for_run(
             address=ray_address,
             progress=progress,
         )
-    from replay.shard import replay_sharded
+    from replay.engine.shard import replay_sharded
 
     return replay_sharded(
         trace,

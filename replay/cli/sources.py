@@ -21,12 +21,12 @@ from replay.cli.options import (
     store_options,
 )
 from replay.cli.progress import progress_bar
-from replay.paths import check_outputs
-from replay.render import ingest_summary_text, record_summary_text
+from replay.format.paths import check_outputs
 from replay.sources.archetypes import ARCHETYPES
+from replay.tools.render import ingest_summary_text, record_summary_text
 
 if TYPE_CHECKING:
-    from replay.spec import TraceConfig
+    from replay.base.spec import TraceConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -282,8 +282,8 @@ def _importer(format_name: str, doc: str) -> click.Command:
         max_num_batched_tokens: int,
         cache: str,
     ) -> None:
+        from replay.rules.store_rules import StorePolicy
         from replay.sources.mooncake import ingest as run_ingest
-        from replay.store_rules import StorePolicy
 
         check_outputs({"-o": output}, [trace])
         with progress_bar() as bar:

@@ -1,4 +1,4 @@
-"""``replay whatif``: click only, over ``replay.whatif``."""
+"""``replay whatif``: click only, over ``replay.whatif.sweep``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from replay.cli.common import command, fail
 from replay.cli.options import count_option, output_option
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
-from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.render import sweep_lines
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.tools.render import sweep_lines
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -30,7 +30,7 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
-    from replay.blockpool import EVICTIONS
+    from replay.rules.blockpool import EVICTIONS
 
     out: list[str] = []
     for value in values:
@@ -143,17 +143,10 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
-    from replay.answers import resolve_cache
-    from replay.whatif import (
-        RunSpec,
-        blocks_for_bytes,
-        emit_path,
-        load_requests,
-        page_sizes,
-        parse_bytes,
-        sweep,
-        write_sweep,
-    )
+    from replay.engine.answers import resolve_cache
+    from replay.whatif.requests import load_requests
+    from replay.whatif.sizes import blocks_for_bytes, page_sizes, parse_bytes
+    from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
 
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
