@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.engine.answers import Answers, Variant, resolve_cache
+from replay.engine.answers import Answers, Progress, Variant, resolve_cache
 from replay.engine.shard import replay_answers
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
@@ -475,6 +475,7 @@ def diff_policies(
     policies: Sequence[str],
     coordinators: Sequence[str] = (),
     caches: Sequence[str] = (),
+    progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
     """Replay ``trace`` twice (``--policy A --policy B``, two coordinators
     and/or two caches)."""
@@ -502,7 +503,9 @@ def diff_policies(
         Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coord)
         for policy, coord, cache in ((pa_, ca, ka), (pb, cb, kb))
     ]
-    results = replay_answers(reader, Answers(config, variants, where=reader.name))
+    results = replay_answers(
+        reader, Answers(config, variants, where=reader.name), progress=progress
+    )
     a, b = (
         Side(
             label=label,
@@ -583,11 +586,12 @@ def diff_inputs(
     policies: Sequence[str] = (),
     coordinators: Sequence[str] = (),
     caches: Sequence[str] = (),
+    progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
     """What ``replay diff`` does: one trace and two policies or caches, or two
     results files."""
     if len(paths) == 1:
-        return diff_policies(paths[0], policies, coordinators, caches)
+        return diff_policies(paths[0], policies, coordinators, caches, progress)
     if len(paths) == 2:
         if policies or coordinators or caches:
             raise ReplayError(

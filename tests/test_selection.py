@@ -129,7 +129,7 @@ def test_pytest_plugin_takes_the_same_choices(
         rows,
         expect={"expect": [{"policy": "pre-49502", "flags": {"mamba_overrun": 1}}]},
     )
-    result = pytester.runpytest("-q", "-p", "no:cacheprovider", "open.parquet")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "open.parquet")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -137,7 +137,9 @@ def test_pytest_plugin_takes_the_same_choices(
             "flags: mamba_overrun 1 (corruption) (--fail-on corruption)",
         ]
     )
-    ok = pytester.runpytest("-q", "-p", "no:cacheprovider", "--replay-fail-on", "inconsistent")
+    ok = pytester.runpytest_subprocess(
+        "-q", "-p", "no:cacheprovider", "--replay-fail-on", "inconsistent"
+    )
     # pinned.parquet expects no eagle_not_dropped, which fires: it fails.
     ok.assert_outcomes(passed=1, failed=1)
     ok.stdout.fnmatch_lines(
@@ -145,10 +147,12 @@ def test_pytest_plugin_takes_the_same_choices(
             "flags: expected {'mamba_overrun': 1}, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}"
         ]
     )
-    quiet = pytester.runpytest("-q", "-p", "no:cacheprovider", "--replay-ignore", "performance")
+    quiet = pytester.runpytest_subprocess(
+        "-q", "-p", "no:cacheprovider", "--replay-ignore", "performance"
+    )
     quiet.assert_outcomes(passed=1, failed=1)  # open.parquet still fails on the overrun
     pytester.makeini("[pytest]\nreplay_ignore = eagle_not_dropped,mamba_overrun\n")
-    clean = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    clean = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     # Both flags ignored: open.parquet has nothing to fail on, pinned.parquet
     # compares no flag at all.
     clean.assert_outcomes(passed=2)

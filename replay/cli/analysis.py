@@ -9,6 +9,7 @@ import click
 
 from replay.cli.common import command
 from replay.cli.options import count_option, output_option, repeated_choice
+from replay.cli.progress import progress_bar
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
 
 
@@ -63,7 +64,14 @@ def diff(
     from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, list(inputs))
-    result = diff_inputs(list(inputs), policies, coordinators, caches)
+    with progress_bar(as_json) as bar:
+        result = diff_inputs(
+            list(inputs),
+            policies,
+            coordinators,
+            caches,
+            progress=None if bar is None else bar.replay,
+        )
     if output is not None:
         write_diff(result, output)
     if as_json:
@@ -127,7 +135,13 @@ def report(
         return
 
     check_outputs({"-o": out}, [results, trace], text=True)
-    data = build_report(results, trace=trace, examples=max(examples, 0))
+    with progress_bar() as bar:
+        data = build_report(
+            results,
+            trace=trace,
+            examples=max(examples, 0),
+            progress=None if bar is None else bar.replay,
+        )
     check_outputs({"-o": out}, [results, data.trace_path], text=True)
     target = write_report(data, out, fmt)
     note = f" ({data.trace_note})" if data.trace_note else ""

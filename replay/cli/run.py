@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -24,9 +23,6 @@ from replay.tools.render import (
     minimize_lines,
     run_summary_lines,
 )
-
-if TYPE_CHECKING:
-    from replay.engine.answers import Progress
 
 
 def _given(name: str) -> bool:
@@ -64,19 +60,6 @@ SEQ = click.option(
     default=None,
     help="The seq of the lookup, when the request_id occurs in several.",
 )
-
-
-def _replay_progress(bar: Bar) -> Callable[[Progress], None]:
-    def show(p: Progress) -> None:
-        rate = 1 / bar.elapsed()
-        bar.count(
-            p.events,
-            p.total_events,
-            f"{p.events}/{p.total_events} events {p.events * rate:,.0f}/s  "
-            f"{p.lookups} lookups {p.lookups * rate:,.0f}/s",
-        )
-
-    return show
 
 
 @command()
@@ -148,7 +131,7 @@ def run(
             unit_present=unit_present,
             workers=workers,
             ray_address=ray_address,
-            progress=None if bar is None else _replay_progress(bar),
+            progress=None if bar is None else bar.replay,
         )
     summaries = []
     for result, out in zip(results, outs, strict=True):
@@ -294,12 +277,14 @@ def check(
 
     selected = select_flags(fail_on, ignore)
     chosen = selection_text(fail_on, ignore)
-    flags, policy_used = check_path(
-        path,
-        policy=policy if _given("policy") else None,
-        coordinator=coordinator,
-        cache=cache,
-    )
+    with progress_bar(as_json) as bar:
+        flags, policy_used = check_path(
+            path,
+            policy=policy if _given("policy") else None,
+            coordinator=coordinator,
+            cache=cache,
+            progress=None if bar is None else bar.replay,
+        )
     counts = flag_counts(flags)
     fails = failing(counts, selected)
     if as_json:
@@ -351,6 +336,18 @@ def check(
         sys.exit(1)
 
 
+def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
+    """``replay minimize``'s line: replays so far and the events still kept
+    (the number of replays a shrink takes is not known in advance: no ETA)."""
+
+    def show(replays: int, kept: int, of: int) -> None:
+        bar.status(
+            f"shrinking: {replays:,} replays, {of:,} -> {kept:,} events  {bar.elapsed():,.1f} s"
+        )
+
+    return show
+
+
 @command()
 @TRACE
 @click.option(
@@ -392,6 +389,16 @@ def minimize(
         raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")
 
     check_outputs({"-o": output}, [trace])
-    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)
+    with progress_bar() as bar:
+        info = run_minimize(
+            trace,
+            request_id,
+            output,
+            flag=flag,
+            policy=policy,
+            cache=cache,
+            seq=seq,
+            progress=None if bar is None else _shrinking(bar),
+        )
     for line in minimize_lines(trace, output, info, request_id):
         click.echo(line)

@@ -113,6 +113,7 @@ def explain_lookups(
     *,
     cache: str | None = None,
     until_seq: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]]]:
     """Every selected lookup with the coordinator's steps and its flags, in
     one pass: the store is folded once and each lookup explained where it
@@ -125,5 +126,5 @@ def explain_lookups(
         return (until_seq is None or event.seq <= until_seq) and select(event)
 
     answers = Answers(config, [variant], where=reader.name, explain=wanted)
-    replay_answers(reader, answers, until_seq=until_seq)
+    replay_answers(reader, answers, until_seq=until_seq, progress=progress)
     return config, answers.explained
