@@ -185,7 +185,15 @@ def test_report_and_minimize_show_their_progress_on_a_terminal_only(tmp_path: Pa
     # The explain tables' pass over the trace stops at the last example.
     assert re.search(r"\] +\d+\.\d%  \d+/1575 events ", terminal) and terminal.endswith("\n")
     flagged = json.loads(run_json(results))
-    minimize = ["minimize", str(DEMO), "--request", flagged, "-o", str(tmp_path / "small.parquet")]
+    # Given the results, minimize shrinks their trace under their policy.
+    minimize = [
+        "minimize",
+        str(results),
+        "--request",
+        flagged,
+        "-o",
+        str(tmp_path / "small.parquet"),
+    ]
     status, out, terminal = _on_a_terminal(minimize)
     assert status == 0 and out.startswith(f"{DEMO}: 1575 events -> ")
     assert re.search(

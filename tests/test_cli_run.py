@@ -81,7 +81,14 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     clean = run_cli(["check", str(trace)])
     assert (clean.exit_code, clean.stdout) == (0, f"{trace}: clean under vllm-0.33 (no flags)\n")
     out = tmp_path / "min.parquet"
-    small = run_cli(["minimize", str(trace), "--request", "req-43559", "-o", str(out)])
+    # A trace is shrunk under the current release unless told otherwise
+    # (before, pre-49502 was the default): there the lookup is clean.
+    clean = run_cli(["minimize", str(trace), "--request", "req-43559", "-o", str(out)])
+    assert (clean.exit_code, clean.stderr) == (
+        2,
+        f"error: {trace}: request 'req-43559' raises no flag under vllm-0.33: nothing to minimize\n",
+    )
+    small = run_cli(["minimize", str(trace), "--request", "req-43559", "--policy", "pre-49502", "-o", str(out)])  # fmt: skip
     assert small.stdout.splitlines() == [
         f"{trace}: 3 events -> {out}: 2 events",
         "  vllm-0.33: no flags; hit 0",

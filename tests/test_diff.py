@@ -403,12 +403,18 @@ def _error(args: Sequence[Any]) -> str:
     return lines[0]
 
 
-def test_bad_results_given_for_trace(tmp_path: Path, trace_43559: Path) -> None:
+def test_results_given_for_a_trace_lead_to_it(tmp_path: Path, trace_43559: Path) -> None:
+    """One results file and two policies: its trace is replayed (it was
+    refused before results led back); a changed trace is refused."""
     a, _ = _two_results(tmp_path, trace_43559)
+    both = ["--policy", "vllm-0.33", "--policy", "pre-49502"]
+    res = invoke([a, *both])
+    assert res.exit_code == 0, res.output
+    assert res.output == invoke([trace_43559, *both]).output
+    write_trace(trace_43559, full_mamba(), issue_43559_rows()[:2])
     out = tmp_path / "d.parquet"
-    assert _error([a, "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", out]) == (
-        f"error: {a}: is a results file, expected a trace to replay with --policy twice "
-        "(or give two results files and no --policy)"
+    assert _error([a, *both, "-o", out]).startswith(
+        f"error: {a}: its trace {trace_43559} has changed since these results were made "
     )
     assert not out.exists()
 

@@ -50,7 +50,7 @@ def _digests(folder: Path) -> dict[str, bytes]:
 WRITERS = {
     "run": (["run", "{trace}", "-o", "{out}", "-q"], "trace"),
     "state": (["state", "{trace}", "-o", "{out}"], "trace"),
-    "minimize": (["minimize", "{trace}", "--request", "req-43559", "-o", "{out}"], "trace"),
+    "minimize": (["minimize", "{trace}", "--request", "req-43559", "--policy", "pre-49502", "-o", "{out}"], "trace"),
     "diff-trace": (["diff", "{trace}", "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{out}"], "trace"),
     "diff-results": (["diff", "{results}", "{results}", "-o", "{out}"], "results"),
     "report-results": (["report", "{results}", "-o", "{out}"], "results"),

@@ -8,8 +8,11 @@ import io
 import shutil
 from pathlib import Path
 
+import pytest
+
 from analysis.report import build_report
 from analysis.report.build import explain_examples
+from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.trace import TraceReader
 from replay.format.tracedir import open_trace
@@ -89,10 +92,28 @@ def test_explain_tables_of_the_43559_example(trace_43559: Path) -> None:
     assert (data.cache, data.alignment, data.explain_note) == ("mooncake", 16, None)
 
 
-def test_a_trace_found_by_name_that_is_another_trace_is_a_note(
+def test_a_trace_where_the_results_lead_that_changed_is_refused(
     tmp_path: Path, trace_43559: Path
 ) -> None:
+    """The results lead to ``t43559.parquet`` beside them; another trace of
+    that name there has another fingerprint: one line, no report."""
     copy = _results_copied(tmp_path, trace_43559)
+    other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
+    with pytest.raises(ReplayError) as err:
+        build_report(copy)
+    assert str(err.value).startswith(
+        f"{copy}: its trace {other} has changed since these results were made (fingerprint "
+    )
+    assert str(err.value).endswith(f"replay it again (replay run {other}) or give the trace itself")
+
+
+def test_an_unlinked_trace_found_by_name_that_is_another_trace_is_a_note(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """Results that do not record their trace (made before they led back):
+    a trace of that name beside them is checked by its lookups."""
+    copy = _results_copied(tmp_path, trace_43559)
+    _unlink(copy)
     other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
     data = build_report(copy)
     assert data.trace_path is None
@@ -101,6 +122,21 @@ def test_a_trace_found_by_name_that_is_another_trace_is_a_note(
         "results; pass --trace"
     )
     assert data.examples["mamba_overrun"][0].explain is None
+
+
+def _unlink(results: Path) -> None:
+    """Rewrite ``results`` without the link to their trace, as an older
+    version wrote them."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(results)
+    meta = dict(table.schema.metadata)
+    info = json.loads(meta[b"replay.results"])
+    del info["trace_path"], info["trace_fingerprint"]
+    meta[b"replay.results"] = json.dumps(info).encode()
+    pq.write_table(table.replace_schema_metadata(meta), results)
 
 
 def test_unknown_policy_has_no_explain_tables(trace_43559: Path) -> None:

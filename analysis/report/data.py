@@ -7,6 +7,7 @@ examples. No I/O and no formatting of pages: ``build`` fills these in,
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,25 @@ class ReportData:
     trace_note: str | None = None
     explain_note: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def explain_command(self, e: Example) -> str:
+        """The whole ``replay explain`` command line behind an example's table,
+        as it runs from where the report was made (the trace as it was found)."""
+        return shlex.join(
+            [
+                "replay",
+                "explain",
+                str(self.trace_path),
+                "--request",
+                e.request_id,
+                "--seq",
+                str(e.seq),
+                "--policy",
+                str(self.info.get("policy")),
+                "--cache",
+                self.cache,
+            ]
+        )
 
     @property
     def title(self) -> str:

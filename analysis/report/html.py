@@ -10,7 +10,7 @@ marks once the page has laid out (``data-marks``, ``data-rendered`` on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -81,7 +81,9 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def _explains(exs: Sequence[Example], explained: set[int]) -> list[dict[str, Any]]:
+def _explains(
+    exs: Sequence[Example], explained: set[int], command: Callable[[Example], str]
+) -> list[dict[str, Any]]:
     """The explain tables under one flag: a lookup already explained under an
     earlier flag links back to it; only the flag's first table starts open."""
     out: list[dict[str, Any]] = []
@@ -95,6 +97,7 @@ def _explains(exs: Sequence[Example], explained: set[int]) -> list[dict[str, Any
                 "seq": e.seq,
                 "request_id": e.request_id,
                 "text": e.explain,
+                "command": command(e),
                 "above": above,
                 "open": e is exs[0],
             }
@@ -126,7 +129,7 @@ def _flags(data: ReportData) -> list[dict[str, Any]]:
                 "examples": table(
                     ["request", "seq", "max_length", "hit", "group", "detail"], rows, (1, 2, 3)
                 ),
-                "explains": _explains(exs, explained),
+                "explains": _explains(exs, explained, data.explain_command),
             }
         )
     return out

@@ -97,8 +97,7 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
                 if text:
                     out += [
                         "",
-                        f"  <details><summary>replay explain --request {e.request_id} "
-                        f"--policy {policy}</summary>",
+                        f"  <details><summary><code>{data.explain_command(e)}</code></summary>",
                         "",
                         "  ```text",
                         *[("  " + line).rstrip() for line in text.splitlines()],

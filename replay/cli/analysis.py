@@ -53,6 +53,7 @@ def diff(
       replay diff TRACE --cache mooncake --cache gpu
                                                 the Mooncake mirror against the engine
       replay diff RESULTS_A RESULTS_B           two results files of the same trace
+      replay diff RESULTS --policy A --policy B the trace the results lead to
 
     Prints the tokens B gains or loses per lookup and in total, grouped by
     what explains each change: a flag on one side only, else the KV-cache
@@ -64,6 +65,10 @@ def diff(
     from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, list(inputs))
+    if len(inputs) == 1:  # a results file replays the trace it leads to
+        from replay.format.link import trace_of
+
+        inputs = (trace_of(inputs[0])[0],)
     with progress_bar(as_json) as bar:
         result = diff_inputs(
             list(inputs),

@@ -188,27 +188,51 @@ def run(
             click.echo(line)
 
 
+TRACE_OR_RESULTS = click.argument("trace", metavar="TRACE|RESULTS", type=click.Path(path_type=Path))
+
+
+def _followed(path: Path, policy: str | None, cache: str | None) -> tuple[Path, str, str | None]:
+    """A trace as it is; a results file: the trace it leads to, and its
+    policy and cache unless the options name others."""
+    from replay.format.link import trace_of
+    from replay.format.results import results_cache
+
+    trace, info = trace_of(path)
+    if info is None:
+        return trace, policy or DEFAULT_POLICY, cache
+    return trace, policy or str(info.get("policy", DEFAULT_POLICY)), cache or results_cache(info)
+
+
 @command()
-@TRACE
+@TRACE_OR_RESULTS
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
 @SEQ
-@POLICY
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help=f"Coordinator semantics (default: the results' own, else {DEFAULT_POLICY}): "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
 @CACHE
 @COORDINATOR
 def explain(
     trace: Path,
     request_id: str,
     seq: int | None,
-    policy: str,
+    policy: str | None,
     cache: str | None,
     coordinator: str,
 ) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
-    the lookup's flags."""
+    the lookup's flags. Given a RESULTS file, explains in its trace (which
+    the results lead to) under its policy and cache."""
     from analysis.flags import flag_lines
     from replay.engine.answers import resolve_cache
     from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
+
+    trace, policy, cache = _followed(trace, policy, cache)
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -349,7 +373,7 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
 
 
 @command()
-@TRACE
+@TRACE_OR_RESULTS
 @click.option(
     "--request", "request_id", required=True, help="The request_id whose lookup is flagged."
 )
@@ -364,9 +388,8 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
 @click.option(
     "--policy",
     type=click.Choice(list(POLICIES)),
-    default="pre-49502",
-    show_default=True,
-    help="Policy under which the flag fires.",
+    default=None,
+    help=f"Policy under which the flag fires (default: the results' own, else {DEFAULT_POLICY}).",
 )
 @CACHE
 @output_option("The small trace to write.", required=True)
@@ -375,12 +398,13 @@ def minimize(
     request_id: str,
     seq: int | None,
     flag: str | None,
-    policy: str,
+    policy: str | None,
     cache: str | None,
     output: Path,
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
-    with its expectation (per policy) in the metadata: ready for traces/."""
+    with its expectation (per policy) in the metadata: ready for traces/.
+    Given a RESULTS file, shrinks its trace under its policy and cache."""
     from analysis.flags import FLAG_KINDS
     from replay.format.paths import check_outputs
     from replay.tools.minimize import minimize as run_minimize
@@ -388,7 +412,9 @@ def minimize(
     if flag is not None and flag not in FLAG_KINDS:
         raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")
 
-    check_outputs({"-o": output}, [trace])
+    given = trace
+    trace, policy, cache = _followed(trace, policy, cache)
+    check_outputs({"-o": output}, [given, trace])
     with progress_bar() as bar:
         info = run_minimize(
             trace,

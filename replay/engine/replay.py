@@ -23,6 +23,7 @@ from analysis.flags import Flag
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
 from replay.engine.shard import replay_answers
+from replay.format.link import link
 from replay.format.results import write_results
 from replay.format.tracedir import TraceSource, open_trace
 from replay.rules.coordinator import DEFAULT_POLICY, LookupOutcome
@@ -94,7 +95,10 @@ def default_results_path(trace: str | os.PathLike[str]) -> Path:
 
 
 def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
-    return write_results(out, result.results.to_arrow(), result.metadata())
+    """Write the results, with the path (relative to ``out``) and the
+    fingerprint of the trace they came from (``replay.format.link``)."""
+    meta = {**result.metadata(), **link(result.trace_path, out)}
+    return write_results(out, result.results.to_arrow(), meta)
 
 
 def state_at(trace: TraceSource, before_seq: int | None) -> tuple[TraceConfig, Store[bytes]]:
