@@ -327,6 +327,32 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n > 1 else ''}"
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def recorded_text(s: RecordSummary, output: object) -> str:
+    """``replay record``'s last line: the KV events, lookups and gaps it
+    received, then every other way the stream fell short."""
+    missing = sum(g["count"] for g in s.gaps)
+    gaps = _count(len(s.gaps), "gap", "gaps")
+    if missing:
+        gaps += f" ({_count(missing, 'batch', 'batches')} missing)"
+    parts = [
+        f"recorded {_count(s.kv_events, 'KV event', 'KV events')} in "
+        f"{_count(s.batches, 'batch', 'batches')}",
+        "no lookup stream" if s.lookups is None else _count(s.lookups, "lookup", "lookups"),
+        gaps,
+    ]
+    if s.filled:
+        parts.append(f"{s.filled:,} filled from the replay endpoint")
+    if s.restarts:
+        parts.append(_count(len(s.restarts), "publisher restart", "publisher restarts"))
+    if s.skipped:
+        parts.append(f"{s.skipped:,} malformed skipped")
+    return ", ".join(parts) + f" to {output}"
+
+
 def record_summary_text(s: RecordSummary) -> str:
     """What ``replay record`` and ``ingest kv-events`` took: batches, rows,
     and every way the stream fell short."""
