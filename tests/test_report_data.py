@@ -97,14 +97,15 @@ def test_timeline_empty() -> None:
 
 def test_histogram_one_bar_per_alignment() -> None:
     bins = data.histogram(_results([0, 16, 16, 48]), 16)
+    # No hit is a bar of its own (issue 26: its bar held every hit under a width).
     assert [(b.lo, b.width, b.lookups, b.label) for b in bins] == [
-        (0, 16, 1, "0"),
+        (0, 1, 1, "0"),
         (16, 16, 2, "16"),
         (32, 16, 0, "32"),
         (48, 16, 1, "48"),
     ]
     assert [b.tooltip for b in bins] == [
-        "hit 0 tokens: 1 lookup",
+        "no hit: 1 lookup",
         "hit 16 tokens: 2 lookups",
         "hit 32 tokens: 0 lookups",
         "hit 48 tokens: 1 lookup",
@@ -203,8 +204,8 @@ def test_histogram_bins_widen_for_long_hits() -> None:
 
     frame = pl.DataFrame({"hit_tokens": [0, 16, 47, 48, 1000]})
     bins = data.histogram(frame, 16)
-    # 1000 // 16 + 1 = 63 units of 16 > 30 bars: bars of 3 units (48 tokens), 21 of them.
-    assert (len(bins), {b.width for b in bins}) == (21, {48})
-    assert [b.lookups for b in bins[:2]] == [3, 1]
+    # No hit is a bar of its own; then 63 alignments up to 1000 in at most
+    # 29 bars: bars of 3 alignments (48 tokens) from 16 on, 21 of them.
+    assert (len(bins), [b.width for b in bins[:2]], bins[-1].width) == (22, [1, 48], 48)
+    assert [b.tooltip for b in bins[:2]] == ["no hit: 1 lookup", "hit 16–63 tokens: 3 lookups"]
     assert bins[-1].lookups == 1
-    assert bins[0].tooltip == "hit 0–47 tokens: 3 lookups"

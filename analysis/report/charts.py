@@ -18,7 +18,7 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from analysis.report.data import Bin, Point
-from analysis.report.fmt import fmt_time, num
+from analysis.report.fmt import fmt_time, is_relative, num
 from replay.base.spec import GroupKind
 
 _W, _H = 760, 300
@@ -181,6 +181,8 @@ def timeline_svg(points: Sequence[Point], x_axis: str, overall: float) -> Markup
         x_ticks = [(px(t), fmt_time(t, span)) for t in time_ticks(min(xs), max(xs))]
         day = datetime.fromtimestamp(min(xs) / 1e6, tz=UTC).strftime("%Y-%m-%d")
         x_label = f"time (UTC, {day})" if span < 86_400e6 else "time (UTC)"
+        if is_relative(max(xs)):
+            x_label = "elapsed time since the trace's start (h:mm:ss)"
     else:
         x_ticks = [
             (px(t), num(t)) for t in nice_ticks(min(xs), max(xs), 6, integer=True) if lo <= t <= hi
@@ -226,7 +228,7 @@ def histogram_svg(bins: Sequence[Bin]) -> Markup:
     slot = (right - left) / len(bins)
     every = max(1, math.ceil(len(bins) / 12))
     x_ticks = [(left + slot * (i + 0.5), b.label) for i, b in enumerate(bins) if i % every == 0]
-    width = bins[0].width
+    width = bins[-1].width
     x_label = "hit length (tokens" + (f", bins of {width})" if len(bins) > 1 else ")")
     parts += _axes(
         left, top, right, bottom, [(py(t), num(t)) for t in ticks], x_ticks, x_label, "lookups"

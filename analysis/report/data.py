@@ -196,18 +196,38 @@ def timeline(res: pl.DataFrame) -> tuple[str, list[Point]]:
 
 
 def histogram(res: pl.DataFrame, alignment: int) -> list[Bin]:
-    """Lookups per hit length, in bars a whole number of alignments wide
-    (at most ``HISTOGRAM_BINS`` of them)."""
+    """Lookups per hit length: the lookups with no hit in a bar of their own,
+    then the hits in bars a whole number of alignments wide, from one
+    alignment up (at most ``HISTOGRAM_BINS`` bars in all)."""
     if res.height == 0:
         return []
-    top = int(res["hit_tokens"].max() or 0)  # type: ignore[arg-type]
-    units = top // alignment + 1
-    width = alignment * math.ceil(units / HISTOGRAM_BINS)
-    counts = res.select((pl.col("hit_tokens") // width).alias("b")).group_by("b").len().sort("b")
+    hits = res["hit_tokens"]
+    top = int(hits.max() or 0)  # type: ignore[arg-type]
+    none = int((hits == 0).sum())
+    out = [
+        Bin(
+            lo=0,
+            width=1,
+            lookups=none,
+            label="0",
+            tooltip=f"no hit: {none} lookup{'s' if none != 1 else ''}",
+        )
+    ]
+    if top == 0:
+        return out
+    units = -(-top // alignment)  # alignments up to the longest hit
+    width = alignment * math.ceil(units / (HISTOGRAM_BINS - 1))
+    # Bar b holds the hits in [a + b * width, a + (b + 1) * width); a hit
+    # shorter than one alignment (misaligned) goes in the first.
+    counts = (
+        res.filter(pl.col("hit_tokens") > 0)
+        .select(((pl.col("hit_tokens") - alignment) // width).clip(lower_bound=0).alias("b"))
+        .group_by("b")
+        .len()
+    )
     by_bin = {int(b): int(n) for b, n in counts.iter_rows()}
-    out = []
-    for b in range(top // width + 1):
-        lo = b * width
+    for b in range(max(top - alignment, 0) // width + 1):
+        lo = alignment + b * width
         n = by_bin.get(b, 0)
         what = f"hit {lo} tokens" if width == alignment else f"hit {lo}–{lo + width - 1} tokens"
         out.append(

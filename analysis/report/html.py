@@ -200,7 +200,7 @@ def render_html(data: ReportData) -> str:
             binned_by=_BINNED_BY[data.x_axis],
             median_hit=s["median_hit"],
             mean_hit=round(s["mean_hit"], 1),
-            bar_width=data.histogram[0].width if data.histogram else data.alignment,
+            bar_width=data.histogram[-1].width if len(data.histogram) > 1 else data.alignment,
             alignment=data.alignment,
             group_table=table(
                 ["group", "loaded blocks", "skipped blocks", "tokens loaded"],

@@ -6,6 +6,7 @@ The figures come from ``analysis.summary``; this module only words them."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,18 @@ from replay.rules.store import LookupEvent
 
 if TYPE_CHECKING:
     from replay.sources.stream import RecordSummary
+
+
+def elapsed(seconds: float, *, millis: bool = False) -> str:
+    """Time since a relative trace's start: ``+00:58:57`` (``+00:00:01.250``)."""
+    if not millis:
+        h, rest = divmod(round(seconds), 3600)
+        return f"+{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    whole = int(seconds)
+    h, rest = divmod(whole, 3600)
+    return (
+        f"+{h:02d}:{rest // 60:02d}:{rest % 60:02d}.{min(round((seconds - whole) * 1000), 999):03d}"
+    )
 
 
 def percent(ratio: float) -> str:
@@ -172,13 +185,23 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
     replays ``cache`` answers."""
     first, last = info["seq_range"]
     span = info["time_span"]
+    if span["seconds"] is None:
+        when = "time: no timestamps"
+    elif span.get("relative"):
+        # The clock starts at zero (written as the epoch): elapsed time, not dates.
+        start = datetime.fromisoformat(span["first"]).timestamp()
+        end = datetime.fromisoformat(span["last"]).timestamp()
+        when = (
+            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:.1f} s; "
+            "the trace's clock starts at zero)"
+        )
+    else:
+        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
     lines = [
         f"trace: {path}",
         *config_lines(config, cache),
         f"events: {info['events']} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
-        f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
-        if span["seconds"] is not None
-        else "time: no timestamps",
+        when,
         f"hash entries: {info['hash_entries']}",
     ]
     lines += [
