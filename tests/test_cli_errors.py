@@ -458,7 +458,7 @@ def test_bad_results_files_are_refused_by_check_report_and_diff(
 ) -> None:
     change, message = RESULTS_CASES[case]
     bad = _bad_results(tmp_path, inputs["results"], change)
-    out = tmp_path / "out.any"
+    out = tmp_path / "out.html"  # a name both report and diff write
     for args in (
         ["check", str(bad)],
         ["report", str(bad), "-o", str(out)],

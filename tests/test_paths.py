@@ -184,11 +184,14 @@ def test_report_format_follows_the_extension(inputs: dict[str, Path], tmp_path: 
     assert md.read_text().startswith("## Replay report: t.parquet\n")
     assert run_cli(["report", str(inputs["results"]), "-o", str(html)]).exit_code == 0
     assert html.read_text().startswith("<!DOCTYPE html>")
-    assert (
-        run_cli(["report", str(inputs["results"]), "-o", str(md), "--format", "html"]).exit_code
-        == 0
+    # An HTML page in a file named .md is refused (issue 26: every -o honours
+    # its extension), and the Markdown already there is left as it was.
+    refused = run_cli(["report", str(inputs["results"]), "-o", str(md), "--format", "html"])
+    assert (refused.exit_code, refused.stderr) == (
+        2,
+        f"error: -o {md}: a .md name for HTML (--format html); name it r.html or drop --format\n",
     )
-    assert md.read_text().startswith("<!DOCTYPE html>")
+    assert md.read_text().startswith("## Replay report: t.parquet\n")
 
 
 @contextlib.contextmanager

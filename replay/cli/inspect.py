@@ -61,6 +61,9 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
     from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, [trace])
+    from replay.cli.outputs import PARQUET, output_format
+
+    output_format("-o", output, PARQUET, default="parquet")
     config, store = state_at(trace, at)
     if group is not None and not 0 <= group < config.num_groups:
         raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")

@@ -122,6 +122,10 @@ def run(
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
+    if output is not None:
+        from replay.cli.outputs import PARQUET, output_format
+
+        output_format("-o", output, PARQUET, default="parquet")
     with progress_bar(quiet or as_json) as bar:
         results = replay_for_run(
             trace,
@@ -415,6 +419,9 @@ def minimize(
     given = trace
     trace, policy, cache = _followed(trace, policy, cache)
     check_outputs({"-o": output}, [given, trace])
+    from replay.cli.outputs import PARQUET, output_format
+
+    output_format("-o", output, PARQUET, default="parquet")
     with progress_bar() as bar:
         info = run_minimize(
             trace,
