@@ -260,10 +260,20 @@ def groups_svg(groups: Sequence[dict[str, Any]]) -> Markup:
     bottom = top + row * len(groups)
     parts = [_svg_open("groups", title, height=height)]
     top_v = max((g["tokens_saved"] for g in groups), default=0)
-    ticks = nice_ticks(0, max(top_v, 1), 5, integer=True)
+    low_v = min((g["tokens_saved"] for g in groups if g["tokens_saved"] > 0), default=0)
+    # Values an order of magnitude or more apart (a Mamba group's one state block
+    # beside an attention group's whole prefix) go on a log axis.
+    log = low_v > 0 and top_v >= 10 * low_v
+    ticks: list[float]
+    if log:
+        ticks = [10.0**d for d in range(0, math.ceil(math.log10(top_v)) + 1)]
+    else:
+        ticks = nice_ticks(0, max(top_v, 1), 5, integer=True)
     xmax = ticks[-1]
 
     def px(v: float) -> float:
+        if log:
+            return left + (math.log10(v) / math.log10(xmax) if v >= 1 else 0) * (right - left)
         return left + v / xmax * (right - left)
 
     for t in ticks:
@@ -275,7 +285,8 @@ def groups_svg(groups: Sequence[dict[str, Any]]) -> Markup:
     parts.append(
         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="{_MUTED}"/>'
         f'<text x="{(left + right) / 2:.1f}" y="{bottom + 40}" text-anchor="middle" '
-        'class="axis-label">tokens (loaded blocks × block size)</text>'
+        f'class="axis-label">tokens (loaded blocks × block size{", log scale" if log else ""})'
+        "</text>"
     )
     for i, g in enumerate(groups):
         y = top + row * i + 6

@@ -229,14 +229,16 @@ def histogram(res: pl.DataFrame, alignment: int) -> list[Bin]:
     for b in range(max(top - alignment, 0) // width + 1):
         lo = alignment + b * width
         n = by_bin.get(b, 0)
-        what = f"hit {lo} tokens" if width == alignment else f"hit {lo}–{lo + width - 1} tokens"
+        what = (
+            f"hit {lo:,} tokens" if width == alignment else f"hit {lo:,}–{lo + width - 1:,} tokens"
+        )
         out.append(
             Bin(
                 lo=lo,
                 width=width,
                 lookups=n,
-                label=str(lo),
-                tooltip=f"{what}: {n} lookup{'s' if n != 1 else ''}",
+                label=f"{lo:,}",
+                tooltip=f"{what}: {n:,} lookup{'s' if n != 1 else ''}",
             )
         )
     return out
