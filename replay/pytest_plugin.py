@@ -113,14 +113,15 @@ class TraceItem(pytest.Item):
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from analysis.flags import counts_text, flag_counts
+        from analysis.flags import counts_text, flag_counts, result_flags
         from analysis.selection import failing, select_flags, selection_text
-        from replay.engine.replay import replay_trace
+        from replay.engine.run import ReplayOptions, replay
         from replay.format.tracedir import open_trace
 
         reader = open_trace(self.path)  # once: replayed, then explained on a failure
-        result = replay_trace(reader, policy=self.policy, cache=self.cache)
-        flags = result.flags()
+        options = ReplayOptions(policies=(self.policy,), caches=(self.cache,))
+        (result,) = replay(reader, options)
+        flags = result_flags(result)
         problems: list[str] = []
         explain_ids: list[str] = []
         ignore = _choice(self.config, "ignore")

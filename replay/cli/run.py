@@ -13,7 +13,7 @@ import click
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
-from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
+from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
 from replay.tools.render import (
     check_lines,
@@ -113,9 +113,17 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import counts_text, flag_counts, flag_examples, severity
+    from analysis.flags import (
+        counts_text,
+        flag_counts,
+        flag_examples,
+        flag_results,
+        flags_table,
+        save_results,
+        severity,
+    )
     from analysis.summary import run_summary
-    from replay.engine.replay import save_results
+    from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import check_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
@@ -127,8 +135,7 @@ def run(
 
         output_format("-o", output, PARQUET, default="parquet")
     with progress_bar(quiet or as_json) as bar:
-        results = replay_for_run(
-            trace,
+        options = ReplayOptions(
             policies=policies,
             caches=used,
             coordinator=coordinator,
@@ -137,9 +144,10 @@ def run(
             ray_address=ray_address,
             progress=None if bar is None else bar.replay,
         )
+        results = flag_results(replay(trace, options))
     summaries = []
     for result, out in zip(results, outs, strict=True):
-        flags = result.flags()
+        flags = flags_table(result.results)
         save_results(result, out)
         summary = run_summary(result, flag_counts(flags))
         summary["results"] = str(out)
@@ -231,7 +239,7 @@ def explain(
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags. Given a RESULTS file, explains in its trace (which
     the results lead to) under its policy and cache."""
-    from analysis.flags import flag_lines
+    from analysis.flags import flag_lines, lookup_flags
     from replay.engine.answers import resolve_cache
     from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
@@ -243,9 +251,12 @@ def explain(
     )
     chosen = choose_lookup(trace, request_id, [lk.seq for lk, _, _ in found], seq)
     used = resolve_cache(config, cache)
-    for lookup, outcome, flags in found:
+    for lookup, outcome, facts in found:
         if lookup.seq != chosen:
             continue
+        flags = lookup_flags(
+            config, used, outcome, facts, lookup.max_length, lookup.observed_hit_tokens
+        )
         click.echo(explain_header(config, lookup, policy, used))
         for line in config_lines(config, used):
             click.echo(line)
@@ -409,7 +420,8 @@ def minimize(
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/.
     Given a RESULTS file, shrinks its trace under its policy and cache."""
-    from analysis.flags import FLAG_KINDS
+    from analysis.flags import FLAG_KINDS, add_flags
+    from replay.cli.outputs import PARQUET, output_format
     from replay.format.paths import check_outputs
     from replay.tools.minimize import minimize as run_minimize
 
@@ -419,8 +431,6 @@ def minimize(
     given = trace
     trace, policy, cache = _followed(trace, policy, cache)
     check_outputs({"-o": output}, [given, trace])
-    from replay.cli.outputs import PARQUET, output_format
-
     output_format("-o", output, PARQUET, default="parquet")
     with progress_bar() as bar:
         info = run_minimize(
@@ -431,6 +441,7 @@ def minimize(
             policy=policy,
             cache=cache,
             seq=seq,
+            judge=add_flags,
             progress=None if bar is None else _shrinking(bar),
         )
     for line in minimize_lines(trace, output, info, request_id):
