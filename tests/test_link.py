@@ -15,6 +15,7 @@ from replay.format.link import fingerprint
 from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
+from tests.reports import unlink_results
 
 
 def _layout(tmp_path: Path) -> tuple[Path, Path]:
@@ -78,12 +79,7 @@ def test_a_changed_trace_is_refused_in_one_line(tmp_path: Path) -> None:
 
 def test_results_without_a_link_say_what_to_give(tmp_path: Path) -> None:
     trace, results = _layout(tmp_path)
-    table = pq.read_table(results)
-    meta = dict(table.schema.metadata)
-    info = json.loads(meta[b"replay.results"])
-    del info["trace_path"], info["trace_fingerprint"]
-    meta[b"replay.results"] = json.dumps(info).encode()
-    pq.write_table(table.replace_schema_metadata(meta), results)
+    unlink_results(results)
     result = run_cli(["explain", results, "--request", "req-43559"])
     assert (result.exit_code, result.stderr) == (
         2,

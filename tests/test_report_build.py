@@ -18,7 +18,7 @@ from replay.format.trace import TraceReader
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from tests.builders import issue_43559_rows
-from tests.reports import MAMBA_ROW, report_error, results_of
+from tests.reports import MAMBA_ROW, report_error, results_of, unlink_results
 from tests.test_diff import write_workload
 
 
@@ -113,7 +113,7 @@ def test_an_unlinked_trace_found_by_name_that_is_another_trace_is_a_note(
     """Results that do not record their trace (made before they led back):
     a trace of that name beside them is checked by its lookups."""
     copy = _results_copied(tmp_path, trace_43559)
-    _unlink(copy)
+    unlink_results(copy)
     other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
     data = build_report(copy)
     assert data.trace_path is None
@@ -122,21 +122,6 @@ def test_an_unlinked_trace_found_by_name_that_is_another_trace_is_a_note(
         "results; pass --trace"
     )
     assert data.examples["mamba_overrun"][0].explain is None
-
-
-def _unlink(results: Path) -> None:
-    """Rewrite ``results`` without the link to their trace, as an older
-    version wrote them."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(results)
-    meta = dict(table.schema.metadata)
-    info = json.loads(meta[b"replay.results"])
-    del info["trace_path"], info["trace_fingerprint"]
-    meta[b"replay.results"] = json.dumps(info).encode()
-    pq.write_table(table.replace_schema_metadata(meta), results)
 
 
 def test_unknown_policy_has_no_explain_tables(trace_43559: Path) -> None:

@@ -75,6 +75,18 @@ def _medium_option(func: F) -> F:
     )(func)
 
 
+def _seconds(name: str, default: float, help: str) -> Callable[[F], F]:
+    """A positive number of seconds, its default shown."""
+    return click.option(
+        name,
+        type=click.FloatRange(min=0, min_open=True),
+        default=default,
+        show_default=True,
+        metavar="SECONDS",
+        help=help,
+    )
+
+
 def _say(message: str) -> None:
     click.echo(message, err=True)
 
@@ -119,22 +131,12 @@ def _say(message: str) -> None:
     metavar="FILE",
     help="Also write the raw frames there (`replay ingest kv-events FILE` reads it).",
 )
-@click.option(
+@_seconds(
     "--connect-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Give up (exit 2, no trace written) when no KV event arrives within this time.",
+    10.0,
+    "Give up (exit 2, no trace written) when no KV event arrives within this time.",
 )
-@click.option(
-    "--replay-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="How long to wait for each replay reply.",
-)
+@_seconds("--replay-timeout", 2.0, "How long to wait for each replay reply.")
 def record(
     endpoint: str,
     replay_endpoint: str | None,
