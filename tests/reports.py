@@ -47,7 +47,8 @@ def marks(page: str) -> dict[str, int]:
 
 def unlink_results(results: Path) -> None:
     """Rewrite ``results`` without the link to their trace (``trace_path``,
-    ``trace_fingerprint``), as a version before results led back wrote them."""
+    ``trace_abspath``, ``trace_fingerprint``), as a version before results led
+    back wrote them."""
     import json
 
     import pyarrow.parquet as pq
@@ -55,6 +56,6 @@ def unlink_results(results: Path) -> None:
     table = pq.read_table(results)
     meta = dict(table.schema.metadata)
     info = json.loads(meta[b"replay.results"])
-    del info["trace_path"], info["trace_fingerprint"]
+    del info["trace_path"], info["trace_abspath"], info["trace_fingerprint"]
     meta[b"replay.results"] = json.dumps(info).encode()
     pq.write_table(table.replace_schema_metadata(meta), results)

@@ -32,6 +32,7 @@ def test_results_record_the_trace_relative_to_themselves(tmp_path: Path) -> None
     trace, results = _layout(tmp_path)
     info = json.loads(pq.read_schema(results).metadata[b"replay.results"])
     assert (info["trace"], info["trace_path"]) == ("t.parquet", "../traces/t.parquet")
+    assert info["trace_abspath"] == str(trace.resolve())
     assert info["trace_fingerprint"] == fingerprint(trace)
     assert info["trace_fingerprint"].startswith("sha256:") and len(info["trace_fingerprint"]) == 71
     # The fingerprint follows the events, not the file's name or place.
@@ -99,3 +100,13 @@ def _layout_again(tmp_path: Path, results: Path) -> Path:
     assert run_cli(["run", trace, "--policy", "pre-49502", "-o", results, "-q"]).exit_code == 0
     trace.unlink()
     return results
+
+
+def test_results_copied_alone_elsewhere_follow_the_absolute_path(tmp_path: Path) -> None:
+    _, results = _layout(tmp_path)
+    deeper = tmp_path / "a" / "b"
+    deeper.mkdir(parents=True)
+    copy = Path(shutil.copy(results, deeper / "t.results.parquet"))
+    result = run_cli(["explain", copy, "--request", "req-43559"])
+    assert result.exit_code == 0, result.stderr
+    assert "policy pre-49502" in result.stdout.splitlines()[0]

@@ -1,7 +1,8 @@
 """How a results file leads back to its trace: the trace's path relative to
-the results file (so a folder of both can move together) and a fingerprint
-of the trace, kept in the results' ``replay.results`` metadata as
-``trace_path`` and ``trace_fingerprint``. Commands that take a results file
+the results file (so a folder of both can move together), its absolute path
+(so the results alone can be copied elsewhere on the machine) and a
+fingerprint of the trace, kept in the results' ``replay.results`` metadata
+as ``trace_path``, ``trace_abspath`` and ``trace_fingerprint``. Commands that take a results file
 where they replay or explain a trace (``explain``, ``report``, ``diff``,
 ``minimize``) follow it with :func:`trace_of`, and refuse a trace whose
 fingerprint is not the one recorded.
@@ -49,19 +50,27 @@ def link(trace: str | os.PathLike[str], results: str | os.PathLike[str]) -> dict
     if not path.exists() or not out.parent.is_dir() or str(out) == os.devnull:
         return {}
     where = os.path.relpath(path.resolve(), out.resolve().parent)
-    return {"trace_path": Path(where).as_posix(), "trace_fingerprint": fingerprint(path)}
+    return {
+        "trace_path": Path(where).as_posix(),
+        "trace_abspath": str(path.resolve()),
+        "trace_fingerprint": fingerprint(path),
+    }
 
 
 def linked_trace(
     results: str | os.PathLike[str], info: Mapping[str, Any], *, missing_ok: bool = False
 ) -> Path | None:
-    """The trace ``results`` lead to (relative to the results file), checked
-    against its fingerprint; None when the results do not record one (or,
-    with ``missing_ok``, when it is not there)."""
+    """The trace ``results`` lead to (relative to the results file, else at
+    its absolute path), checked against its fingerprint; None when the
+    results do not record one (or, with ``missing_ok``, when it is not
+    there)."""
     rel = info.get("trace_path")
     if not isinstance(rel, str) or not rel:
         return None
     path = Path(os.path.normpath(Path(results).parent / rel))
+    absolute = info.get("trace_abspath")
+    if not path.exists() and isinstance(absolute, str) and Path(absolute).exists():
+        path = Path(absolute)
     if not path.exists() and missing_ok:
         return None
     if not path.exists():
