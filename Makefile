@@ -32,8 +32,8 @@ demo: $(STAMP)
 	@echo "== replay run --policy pre-49502: the #43559 overrun is flagged"
 	$(BIN)/replay run $(DEMO_TRACE) --policy pre-49502 -o out/demo.pre-49502.results.parquet --examples 2
 	@echo
-	@echo "== replay check, as CI runs it: exit 1 when a lookup is flagged"
-	$(BIN)/replay check out/demo.pre-49502.results.parquet --examples 1 || echo "(replay check exited $$?: flags found)"
+	@echo "== replay check, as CI runs it: exit 1 when a lookup has a corruption flag (--fail-on to choose)"
+	$(BIN)/replay check out/demo.pre-49502.results.parquet --examples 1 || echo "(replay check exited $$?: a corruption flag found)"
 	@echo
 	@echo "== replay explain: the first overrun, before #49502 ..."
 	$(BIN)/replay explain $(DEMO_TRACE) --request $(FLAGGED) --policy pre-49502

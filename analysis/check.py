@@ -5,11 +5,13 @@ never import the replay that calls them (issue 21)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import polars as pl
 
 from analysis.flags import result_flags, results_flags
 from replay.base.errors import ReplayError
+from replay.engine.answers import Progress
 from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.rules.coordinator import DEFAULT_POLICY
@@ -21,6 +23,7 @@ def check_path(
     policy: str | None,
     coordinator: str = "reference",
     cache: str | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> tuple[pl.DataFrame, str]:
     """Flags of a trace (replayed now, under ``policy`` or the default) or of a
     results file (as written; a ``policy`` other than its own is an error).
@@ -45,7 +48,10 @@ def check_path(
         return results_flags(frame, results_config(info, path), made_in), made_under
     used = policy or DEFAULT_POLICY
     (result,) = replay(
-        path, ReplayOptions(policies=(used,), caches=(cache,), coordinator=coordinator)
+        path,
+        ReplayOptions(
+            policies=(used,), caches=(cache,), coordinator=coordinator, progress=progress
+        ),
     )
     if result.results.height == 0:
         raise ReplayError(f"{path}: the trace has no lookups, nothing to check")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, with_flag_column
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.engine.answers import resolve_cache
+from replay.engine.answers import Progress, resolve_cache
 from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
@@ -157,13 +157,6 @@ class DiffResult:
             "lost": self.lost,
             "net": self.gained - self.lost,
             "same_hit_groups_changed": self.same_hit_groups_changed,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.summary(),
-            "reasons": self.reasons.to_dicts(),
-            "changed_lookups": self.lookups.to_dicts(),
         }
 
 
@@ -482,6 +475,7 @@ def diff_policies(
     policies: Sequence[str],
     coordinators: Sequence[str] = (),
     caches: Sequence[str] = (),
+    progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
     """Replay ``trace`` twice (``--policy A --policy B``, two coordinators
     and/or two caches)."""
@@ -506,7 +500,7 @@ def diff_policies(
     # Both sides from one fold of the trace: presence does not depend on the
     # policy, the cache or the coordinator.
     sides = ((pa_, ka, ca), (pb, kb, cb))
-    results = replay(reader, ReplayOptions(variants=sides))
+    results = replay(reader, ReplayOptions(variants=sides, progress=progress))
     a, b = (
         Side(
             label=label,
@@ -589,11 +583,12 @@ def diff_inputs(
     policies: Sequence[str] = (),
     coordinators: Sequence[str] = (),
     caches: Sequence[str] = (),
+    progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
     """What ``replay diff`` does: one trace and two policies or caches, or two
     results files."""
     if len(paths) == 1:
-        return diff_policies(paths[0], policies, coordinators, caches)
+        return diff_policies(paths[0], policies, coordinators, caches, progress)
     if len(paths) == 2:
         if policies or coordinators or caches:
             raise ReplayError(

@@ -36,7 +36,7 @@ least ``mask_blocks x block_size`` over the non-Mamba groups):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
+from replay.format.link import link
 from replay.format.results import write_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
@@ -52,6 +53,33 @@ from replay.rules.facts import FactRules, LookupFacts
 
 if TYPE_CHECKING:
     from replay.engine.answers import ReplayResult
+
+#: How bad a flag is, worst first (each ``FlagKind`` of ``FLAGS`` names one).
+#: ``corruption``: the request computes with state that belongs to other
+#: tokens, silently; ``inconsistent``: the answer contradicts itself or the
+#: lookup's bounds (an invariant of vLLM's is broken; what follows depends on
+#: the code path); ``performance``: the answer is consistent but costs work or
+#: speculative acceptance; ``observed``: the production-reported hit differs
+#: from the replay.
+SEVERITIES = ("corruption", "inconsistent", "performance", "observed")
+
+
+def severity(flag: str) -> str:
+    """The severity of ``flag``; a flag this version does not know (in a
+    results file from another version) counts as ``inconsistent``."""
+    kind = FLAGS.get(flag)
+    return kind.severity if kind is not None else "inconsistent"
+
+
+def by_severity(flags: Sequence[str]) -> list[str]:
+    """``flags`` worst first (corruption first), each severity's in
+    ``FLAG_KINDS`` order, unknown names last."""
+    order = {name: i for i, name in enumerate(FLAG_KINDS)}
+    return sorted(
+        dict.fromkeys(flags),
+        key=lambda f: (f not in FLAGS, SEVERITIES.index(severity(f)), order.get(f, 0), f),
+    )
+
 
 FLAGS_SCHEMA: dict[str, Any] = {
     "seq": pl.Int64,
@@ -365,11 +393,14 @@ def flag_results(results: Sequence[ReplayResult]) -> list[ReplayResult]:
 
 
 def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
-    """Write a replay's results file: its answers, facts and flags."""
+    """Write a replay's results file: its answers, facts and flags, with the
+    path (relative to ``out``) and the fingerprint of the trace they came
+    from (``replay.format.link``)."""
     frame = result.results
     if "flags" not in frame.columns:
         frame = add_flags(frame, result.config)
-    return write_results(out, frame.to_arrow(), result.metadata())
+    meta = {**result.metadata(), **link(result.trace_path, out)}
+    return write_results(out, frame.to_arrow(), meta)
 
 
 def result_flags(result: ReplayResult) -> pl.DataFrame:
@@ -446,7 +477,21 @@ def flag_lines(flags: Sequence[Flag]) -> str:
     """A lookup's flags as ``replay explain`` prints them under its table."""
     if not flags:
         return "flags: none"
-    return "\n".join(["flags:", *(f"  {f.flag}: {f.detail}" for f in flags)])
+    return "\n".join(
+        [
+            "flags:",
+            *(
+                f"  {f.flag} ({severity(f.flag)}): {f.detail}"
+                for f in sorted(flags, key=lambda f: SEVERITIES.index(severity(f.flag)))
+            ),
+        ]
+    )
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    """Lookups per flag, worst first, each with its severity:
+    ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
+    return ", ".join(f"{f} {counts[f]} ({severity(f)})" for f in by_severity(list(counts)))
 
 
 def flags_table(results: pl.DataFrame) -> pl.DataFrame:
@@ -501,7 +546,7 @@ def flag_counts(flags: pl.DataFrame) -> dict[str, int]:
 def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
     """The first ``limit`` flagged rows of each kind, as dicts with a ``text`` line."""
     rows: list[dict[str, Any]] = []
-    for name in FLAG_KINDS:
+    for name in by_severity(FLAG_KINDS):
         part = flags.filter(pl.col("flag") == name).head(limit)
         for r in part.iter_rows(named=True):
             r["text"] = f"{r['flag']}: request {r['request_id']} seq {r['seq']}: {r['detail']}"

@@ -3,7 +3,7 @@ as plain dicts so the CLI can print them or dump them as JSON."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
@@ -17,6 +17,17 @@ def prompt_tokens_expr() -> pl.Expr:
     # vLLM asks for num_tokens - 1 at most, so max_length + 1 stands in for a
     # missing prompt length.
     return pl.col("num_tokens").fill_null(pl.col("max_length") + 1)
+
+
+#: A trace whose clock starts before this holds elapsed times, not dates: the
+#: public Mooncake and bailian traces start at zero, which their importers
+#: write as the Unix epoch. No recording is that old.
+RELATIVE_BEFORE = datetime(1971, 1, 1, tzinfo=UTC)
+
+
+def is_relative(first: datetime | None) -> bool:
+    """Whether a trace whose first timestamp is ``first`` has a relative clock."""
+    return first is not None and first < RELATIVE_BEFORE
 
 
 def trace_info(trace: TraceSource) -> dict[str, Any]:
@@ -64,6 +75,7 @@ def trace_info(trace: TraceSource) -> dict[str, Any]:
             "first": first_ts.isoformat() if first_ts else None,
             "last": last_ts.isoformat() if last_ts else None,
             "seconds": span,
+            "relative": is_relative(first_ts),
         },
         "hash_entries": hash_entries,
         "distinct_keys_per_group": stored.group_counts(),

@@ -14,6 +14,12 @@ group the total of that group's own finder hit; ``hits`` pins the replayed hit
 of named requests (the last lookup of each); ``cache`` picks the cache that
 answers (default: the trace's own). Any may be left out. Registered through the ``pytest11`` entry point, so
 ``pip install cache-trace-replay`` then ``pytest traces/`` runs a corpus.
+
+The flags take the choices of ``replay check`` (``analysis.selection``):
+``--replay-ignore FLAG|SEVERITY,...`` leaves those flags out of the
+comparison on both sides; an entry without ``flags`` fails when a flag that
+``--replay-fail-on SEVERITY|FLAG,...`` selects fires (default: corruption).
+Both also read from the ini options ``replay_fail_on`` and ``replay_ignore``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,32 @@ import pytest
 
 from replay.format.schema import EXPECT_META_KEY
 from replay.format.trace import TraceReader
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cache-trace-replay", "regression traces (replay.expect)")
+    group.addoption(
+        "--replay-fail-on",
+        action="append",
+        default=[],
+        metavar="SEVERITY|FLAG,...",
+        help="flags that fail a trace entry without a 'flags' expectation (default: corruption)",
+    )
+    group.addoption(
+        "--replay-ignore",
+        action="append",
+        default=[],
+        metavar="FLAG|SEVERITY,...",
+        help="flags left out of every comparison",
+    )
+    parser.addini("replay_fail_on", "as --replay-fail-on", default="")
+    parser.addini("replay_ignore", "as --replay-ignore", default="")
+
+
+def _choice(config: pytest.Config, name: str) -> list[str]:
+    given: list[str] = config.getoption(f"--replay-{name.replace('_', '-')}") or []
+    ini = str(config.getini(f"replay_{name}") or "")
+    return given or ([ini] if ini.strip() else [])
 
 
 def read_expectations(path: Path) -> list[dict[str, Any]] | None:
@@ -81,7 +113,8 @@ class TraceItem(pytest.Item):
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from analysis.flags import flag_counts, result_flags
+        from analysis.flags import counts_text, flag_counts, result_flags
+        from analysis.selection import failing, select_flags, selection_text
         from replay.engine.run import ReplayOptions, replay
         from replay.format.tracedir import open_trace
 
@@ -91,12 +124,26 @@ class TraceItem(pytest.Item):
         flags = result_flags(result)
         problems: list[str] = []
         explain_ids: list[str] = []
+        ignore = _choice(self.config, "ignore")
+        got = flag_counts(flags)
         if "flags" in self.entry:
-            want = {k: int(v) for k, v in self.entry["flags"].items() if v}
-            got = flag_counts(flags)
+            compared = select_flags("all", ignore)
+            want = {k: int(v) for k, v in self.entry["flags"].items() if v and k in compared}
+            got = {k: n for k, n in got.items() if k in compared}
             if got != want:
                 problems.append(f"flags: expected {want or 'none'}, replayed {got or 'none'}")
                 explain_ids += flags["request_id"].unique(maintain_order=True).head(3).to_list()
+        else:
+            fail_on = _choice(self.config, "fail_on")
+            fails = failing(got, select_flags(fail_on, ignore))
+            if fails:
+                problems.append(f"flags: {counts_text(fails)} ({selection_text(fail_on, ignore)})")
+                explain_ids += (
+                    flags.filter(flags["flag"].is_in(list(fails)))["request_id"]
+                    .unique(maintain_order=True)
+                    .head(3)
+                    .to_list()
+                )
         res = result.results
         if "hit_tokens" in self.entry:
             got_total = int(res["hit_tokens"].sum() or 0)

@@ -43,3 +43,19 @@ def marks(page: str) -> dict[str, int]:
     for m in re.finditer(r'<svg class="chart" data-chart="([a-z]+)".*?</svg>', page, re.S):
         out[m.group(1)] = len(re.findall(r'class="mark"', m.group(0)))
     return out
+
+
+def unlink_results(results: Path) -> None:
+    """Rewrite ``results`` without the link to their trace (``trace_path``,
+    ``trace_abspath``, ``trace_fingerprint``), as a version before results led
+    back wrote them."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(results)
+    meta = dict(table.schema.metadata)
+    info = json.loads(meta[b"replay.results"])
+    del info["trace_path"], info["trace_abspath"], info["trace_fingerprint"]
+    meta[b"replay.results"] = json.dumps(info).encode()
+    pq.write_table(table.replace_schema_metadata(meta), results)

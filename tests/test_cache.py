@@ -139,7 +139,7 @@ def test_run_writes_the_cache_in_column_and_metadata(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     res = run_cli(["run", str(path), "--cache", "gpu", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["cache"] == "gpu"
+    assert [v["cache"] for v in json.loads(res.stdout)["variants"]] == ["gpu"]
     frame = pl.read_parquet(out)
     assert frame["cache"].to_list() == ["gpu"]
     import pyarrow.parquet as pq
@@ -166,7 +166,7 @@ def test_diff_two_caches_names_the_rule(tmp_path: Path) -> None:
     res = run_cli(["diff", str(path), "--cache", "mooncake", "--cache", "gpu", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert (data["a"]["cache"], data["b"]["cache"]) == ("mooncake", "gpu")
+    assert [v["cache"] for v in data["variants"]] == ["mooncake", "gpu"]
     assert (data["changed"], data["net"]) == (1, 64)
     (change,) = data["changed_lookups"]
     assert (change["hit_a"], change["hit_b"], change["reason_group"]) == (0, 64, 1)
@@ -186,9 +186,9 @@ def test_explain_prints_the_flags_under_the_table(trace_43559: Path) -> None:
     start = lines.index("flags:")
     assert lines[start : start + 3] == [
         "flags:",
-        "  mamba_overrun: group 1 resumes Mamba state at 64, 16 tokens past the attention KV "
+        "  mamba_overrun (corruption): group 1 resumes Mamba state at 64, 16 tokens past the attention KV "
         "loaded for 48 tokens",
-        "  eagle_not_dropped: hit 64 reaches group 0's whole match: EAGLE recomputes nothing "
+        "  eagle_not_dropped (performance): hit 64 reaches group 0's whole match: EAGLE recomputes nothing "
         "past it",
     ]
     clean = run_cli(["explain", str(trace_43559), "--request", "req-43559", "--cache", "gpu"])

@@ -151,3 +151,29 @@ def test_sweep_one_line_per_eviction_log_scale() -> None:
     assert "&lt;b&gt;" in texts
     assert "<title>&lt;b&gt;, 1,000 blocks: 50.00%</title>" in svg
     assert "<title>lru, 100 blocks: 10.00%</title>" in svg
+
+
+def test_groups_an_order_of_magnitude_apart_go_on_a_log_axis() -> None:
+    """The issue's case: a 4,816-token Mamba bar beside 370,448 on one linear
+    axis was a sliver; a log axis shows both."""
+    import re
+
+    from analysis.report.charts import groups_svg
+
+    def group(gid: int, kind: str, tokens: int) -> dict[str, object]:
+        return {
+            "group_id": gid,
+            "label": f"{gid}: {kind}",
+            "kind": kind,
+            "block_size": 16,
+            "loaded_blocks": tokens // 16,
+            "skipped_blocks": 0,
+            "tokens_saved": tokens,
+        }
+
+    svg = str(groups_svg([group(0, "full_attention", 370_448), group(1, "mamba", 4_816)]))
+    assert ">tokens (loaded blocks × block size, log scale)</text>" in svg
+    ticks = re.findall(r'class="tick">([\d,]+)</text>', svg)
+    assert ticks == ["1", "10", "100", "1,000", "10,000", "100,000", "1,000,000"]
+    close = str(groups_svg([group(0, "full_attention", 48), group(1, "mamba", 16)]))
+    assert ">tokens (loaded blocks × block size)</text>" in close

@@ -52,7 +52,7 @@ def test_info_counts_distinct_keys_time_span_and_tokens(tmp_path: Path) -> None:
     assert data["distinct_keys_per_group"] == [5, 1]
     assert data["hash_entries"] == 3 + 2 + 1 + 3 + 1 + 2 + 2
     assert data["time_span"]["seconds"] == 90.0
-    assert (data["lookups"], data["lookup_prompt_tokens"], data["lookup_max_length_tokens"]) == (
+    assert (data["lookups"], data["prompt_tokens"], data["max_length_tokens"]) == (
         2,
         48 + 32,
         78,
@@ -74,3 +74,37 @@ def test_state_at_a_seq_and_written_as_parquet(tmp_path: Path) -> None:
     # After the clear of group 1 and with --group.
     end = run_cli(["state", str(path), "--group", "1"])
     assert "group 1: mamba block=16 (mamba): 0 keys" in end.stdout
+
+
+def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
+    """The public Mooncake trace's clock starts at zero: info and the report
+    say +00:58:57, never a date in 1970."""
+    from analysis.report import build_report, render_html
+
+    hs = chain(3, "rel")
+    zero = datetime(1970, 1, 1, tzinfo=UTC)
+    rows = [
+        {"kind": "store", "group_id": 0, "block_hashes": hs, "ts": zero},
+        {"kind": "store", "group_id": 1, "block_hashes": hs, "ts": zero},
+        {"kind": "lookup", "request_id": "r", "block_hashes": hs, "max_length": 47, "ts": zero},
+        {
+            "kind": "lookup",
+            "request_id": "s",
+            "block_hashes": hs,
+            "max_length": 47,
+            "ts": datetime(1970, 1, 1, 0, 58, 56, 999000, tzinfo=UTC),
+        },
+    ]
+    path = write_trace(tmp_path / "rel.parquet", full_mamba(), rows)
+    text = run_cli(["info", str(path)]).stdout.splitlines()
+    assert (
+        "time: +00:00:00 .. +00:58:57 elapsed (3537.0 s; the trace's clock starts at zero)" in text
+    )
+    data = json.loads(run_cli(["info", str(path), "--json"]).stdout)
+    assert data["time_span"]["relative"] is True
+    results = tmp_path / "rel.results.parquet"
+    assert run_cli(["run", str(path), "-o", str(results), "-q"]).exit_code == 0
+    page = render_html(build_report(results))
+    assert "1970" not in page
+    assert ">elapsed time since the trace&#39;s start (h:mm:ss)</text>" in page
+    assert "+00:58:57: 1 lookups" in page

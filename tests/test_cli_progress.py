@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import select
@@ -59,6 +60,9 @@ def test_a_bar_with_its_percentage_then_the_line_ends() -> None:
     with terminal() as drawn:
         with progress_bar() as bar:
             assert bar is not None
+            # Within its first second a display shows no time left (however
+            # slowly this machine gets here).
+            bar.started += 3600
             bar.count(1, 4, "1/4 runs")
             bar.steps("requests", 10)(5)
             bar.count(9, 0, "nothing to do")
@@ -69,6 +73,22 @@ def test_a_bar_with_its_percentage_then_the_line_ends() -> None:
         "\r[########################] 100.0%  nothing to do\x1b[K"
         "\n"
     )
+
+
+def test_the_time_left_at_the_rate_so_far() -> None:
+    with terminal() as drawn:
+        with progress_bar() as bar:
+            assert bar is not None
+            bar.started -= 10  # a quarter done in 10 s: 30 s to go
+            bar.count(1, 4, "1/4 runs")
+            bar.started -= 3590  # a half in an hour: an hour to go
+            bar.count(2, 4, "2/4 runs")
+        text = drawn()
+    assert re.fullmatch(
+        r"\r\[######\.{18}\]  25\.0%  1/4 runs  ETA 0:(29|30)\x1b\[K"
+        r"\r\[#{12}\.{12}\]  50\.0%  2/4 runs  ETA 1:00:0\d\x1b\[K\n",
+        text,
+    ), text
 
 
 def test_a_count_without_a_total_and_notes_on_their_own_lines() -> None:
@@ -137,6 +157,8 @@ LONG = {
     "run": (["run", str(DEMO), "-o", "{d}/r.parquet"], "1575/1575 events ", "replayed 1575 events"),
     "synth": (["synth", "-o", "{d}/s.parquet", "--model", "full", "--requests", "300"], "300/300 requests", "Wrote "),
     "whatif": (["whatif", str(DEMO), "--capacity-blocks", "100,200", "--jobs", "1", "-o", "{d}/w.parquet"], "2/2 runs", f"{DEMO}: 404 lookups"),
+    "check": (["check", str(DEMO)], "1575/1575 events ", f"{DEMO}: clean under vllm-0.33"),
+    "diff": (["diff", str(DEMO), "--policy", "vllm-0.33", "--policy", "pre-49502"], "1575/1575 events ", "diff of trace"),
 }  # fmt: skip
 
 
@@ -154,6 +176,44 @@ def test_long_commands_show_the_bar_on_a_terminal_only(tmp_path: Path, name: str
     piped = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert (piped.exit_code, piped.stderr) == (0, "")
     assert piped.stdout.splitlines()[0] == out.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_report_and_minimize_show_their_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    results = tmp_path / "demo.results.parquet"
+    run = CliRunner().invoke(cli, ["run", str(DEMO), "--policy", "pre-49502", "-o", str(results), "-q"])  # fmt: skip
+    assert run.exit_code == 0
+    report = ["report", str(results), "--trace", str(DEMO), "-o", str(tmp_path / "r.md")]
+    status, out, terminal = _on_a_terminal(report)
+    assert status == 0 and out.startswith(f"wrote {tmp_path / 'r.md'}")
+    # The explain tables' pass over the trace stops at the last example.
+    assert re.search(r"\] +\d+\.\d%  \d+/1575 events ", terminal) and terminal.endswith("\n")
+    flagged = json.loads(run_json(results))
+    # Given the results, minimize shrinks their trace under their policy.
+    minimize = [
+        "minimize",
+        str(results),
+        "--request",
+        flagged,
+        "-o",
+        str(tmp_path / "small.parquet"),
+    ]
+    status, out, terminal = _on_a_terminal(minimize)
+    assert status == 0 and out.startswith(f"{DEMO}: 1575 events -> ")
+    assert re.search(
+        r"\rshrinking: \d+ replays, \d[\d,]* -> \d+ events  \d+\.\d s\x1b\[K", terminal
+    )
+    for args in (report, minimize):
+        piped = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert (piped.exit_code, piped.stderr) == (0, "")
+
+
+def run_json(results: Path) -> str:
+    """The first request flagged mamba_overrun in ``results``, as JSON text."""
+    import polars as pl
+
+    frame = pl.read_parquet(results).filter(pl.col("flags").list.contains("mamba_overrun"))
+    return json.dumps(frame["request_id"][0])
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ TRACES = Path(__file__).resolve().parents[1] / "traces"
 def test_run_summary_text_and_json(tmp_path: Path) -> None:
     trace = Path(__file__).parent.parent / "traces" / "observed-43559-in-production.parquet"
     out = tmp_path / "r.parquet"
-    data = json.loads(run_cli(["run", str(trace), "-o", str(out), "--json"]).stdout)
+    payload = json.loads(run_cli(["run", str(trace), "-o", str(out), "--json"]).stdout)
+    assert (payload["version"], payload["command"], payload["trace"]) == (1, "run", str(trace))
+    (data,) = payload["variants"]
     assert {
         k: data[k]
         for k in ("lookups", "lookups_with_hit", "prompt_tokens", "hit_tokens", "hit_ratio")
@@ -27,7 +29,7 @@ def test_run_summary_text_and_json(tmp_path: Path) -> None:
     }
     assert data["events_by_kind"] == {"store": 2, "remove": 0, "clear": 0, "lookup": 1}
     assert data["observed"] == {"lookups": 1, "mismatches": 1}
-    assert data["flags"] == {"observed_mismatch": 1}
+    assert data["flags"] == [{"flag": "observed_mismatch", "severity": "observed", "lookups": 1}]
     assert data["groups"][1] == {
         "group_id": 1,
         "kind": "mamba",
@@ -41,7 +43,7 @@ def test_run_summary_text_and_json(tmp_path: Path) -> None:
     text = run_cli(["run", str(trace), "-o", str(out)]).stdout.splitlines()
     assert "prompt tokens: 65, hit tokens: 48 (hit ratio 73.85%)" in text
     assert "observed hits: 1 reported, 1 differ from the replay" in text
-    assert "flags: observed_mismatch 1" in text
+    assert "flags: observed_mismatch 1 (observed)" in text
     assert (
         "  observed_mismatch: request prod-1 seq 2: replayed hit 48 but production reported 64"
         in text
@@ -60,7 +62,7 @@ def test_run_summary_is_these_lines(tmp_path: Path) -> None:
         "  group 0 full_attention block=16: loaded 3 blocks (48 tokens), skipped 0",
         "  group 1 mamba block=16: loaded 1 blocks (16 tokens), skipped 3",
         "time: T",
-        "flags: eagle_not_dropped 1, mamba_overrun 1",
+        "flags: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)",
         "flagged lookups (first examples):",
         "  mamba_overrun: request req-43559 seq 2: group 1 resumes Mamba state at 64, 16 tokens past the attention KV loaded for 48 tokens",
         "  eagle_not_dropped: request req-43559 seq 2: hit 64 reaches group 0's whole match: EAGLE recomputes nothing past it",
@@ -73,12 +75,20 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     flagged = run_cli(["check", str(trace), "--policy", "pre-49502", "--examples", "0"])
     assert (flagged.exit_code, flagged.stdout) == (
         1,
-        f"{trace}: 1 flagged lookup(s) under pre-49502 (eagle_not_dropped 1, mamba_overrun 1)\n",
+        f"{trace}: 1 flagged lookup(s) under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)\n"
+        "fail (--fail-on corruption): 1 lookup(s) with mamba_overrun 1 (corruption)\n",
     )
     clean = run_cli(["check", str(trace)])
     assert (clean.exit_code, clean.stdout) == (0, f"{trace}: clean under vllm-0.33 (no flags)\n")
     out = tmp_path / "min.parquet"
-    small = run_cli(["minimize", str(trace), "--request", "req-43559", "-o", str(out)])
+    # A trace is shrunk under the current release unless told otherwise
+    # (before, pre-49502 was the default): there the lookup is clean.
+    clean = run_cli(["minimize", str(trace), "--request", "req-43559", "-o", str(out)])
+    assert (clean.exit_code, clean.stderr) == (
+        2,
+        f"error: {trace}: request 'req-43559' raises no flag under vllm-0.33: nothing to minimize\n",
+    )
+    small = run_cli(["minimize", str(trace), "--request", "req-43559", "--policy", "pre-49502", "-o", str(out)])  # fmt: skip
     assert small.stdout.splitlines() == [
         f"{trace}: 3 events -> {out}: 2 events",
         "  vllm-0.33: no flags; hit 0",

@@ -119,7 +119,18 @@ def test_diff_policies_43559(trace_43559: Path) -> None:
     assert lines[3] == "lookups: 1 compared, 1 with a different hit (B higher on 1, lower on 0)"
     assert lines[4] == "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)"
     reasons = lines[lines.index("explained by:") + 3]
-    assert reasons.split() == ["flag", "mamba_overrun", "only", "in", "B", "1", "16", "0", "+16"]
+    assert reasons.split() == [
+        "flag",
+        "mamba_overrun",
+        "(corruption)",
+        "only",
+        "in",
+        "B",
+        "1",
+        "16",
+        "0",
+        "+16",
+    ]
     row = lines[-1].split()
     assert row == [
         "2",
@@ -139,8 +150,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
     res = invoke([trace_43559, "--policy", "vllm-0.33", "--policy", "pre-49502", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
-    assert data["a"]["policy"] == "vllm-0.33"
-    assert data["b"]["policy"] == "pre-49502"
+    assert [v["policy"] for v in data["variants"]] == ["vllm-0.33", "pre-49502"]
     assert (data["lookups"], data["changed"], data["gained"], data["lost"], data["net"]) == (
         1,
         1,
@@ -148,7 +158,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
         0,
         16,
     )
-    assert (data["hit_tokens_a"], data["hit_tokens_b"]) == (48, 64)
+    assert [v["hit_tokens"] for v in data["variants"]] == [48, 64]
     assert data["reasons"] == [
         {
             "reason": "mamba_overrun",
@@ -159,6 +169,7 @@ def test_diff_json_43559(trace_43559: Path) -> None:
             "gained": 16,
             "lost": 0,
             "net": 16,
+            "severity": "corruption",
         }
     ]
     (lk,) = data["changed_lookups"]
@@ -198,7 +209,7 @@ def test_diff_results_files_43559(tmp_path: Path, trace_43559: Path) -> None:
         in res.output
     )
     assert "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)" in res.output
-    assert "flag mamba_overrun  only in B        1      16     0  +16" in res.output
+    assert "flag mamba_overrun (corruption)  only in B        1      16     0  +16" in res.output
 
 
 def test_diff_output_parquet(tmp_path: Path, trace_43559: Path) -> None:
@@ -393,12 +404,18 @@ def _error(args: Sequence[Any]) -> str:
     return lines[0]
 
 
-def test_bad_results_given_for_trace(tmp_path: Path, trace_43559: Path) -> None:
+def test_results_given_for_a_trace_lead_to_it(tmp_path: Path, trace_43559: Path) -> None:
+    """One results file and two policies: its trace is replayed (it was
+    refused before results led back); a changed trace is refused."""
     a, _ = _two_results(tmp_path, trace_43559)
+    both = ["--policy", "vllm-0.33", "--policy", "pre-49502"]
+    res = invoke([a, *both])
+    assert res.exit_code == 0, res.output
+    assert res.output == invoke([trace_43559, *both]).output
+    write_trace(trace_43559, full_mamba(), issue_43559_rows()[:2])
     out = tmp_path / "d.parquet"
-    assert _error([a, "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", out]) == (
-        f"error: {a}: is a results file, expected a trace to replay with --policy twice "
-        "(or give two results files and no --policy)"
+    assert _error([a, *both, "-o", out]).startswith(
+        f"error: {a}: its trace {trace_43559} has changed since these results were made "
     )
     assert not out.exists()
 

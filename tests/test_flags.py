@@ -70,8 +70,12 @@ def test_check_cli_exit_codes_and_json(trace_43559: Path) -> None:
     import json
 
     data = json.loads(bad.stdout)
-    assert data["counts"] == {"eagle_not_dropped": 1, "mamba_overrun": 1}
-    assert data["flags"][0] | {"detail": ""} == {
+    (variant,) = data["variants"]
+    assert variant["flags"] == [
+        {"flag": "mamba_overrun", "severity": "corruption", "lookups": 1, "fails": True},
+        {"flag": "eagle_not_dropped", "severity": "performance", "lookups": 1, "fails": False},
+    ]
+    assert variant["flagged"][0] | {"detail": ""} == {
         "seq": 2,
         "request_id": "req-43559",
         "flag": "mamba_overrun",
@@ -81,6 +85,7 @@ def test_check_cli_exit_codes_and_json(trace_43559: Path) -> None:
         "actual": 64,
         "expected": 48,
         "detail": "",
+        "severity": "corruption",
     }
 
 
@@ -94,7 +99,7 @@ def test_check_results_file(tmp_path: Path, trace_43559: Path) -> None:
     assert res.exit_code == 1
     assert (
         res.stdout.splitlines()[0]
-        == f"{out}: 1 flagged lookup(s) under pre-49502 (eagle_not_dropped 1, mamba_overrun 1)"
+        == f"{out}: 1 flagged lookup(s) under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)"
     )
     frame = pl.read_parquet(out)
     assert frame["flags"].to_list() == [["mamba_overrun", "eagle_not_dropped"]]

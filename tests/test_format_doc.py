@@ -102,9 +102,18 @@ def test_trace_metadata_fields_are_the_written_ones() -> None:
     assert set(doc_table("Each object of `kv_cache_groups`:")) == group_fields
 
 
-def test_results_metadata_fields_are_the_written_ones() -> None:
+def test_results_metadata_fields_are_the_written_ones(tmp_path: Path) -> None:
+    """The fields of a results file as `replay run` writes it (with the
+    link back to its trace)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from analysis.flags import save_results
+
     trace = Path(__file__).resolve().parents[1] / "traces" / "demo-full-mamba-eagle.parquet"
-    written = replay_trace(trace).metadata()
+    out = save_results(replay_trace(trace), tmp_path / "r.results.parquet")
+    written = json.loads(pq.read_schema(out).metadata[b"replay.results"])
     assert set(doc_table("Key `replay.results`: a JSON object.")) == set(written)
 
 

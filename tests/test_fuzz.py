@@ -533,7 +533,7 @@ def test_mutated_traces(valid: dict[str, Path], data: st.DataObject) -> None:
             ("state", ["state", t, "--at", "30", "-o", "{o}/k.parquet"], {"k.parquet": read_parquet}),
             ("explain", ["explain", t, "--request", "req-43559"], {}),
             ("diff", ["diff", t, "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{o}/d.parquet"], {"d.parquet": read_parquet}),
-            ("minimize", ["minimize", t, "--request", "req-43559", "-o", "{o}/m.parquet"], {"m.parquet": read_trace_fully}),
+            ("minimize", ["minimize", t, "--request", "req-43559", "--policy", "pre-49502", "-o", "{o}/m.parquet"], {"m.parquet": read_trace_fully}),
             ("merge", ["ingest", "merge", t, str(log), "-o", "{o}/x.parquet"], {"x.parquet": read_trace_fully}),
             ("report", ["report", str(results), "--trace", t, "-o", "{o}/r.md"], {"r.md": lambda p: p.read_text(encoding="utf-8")}),
             ("config", ["ingest", "kv-events", str(dump), "--config", t, "-o", "{o}/c.parquet"], {"c.parquet": read_trace_fully}),

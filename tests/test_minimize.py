@@ -49,7 +49,18 @@ def test_injected_overrun_shrinks_to_a_handful_of_events(tmp_path: Path) -> None
     assert open_trace(big).num_rows > 2000
     small = tmp_path / "small.parquet"
     result = run_cli(
-        ["minimize", str(big), "--request", "victim", "--flag", "mamba_overrun", "-o", str(small)]
+        [
+            "minimize",
+            str(big),
+            "--request",
+            "victim",
+            "--flag",
+            "mamba_overrun",
+            "--policy",
+            "pre-49502",
+            "-o",
+            str(small),
+        ]
     )
     assert result.exit_code == 0, result.output
     frame = open_trace(small).read_frame()
@@ -69,7 +80,18 @@ def test_minimize_refuses_a_clean_request(tmp_path: Path) -> None:
     big = _noisy_trace(tmp_path / "big.parquet")
     out = tmp_path / "small.parquet"
     result = run_cli(
-        ["minimize", str(big), "--request", "n3", "--flag", "mamba_overrun", "-o", str(out)]
+        [
+            "minimize",
+            str(big),
+            "--request",
+            "n3",
+            "--flag",
+            "mamba_overrun",
+            "--policy",
+            "pre-49502",
+            "-o",
+            str(out),
+        ]
     )
     assert result.exit_code == 2
     assert (
@@ -103,6 +125,8 @@ def test_synthetic_injected_overrun_becomes_a_regression_trace(tmp_path: Path) -
             "overrun-0000-resend",
             "--flag",
             "mamba_overrun",
+            "--policy",
+            "pre-49502",
             "-o",
             str(small),
         ]
@@ -117,7 +141,8 @@ def test_synthetic_injected_overrun_becomes_a_regression_trace(tmp_path: Path) -
 
     check = run_cli(["check", str(small), "--policy", "pre-49502", "--json"])
     assert check.exit_code == 1
-    overrun = [f for f in json.loads(check.stdout)["flags"] if f["flag"] == "mamba_overrun"]
+    (variant,) = json.loads(check.stdout)["variants"]
+    overrun = [f for f in variant["flagged"] if f["flag"] == "mamba_overrun"]
     assert [(f["request_id"], f["actual"] - f["expected"]) for f in overrun] == [
         ("overrun-0000-resend", 16)
     ]

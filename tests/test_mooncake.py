@@ -276,7 +276,7 @@ def test_mooncake_command(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     summary = ingest_mooncake(src, tmp_path / "lib.parquet")
     assert result.output == ingest_summary_text({**summary, "path": str(out)}) + "\n"
-    assert "Prefix reuse ratio 0.6578 (3,568 of 5,424 input tokens" in result.output
+    assert "Prefix reuse 65.78% (3,568 of 5,424 input tokens" in result.output
 
 
 def test_bailian_command(tmp_path: Path) -> None:
@@ -285,7 +285,7 @@ def test_bailian_command(tmp_path: Path) -> None:
     args = [str(src), "-o", str(out), "--model", "full+mamba", "--eagle", "--capacity-blocks", "9"]
     result = CliRunner().invoke(bailian, args)
     assert result.exit_code == 0, result.output
-    assert "Prefix reuse ratio 0.3380 (48 of 142 input tokens" in result.output
+    assert "Prefix reuse 33.80% (48 of 142 input tokens" in result.output
 
 
 def test_store_options_are_recorded(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def _digests(folder: Path) -> dict[str, bytes]:
 WRITERS = {
     "run": (["run", "{trace}", "-o", "{out}", "-q"], "trace"),
     "state": (["state", "{trace}", "-o", "{out}"], "trace"),
-    "minimize": (["minimize", "{trace}", "--request", "req-43559", "-o", "{out}"], "trace"),
+    "minimize": (["minimize", "{trace}", "--request", "req-43559", "--policy", "pre-49502", "-o", "{out}"], "trace"),
     "diff-trace": (["diff", "{trace}", "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{out}"], "trace"),
     "diff-results": (["diff", "{results}", "{results}", "-o", "{out}"], "results"),
     "report-results": (["report", "{results}", "-o", "{out}"], "results"),
@@ -184,11 +184,14 @@ def test_report_format_follows_the_extension(inputs: dict[str, Path], tmp_path: 
     assert md.read_text().startswith("## Replay report: t.parquet\n")
     assert run_cli(["report", str(inputs["results"]), "-o", str(html)]).exit_code == 0
     assert html.read_text().startswith("<!DOCTYPE html>")
-    assert (
-        run_cli(["report", str(inputs["results"]), "-o", str(md), "--format", "html"]).exit_code
-        == 0
+    # An HTML page in a file named .md is refused (issue 26: every -o honours
+    # its extension), and the Markdown already there is left as it was.
+    refused = run_cli(["report", str(inputs["results"]), "-o", str(md), "--format", "html"])
+    assert (refused.exit_code, refused.stderr) == (
+        2,
+        f"error: -o {md}: a .md name for HTML (--format html); name it r.html or drop --format\n",
     )
-    assert md.read_text().startswith("<!DOCTYPE html>")
+    assert md.read_text().startswith("## Replay report: t.parquet\n")
 
 
 @contextlib.contextmanager

@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from replay.sources.record import EmptyRecording
 from replay.sources.record import record as record_stream
 from replay.sources.stream import StreamProcessor
 from tests.conftest import run_cli
@@ -68,23 +71,32 @@ def test_a_seq_going_back_over_batches_taken_is_still_a_restart() -> None:
     assert [r["kind"] for r in rows] == ["store", "store", "store", "clear", "store"]
 
 
-def test_silence_is_said_once_naming_the_endpoint_and_topic(tmp_path: Path) -> None:
+def test_silence_before_any_event_ends_the_recording_at_the_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """Nothing ever received is not an idle engine to wait for: past
+    ``connect_timeout`` it is an error and nothing is written (the silence
+    note is for a stream that went quiet after it began)."""
     messages: list[str] = []
     out = tmp_path / "t.parquet"
-    summary = record_stream(
-        endpoint="tcp://127.0.0.1:9",  # nobody publishes there
-        output=out,
-        config=one_group(),
-        topic="kv@",
-        duration=1.0,
-        silence_seconds=0.3,
-        report=messages.append,
+    with pytest.raises(EmptyRecording) as err:
+        record_stream(
+            endpoint="tcp://127.0.0.1:9",  # nobody publishes there
+            output=out,
+            config=one_group(),
+            topic="kv@",
+            duration=5.0,
+            silence_seconds=0.3,
+            connect_timeout=1.0,
+            report=messages.append,
+        )
+    assert str(err.value) == (
+        "--endpoint tcp://127.0.0.1:9: no KV event within 1 s (connected: vLLM's publisher must "
+        "bind there); check that vLLM runs with kv_events_config (enable_kv_cache_events, "
+        "publisher zmq) on that host and port, and the topic 'kv@'; no trace written"
     )
-    assert summary.batches == 0
-    assert messages == [
-        "nothing received on tcp://127.0.0.1:9 (topic 'kv@') for 0.3 s: is the engine publishing "
-        "KV events there (kv_events_config), and is the topic right? Still recording."
-    ]
+    assert messages == []
+    assert not out.exists()
 
 
 def test_a_bad_endpoint_is_one_line_and_writes_nothing(tmp_path: Path) -> None:

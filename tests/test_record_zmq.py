@@ -11,6 +11,7 @@ safety net.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from click.testing import CliRunner, Result
 
 from replay.cli.sources import ingest, record
 from replay.format.tracedir import open_trace
+from replay.sources.record import EmptyRecording
 from replay.sources.record import record as record_stream
 from replay.sources.zmq_client import END_SEQ
 from tests.contracts.source import SourceContract
@@ -45,6 +47,15 @@ from tests.kvpayloads import (
 )
 
 TIMEOUT = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on (bound, then freed)."""
+    with zmq.Context() as probe:
+        sock = probe.socket(zmq.PUB)
+        port = int(sock.bind_to_random_port("tcp://127.0.0.1"))
+        sock.close(linger=0)
+    return port
 
 
 @dataclass
@@ -294,7 +305,7 @@ def test_record_cli_with_topic_filter_and_no_replay_endpoint(tmp_path: Path) -> 
         f"recording {pub.endpoint} (connecting: vLLM's publisher binds there) -> {out} "
         "(Ctrl-C to stop)",
         "gap: seq 1 missing (1 batch): no --replay-endpoint to ask",
-        f"recorded 2 batches, 2 rows, 1 missing in 1 gap to {out}",
+        f"recorded 2 KV events in 2 batches, no lookup stream, 1 gap (1 batch missing) to {out}",
     ]
     trace = open_trace(out)
     assert keyed(trace.read_frame().to_dicts()) == [
@@ -334,23 +345,62 @@ def test_record_reports_a_replay_endpoint_that_does_not_answer(tmp_path: Path) -
     ]
 
 
-def test_record_stops_after_duration_with_a_valid_empty_trace(tmp_path: Path) -> None:
+def test_an_empty_recording_is_never_written(tmp_path: Path) -> None:
+    """A publisher that is there but sends nothing, until --duration: before
+    issue 26 this wrote an empty trace and exited 0."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.PUB)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         out = tmp_path / "t.parquet"
         start = time.monotonic()
-        summary = record_stream(
-            endpoint=f"tcp://127.0.0.1:{port}", output=out, config=one_group(), duration=0.3
-        )
+        with pytest.raises(EmptyRecording) as err:
+            record_stream(
+                endpoint=f"tcp://127.0.0.1:{port}", output=out, config=one_group(), duration=0.3
+            )
         assert 0.3 <= time.monotonic() - start < TIMEOUT
     finally:
         ctx.destroy(linger=0)
-    assert summary.stop_reason == "duration"
-    trace = open_trace(out)
-    assert trace.num_rows == 0
-    assert (trace.config.source or {})["stop_reason"] == "duration"
+    assert re.fullmatch(
+        rf"--endpoint tcp://127\.0\.0\.1:{port}: no KV event in 0\.\d s \(stopped: duration\) "
+        r"\(connected: vLLM's publisher must bind there\); check that vLLM runs with "
+        r"kv_events_config \(enable_kv_cache_events, publisher zmq\) on that host and port; "
+        r"no trace written",
+        str(err.value),
+    ), str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_no_kv_event_within_the_connect_timeout_is_exit_2_and_no_file(
+    tmp_path: Path, bind: bool
+) -> None:
+    """Nothing on a real socket on 127.0.0.1 (no publisher, or one that binds
+    or connects elsewhere): one line naming the endpoint, whether the
+    recorder bound or connected, and what to check; exit 2; no trace."""
+    port = free_port()
+    out = tmp_path / "t.parquet"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    start = time.monotonic()
+    result = CliRunner().invoke(
+        record,
+        ["--endpoint", endpoint, "--bind" if bind else "--connect", "-o", str(out),
+         "--block-size", "16", "--connect-timeout", "0.5", "--topic", "kv"],
+    )  # fmt: skip
+    assert 0.5 <= time.monotonic() - start < TIMEOUT
+    how = (
+        "bound there: vLLM's publisher must connect to it); check that vLLM's kv_events_config "
+        "endpoint names this host and port"
+        if bind
+        else "connected: vLLM's publisher must bind there); check that vLLM runs with "
+        "kv_events_config (enable_kv_cache_events, publisher zmq) on that host and port"
+    )
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.splitlines()[-1] == (
+        f"error: --endpoint {endpoint}: no KV event within 0.5 s ({how}, and the topic 'kv'; "
+        "no trace written"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_record_bad_endpoint_is_a_one_line_error(tmp_path: Path) -> None:
@@ -414,7 +464,7 @@ def test_sigterm_closes_a_valid_trace(tmp_path: Path) -> None:
     # A valid trace, and the status says a signal ended the recording: 128 + 15.
     assert proc.returncode == 143, err
     assert err.splitlines()[-2:] == [
-        f"recorded 3 batches, 3 rows to {out}",
+        f"recorded 3 KV events in 3 batches, no lookup stream, 0 gaps to {out}",
         "interrupted by SIGTERM",
     ]
     trace = open_trace(out)
@@ -487,3 +537,23 @@ class TestRecorder(SourceContract):
             ([*endpoint, "--config", str(missing)], f"{missing}: no such file"),
             ([*endpoint, "--config", str(badjson)], f"{badjson}: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
         ]  # fmt: skip
+
+
+def test_silence_after_the_stream_began_is_said_once(tmp_path: Path) -> None:
+    out = tmp_path / "t.parquet"
+    messages: list[str] = []
+    with Publisher([Step(seq=0, body=payload(T0, stored([1])))], with_replay=False) as pub:
+        summary = record_stream(
+            endpoint=pub.endpoint,
+            output=out,
+            config=one_group(),
+            duration=1.5,
+            silence_seconds=0.5,
+            report=messages.append,
+        )
+    assert summary.kv_events == 1
+    assert messages == [
+        f"nothing received on {pub.endpoint} (topic '') for 0.5 s: is the engine publishing "
+        "KV events there (kv_events_config), and is the topic right? Still recording."
+    ]
+    assert open_trace(out).num_rows == 1

@@ -8,14 +8,17 @@ import io
 import shutil
 from pathlib import Path
 
+import pytest
+
 from analysis.report import build_report
 from analysis.report.build import explain_examples
+from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.trace import TraceReader
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from tests.builders import issue_43559_rows
-from tests.reports import MAMBA_ROW, report_error, results_of
+from tests.reports import MAMBA_ROW, report_error, results_of, unlink_results
 from tests.test_diff import write_workload
 
 
@@ -89,10 +92,28 @@ def test_explain_tables_of_the_43559_example(trace_43559: Path) -> None:
     assert (data.cache, data.alignment, data.explain_note) == ("mooncake", 16, None)
 
 
-def test_a_trace_found_by_name_that_is_another_trace_is_a_note(
+def test_a_trace_where_the_results_lead_that_changed_is_refused(
     tmp_path: Path, trace_43559: Path
 ) -> None:
+    """The results lead to ``t43559.parquet`` beside them; another trace of
+    that name there has another fingerprint: one line, no report."""
     copy = _results_copied(tmp_path, trace_43559)
+    other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
+    with pytest.raises(ReplayError) as err:
+        build_report(copy)
+    assert str(err.value).startswith(
+        f"{copy}: its trace {other} has changed since these results were made (fingerprint "
+    )
+    assert str(err.value).endswith(f"replay it again (replay run {other}) or give the trace itself")
+
+
+def test_an_unlinked_trace_found_by_name_that_is_another_trace_is_a_note(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """Results that do not record their trace (made before they led back):
+    a trace of that name beside them is checked by its lookups."""
+    copy = _results_copied(tmp_path, trace_43559)
+    unlink_results(copy)
     other = write_workload(copy.with_name(trace_43559.name), n_requests=3)
     data = build_report(copy)
     assert data.trace_path is None

@@ -49,6 +49,7 @@ def test_summary_counts_a_lookup_with_two_flags_once() -> None:
         "hit_tokens": 96,
         "hit_ratio": 0.32,
         "flagged_lookups": 2,
+        "by_severity": {"corruption": 1, "inconsistent": 0, "performance": 2, "observed": 0},
         "observed": 2,
         "observed_mismatches": 1,
         "mean_hit": 32.0,
@@ -66,9 +67,9 @@ def test_timeline_by_seq_without_timestamps() -> None:
         (4.0, 1.0, 1, 100, 100),
     ]
     assert [p.label for p in points] == [
-        "seq 0: 1 lookups, hit ratio 50.0% (50 of 100 tokens)",
-        "seq 2: 1 lookups, hit ratio 0.0% (0 of 100 tokens)",
-        "seq 4: 1 lookups, hit ratio 100.0% (100 of 100 tokens)",
+        "seq 0: 1 lookups, hit ratio 50.00% (50 of 100 tokens)",
+        "seq 2: 1 lookups, hit ratio 0.00% (0 of 100 tokens)",
+        "seq 4: 1 lookups, hit ratio 100.00% (100 of 100 tokens)",
     ]
 
 
@@ -87,7 +88,7 @@ def test_timeline_bins_by_time_at_most_40() -> None:
     assert sum(p.hit_tokens for p in points) == int(res["hit_tokens"].sum())
     # 99 s over 40 bins: the first bin holds seconds 0-2, said as clock times.
     assert points[0].lookups == 3
-    assert points[0].label == "12:00:00 – 12:00:02: 3 lookups, hit ratio 10.0% (30 of 300 tokens)"
+    assert points[0].label == "12:00:00 – 12:00:02: 3 lookups, hit ratio 10.00% (30 of 300 tokens)"
 
 
 def test_timeline_empty() -> None:
@@ -96,14 +97,15 @@ def test_timeline_empty() -> None:
 
 def test_histogram_one_bar_per_alignment() -> None:
     bins = data.histogram(_results([0, 16, 16, 48]), 16)
+    # No hit is a bar of its own (issue 26: its bar held every hit under a width).
     assert [(b.lo, b.width, b.lookups, b.label) for b in bins] == [
-        (0, 16, 1, "0"),
+        (0, 1, 1, "0"),
         (16, 16, 2, "16"),
         (32, 16, 0, "32"),
         (48, 16, 1, "48"),
     ]
     assert [b.tooltip for b in bins] == [
-        "hit 0 tokens: 1 lookup",
+        "no hit: 1 lookup",
         "hit 16 tokens: 2 lookups",
         "hit 32 tokens: 0 lookups",
         "hit 48 tokens: 1 lookup",
@@ -142,24 +144,33 @@ def test_groups_sum_loaded_and_skipped_blocks() -> None:
     ]
 
 
-def test_flag_rows_in_flag_kinds_order_unknown_kinds_last() -> None:
+def test_flag_rows_worst_severity_first_unknown_kinds_last() -> None:
     flags = _flags(
         [("zz_new", 0), ("eagle_not_dropped", 2), ("mamba_overrun", 2), ("eagle_not_dropped", 4)]
     )
     assert data.flag_rows(flags, 4) == [
         {
             "flag": "mamba_overrun",
+            "severity": "corruption",
             "lookups": 1,
             "share": 0.25,
             "meaning": "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
         },
         {
             "flag": "eagle_not_dropped",
+            "severity": "performance",
             "lookups": 2,
             "share": 0.5,
             "meaning": "EAGLE is on but the hit covers the whole present prefix (nothing left to recompute)",
         },
-        {"flag": "zz_new", "lookups": 1, "share": 0.25, "meaning": ""},
+        # A flag of a newer version: inconsistent until this version knows it, listed last.
+        {
+            "flag": "zz_new",
+            "severity": "inconsistent",
+            "lookups": 1,
+            "share": 0.25,
+            "meaning": "",
+        },
     ]
     assert data.flag_rows(_flags([]), 0) == []
 
@@ -193,8 +204,8 @@ def test_histogram_bins_widen_for_long_hits() -> None:
 
     frame = pl.DataFrame({"hit_tokens": [0, 16, 47, 48, 1000]})
     bins = data.histogram(frame, 16)
-    # 1000 // 16 + 1 = 63 units of 16 > 30 bars: bars of 3 units (48 tokens), 21 of them.
-    assert (len(bins), {b.width for b in bins}) == (21, {48})
-    assert [b.lookups for b in bins[:2]] == [3, 1]
+    # No hit is a bar of its own; then 63 alignments up to 1000 in at most
+    # 29 bars: bars of 3 alignments (48 tokens) from 16 on, 21 of them.
+    assert (len(bins), [b.width for b in bins[:2]], bins[-1].width) == (22, [1, 48], 48)
+    assert [b.tooltip for b in bins[:2]] == ["no hit: 1 lookup", "hit 16–63 tokens: 3 lookups"]
     assert bins[-1].lookups == 1
-    assert bins[0].tooltip == "hit 0–47 tokens: 3 lookups"

@@ -6,13 +6,18 @@ from __future__ import annotations
 import dataclasses
 import html
 import re
+import shlex
 from pathlib import Path
+
+import pytest
+from markupsafe import escape
 
 from analysis.report import build_report, render_html
 from replay import __version__
 from replay.base.spec import TraceConfig
 from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
+from tests.conftest import run_cli
 from tests.reports import MAMBA_ROW, invoke_report, marks, results_of
 from tests.test_diff import write_workload
 
@@ -27,11 +32,20 @@ def test_report_43559_html(tmp_path: Path, trace_43559: Path) -> None:
     assert "<title>Replay report: t43559.parquet</title>" in page
     assert '<div class="v">98.46%</div><div class="k">hit ratio</div>' in page
     assert (
-        '<div class="card bad"><div class="v">1</div><div class="k">flagged lookups</div>' in page
+        '<div class="card bad sev-corruption"><div class="v">1</div><div class="k">corruption</div>'
+        in page
+    )
+    assert (
+        '<div class="card bad sev-performance"><div class="v">1</div><div class="k">performance</div>'
+        in page
+    )
+    assert page.index('<div class="k">corruption</div>') < page.index(
+        '<div class="k">performance</div>'
     )
     # The flag table row, then the example with its detail.
     assert (
-        '<tr><td><a href="#flag-mamba_overrun"><code>mamba_overrun</code></a></td>'
+        '<tr class="sev-corruption"><td><span class="severity">corruption</span></td>'
+        '<td><a href="#flag-mamba_overrun"><code>mamba_overrun</code></a></td>'
         '<td class="n">1</td><td class="n"><span class="meter" style="width:60px"></span>'
         "100.00%</td><td>Mamba resumes recurrent state past the hit or the attention KV it "
         "loads (#43559)</td></tr>"
@@ -74,10 +88,34 @@ def test_report_clean_run(tmp_path: Path, trace_43559: Path) -> None:
     assert "<pre>request" not in page
 
 
+def test_results_in_another_folder_lead_to_their_trace(
+    tmp_path: Path, trace_43559: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case: results written into another folder used to lose
+    every explain table; they record where their trace is, and each table's
+    command line runs as printed (from where the report was made)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    results_of(trace_43559, out=elsewhere / "r.results.parquet")
+    monkeypatch.chdir(tmp_path)
+    res = invoke_report(["elsewhere/r.results.parquet", "-o", "r.html"])
+    assert (res.exit_code, res.output) == (0, "wrote r.html\n")
+    page = (tmp_path / "r.html").read_text()
+    command = (
+        "replay explain t43559.parquet --request req-43559 --seq 2 --policy pre-49502 "
+        "--cache mooncake"
+    )
+    assert f"<summary><code>{command}</code></summary>" in page
+    assert MAMBA_ROW in page
+    ran = run_cli(command.split()[1:])
+    assert ran.exit_code == 0 and MAMBA_ROW in ran.stdout
+
+
 def test_report_without_trace_says_so(tmp_path: Path, trace_43559: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     results = results_of(trace_43559, out=elsewhere / "r.results.parquet")
+    trace_43559.rename(tmp_path / "moved.parquet")  # where the results lead: nothing
     out = tmp_path / "r.html"
     res = invoke_report([results, "-o", out])
     note = (
@@ -92,7 +130,7 @@ def test_report_without_trace_says_so(tmp_path: Path, trace_43559: Path) -> None
     assert "16 tokens past the attention KV loaded for 48 tokens" in page
     assert "<pre>request" not in page
     # ... and --trace brings the explain tables back.
-    assert invoke_report([results, "-o", out, "--trace", trace_43559]).exit_code == 0
+    assert invoke_report([results, "-o", out, "--trace", tmp_path / "moved.parquet"]).exit_code == 0
     assert MAMBA_ROW in out.read_text()
 
 
@@ -123,8 +161,8 @@ def test_report_workload_page(tmp_path: Path) -> None:
     assert page.count("<details open") == 1
     # 56 lookups carry each flag, 3 of each are shown.
     assert (
-        '<h3 id="flag-mamba_overrun"><span class="flag">mamba_overrun</span> — 56 lookups, '
-        "first 3</h3>"
+        '<h3 id="flag-mamba_overrun" class="sev-corruption"><span class="flag">mamba_overrun</span> '
+        '<span class="severity">corruption</span> — 56 lookups, first 3</h3>'
     ) in page
 
 
@@ -166,7 +204,9 @@ def test_markup_in_the_trace_is_escaped_in_the_page_and_the_svg(tmp_path: Path) 
     # The request: its example rows (one per flag), the explain summary and
     # table, and the link back from the second flag.
     assert page.count(f"<td>{ESCAPED}</td>") == 2
-    assert f"<code>replay explain --request {ESCAPED} --policy pre-49502</code>" in page
+    words = ["replay", "explain", str(trace), "--request", HOSTILE, "--seq", "2"]
+    command = shlex.join([*words, "--policy", "pre-49502", "--cache", "mooncake"])
+    assert f"<code>{escape(command)}</code>" in page
     assert f"<pre>request {ESCAPED} (seq 2): max_length 64" in page
     assert f"Explain table of {ESCAPED} (seq 2):" in page
     # The group name: the group table, the configuration, and inside the

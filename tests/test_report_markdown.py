@@ -23,13 +23,18 @@ def test_report_43559_markdown(tmp_path: Path, trace_43559: Path) -> None:
         "Policy `pre-49502`, reference coordinator, mooncake cache, results "
         "`t43559.results.parquet`."
     )
-    assert "| 1 | 1 | 65 | 64 | 98.46% | 1 |" in lines
+    # Lookups per severity, worst first.
+    assert "| 1 | 1 | 65 | 64 | 98.46% | 1 | 0 | 1 | 0 |" in lines
     assert (
-        "| `mamba_overrun` | 1 | 100.00% | Mamba resumes recurrent state past the hit or "
-        "the attention KV it loads (#43559) |"
+        "| **corruption** | `mamba_overrun` | 1 | 100.00% | Mamba resumes recurrent state past "
+        "the hit or the attention KV it loads (#43559) |"
     ) in lines
     assert (
-        "- `mamba_overrun` request `req-43559` (seq 2): group 1 resumes Mamba state at 64, "
+        "| performance | `eagle_not_dropped` | 1 | 100.00% | EAGLE is on but the hit covers "
+        "the whole present prefix (nothing left to recompute) |"
+    ) in lines
+    assert (
+        "- `mamba_overrun` (corruption) request `req-43559` (seq 2): group 1 resumes Mamba state at 64, "
         "16 tokens past the attention KV loaded for 48 tokens"
     ) in lines
     assert "  " + MAMBA_ROW in lines

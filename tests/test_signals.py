@@ -194,7 +194,7 @@ def test_record_closes_a_valid_trace_on_a_signal_and_exits_128_plus_it(
         err = finish(proc, sig)
     assert subscribed, "the recorder never subscribed"
     assert proc.returncode == 128 + sig, err
-    assert err.splitlines()[-2:] == [f"recorded 3 batches, 3 rows to {out}", f"interrupted by {sig.name}"]  # fmt: skip
+    assert err.splitlines()[-2:] == [f"recorded 3 KV events in 3 batches, no lookup stream, 0 gaps to {out}", f"interrupted by {sig.name}"]  # fmt: skip
     assert open_trace(out).read_frame().height == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump", "t.parquet"]
 

@@ -5,6 +5,7 @@ it is found) its trace, each opened once; the trace gives the examples their
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from analysis.flags import results_flags
@@ -12,6 +13,7 @@ from analysis.report import data
 from analysis.report.data import ReportData
 from analysis.report.inputs import lookup_mismatch, read_report_results, resolve_trace
 from replay.base.errors import ReplayError
+from replay.engine.answers import Progress
 from replay.engine.replay import explain_lookups
 from replay.format.results import results_cache, results_config
 from replay.format.trace import TraceReader
@@ -25,6 +27,7 @@ def build_report(
     *,
     trace: TraceSource | None = None,
     examples: int = 3,
+    progress: Callable[[Progress], None] | None = None,
 ) -> ReportData:
     """Every figure of the report. ``examples``: flagged lookups shown per
     kind. ``trace``: a path or an open ``TraceReader`` (read, never reopened)."""
@@ -61,11 +64,15 @@ def build_report(
     )
     report.extra["flag_details"] = "flag_details" in res.columns or "unit_present" in res.columns
     if reader is not None:
-        explain_examples(report, reader)
+        explain_examples(report, reader, progress)
     return report
 
 
-def explain_examples(report: ReportData, reader: TraceReader) -> None:
+def explain_examples(
+    report: ReportData,
+    reader: TraceReader,
+    progress: Callable[[Progress], None] | None = None,
+) -> None:
     """Give every example its ``replay explain`` table (header and steps),
     from one pass over the trace up to the last example."""
     policy = str(report.info.get("policy"))
@@ -84,6 +91,7 @@ def explain_examples(report: ReportData, reader: TraceReader) -> None:
         policy,
         cache=report.cache,
         until_seq=max(wanted),
+        progress=progress,
     )
     texts = {
         lookup.seq: explain_header(config, lookup, policy, report.cache)

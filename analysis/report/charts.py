@@ -18,7 +18,7 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from analysis.report.data import Bin, Point
-from analysis.report.fmt import fmt_time, num
+from analysis.report.fmt import fmt_time, is_relative, num
 from replay.base.spec import GroupKind
 
 _W, _H = 760, 300
@@ -181,6 +181,8 @@ def timeline_svg(points: Sequence[Point], x_axis: str, overall: float) -> Markup
         x_ticks = [(px(t), fmt_time(t, span)) for t in time_ticks(min(xs), max(xs))]
         day = datetime.fromtimestamp(min(xs) / 1e6, tz=UTC).strftime("%Y-%m-%d")
         x_label = f"time (UTC, {day})" if span < 86_400e6 else "time (UTC)"
+        if is_relative(max(xs)):
+            x_label = "elapsed time since the trace's start (h:mm:ss)"
     else:
         x_ticks = [
             (px(t), num(t)) for t in nice_ticks(min(xs), max(xs), 6, integer=True) if lo <= t <= hi
@@ -226,7 +228,7 @@ def histogram_svg(bins: Sequence[Bin]) -> Markup:
     slot = (right - left) / len(bins)
     every = max(1, math.ceil(len(bins) / 12))
     x_ticks = [(left + slot * (i + 0.5), b.label) for i, b in enumerate(bins) if i % every == 0]
-    width = bins[0].width
+    width = bins[-1].width
     x_label = "hit length (tokens" + (f", bins of {width})" if len(bins) > 1 else ")")
     parts += _axes(
         left, top, right, bottom, [(py(t), num(t)) for t in ticks], x_ticks, x_label, "lookups"
@@ -258,10 +260,20 @@ def groups_svg(groups: Sequence[dict[str, Any]]) -> Markup:
     bottom = top + row * len(groups)
     parts = [_svg_open("groups", title, height=height)]
     top_v = max((g["tokens_saved"] for g in groups), default=0)
-    ticks = nice_ticks(0, max(top_v, 1), 5, integer=True)
+    low_v = min((g["tokens_saved"] for g in groups if g["tokens_saved"] > 0), default=0)
+    # Values an order of magnitude or more apart (a Mamba group's one state block
+    # beside an attention group's whole prefix) go on a log axis.
+    log = low_v > 0 and top_v >= 10 * low_v
+    ticks: list[float]
+    if log:
+        ticks = [10.0**d for d in range(0, math.ceil(math.log10(top_v)) + 1)]
+    else:
+        ticks = nice_ticks(0, max(top_v, 1), 5, integer=True)
     xmax = ticks[-1]
 
     def px(v: float) -> float:
+        if log:
+            return left + (math.log10(v) / math.log10(xmax) if v >= 1 else 0) * (right - left)
         return left + v / xmax * (right - left)
 
     for t in ticks:
@@ -273,7 +285,8 @@ def groups_svg(groups: Sequence[dict[str, Any]]) -> Markup:
     parts.append(
         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="{_MUTED}"/>'
         f'<text x="{(left + right) / 2:.1f}" y="{bottom + 40}" text-anchor="middle" '
-        'class="axis-label">tokens (loaded blocks × block size)</text>'
+        f'class="axis-label">tokens (loaded blocks × block size{", log scale" if log else ""})'
+        "</text>"
     )
     for i, g in enumerate(groups):
         y = top + row * i + 6

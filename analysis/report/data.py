@@ -7,14 +7,15 @@ examples. No I/O and no formatting of pages: ``build`` fills these in,
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from analysis.flags import FLAG_KINDS
-from analysis.report.fmt import fmt_time
+from analysis.flags import FLAGS, SEVERITIES, by_severity, severity
+from analysis.report.fmt import fmt_time, pct
 from analysis.summary import hit_figures, prompt_tokens_expr
 from replay.base.spec import TraceConfig
 from replay.tools.render import group_label
@@ -22,16 +23,8 @@ from replay.tools.render import group_label
 TIMELINE_BINS = 40
 HISTOGRAM_BINS = 30
 
-FLAG_MEANINGS: dict[str, str] = {
-    "mamba_overrun": "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
-    "mamba_state_mismatch": "Mamba resumes state at a position other than the hit",
-    "hit_beyond_max_length": "the hit is longer than the lookup's max_length",
-    "hit_misaligned": "the hit is not a multiple of the hit alignment",
-    "missing_block": "a block the hit relies on is absent from the store at that seq",
-    "eagle_not_dropped": "EAGLE is on but the hit covers the whole present prefix "
-    "(nothing left to recompute)",
-    "observed_mismatch": "the production-reported hit differs from the replayed one",
-}
+#: What each flag means, as the report words it (from ``analysis.flags.FLAGS``).
+FLAG_MEANINGS: dict[str, str] = {name: kind.meaning for name, kind in FLAGS.items()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +89,25 @@ class ReportData:
     explain_note: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def explain_command(self, e: Example) -> str:
+        """The whole ``replay explain`` command line behind an example's table,
+        as it runs from where the report was made (the trace as it was found)."""
+        return shlex.join(
+            [
+                "replay",
+                "explain",
+                str(self.trace_path),
+                "--request",
+                e.request_id,
+                "--seq",
+                str(e.seq),
+                "--policy",
+                str(self.info.get("policy")),
+                "--cache",
+                self.cache,
+            ]
+        )
+
     @property
     def title(self) -> str:
         return f"Replay report: {self.info.get('trace') or Path(self.results_path).name}"
@@ -108,10 +120,25 @@ def summary(res: pl.DataFrame, flags: pl.DataFrame) -> dict[str, Any]:
     return {
         **figures,
         "flagged_lookups": int(flags["seq"].n_unique()) if flags.height else 0,
+        "by_severity": lookups_by_severity(flags),
         "observed": observed["lookups"],
         "observed_mismatches": observed["mismatches"],
         "mean_hit": float(res["hit_tokens"].mean() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
         "median_hit": float(res["hit_tokens"].median() or 0.0) if res.height else 0.0,  # type: ignore[arg-type]
+    }
+
+
+def lookups_by_severity(flags: pl.DataFrame) -> dict[str, int]:
+    """Lookups with at least one flag of each severity (a lookup counts under
+    every severity it has)."""
+    names = flags["flag"].unique().to_list() if flags.height else []
+    return {
+        sev: int(
+            flags.filter(pl.col("flag").is_in([f for f in names if severity(f) == sev]))[
+                "seq"
+            ].n_unique()
+        )
+        for sev in SEVERITIES
     }
 
 
@@ -158,7 +185,7 @@ def timeline(res: pl.DataFrame) -> tuple[str, list[Point]]:
                 lookups=int(r["n"]),
                 hit_tokens=int(r["hit"]),
                 prompt_tokens=int(r["prompt"]),
-                label=f"{where}: {r['n']} lookups, hit ratio {100 * ratio:.1f}% "
+                label=f"{where}: {r['n']} lookups, hit ratio {pct(ratio)} "
                 f"({r['hit']} of {r['prompt']} tokens)",
             )
         )
@@ -169,27 +196,49 @@ def timeline(res: pl.DataFrame) -> tuple[str, list[Point]]:
 
 
 def histogram(res: pl.DataFrame, alignment: int) -> list[Bin]:
-    """Lookups per hit length, in bars a whole number of alignments wide
-    (at most ``HISTOGRAM_BINS`` of them)."""
+    """Lookups per hit length: the lookups with no hit in a bar of their own,
+    then the hits in bars a whole number of alignments wide, from one
+    alignment up (at most ``HISTOGRAM_BINS`` bars in all)."""
     if res.height == 0:
         return []
-    top = int(res["hit_tokens"].max() or 0)  # type: ignore[arg-type]
-    units = top // alignment + 1
-    width = alignment * math.ceil(units / HISTOGRAM_BINS)
-    counts = res.select((pl.col("hit_tokens") // width).alias("b")).group_by("b").len().sort("b")
+    hits = res["hit_tokens"]
+    top = int(hits.max() or 0)  # type: ignore[arg-type]
+    none = int((hits == 0).sum())
+    out = [
+        Bin(
+            lo=0,
+            width=1,
+            lookups=none,
+            label="0",
+            tooltip=f"no hit: {none} lookup{'s' if none != 1 else ''}",
+        )
+    ]
+    if top == 0:
+        return out
+    units = -(-top // alignment)  # alignments up to the longest hit
+    width = alignment * math.ceil(units / (HISTOGRAM_BINS - 1))
+    # Bar b holds the hits in [a + b * width, a + (b + 1) * width); a hit
+    # shorter than one alignment (misaligned) goes in the first.
+    counts = (
+        res.filter(pl.col("hit_tokens") > 0)
+        .select(((pl.col("hit_tokens") - alignment) // width).clip(lower_bound=0).alias("b"))
+        .group_by("b")
+        .len()
+    )
     by_bin = {int(b): int(n) for b, n in counts.iter_rows()}
-    out = []
-    for b in range(top // width + 1):
-        lo = b * width
+    for b in range(max(top - alignment, 0) // width + 1):
+        lo = alignment + b * width
         n = by_bin.get(b, 0)
-        what = f"hit {lo} tokens" if width == alignment else f"hit {lo}–{lo + width - 1} tokens"
+        what = (
+            f"hit {lo:,} tokens" if width == alignment else f"hit {lo:,}–{lo + width - 1:,} tokens"
+        )
         out.append(
             Bin(
                 lo=lo,
                 width=width,
                 lookups=n,
-                label=str(lo),
-                tooltip=f"{what}: {n} lookup{'s' if n != 1 else ''}",
+                label=f"{lo:,}",
+                tooltip=f"{what}: {n:,} lookup{'s' if n != 1 else ''}",
             )
         )
     return out
@@ -216,8 +265,9 @@ def groups(res: pl.DataFrame, config: TraceConfig) -> list[dict[str, Any]]:
 
 
 def flag_rows(flags: pl.DataFrame, lookups: int) -> list[dict[str, Any]]:
-    """One row per flag kind that occurs, in ``FLAG_KINDS`` order (kinds this
-    version does not know last): lookups flagged, their share, the meaning."""
+    """One row per flag kind that occurs, worst severity first (each
+    severity's in ``FLAG_KINDS`` order, kinds this version does not know
+    last): its severity, lookups flagged, their share, the meaning."""
     counts = (
         {
             str(f): int(n)
@@ -226,15 +276,15 @@ def flag_rows(flags: pl.DataFrame, lookups: int) -> list[dict[str, Any]]:
         if flags.height
         else {}
     )
-    kinds = [k for k in FLAG_KINDS if k in counts] + sorted(set(counts) - set(FLAG_KINDS))
     return [
         {
             "flag": k,
+            "severity": severity(k),
             "lookups": counts[k],
             "share": counts[k] / lookups if lookups else 0.0,
             "meaning": FLAG_MEANINGS.get(k, ""),
         }
-        for k in kinds
+        for k in by_severity(list(counts))
     ]
 
 

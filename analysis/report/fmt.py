@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from replay.tools.render import elapsed, percent
+
 
 def num(v: float) -> str:
     """Thousands separators; no decimals on a whole number, at most two otherwise."""
@@ -14,11 +16,24 @@ def num(v: float) -> str:
 
 
 def pct(v: float) -> str:
-    return f"{100 * v:.2f}%"
+    """A ratio as a percentage, as the command line prints it."""
+    return percent(v)
+
+
+#: Timestamps before this (epoch µs) belong to a trace whose clock starts at
+#: zero (the public Mooncake and bailian traces): elapsed time, not dates.
+RELATIVE_BEFORE_US = 365 * 86_400e6
+
+
+def is_relative(us: float) -> bool:
+    return us < RELATIVE_BEFORE_US
 
 
 def fmt_time(us: float, span_us: float) -> str:
-    """An epoch-µs time in UTC, as precise as a span of ``span_us`` needs."""
+    """An epoch-µs time in UTC, as precise as a span of ``span_us`` needs;
+    in a relative trace, the elapsed time (``+00:58:57``)."""
+    if is_relative(us):
+        return elapsed(us / 1e6, millis=span_us < 10e6)
     t = datetime.fromtimestamp(us / 1e6, tz=UTC)
     if span_us < 10e6:
         return t.strftime("%H:%M:%S.%f")[:-3]

@@ -10,7 +10,7 @@ marks once the page has laid out (``data-marks``, ``data-rendered`` on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any
 import jinja2
 import polars as pl
 
+from analysis.flags import SEVERITIES
 from analysis.report import charts
 from analysis.report.data import Example, ReportData
 from analysis.report.fmt import num, pct
@@ -80,7 +81,9 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def _explains(exs: Sequence[Example], explained: set[int]) -> list[dict[str, Any]]:
+def _explains(
+    exs: Sequence[Example], explained: set[int], command: Callable[[Example], str]
+) -> list[dict[str, Any]]:
     """The explain tables under one flag: a lookup already explained under an
     earlier flag links back to it; only the flag's first table starts open."""
     out: list[dict[str, Any]] = []
@@ -94,6 +97,7 @@ def _explains(exs: Sequence[Example], explained: set[int]) -> list[dict[str, Any
                 "seq": e.seq,
                 "request_id": e.request_id,
                 "text": e.explain,
+                "command": command(e),
                 "above": above,
                 "open": e is exs[0],
             }
@@ -125,7 +129,7 @@ def _flags(data: ReportData) -> list[dict[str, Any]]:
                 "examples": table(
                     ["request", "seq", "max_length", "hit", "group", "detail"], rows, (1, 2, 3)
                 ),
-                "explains": _explains(exs, explained),
+                "explains": _explains(exs, explained, data.explain_command),
             }
         )
     return out
@@ -138,13 +142,19 @@ def _cards(s: dict[str, Any]) -> list[dict[str, Any]]:
         ("prompt tokens", num(s["prompt_tokens"]), False),
         ("hit tokens", num(s["hit_tokens"]), False),
         ("hit ratio", pct(s["hit_ratio"]), False),
-        ("flagged lookups", num(s["flagged_lookups"]), s["flagged_lookups"] > 0),
     ]
+    # One card per severity, worst first: corruption red, performance amber.
+    for sev, n in s["by_severity"].items():
+        if n or sev == "corruption":
+            cards.append((sev, num(n), n > 0))
     if s["observed"]:
         cards.append(
             ("observed ≠ replay", f"{s['observed_mismatches']:,} / {s['observed']:,}", False)
         )
-    return [{"key": k, "value": v, "bad": bad} for k, v, bad in cards]
+    return [
+        {"key": k, "value": v, "bad": bad, "severity": k if k in SEVERITIES else None}
+        for k, v, bad in cards
+    ]
 
 
 def _described(name: str, description: object) -> str:
@@ -190,7 +200,7 @@ def render_html(data: ReportData) -> str:
             binned_by=_BINNED_BY[data.x_axis],
             median_hit=s["median_hit"],
             mean_hit=round(s["mean_hit"], 1),
-            bar_width=data.histogram[0].width if data.histogram else data.alignment,
+            bar_width=data.histogram[-1].width if len(data.histogram) > 1 else data.alignment,
             alignment=data.alignment,
             group_table=table(
                 ["group", "loaded blocks", "skipped blocks", "tokens loaded"],

@@ -11,6 +11,7 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.format.link import linked_trace
 from replay.format.results import read_results
 from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource, open_trace
@@ -39,6 +40,17 @@ def resolve_trace(
                 f"{reader.name}: KV-cache config {reader.config.dumps()} differs from the one "
                 f"{results_path} was replayed with ({config.dumps()}); expected the trace of "
                 "these results"
+            )
+        return reader, None
+    # Where the results lead; a changed trace there is refused, a missing one
+    # is looked for by name beside the results.
+    linked = linked_trace(results_path, info, missing_ok=True)
+    if linked is not None:
+        reader = open_trace(linked)
+        if reader.config != config:
+            raise ReplayError(
+                f"{linked}: KV-cache config differs from the one {results_path} was replayed "
+                "with, though its fingerprint matches (please report)"
             )
         return reader, None
     name = info.get("trace")

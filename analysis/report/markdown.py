@@ -10,6 +10,7 @@ from typing import Any
 
 import polars as pl
 
+from analysis.flags import SEVERITIES
 from analysis.report.data import ReportData
 from analysis.report.fmt import num, pct
 from analysis.report.sweep import sweep_context, sweep_table
@@ -40,7 +41,7 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
         f"{data.cache} cache, results `{Path(data.results_path).name}`.",
         "",
         md_table(
-            ["lookups", "with a hit", "prompt tokens", "hit tokens", "hit ratio", "flagged"],
+            ["lookups", "with a hit", "prompt tokens", "hit tokens", "hit ratio", *SEVERITIES],
             [
                 [
                     num(s["lookups"]),
@@ -48,10 +49,10 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
                     num(s["prompt_tokens"]),
                     num(s["hit_tokens"]),
                     pct(s["hit_ratio"]),
-                    num(s["flagged_lookups"]),
+                    *(num(s["by_severity"][sev]) for sev in SEVERITIES),
                 ]
             ],
-            range(6),
+            range(5 + len(SEVERITIES)),
         ),
         "",
     ]
@@ -63,12 +64,18 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
     else:
         out += [
             md_table(
-                ["flag", "lookups", "share", "what it means"],
+                ["severity", "flag", "lookups", "share", "what it means"],
                 [
-                    [f"`{r['flag']}`", num(r["lookups"]), pct(r["share"]), r["meaning"]]
+                    [
+                        f"**{r['severity']}**" if r["severity"] == "corruption" else r["severity"],
+                        f"`{r['flag']}`",
+                        num(r["lookups"]),
+                        pct(r["share"]),
+                        r["meaning"],
+                    ]
                     for r in data.flag_rows
                 ],
-                (1, 2),
+                (2, 3),
             ),
             "",
             "#### First examples",
@@ -84,12 +91,13 @@ def render_markdown(data: ReportData, first: int = 3) -> str:
                     if e.detail
                     else f": hit {e.hit_tokens}, max_length {e.max_length}"
                 )
-                out.append(f"- `{e.flag}` request `{e.request_id}` (seq {e.seq}){detail}")
+                out.append(
+                    f"- `{e.flag}` ({r['severity']}) request `{e.request_id}` (seq {e.seq}){detail}"
+                )
                 if text:
                     out += [
                         "",
-                        f"  <details><summary>replay explain --request {e.request_id} "
-                        f"--policy {policy}</summary>",
+                        f"  <details><summary><code>{data.explain_command(e)}</code></summary>",
                         "",
                         "  ```text",
                         *[("  " + line).rstrip() for line in text.splitlines()],

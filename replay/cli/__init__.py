@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import click
 
-from replay import __version__
 from replay.cli import analysis, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
 
@@ -32,6 +31,15 @@ SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),
 )
+
+
+def _show_version(ctx: click.Context, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from replay import __version__
+
+    click.echo(f"replay, version {__version__}")
+    ctx.exit()
 
 
 class _Replay(Group):
@@ -50,7 +58,14 @@ class _Replay(Group):
 
 
 @click.group(cls=_Replay, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="replay")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _param, value: _show_version(ctx, value),
+    help="Show the version and exit.",
+)
 def cli() -> None:
     """Replay KV-cache block events through vLLM's hybrid prefix-cache
     coordinator and flag every lookup whose hit is wrong.

@@ -3,15 +3,14 @@ and ``analysis.report``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from replay.cli.common import command
 from replay.cli.options import count_option, output_option, repeated_choice
-from replay.engine.answers import COORDINATORS
-from replay.rules.coordinator import CACHES, POLICIES
+from replay.cli.progress import progress_bar
+from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
 
 
 @command("diff")
@@ -36,7 +35,17 @@ from replay.rules.coordinator import CACHES, POLICIES
     "where the Mooncake mirror drifts from the engine). Default: the trace's source.cache.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
-@output_option("Write the changed lookups as Parquet (summary in metadata 'replay.diff').")
+@output_option(
+    "Write the diff: d.parquet the changed lookups (summary in metadata 'replay.diff'), "
+    "d.md Markdown for a pull request, d.html one page (the extension names the format)."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["parquet", "md", "html"]),
+    default=None,
+    help="The -o file's format; its extension must agree. Default: from the extension.",
+)
 @count_option("--limit", default=20, help="Changed lookups to print.")
 def diff(
     inputs: tuple[Path, ...],
@@ -45,6 +54,7 @@ def diff(
     caches: tuple[str, ...],
     as_json: bool,
     output: Path | None,
+    fmt: str | None,
     limit: int,
 ) -> None:
     """Lookups whose hit differs between two replays of one trace.
@@ -54,6 +64,7 @@ def diff(
       replay diff TRACE --cache mooncake --cache gpu
                                                 the Mooncake mirror against the engine
       replay diff RESULTS_A RESULTS_B           two results files of the same trace
+      replay diff RESULTS --policy A --policy B the trace the results lead to
 
     Prints the tokens B gains or loses per lookup and in total, grouped by
     what explains each change: a flag on one side only, else the KV-cache
@@ -62,21 +73,48 @@ def diff(
     """
     from analysis.diff import diff_inputs, write_diff
     from analysis.diff_text import render_text
+    from replay.cli.outputs import NAMES, PARQUET, TEXT_REPORT, output_format
     from replay.format.paths import check_outputs
 
-    check_outputs({"-o": output}, list(inputs))
-    result = diff_inputs(list(inputs), policies, coordinators, caches)
-    if output is not None:
+    check_outputs({"-o": output}, list(inputs), text=fmt in ("md", "html"))
+    fmt = output_format("-o", output, {**PARQUET, **TEXT_REPORT}, given=fmt, default="parquet")
+    if len(inputs) == 1:  # a results file replays the trace it leads to
+        from replay.format.link import trace_of
+
+        inputs = (trace_of(inputs[0])[0],)
+    with progress_bar(as_json) as bar:
+        result = diff_inputs(
+            list(inputs),
+            policies,
+            coordinators,
+            caches,
+            progress=None if bar is None else bar.replay,
+        )
+    if output is not None and fmt == "parquet":
         write_diff(result, output)
+    elif output is not None:
+        from analysis.diff_text import render_html, render_markdown
+        from replay.format.paths import write_text
+
+        render = render_markdown if fmt == "md" else render_html
+        target = write_text(output, render(result, limit=max(limit, 0)), what="a diff")
+        if target.kind == "stdout":  # standard output holds the diff alone
+            return
     if as_json:
-        payload = result.to_json()
-        if output is not None:
-            payload["output"] = str(output)
-        click.echo(json.dumps(payload, indent=2, default=str))
+        from replay.cli import payloads
+
+        payloads.echo(
+            "diff",
+            payloads.diff(
+                result, [str(p) for p in inputs], None if output is None else str(output)
+            ),
+        )
         return
     click.echo(render_text(result, limit=max(limit, 0)))
-    if output is not None:
+    if output is not None and fmt == "parquet":
         click.echo(f"wrote {result.changed} changed lookups to {output}")
+    elif output is not None:
+        click.echo(f"wrote the diff ({NAMES[fmt]}) to {output}")
 
 
 @command("report")
@@ -107,15 +145,17 @@ def report(
     SWEEP file (replay whatif): hit ratio against capacity per eviction
     policy, and the table (-o x.md: Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
-    from replay.format.paths import check_outputs
+    from replay.cli.outputs import TEXT_REPORT, output_format
+    from replay.format.paths import check_input, check_outputs
     from replay.format.sweepfile import is_sweep_file
 
-    if fmt is None:
-        fmt = (
-            "md" if output is not None and output.suffix.lower() in (".md", ".markdown") else "html"
-        )
+    if output is not None:  # an input given as the output is said first
+        check_outputs({"-o": output}, [results, trace], text=True)
+    check_input(results, "a results or sweep file")  # a missing input is said first
+    sweep = is_sweep_file(results)
+    fmt = output_format("-o", output, TEXT_REPORT, given=fmt, default=fmt or "html")
     out = output or default_report_path(results, fmt)
-    if is_sweep_file(results):
+    if sweep:
         from analysis.report import write_sweep_report
 
         check_outputs({"-o": out}, [results], text=True)
@@ -125,7 +165,13 @@ def report(
         return
 
     check_outputs({"-o": out}, [results, trace], text=True)
-    data = build_report(results, trace=trace, examples=max(examples, 0))
+    with progress_bar() as bar:
+        data = build_report(
+            results,
+            trace=trace,
+            examples=max(examples, 0),
+            progress=None if bar is None else bar.replay,
+        )
     check_outputs({"-o": out}, [results, data.trace_path], text=True)
     target = write_report(data, out, fmt)
     note = f" ({data.trace_note})" if data.trace_note else ""

@@ -12,6 +12,7 @@ a :class:`UserError`, and a check of the CLI's own raises :func:`fail`."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -73,6 +74,22 @@ def exit_on_signal(signum: int) -> click.exceptions.Exit:
     return click.exceptions.Exit(128 + signum)
 
 
+#: The exit status of a filter whose reader went away (128 + SIGPIPE), as
+#: `head` leaves a shell pipeline under ``set -o pipefail``.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def broken_pipe() -> click.exceptions.Exit:
+    """Standard output's reader is gone (``replay ... | head -1``): nothing
+    more can be said there, and nothing needs saying on stderr. What is
+    still buffered goes to /dev/null so that the interpreter's own last flush
+    does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return click.exceptions.Exit(EXIT_BROKEN_PIPE)
+
+
 def run_main(command: click.Command, prog_name: str) -> None:
     """The console script: the signal rules hold from the first argument
     parsed to the process's exit."""
@@ -88,7 +105,10 @@ def run_main(command: click.Command, prog_name: str) -> None:
         code = exc.code
     # The outputs are complete: a signal from here on ends the process at
     # once, with the status a signal gives.
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = broken_pipe().exit_code
     sys.stderr.flush()
     from replay.base.signals import exit_now
 
@@ -107,6 +127,10 @@ def command_guard() -> Iterator[None]:
             yield
         except ReplayError as exc:
             raise fail(str(exc)) from None
+        except BrokenPipeError as exc:
+            if exc.filename is not None:  # a file or socket of the command's, not stdout
+                raise fail(f"{exc.filename}: {exc.strerror or exc}") from None
+            raise broken_pipe() from None
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             raise fail(f"{where}{exc.strerror or exc}") from None
@@ -122,6 +146,11 @@ class Command(click.Command):
     ``replay`` group."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        # polars replaces the process's SIGINT handler when it is imported: it
+        # comes in before the guard installs the command's own handlers (the
+        # command line imports it lazily, so that `--help` stays fast).
+        import polars  # noqa: F401
+
         with command_guard():
             return super().invoke(ctx)
 

@@ -3,16 +3,12 @@ holds, without replaying its lookups."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from analysis.summary import trace_info
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine.answers import resolve_cache
-from replay.engine.replay import state_at
 from replay.tools.render import group_label, info_lines, validate_line
 
 
@@ -20,6 +16,8 @@ from replay.tools.render import group_label, info_lines, validate_line
 @TRACE
 def validate(trace: Path) -> None:
     """Check TRACE against format v1; print ok and the counts, or the first problem."""
+    from analysis.summary import trace_info
+
     click.echo(validate_line(trace, trace_info(trace)))
 
 
@@ -28,9 +26,14 @@ def validate(trace: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(trace: Path, as_json: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
+    from analysis.summary import trace_info
+    from replay.engine.answers import resolve_cache
+
     data = trace_info(trace)
     if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
+        from replay.cli import payloads
+
+        payloads.echo("info", payloads.info(data))
         return
     from replay.base.spec import TraceConfig
 
@@ -54,9 +57,13 @@ def info(trace: Path, as_json: bool) -> None:
 @count_option("--show", default=5, help="Keys to print per group.")
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
+    from replay.engine.replay import state_at
     from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, [trace])
+    from replay.cli.outputs import PARQUET, output_format
+
+    output_format("-o", output, PARQUET, default="parquet")
     config, store = state_at(trace, at)
     if group is not None and not 0 <= group < config.num_groups:
         raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")

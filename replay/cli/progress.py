@@ -1,5 +1,6 @@
-"""The one progress display of the long commands (run, synth, whatif,
-record): a line redrawn in place on a terminal's stderr. When stderr is not
+"""The one progress display of the long commands (run, check, diff,
+report, minimize, synth, whatif, record): a line redrawn in place on a
+terminal's stderr, with the time left when the total is known. When stderr is not
 a terminal (a pipe, a log file, CI) or the command is quiet, there is no
 display at all, so what is captured holds the results and nothing else."""
 
@@ -9,6 +10,17 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.engine.answers import Progress
+
+
+def clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on."""
+    s = max(round(seconds), 0)
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
 class Bar:
@@ -31,11 +43,29 @@ class Bar:
         self.shown = True
 
     def count(self, done: int, total: int, what: str) -> None:
-        """``done`` of ``total`` as a bar and a percentage, then ``what``."""
+        """``done`` of ``total`` as a bar and a percentage, then ``what``, then
+        the time left at the rate so far (from a second on: a rate measured
+        over less is noise)."""
         fraction = min(done / total, 1.0) if total > 0 else 1.0
         filled = int(self.width * fraction)
         bar = "#" * filled + "." * (self.width - filled)
-        self.status(f"[{bar}] {100 * fraction:5.1f}%  {what}")
+        elapsed = self.elapsed()
+        eta = (
+            f"  ETA {clock(elapsed * (1 - fraction) / fraction)}"
+            if 0 < fraction < 1 and elapsed >= 1
+            else ""
+        )
+        self.status(f"[{bar}] {100 * fraction:5.1f}%  {what}{eta}")
+
+    def replay(self, p: Progress) -> None:
+        """A replay's progress: events and lookups done, and their rates."""
+        rate = 1 / self.elapsed()
+        self.count(
+            p.events,
+            p.total_events,
+            f"{p.events}/{p.total_events} events {p.events * rate:,.0f}/s  "
+            f"{p.lookups} lookups {p.lookups * rate:,.0f}/s",
+        )
 
     def steps(self, unit: str, total: int | None = None) -> Callable[[int], None]:
         """A callback given how many more ``unit`` are done (of ``total``,

@@ -4,22 +4,17 @@ read its flags. Checks that find a problem exit 1."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import click
 
-from analysis.flags import FLAG_KINDS, flag_lines, lookup_flags
-from analysis.summary import run_summary
-from replay.cli.common import command
+from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
-from replay.engine.answers import COORDINATORS, Progress, resolve_cache
-from replay.engine.replay import explain_lookups
-from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.rules.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
 from replay.tools.render import (
     check_lines,
     config_lines,
@@ -65,19 +60,6 @@ SEQ = click.option(
     default=None,
     help="The seq of the lookup, when the request_id occurs in several.",
 )
-
-
-def _replay_progress(bar: Bar) -> Callable[[Progress], None]:
-    def show(p: Progress) -> None:
-        rate = 1 / bar.elapsed()
-        bar.count(
-            p.events,
-            p.total_events,
-            f"{p.events}/{p.total_events} events {p.events * rate:,.0f}/s  "
-            f"{p.lookups} lookups {p.lookups * rate:,.0f}/s",
-        )
-
-    return show
 
 
 @command()
@@ -131,7 +113,16 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import flag_counts, flag_examples, flag_results, flags_table, save_results
+    from analysis.flags import (
+        counts_text,
+        flag_counts,
+        flag_examples,
+        flag_results,
+        flags_table,
+        save_results,
+        severity,
+    )
+    from analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import check_outputs
 
@@ -139,6 +130,10 @@ def run(
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
+    if output is not None:
+        from replay.cli.outputs import PARQUET, output_format
+
+        output_format("-o", output, PARQUET, default="parquet")
     with progress_bar(quiet or as_json) as bar:
         options = ReplayOptions(
             policies=policies,
@@ -147,7 +142,7 @@ def run(
             unit_present=unit_present,
             workers=workers,
             ray_address=ray_address,
-            progress=None if bar is None else _replay_progress(bar),
+            progress=None if bar is None else bar.replay,
         )
         results = flag_results(replay(trace, options))
     summaries = []
@@ -159,35 +154,97 @@ def run(
         summary["examples"] = flag_examples(flags, examples)
         summaries.append(summary)
     if as_json:
-        click.echo(
-            json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2, default=str)
+        from replay.cli import payloads
+
+        payloads.echo(
+            "run",
+            {
+                "trace": str(trace),
+                "variants": [
+                    payloads.variant(
+                        s["policy"],
+                        s["cache"],
+                        s["coordinator"],
+                        results=s["results"],
+                        **{
+                            k: v
+                            for k, v in s.items()
+                            if k
+                            not in (
+                                "trace",
+                                "policy",
+                                "cache",
+                                "coordinator",
+                                "results",
+                                "examples",
+                            )
+                        }
+                        | {
+                            "flags": payloads.flag_list(s["flags"]),
+                            "flagged": [
+                                {k: v for k, v in e.items() if k != "text"}
+                                | {"severity": severity(e["flag"])}
+                                for e in s["examples"]
+                            ],
+                        },
+                    )
+                    for s in summaries
+                ],
+            },
         )
         return
     if quiet:
         return
     for summary in summaries:
-        for line in run_summary_lines(summary):
+        for line in run_summary_lines(summary, counts_text(summary["flags"])):
             click.echo(line)
 
 
+TRACE_OR_RESULTS = click.argument("trace", metavar="TRACE|RESULTS", type=click.Path(path_type=Path))
+
+
+def _followed(path: Path, policy: str | None, cache: str | None) -> tuple[Path, str, str | None]:
+    """A trace as it is; a results file: the trace it leads to, and its
+    policy and cache unless the options name others."""
+    from replay.format.link import trace_of
+    from replay.format.results import results_cache
+
+    trace, info = trace_of(path)
+    if info is None:
+        return trace, policy or DEFAULT_POLICY, cache
+    return trace, policy or str(info.get("policy", DEFAULT_POLICY)), cache or results_cache(info)
+
+
 @command()
-@TRACE
+@TRACE_OR_RESULTS
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
 @SEQ
-@POLICY
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help=f"Coordinator semantics (default: the results' own, else {DEFAULT_POLICY}): "
+    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+)
 @CACHE
 @COORDINATOR
 def explain(
     trace: Path,
     request_id: str,
     seq: int | None,
-    policy: str,
+    policy: str | None,
     cache: str | None,
     coordinator: str,
 ) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
-    the lookup's flags."""
+    the lookup's flags. Given a RESULTS file, explains in its trace (which
+    the results lead to) under its policy and cache."""
+    from analysis.flags import flag_lines, lookup_flags
+    from replay.engine.answers import resolve_cache
+    from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
+
+    trace, policy, cache = _followed(trace, policy, cache)
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -210,11 +267,29 @@ def explain(
         click.echo("")
 
 
+FAIL_ON = click.option(
+    "--fail-on",
+    "fail_on",
+    multiple=True,
+    metavar="SEVERITY|FLAG,...",
+    help="Which flags fail: severities (corruption, inconsistent, performance, observed), "
+    "flag names or all, comma-separated  [default: corruption]",
+)
+IGNORE = click.option(
+    "--ignore",
+    multiple=True,
+    metavar="FLAG|SEVERITY,...",
+    help="Flags (or severities) that never fail, taken from what --fail-on selects.",
+)
+
+
 @command()
 @click.argument("path", type=click.Path(path_type=Path))
 @POLICY
 @CACHE
 @COORDINATOR
+@FAIL_ON
+@IGNORE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @count_option("--examples", default=10, help="Flagged lookups to list.")
 def check(
@@ -222,58 +297,114 @@ def check(
     policy: str,
     cache: str | None,
     coordinator: str,
+    fail_on: tuple[str, ...],
+    ignore: tuple[str, ...],
     as_json: bool,
     examples: int,
 ) -> None:
-    """Exit 1 when any lookup of PATH is flagged, 0 when clean, 2 on bad input.
+    """Exit 1 when a lookup of PATH has a flag that --fail-on selects (by
+    default a corruption: mamba_overrun, missing_block), 0 otherwise, 2 on bad
+    input.
 
     PATH is a trace (replayed now, under --policy) or a results file of
-    `replay run` (checked as it is, against its trace).
+    `replay run` (checked as it is, against its trace). Every flag is
+    listed with its severity, worst first.
     """
     from analysis.check import check_path
-    from analysis.flags import flag_counts, flag_examples
+    from analysis.flags import counts_text, flag_counts, flag_examples
+    from analysis.selection import failing, select_flags, selection_text
 
-    flags, policy_used = check_path(
-        path,
-        policy=policy if _given("policy") else None,
-        coordinator=coordinator,
-        cache=cache,
-    )
+    selected = select_flags(fail_on, ignore)
+    chosen = selection_text(fail_on, ignore)
+    with progress_bar(as_json) as bar:
+        flags, policy_used = check_path(
+            path,
+            policy=policy if _given("policy") else None,
+            coordinator=coordinator,
+            cache=cache,
+            progress=None if bar is None else bar.replay,
+        )
     counts = flag_counts(flags)
+    fails = failing(counts, selected)
     if as_json:
-        rows = flags.to_dicts()
-        click.echo(
-            json.dumps(
-                {"path": str(path), "policy": policy_used, "flags": rows, "counts": counts},
-                default=str,
-            )
+        from replay.engine.answers import resolve_cache
+        from replay.format.results import is_results_file, results_cache, results_info
+        from replay.format.tracedir import open_trace
+
+        if is_results_file(path):
+            info = results_info(path)
+            where = {"trace": info.get("trace"), "results": str(path)}
+            cache_used, coordinator_used = results_cache(info), str(info.get("coordinator"))
+        else:
+            where = {"trace": str(path), "results": None}
+            cache_used = resolve_cache(open_trace(path).config, cache)
+            coordinator_used = coordinator
+        from replay.cli import payloads
+
+        payloads.echo(
+            "check",
+            {
+                **where,
+                "fail_on": sorted(selected),
+                "failed": bool(fails),
+                "variants": [
+                    payloads.variant(
+                        policy_used,
+                        cache_used,
+                        coordinator_used,
+                        flagged_lookups=int(flags["seq"].n_unique()) if counts else 0,
+                        flags=payloads.flag_list(counts, selected),
+                        flagged=payloads.flag_rows(flags),
+                    )
+                ],
+            },
         )
     else:
         lookups = flags["seq"].n_unique() if counts else 0
-        for line in check_lines(path, policy_used, counts, lookups, flag_examples(flags, examples)):
+        failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
+        verdict = (
+            f"fail ({chosen}): {failed} lookup(s) with {counts_text(fails)}"
+            if fails
+            else f"pass ({chosen}): no flag it selects"
+        )
+        for line in check_lines(
+            path, policy_used, counts_text(counts), lookups, flag_examples(flags, examples), verdict
+        ):
             click.echo(line)
-    if counts:
+    if fails:
         sys.exit(1)
 
 
+def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
+    """``replay minimize``'s line: replays so far and the events still kept
+    (the number of replays a shrink takes is not known in advance: no ETA)."""
+
+    def show(replays: int, kept: int, of: int) -> None:
+        bar.status(
+            f"shrinking: {replays:,} replays, {of:,} -> {kept:,} events  {bar.elapsed():,.1f} s"
+        )
+
+    return show
+
+
 @command()
-@TRACE
+@TRACE_OR_RESULTS
 @click.option(
     "--request", "request_id", required=True, help="The request_id whose lookup is flagged."
 )
 @SEQ
 @click.option(
     "--flag",
-    type=click.Choice(list(FLAG_KINDS)),
     default=None,
-    help="Keep this flag (default: any flag).",
+    metavar="FLAG",
+    help="Keep this flag, e.g. mamba_overrun (`replay check --help` names them all; default: "
+    "any flag).",
 )
 @click.option(
     "--policy",
     type=click.Choice(list(POLICIES)),
-    default="pre-49502",
-    show_default=True,
-    help="Policy under which the flag fires.",
+    default=None,
+    help=f"Policy under which the flag fires (default: the results' own, else {DEFAULT_POLICY}).",
 )
 @CACHE
 @output_option("The small trace to write.", required=True)
@@ -282,19 +413,36 @@ def minimize(
     request_id: str,
     seq: int | None,
     flag: str | None,
-    policy: str,
+    policy: str | None,
     cache: str | None,
     output: Path,
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
-    with its expectation (per policy) in the metadata: ready for traces/."""
-    from analysis.flags import add_flags
+    with its expectation (per policy) in the metadata: ready for traces/.
+    Given a RESULTS file, shrinks its trace under its policy and cache."""
+    from analysis.flags import FLAG_KINDS, add_flags
+    from replay.cli.outputs import PARQUET, output_format
     from replay.format.paths import check_outputs
     from replay.tools.minimize import minimize as run_minimize
 
-    check_outputs({"-o": output}, [trace])
-    info = run_minimize(
-        trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq, judge=add_flags
-    )
+    if flag is not None and flag not in FLAG_KINDS:
+        raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")
+
+    given = trace
+    trace, policy, cache = _followed(trace, policy, cache)
+    check_outputs({"-o": output}, [given, trace])
+    output_format("-o", output, PARQUET, default="parquet")
+    with progress_bar() as bar:
+        info = run_minimize(
+            trace,
+            request_id,
+            output,
+            flag=flag,
+            policy=policy,
+            cache=cache,
+            seq=seq,
+            judge=add_flags,
+            progress=None if bar is None else _shrinking(bar),
+        )
     for line in minimize_lines(trace, output, info, request_id):
         click.echo(line)

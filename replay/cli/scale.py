@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from replay.cli.common import command
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine.replay import default_results_path
+
+if TYPE_CHECKING:
+    pass
 
 
 @command()
@@ -71,6 +74,8 @@ def results_paths(
     the one path for one variant, else the varying names before the suffix
     (``t.results.parquet`` -> ``t.pre-49502.results.parquet``, or
     ``t.pre-49502.gpu.results.parquet`` with several of both)."""
+    from replay.engine.replay import default_results_path
+
     base = output or default_results_path(trace)
     labels = [
         ".".join([p] * (len(policies) > 1) + [str(c)] * (len(caches) > 1))

@@ -8,11 +8,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from replay.base.spec import TraceConfig
 from replay.cli.common import command, exit_on_signal, fail, group
 from replay.cli.options import (
     CAPACITY_BLOCKS,
@@ -23,9 +22,11 @@ from replay.cli.options import (
 )
 from replay.cli.progress import progress_bar
 from replay.format.paths import check_outputs
-from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import ARCHETYPES
-from replay.tools.render import ingest_summary_text, record_summary_text
+from replay.tools.render import ingest_summary_text, record_summary_text, recorded_text
+
+if TYPE_CHECKING:
+    from replay.base.spec import TraceConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,6 +75,18 @@ def _medium_option(func: F) -> F:
     )(func)
 
 
+def _seconds(name: str, default: float, help: str) -> Callable[[F], F]:
+    """A positive number of seconds, its default shown."""
+    return click.option(
+        name,
+        type=click.FloatRange(min=0, min_open=True),
+        default=default,
+        show_default=True,
+        metavar="SECONDS",
+        help=help,
+    )
+
+
 def _say(message: str) -> None:
     click.echo(message, err=True)
 
@@ -118,14 +131,12 @@ def _say(message: str) -> None:
     metavar="FILE",
     help="Also write the raw frames there (`replay ingest kv-events FILE` reads it).",
 )
-@click.option(
-    "--replay-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="How long to wait for each replay reply.",
+@_seconds(
+    "--connect-timeout",
+    10.0,
+    "Give up (exit 2, no trace written) when no KV event arrives within this time.",
 )
+@_seconds("--replay-timeout", 2.0, "How long to wait for each replay reply.")
 def record(
     endpoint: str,
     replay_endpoint: str | None,
@@ -139,17 +150,20 @@ def record(
     max_batches: int | None,
     duration: float | None,
     dump: str | None,
+    connect_timeout: float,
     replay_timeout: float,
 ) -> None:
     """Record a live vLLM KV-event stream into a trace.
 
     Stops on Ctrl-C / SIGTERM (closing a valid file), after --max-batches or
     after --duration. Gaps are filled from --replay-endpoint; what cannot be
-    filled is reported and listed in the trace's source metadata.
+    filled is reported and listed in the trace's source metadata. Ends with
+    the KV events, lookups and gaps received. No KV event within
+    --connect-timeout, or none at all by the end: exit status 2 and no trace.
     """
     from replay.sources.kv_config import GroupMismatch
+    from replay.sources.record import EmptyRecording, stop_on_signals
     from replay.sources.record import record as record_stream
-    from replay.sources.record import stop_on_signals
 
     check_outputs({"-o": output, "--dump": dump}, [config_path])
     config = _optional_config(config_path, block_size, lookups)
@@ -170,6 +184,7 @@ def record(
                 dump=dump,
                 media=media or None,
                 replay_timeout=replay_timeout,
+                connect_timeout=connect_timeout,
                 stop=stop,
                 announce=say,
                 report=say,
@@ -182,7 +197,12 @@ def record(
                 else ""
             )
             raise fail(f"{exc}{hint}") from None
-    _say(f"recorded {record_summary_text(summary)} to {output}")
+        except EmptyRecording as exc:
+            if received:  # a signal ended a recording that heard nothing
+                _say(str(exc))
+                raise exit_on_signal(received[0]) from None
+            raise fail(str(exc)) from None
+    _say(recorded_text(summary, output))
     if received:
         # The trace is complete and valid; the status still says a signal ended it.
         raise exit_on_signal(received[0])
@@ -281,6 +301,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         max_num_batched_tokens: int,
         cache: str,
     ) -> None:
+        from replay.rules.store_rules import StorePolicy
         from replay.sources.mooncake import ingest as run_ingest
 
         check_outputs({"-o": output}, [trace])

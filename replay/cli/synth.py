@@ -18,7 +18,6 @@ from replay.cli.options import (
 from replay.cli.progress import progress_bar
 from replay.format.paths import check_outputs
 from replay.sources.archetypes import ARCHETYPES
-from replay.sources.synth import synth_trace
 from replay.tools.render import synth_summary_text
 
 
@@ -60,6 +59,8 @@ def synth(
     cache: str,
 ) -> None:
     """Generate a production-style synthetic trace, reproducible from --seed."""
+    from replay.sources.synth import synth_trace
+
     check_outputs({"-o": output}, [])
     with progress_bar() as bar:
         summary = synth_trace(

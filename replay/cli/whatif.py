@@ -15,13 +15,8 @@ from replay.cli.common import command, fail
 from replay.cli.options import count_option, output_option
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
-from replay.engine.answers import resolve_cache
-from replay.rules.blockpool import EVICTIONS
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
-from replay.whatif.requests import load_requests
-from replay.whatif.sizes import blocks_for_bytes, page_sizes, parse_bytes
-from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -35,6 +30,8 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
+    from replay.rules.blockpool import EVICTIONS
+
     out: list[str] = []
     for value in values:
         for name in value.split(","):
@@ -146,6 +143,11 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
+    from replay.engine.answers import resolve_cache
+    from replay.whatif.requests import load_requests
+    from replay.whatif.sizes import blocks_for_bytes, page_sizes, parse_bytes
+    from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
+
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
     if output.resolve() == trace.resolve():

@@ -33,6 +33,7 @@ from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.schema import ANSWER_SCHEMA, RESULTS_SCHEMA, UNIT_PRESENT_FIELD
 from replay.rules.coordinator import (
+    COORDINATORS,
     Coordinator,
     LookupCoordinator,
     LookupOutcome,
@@ -42,8 +43,6 @@ from replay.rules.coordinator import (
 )
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.store import LookupEvent
-
-COORDINATORS = ("reference", "vllm")
 
 
 def resolve_cache(config: TraceConfig, cache: str | None) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Answers, Variant, resolve_cache
+from replay.engine.answers import Answers, Progress, Variant, resolve_cache
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
 from replay.rules.coordinator import LookupOutcome
@@ -84,6 +84,7 @@ def explain_lookups(
     *,
     cache: str | None = None,
     until_seq: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, LookupFacts]]]:
     """Every selected lookup with the coordinator's steps and its facts, in
     one pass: the store is folded once and each lookup explained where it
@@ -96,5 +97,5 @@ def explain_lookups(
         return (until_seq is None or event.seq <= until_seq) and select(event)
 
     answers = Answers(config, [variant], where=reader.name, explain=wanted)
-    replay_answers(reader, answers, until_seq=until_seq)
+    replay_answers(reader, answers, until_seq=until_seq, progress=progress)
     return config, answers.explained

@@ -71,6 +71,15 @@ def write_results(
     return Path(path)
 
 
+def results_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A results file's ``replay.results`` metadata, without reading its rows."""
+    pf = _open_parquet(path)
+    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    if not isinstance(info, dict):
+        raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
+    return info
+
+
 def is_results_file(path: str | os.PathLike[str]) -> bool:
     if Path(path).is_dir():
         return False  # a trace directory (replay.format.tracedir)

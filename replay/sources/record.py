@@ -52,6 +52,26 @@ if TYPE_CHECKING:
 EXTRA_INSTALL = "pip install 'cache-trace-replay[record]'"
 
 
+class EmptyRecording(ReplayError):
+    """A recording that received no KV event: nothing is written."""
+
+
+def _nothing_heard(endpoint: str, bound: bool, seconds: float, topic: str, why: str) -> str:
+    """The one line of a recording that heard nothing: the endpoint, how the
+    socket met it, and what to check."""
+    if bound:
+        how = "bound there: vLLM's publisher must connect to it"
+        check = "that vLLM's kv_events_config endpoint names this host and port"
+    else:
+        how = "connected: vLLM's publisher must bind there"
+        check = "that vLLM runs with kv_events_config (enable_kv_cache_events, publisher zmq) on that host and port"
+    topic_text = f", and the topic {topic!r}" if topic else ""
+    return (
+        f"--endpoint {endpoint}: no KV event {why} ({how}); check {check}{topic_text}; "
+        "no trace written"
+    )
+
+
 def require_extra(command: str, *modules: str) -> None:
     """Raise the one-line error that names what ``command`` lacks (pyzmq,
     msgspec: the ``record`` extra) and how to install it."""
@@ -179,13 +199,16 @@ def record(
     silence_seconds: float = 10.0,
     reorder_seconds: float = 2.0,
     announce: Report | None = None,
+    connect_timeout: float = 10.0,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
     passed, ``stop`` is set, or Ctrl-C; then close a valid trace. Batches
     after a gap no replay endpoint answered for are held ``reorder_seconds``
     so a late one goes in its place. Nothing received for ``silence_seconds``
     is reported once (a wrong endpoint or topic looks exactly like an idle
-    engine otherwise).
+    engine otherwise); no KV event at all within ``connect_timeout`` seconds
+    is an :class:`EmptyRecording` error, and so is a recording that ends with
+    none: no file is written then.
 
     ``bind`` None: bind when the endpoint is a bind form
     (``replay.sources.zmq_client.binds``),
@@ -275,7 +298,8 @@ def record(
             )
             reason = "stopped"
             last_progress = 0.0
-            last_message = time.monotonic()
+            last_message = listening = time.monotonic()
+            heard = False
             silence_said = False
             try:
                 if fill is not None:
@@ -297,7 +321,16 @@ def record(
                     ready = dict(poller.poll(wait_ms))
                     if lsub is not None and placer is not None and lsub.sock in ready:
                         _take_lookups(lsub, placer, config)
+                    if sub not in ready and not heard:
+                        waited = time.monotonic() - listening
+                        if waited >= connect_timeout:
+                            raise EmptyRecording(
+                                _nothing_heard(
+                                    endpoint, bind, waited, topic, f"within {connect_timeout:g} s"
+                                )
+                            )
                     if sub in ready:
+                        heard = True
                         last_message = time.monotonic()
                         for _ in range(1000):
                             try:
@@ -313,7 +346,11 @@ def record(
                             )
                             if max_batches is not None and proc.batches >= max_batches:
                                 break
-                    elif not silence_said and time.monotonic() - last_message >= silence_seconds:
+                    elif (
+                        heard
+                        and not silence_said
+                        and time.monotonic() - last_message >= silence_seconds
+                    ):
                         silence_said = True
                         report(
                             f"nothing received on {endpoint} (topic {topic!r}) for "
@@ -337,6 +374,14 @@ def record(
             if lsub is not None and placer is not None:
                 _take_lookups(lsub, placer, config)
             _finish(proc, placer, rows)
+            if proc.converter.kv_events == 0:
+                waited = time.monotonic() - listening
+                why = f"in {waited:.1f} s (stopped: {reason})"
+                if heard:
+                    why = (
+                        f"in {proc.batches} batches received in {waited:.1f} s (stopped: {reason})"
+                    )
+                raise EmptyRecording(_nothing_heard(endpoint, bind, waited, topic, why))
             source: dict[str, Any] = {
                 "tool": "replay record",
                 "endpoint": endpoint,

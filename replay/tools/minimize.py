@@ -104,12 +104,15 @@ def minimize(
     cache: str | None = None,
     seq: int | None = None,
     judge: Judge,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """``cache`` (default: the trace's own) answers every replay, and the
     expectations name it when it was asked for; ``seq`` picks the lookup when
     the request id occurs in several. The trace is read once; every
     shrinking step replays its rows in memory, and ``out`` is written once,
-    at the end."""
+    at the end. ``progress(replays, events, of)`` is told after each
+    shrinking replay how many replays ran and how many of the ``of`` events
+    before the lookup are still kept."""
     from replay.tools.lookup_choice import choose_lookup
 
     reader = open_trace(trace)
@@ -141,9 +144,18 @@ def minimize(
         elif r["kind"] == "clear":
             events.append(r)
     target = rows[t]
+    replays = 0
+    kept_events = len(events)
 
     def fails(evs: list[Row], tgt: Row = target) -> bool:
-        return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, judge, cache)[0])
+        nonlocal replays, kept_events
+        failed = has_flag(_flags_of(config, [*evs, tgt], request_id, policy, judge, cache)[0])
+        replays += 1
+        if failed:
+            kept_events = min(kept_events, len(evs))
+        if progress is not None:
+            progress(replays, kept_events, t)
+        return failed
 
     if not fails(events):
         raise ReplayError(f"{reader.name}: cutting unrelated events lost the flag (please report)")

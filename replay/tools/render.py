@@ -6,6 +6,7 @@ The figures come from ``analysis.summary``; this module only words them."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,23 @@ from replay.rules.store import LookupEvent
 
 if TYPE_CHECKING:
     from replay.sources.stream import RecordSummary
+
+
+def elapsed(seconds: float, *, millis: bool = False) -> str:
+    """Time since a relative trace's start: ``+00:58:57`` (``+00:00:01.250``)."""
+    if not millis:
+        h, rest = divmod(round(seconds), 3600)
+        return f"+{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    whole = int(seconds)
+    h, rest = divmod(whole, 3600)
+    return (
+        f"+{h:02d}:{rest // 60:02d}:{rest % 60:02d}.{min(round((seconds - whole) * 1000), 999):03d}"
+    )
+
+
+def percent(ratio: float) -> str:
+    """A ratio (0 to 1) as every text output spells it: ``54.24%``."""
+    return f"{100 * ratio:.2f}%"
 
 
 def _numeric(cell: str) -> bool:
@@ -150,11 +168,6 @@ def kinds_text(by_kind: Mapping[str, int]) -> str:
     return f"store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}"
 
 
-def counts_text(counts: Mapping[str, int]) -> str:
-    """``name n`` per entry, by name: the flag counts."""
-    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
-
-
 def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["  " + ex["text"] for ex in examples]
 
@@ -172,13 +185,23 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
     replays ``cache`` answers."""
     first, last = info["seq_range"]
     span = info["time_span"]
+    if span["seconds"] is None:
+        when = "time: no timestamps"
+    elif span.get("relative"):
+        # The clock starts at zero (written as the epoch): elapsed time, not dates.
+        start = datetime.fromisoformat(span["first"]).timestamp()
+        end = datetime.fromisoformat(span["last"]).timestamp()
+        when = (
+            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:.1f} s; "
+            "the trace's clock starts at zero)"
+        )
+    else:
+        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
     lines = [
         f"trace: {path}",
         *config_lines(config, cache),
         f"events: {info['events']} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
-        f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
-        if span["seconds"] is not None
-        else "time: no timestamps",
+        when,
         f"hash entries: {info['hash_entries']}",
     ]
     lines += [
@@ -192,15 +215,16 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
     return lines
 
 
-def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
+def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     """``replay run``: ``analysis.summary.run_summary`` with the flagged
-    ``examples`` and the ``results`` path."""
+    ``examples`` and the ``results`` path; ``flags_text`` words its flag
+    counts (``analysis.flags.counts_text``)."""
     lines = [
         f"replayed {s['events']} events ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
         f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)",
         f"prompt tokens: {s['prompt_tokens']}, hit tokens: {s['hit_tokens']} "
-        f"(hit ratio {100 * s['hit_ratio']:.2f}%)",
+        f"(hit ratio {percent(s['hit_ratio'])})",
     ]
     lines += [
         f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded "
@@ -218,7 +242,7 @@ def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
         f"{s['lookups_per_second'] or 0:,} lookups/s)"
     )
     if s["flags"]:
-        lines.append(f"flags: {counts_text(s['flags'])}")
+        lines.append(f"flags: {flags_text}")
         lines.append("flagged lookups (first examples):")
         lines += _example_lines(s["examples"])
     else:
@@ -230,17 +254,20 @@ def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
 def check_lines(
     path: Path,
     policy: str,
-    counts: Mapping[str, int],
+    counts_text: str,
     lookups: int,
     examples: Sequence[Mapping[str, Any]],
+    verdict: str,
 ) -> list[str]:
     """``replay check``: the verdict on ``path`` under ``policy``; ``lookups``
-    is how many lookups are flagged, ``counts`` how many per flag."""
-    if not counts:
+    is how many lookups are flagged, ``counts_text`` how many per flag (with
+    severities), ``verdict`` whether that fails and why."""
+    if not lookups:
         return [f"{path}: clean under {policy} (no flags)"]
     return [
-        f"{path}: {lookups} flagged lookup(s) under {policy} ({counts_text(counts)})",
+        f"{path}: {lookups} flagged lookup(s) under {policy}: {counts_text}",
         *_example_lines(examples),
+        verdict,
     ]
 
 
@@ -264,7 +291,7 @@ def sweep_lines(
         f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}",
     ]
     lines += [
-        f"{r['capacity_blocks']:>12,} {r['eviction']:8} {r['hit_ratio']:>9.4f} "
+        f"{r['capacity_blocks']:>12,} {r['eviction']:8} {percent(r['hit_ratio']):>9} "
         f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,}"
         for r in rows
     ]
@@ -314,13 +341,39 @@ def ingest_summary_text(s: Mapping[str, Any]) -> str:
         f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
         f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
-        f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
+        f"{_events_text(s)}. Prefix reuse {percent(s['reuse_ratio'])} "
         f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
     )
 
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n > 1 else ''}"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def recorded_text(s: RecordSummary, output: object) -> str:
+    """``replay record``'s last line: the KV events, lookups and gaps it
+    received, then every other way the stream fell short."""
+    missing = sum(g["count"] for g in s.gaps)
+    gaps = _count(len(s.gaps), "gap", "gaps")
+    if missing:
+        gaps += f" ({_count(missing, 'batch', 'batches')} missing)"
+    parts = [
+        f"recorded {_count(s.kv_events, 'KV event', 'KV events')} in "
+        f"{_count(s.batches, 'batch', 'batches')}",
+        "no lookup stream" if s.lookups is None else _count(s.lookups, "lookup", "lookups"),
+        gaps,
+    ]
+    if s.filled:
+        parts.append(f"{s.filled:,} filled from the replay endpoint")
+    if s.restarts:
+        parts.append(_count(len(s.restarts), "publisher restart", "publisher restarts"))
+    if s.skipped:
+        parts.append(f"{s.skipped:,} malformed skipped")
+    return ", ".join(parts) + f" to {output}"
 
 
 def record_summary_text(s: RecordSummary) -> str:

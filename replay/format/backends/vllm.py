@@ -60,7 +60,7 @@ def _missing_vllm(exc: ImportError) -> str:
         f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
         "run the tool inside the Python that has vLLM 0.33, e.g. "
         f"`PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
-        "(or install vLLM here: `pip install vllm==0.33.0`)"
+        "(or install vLLM here: `pip install 'cache-trace-replay[vllm]'`)"
     )
 
 

@@ -19,8 +19,12 @@ from replay.rules.coordinator.hybrid import (
 )
 from replay.rules.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
 
+#: Who answers the lookups: this project's coordinator, or the installed vLLM's.
+COORDINATORS = ("reference", "vllm")
+
 __all__ = [
     "CACHES",
+    "COORDINATORS",
     "DEFAULT_CACHE",
     "DEFAULT_POLICY",
     "FINDERS",
