@@ -22,6 +22,7 @@ from typing import Any
 from analysis.flags import Flag
 from replay.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
 from replay.coordinator import DEFAULT_POLICY, LookupOutcome
+from replay.errors import ReplayError
 from replay.shard import replay_answers
 from replay.spec import TraceConfig
 from replay.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
@@ -87,7 +88,13 @@ def replay_trace(
 
 
 def default_results_path(trace: str | os.PathLike[str]) -> Path:
+    """``NAME.results.parquet`` beside the trace (a directory: beside it,
+    ``.`` and ``..`` by their real names)."""
     p = Path(trace)
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.realpath(p))
+    if not p.name:
+        raise ReplayError(f"{trace}: has no name to derive the results file's from; give -o")
     name = p.name.removesuffix(".parquet")
     return p.with_name(f"{name}.results.parquet")
 

@@ -17,10 +17,7 @@ a dot) and other names are ignored.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import pyarrow as pa
 
 from replay.coordinator import trace_cache
 from replay.errors import ReplayError, TraceError
+from replay.paths import check_outputs, staged_outputs
 from replay.trace import TRACE_COLUMNS, TraceBatch, TraceReader, TraceWriter, open_trace
 
 #: How ``replay split`` names its files: zero-padded so that file-name order
@@ -152,55 +150,22 @@ def batch_table(batch: TraceBatch) -> pa.Table:
     return frame.append_column("block_hashes", batch.hashes).select(list(TRACE_COLUMNS))
 
 
-@contextlib.contextmanager
-def _atomic_dir(target: Path, inputs: list[Path]) -> Iterator[Path]:
-    """A temporary directory beside ``target``, renamed onto it on success
-    and removed on any error: a half-split trace is never left behind."""
-    if target.exists() and not target.is_dir():
-        raise ReplayError(f"{target}: exists and is not a directory, expected a new directory")
-    if target.is_dir() and any(target.iterdir()):
-        raise ReplayError(f"{target}: directory is not empty, expected a new or empty directory")
-    resolved = target.resolve()
-    for p in inputs:
-        if resolved == p.resolve() or resolved in p.resolve().parents:
-            raise ReplayError(f"{target}: would write over the input {p}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    except OSError as exc:
-        raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if target.is_dir():
-            target.rmdir()  # empty (checked above): the rename replaces it
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _inputs(reader: TraceReader) -> list[Path]:
-    if isinstance(reader, TraceDir):
-        return [f.path for f in reader.files]
-    return [reader.path] if reader.path is not None else []
-
-
 def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], files: int) -> int:
     """Write ``trace`` as ``files`` files of equal rows, give or take one,
-    into the new directory ``out_dir`` (as many files as rows when there are
-    fewer). Returns the number of files written."""
+    into the new (or empty) directory ``out_dir``, whose parent must exist
+    (as many files as rows when there are fewer). The directory appears
+    whole or not at all. Returns the number of files written."""
     if files < 1:
         raise ReplayError(f"--files {files}: expected at least 1")
+    check_outputs({}, [trace], directories={"-o": out_dir})
     reader = open_trace(trace)
-    target = Path(out_dir)
     total = reader.num_rows
+    files = min(files, max(total, 1))  # never more files than rows
     # Where each file ends, in rows of the whole trace; empty files dropped.
     ends = sorted({(i + 1) * total // files for i in range(files)} - {0})
     written = 0
-    with _atomic_dir(target, _inputs(reader)) as tmp:
+    with staged_outputs() as stage:
+        tmp = stage.directory(out_dir)
         writer: TraceWriter | None = None
         done = 0
         try:
@@ -231,17 +196,9 @@ def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
 def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
     """Write every event of ``trace`` (a directory, or a file) into the one
     file ``out``. Returns the rows written."""
+    check_outputs({"-o": out}, [trace])
     reader = open_trace(trace)
-    target = Path(out)
-    resolved = target.resolve()
-    for p in _inputs(reader):
-        if resolved == p.resolve():
-            raise ReplayError(f"{target}: would write over the input {p}")
-    if isinstance(reader, TraceDir) and reader.path.resolve() in resolved.parents:
-        raise ReplayError(
-            f"{target}: inside the input directory {reader.path} (it would become part of it)"
-        )
-    with TraceWriter(target, reader.config) as writer:
+    with TraceWriter(out, reader.config) as writer:
         for batch in reader.iter_batches(prefetch=True):
             writer.write_table(batch_table(batch))
     return writer.rows_written

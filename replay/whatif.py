@@ -30,8 +30,10 @@ same hits.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -516,6 +518,10 @@ _LOADED: Requests | None = None
 
 def _load(requests: Requests) -> None:
     global _LOADED
+    # The parent decides when a sweep ends: a Ctrl-C sent to the terminal's
+    # process group, or a hang-up, must not end a worker with a traceback.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     _LOADED = requests
 
 
@@ -571,19 +577,37 @@ def sweep(
             if progress is not None:
                 progress(done, len(specs))
     else:
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=jobs,
             mp_context=get_context("spawn"),
             initializer=_load,
             initargs=(requests,),
-        ) as pool:
+        )
+        try:
             futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
             for future in as_completed(futures):
                 rows[futures[future]] = future.result()
                 done += 1
                 if progress is not None:
                     progress(done, len(specs))
+        except BaseException:
+            # An error or a signal: the workers end now, quietly, before the
+            # caller removes what they were writing.
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
     return [r for r in rows if r is not None]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.kill()
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.join(timeout=5)
 
 
 def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:

@@ -271,17 +271,25 @@ def test_split_of_a_bad_trace_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_cat_never_writes_over_or_into_its_input(tmp_path: Path, demo_dir: Path) -> None:
+    # The one output guard of replay.paths (issue 25): its words, for every command.
     inside = demo_dir / "all.parquet"
     assert _error(["cat", str(demo_dir), "-o", str(inside)]) == (
-        f"error: {inside}: inside the input directory {demo_dir} (it would become part of it)\n"
+        f"error: -o {inside}: lies inside the input directory {demo_dir}; refusing to write "
+        "there (give another output path)\n"
     )
     part = demo_dir / "part-000001.parquet"
     assert _error(["cat", str(DEMO), "-o", str(DEMO)]) == (
-        f"error: {DEMO}: would write over the input {DEMO}\n"
+        f"error: -o {DEMO}: is the input {DEMO}; refusing to overwrite it (give another output path)\n"
     )
     size = part.stat().st_size
     assert _error(["split", str(demo_dir), "-o", str(part), "--files", "2"]) == (
-        f"error: {part}: exists and is not a directory, expected a new directory\n"
+        f"error: -o {part}: lies inside the input directory {demo_dir}; refusing to write "
+        "there (give another output path)\n"
+    )
+    other = tmp_path / "f.parquet"
+    other.write_bytes(b"x")
+    assert _error(["split", str(demo_dir), "-o", str(other), "--files", "2"]) == (
+        f"error: {other}: exists and is not a directory, expected a new directory\n"
     )
     assert part.stat().st_size == size
     assert sorted(p.name for p in demo_dir.iterdir()) == [f"part-{i:06d}.parquet" for i in range(4)]

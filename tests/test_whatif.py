@@ -289,7 +289,10 @@ def test_cli_refuses_to_write_over_its_input(tmp_path: Path) -> None:
     trace = _demo_trace(tmp_path)
     before = trace.read_bytes()
     result = run_cli(["whatif", str(trace), "--capacity-blocks", "10", "-o", str(trace)])
-    assert result.exit_code == 2 and "is the input trace" in result.output
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: -o {trace}: is the input {trace}; refusing to overwrite it (give another output path)\n",
+    )
     assert trace.read_bytes() == before
 
 

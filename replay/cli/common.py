@@ -22,7 +22,7 @@ from typing import IO, Any
 import click
 
 from replay.errors import Interrupted, ReplayError
-from replay.paths import EXIT_SIGNALS, note_signal
+from replay.paths import EXIT_SIGNALS, note_signal, remove_leftovers
 
 
 class UserError(click.ClickException):
@@ -81,6 +81,7 @@ def run_main(command: click.Command, prog_name: str) -> None:
             try:
                 command(prog_name=prog_name)
             except Interrupted as exc:  # arrived outside a command (parsing, exiting)
+                remove_leftovers()
                 raise exit_on_signal(exc.signum) from None
     except click.exceptions.Exit as exc:
         code: int | str | None = exc.exit_code
@@ -104,7 +105,12 @@ def command_guard() -> Iterator[None]:
     user errors; a signal ends the command with its exit status."""
     with signals_raise():
         try:
-            yield
+            try:
+                yield
+            except BaseException:
+                # What a signal between two statements of a writer left.
+                remove_leftovers()
+                raise
         except ReplayError as exc:
             raise fail(str(exc)) from None
         except OSError as exc:

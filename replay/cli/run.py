@@ -132,7 +132,7 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import flag_counts, flag_examples
-    from replay.paths import check_outputs
+    from replay.paths import check_outputs, staged_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
@@ -150,13 +150,15 @@ def run(
             progress=None if bar is None else _replay_progress(bar),
         )
     summaries = []
-    for result, out in zip(results, outs, strict=True):
-        flags = result.flags()
-        save_results(result, out)
-        summary = run_summary(result, flag_counts(flags))
-        summary["results"] = str(out)
-        summary["examples"] = flag_examples(flags, examples)
-        summaries.append(summary)
+    # Several results files appear together or not at all.
+    with staged_outputs() as stage:
+        for result, out in zip(results, outs, strict=True):
+            flags = result.flags()
+            save_results(result, stage.file(out))
+            summary = run_summary(result, flag_counts(flags))
+            summary["results"] = str(out)
+            summary["examples"] = flag_examples(flags, examples)
+            summaries.append(summary)
     if as_json:
         click.echo(
             json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2, default=str)

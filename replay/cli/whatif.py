@@ -18,6 +18,7 @@ from replay.cli.options import count_option, output_option
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.paths import check_outputs, staged_outputs
 from replay.render import sweep_lines
 from replay.whatif import (
     RunSpec,
@@ -155,8 +156,7 @@ def whatif(
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
-    if output.resolve() == trace.resolve():
-        raise fail(f"{output}: is the input trace; choose another output")
+    check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
     names = _names(evictions)
     retention = parse_retention(retention_interval)
     requests = load_requests(trace)
@@ -171,10 +171,6 @@ def whatif(
         ]
     elif capacity_blocks is not None:
         sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
-    if emit_traces is not None:
-        if emit_traces.exists() and not emit_traces.is_dir():
-            raise fail(f"{emit_traces}: not a directory")
-        emit_traces.mkdir(parents=True, exist_ok=True)
     run = functools.partial(
         RunSpec,
         cache=cache_name,
@@ -184,29 +180,32 @@ def whatif(
         page_bytes=pages,
     )
     specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
-    if emit_traces is not None:
-        specs = [dataclasses.replace(spec, emit=emit_path(emit_traces, spec)) for spec in specs]
-    started = time.perf_counter()
-    with progress_bar(quiet) as bar:
-        rows = sweep(
-            requests,
-            specs,
-            jobs=jobs or os.cpu_count() or 1,
-            progress=None if bar is None else _sweep_progress(bar),
-        )
-    seconds = time.perf_counter() - started
-    meta = {
-        "version": 1,
-        "trace": trace.name,
-        "trace_config": config.to_json(),
-        "cache": cache_name,
-        "policy": policy,
-        "retention_interval": retention,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "page_bytes": list(pages) if pages else None,
-        "seconds": seconds,
-    }
-    write_sweep(output, rows, meta)
+    # The emitted traces and the sweep file appear together or not at all.
+    with staged_outputs() as stage:
+        if emit_traces is not None:
+            staging = stage.directory(emit_traces, "--emit-traces")
+            specs = [dataclasses.replace(spec, emit=emit_path(staging, spec)) for spec in specs]
+        started = time.perf_counter()
+        with progress_bar(quiet) as bar:
+            rows = sweep(
+                requests,
+                specs,
+                jobs=jobs or os.cpu_count() or 1,
+                progress=None if bar is None else _sweep_progress(bar),
+            )
+        seconds = time.perf_counter() - started
+        meta = {
+            "version": 1,
+            "trace": trace.name,
+            "trace_config": config.to_json(),
+            "cache": cache_name,
+            "policy": policy,
+            "retention_interval": retention,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "page_bytes": list(pages) if pages else None,
+            "seconds": seconds,
+        }
+        write_sweep(stage.file(output), rows, meta)
     if quiet:
         return
     for line in sweep_lines(trace, len(requests), meta, rows):
