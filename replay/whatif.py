@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -79,28 +78,14 @@ SWEEP_COLUMNS = (
 # ---------------------------------------------------------------- sizes
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+#: The largest page a group's block may take (1 TiB): a size beyond it is a typo.
+MAX_PAGE_BYTES = 1 << 40
 
 
-def parse_bytes(text: str) -> int:
-    """``64GiB``, ``500MB``, ``4096``: a byte count (``Ki`` = 1024, ``K`` = 1000)."""
-    m = _SIZE.match(text)
-    if m is None:
-        raise ReplayError(f"size {text!r}: expected a number with an optional unit such as 64GiB")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    base = unit[:1]
-    factor = 1024 ** "_kmgtp".index(base) if unit[1:2] == "i" else _UNITS[base]
-    value = int(number * factor)
-    if value <= 0:
-        raise ReplayError(f"size {text!r}: must be positive")
-    return value
-
-
-def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
+def page_sizes(config: TraceConfig, page_bytes: Sequence[int] | None) -> tuple[int, ...]:
     """Per group, the bytes of one block (all of its layers): ``--page-bytes``
-    (one size for every group, or one per group, comma-separated), else the
-    trace's ``source.page_bytes``."""
+    (one size for every group, or one per group), else the trace's
+    ``source.page_bytes`` (an integer, or one per group)."""
     if page_bytes is None:
         source = config.source or {}
         given = source.get("page_bytes")
@@ -109,10 +94,17 @@ def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
                 "--capacity-bytes needs the groups' page sizes: give --page-bytes "
                 "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
             )
-        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
-    else:
-        parts = [p for p in page_bytes.split(",") if p.strip()]
-    sizes = [parse_bytes(p) for p in parts]
+        parts = given if isinstance(given, list) else [given]
+        for part in parts:
+            if type(part) is not int or not 1 <= part <= MAX_PAGE_BYTES:
+                raise ReplayError(
+                    f"source.page_bytes {part!r}: expected a whole number of bytes from 1 "
+                    f"to {MAX_PAGE_BYTES} (or give --page-bytes)"
+                )
+        page_bytes = parts
+    sizes = list(page_bytes)
+    if any(not 1 <= size <= MAX_PAGE_BYTES for size in sizes):
+        raise ReplayError(f"--page-bytes: a page is at most {MAX_PAGE_BYTES} bytes (1TiB)")
     if len(sizes) == 1:
         sizes *= config.num_groups
     if len(sizes) != config.num_groups:
@@ -159,6 +151,13 @@ class Requests:
 
     def __len__(self) -> int:
         return len(self.seq)
+
+    def useful_blocks(self) -> int:
+        """More blocks than every request of the trace allocates in every
+        group together: a block pool this large never evicts, so any larger
+        capacity gives the same run (and is simulated at this size)."""
+        sizes = [g.block_size for g in self.config.groups]
+        return 1 + sum((n + b - 1) // b + 1 for n in self.num_tokens for b in sizes)
 
     def unit_ids(self, i: int) -> list[int]:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
@@ -232,11 +231,19 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
         for n, m in zip(frame.get_column("num_tokens").to_list(), max_length, strict=True)
     ]
     seqs = frame.get_column("seq").to_list()
-    for seq, n, m in zip(seqs, num_tokens, max_length, strict=True):
+    hbs = reader.config.hash_block_size
+    for seq, n, m, k in zip(seqs, num_tokens, max_length, lengths.tolist(), strict=True):
         if not 0 <= m < n:
             raise ReplayError(
                 f"{path}: seq {seq}: max_length {m} must be in [0, num_tokens {n}) for the "
                 "what-if (vLLM recomputes a prompt's last token)"
+            )
+        # The what-if stores the prompt's blocks: its hashes must cover it.
+        if n > (k + 1) * hbs:
+            raise ReplayError(
+                f"{path}: seq {seq}: num_tokens {n} exceeds what its {k} block_hashes cover "
+                f"(the what-if needs num_tokens <= (len(block_hashes) + 1) * hash_block_size "
+                f"{hbs})"
             )
     return Requests(
         config=reader.config,
@@ -404,7 +411,7 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
     if spec.cache == "gpu":
         gpu = GpuCache(
             config,
-            spec.capacity_blocks,
+            min(spec.capacity_blocks, requests.useful_blocks()),
             policy=spec.policy,
             eviction=spec.eviction,
             store_policy=spec.store_policy(),

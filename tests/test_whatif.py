@@ -20,7 +20,6 @@ from replay.whatif import (
     SWEEP_COLUMNS,
     RunSpec,
     load_requests,
-    parse_bytes,
     read_sweep,
     simulate,
     sweep,
@@ -188,10 +187,12 @@ def test_belady_hits_at_least_as_much_as_lru_for_full_attention(cache: str, tmp_
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("64GiB") == 64 * 2**30
-    assert parse_bytes("500MB") == 500 * 10**6
-    assert parse_bytes("4096") == 4096
-    assert parse_bytes("1.5KiB") == 1536
+    from replay.cli.options import parse_bytes
+
+    assert parse_bytes("64GiB", "--capacity-bytes") == 64 * 2**30
+    assert parse_bytes("500MB", "--capacity-bytes") == 500 * 10**6
+    assert parse_bytes("4096", "--capacity-bytes") == 4096
+    assert parse_bytes("1.5KiB", "--capacity-bytes") == 1536
 
 
 def _demo_trace(tmp_path: Path) -> Path:
@@ -267,7 +268,7 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
     [
         (["--capacity-blocks", "10", "--capacity-bytes", "1GiB"], "exactly one of"),
         ([], "exactly one of"),
-        (["--capacity-blocks", "10,x"], "--capacity-blocks: expected positive integers"),
+        (["--capacity-blocks", "10,x"], "--capacity-blocks 'x': expected a whole number from 1"),
         (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
         (["--capacity-bytes", "1GiB"], "needs the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),

@@ -14,7 +14,7 @@ import click
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay.answers import COORDINATORS, Progress, resolve_cache
 from replay.cli.common import command
-from replay.cli.options import TRACE, count_option, output_option, repeated_choice
+from replay.cli.options import TRACE, count_option, integer_type, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
@@ -61,7 +61,7 @@ COORDINATOR = click.option(
 )
 SEQ = click.option(
     "--seq",
-    type=int,
+    type=integer_type(),
     default=None,
     help="The seq of the lookup, when the request_id occurs in several.",
 )

@@ -12,7 +12,7 @@ import click
 
 from replay.answers import Progress, ReplayResult
 from replay.cli.common import command, fail
-from replay.cli.options import TRACE, count_option, output_option
+from replay.cli.options import TRACE, count_option, count_type, output_option
 from replay.engine import default_results_path
 
 
@@ -46,7 +46,7 @@ def cat(trace: Path, output: Path) -> None:
 
 WORKERS = click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=count_type(1, 4096),
     default=None,
     help="Replay on Ray with the store split into this many key shards (a local Ray "
     "with this many CPUs, unless --ray names a cluster). Needs the ray extra.",

@@ -14,7 +14,14 @@ import click
 from replay.answers import resolve_cache
 from replay.blockpool import EVICTIONS
 from replay.cli.common import command, fail
-from replay.cli.options import count_option, output_option
+from replay.cli.options import (
+    SIZE_LIMIT,
+    count_option,
+    output_option,
+    parse_bytes,
+    parse_count,
+    parse_list,
+)
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
@@ -26,20 +33,25 @@ from replay.whatif import (
     emit_path,
     load_requests,
     page_sizes,
-    parse_bytes,
     sweep,
     write_sweep,
 )
 
+#: The largest cache a what-if run simulates, in blocks (a capacity beyond
+#: what the trace's requests can fill is simulated at what they can fill).
+MAX_CAPACITY_BLOCKS = 1 << 40
 
-def _int_list(text: str, option: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise fail(f"{option}: expected positive integers separated by commas, got {part!r}")
-        out.append(int(part))
-    return out
+
+def _capacities(text: str) -> list[int]:
+    return parse_list(
+        text,
+        "--capacity-blocks",
+        lambda t, o: parse_count(t, o, least=1, most=MAX_CAPACITY_BLOCKS),
+    )
+
+
+def _byte_list(text: str, option: str) -> list[int]:
+    return parse_list(text, option, lambda t, o: parse_bytes(t, o))
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
@@ -120,6 +132,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     "--max-num-batched-tokens",
     default=8192,
     least=1,
+    most=SIZE_LIMIT,
     help="The scheduler's token budget per step (the longest prefill chunk).",
 )
 @output_option("SWEEP.parquet to write.", required=True)
@@ -130,7 +143,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     help="Also write each run as a trace in this directory (replay run replays it to the "
     "same hits).",
 )
-@count_option("--jobs", least=1, help="Runs in parallel (default: the number of cores).")
+@count_option("--jobs", least=1, most=1024, help="Runs in parallel (default: the number of cores).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
 def whatif(
     trace: Path,
@@ -157,6 +170,12 @@ def whatif(
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
     check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
+    # Every number is parsed before any work: a typo costs no sweep.
+    blocks = _capacities(capacity_blocks) if capacity_blocks is not None else None
+    byte_sizes = (
+        _byte_list(capacity_bytes, "--capacity-bytes") if capacity_bytes is not None else None
+    )
+    given_pages = _byte_list(page_bytes, "--page-bytes") if page_bytes is not None else None
     names = _names(evictions)
     retention = parse_retention(retention_interval)
     requests = load_requests(trace)
@@ -164,13 +183,11 @@ def whatif(
     cache_name = resolve_cache(config, cache)
     sizes: list[tuple[int, int | None]] = []
     pages: tuple[int, ...] | None = None
-    if capacity_bytes is not None:
-        pages = page_sizes(config, page_bytes)
-        sizes = [
-            (blocks_for_bytes(b, pages), b) for b in map(parse_bytes, capacity_bytes.split(","))
-        ]
-    elif capacity_blocks is not None:
-        sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
+    if byte_sizes is not None:
+        pages = page_sizes(config, given_pages)
+        sizes = [(blocks_for_bytes(b, pages), b) for b in byte_sizes]
+    elif blocks is not None:
+        sizes = [(n, None) for n in blocks]
     run = functools.partial(
         RunSpec,
         cache=cache_name,
