@@ -289,7 +289,12 @@ def _span(voff: Any, base: int, stride: int, width: int, h: int) -> Any:
     """Hash ``h``'s first word, words and bytes (``HashWords``' layouts)."""
     fixed = voff.shape[0] == 0
     nb = np.int64(width) if fixed else np.int64(voff[h + 1]) - np.int64(voff[h])
-    start = (np.int64(voff[h]) - base) >> 3 if stride == 0 else np.int64(h) * stride
+    if stride < 0:  # packed: the second half of voff holds each hash's first word
+        start = np.int64(voff[(voff.shape[0] >> 1) + h])
+    elif stride == 0:
+        start = (np.int64(voff[h]) - base) >> 3
+    else:
+        start = np.int64(h) * stride
     return start, (nb + 7) >> 3, nb
 
 

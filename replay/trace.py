@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from replay.coordinator import CACHES, DEFAULT_CACHE, check_config, trace_cache
 from replay.errors import ConfigError, ReplayError, TraceError
+from replay.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES
 from replay.paths import atomic_output, check_input, pause_point
 from replay.spec import TraceConfig
 
@@ -496,6 +497,63 @@ def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig
     return check_config_limits(config, f"{path}: replay.trace metadata")
 
 
+def _declared_hashes(rg: Any) -> int:
+    """The hashes a row group's footer declares (0 when it says nothing)."""
+    for c in range(rg.num_columns):
+        col = rg.column(c)
+        if col.path_in_schema.startswith("block_hashes."):
+            return int(col.num_values)
+    return 0
+
+
+def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
+    """Before any row is decoded: the sizes the footer declares are within
+    the limits of ``replay.limits`` (hashes per row group, per row on
+    average, bytes per fixed-width hash). A refusal names the limit and the
+    option that raises it."""
+    hashes_type = pf.schema_arrow.field("block_hashes").type
+    width = hashes_type.value_type
+    if pa.types.is_fixed_size_binary(width) and width.byte_width > HASH_BYTES.value():
+        raise HASH_BYTES.refuse(f"{path}: column 'block_hashes' holds hashes of", width.byte_width)
+    meta = pf.metadata
+    per_row, per_group = ROW_HASHES.value(), GROUP_HASHES.value()
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        declared = _declared_hashes(rg)
+        if declared > per_group:
+            raise GROUP_HASHES.refuse(f"{path}: row group {i} declares", declared)
+        rows = max(1, rg.num_rows)
+        if declared > rows * per_row:
+            raise ROW_HASHES.refuse(
+                f"{path}: row group {i} declares {declared:,} hashes in {rows:,} rows, at least",
+                -(-declared // rows),
+            )
+
+
+def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array) -> None:
+    """Each row's hash count and each hash's width within the limits."""
+    counts = pc.list_value_length(hashes)
+    most = pc.max(counts).as_py()
+    if most is not None and most > ROW_HASHES.value():
+        i = _first(pc.equal(counts, most))
+        assert i is not None
+        raise ROW_HASHES.refuse(f"{path}: {_where(raw, i)}: block_hashes holds", most)
+    values = hashes.values
+    if len(values) == 0 or pa.types.is_fixed_size_binary(values.type):
+        return  # a fixed width is checked from the schema
+    width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(values.buffers()[1], dtype=width)
+    lo, hi = int(hashes.offsets[0].as_py()), int(hashes.offsets[-1].as_py())
+    lens = np.diff(offsets[values.offset + lo : values.offset + hi + 1])
+    if lens.size and int(lens.max()) > HASH_BYTES.value():
+        j = int(np.argmax(lens))
+        row = int(pc.list_parent_indices(hashes)[j].as_py())
+        k = j - (int(hashes.offsets[row].as_py()) - lo)
+        raise HASH_BYTES.refuse(
+            f"{path}: {_where(raw, row)}: block_hashes[{k}] holds", int(lens[j])
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class TraceBatch:
     """One validated row batch (see ``TraceReader.iter_batches``)."""
@@ -513,9 +571,13 @@ class HashWords:
     is ``nbytes[h]`` bytes long: ``value_offsets[h + 1] - value_offsets[h]``
     (the Arrow offsets themselves, int32 or int64), or ``width`` for every
     hash when ``value_offsets`` is empty (fixed-size binary). Its words,
-    zero-padded, start at ``words[h * stride]`` when ``stride`` is set (a
-    padded copy), else at ``words[(value_offsets[h] - base) // 8]`` (the
-    Arrow values buffer viewed in place). Every array is read-only.
+    zero-padded, start at ``words[h * stride]`` when ``stride`` is positive
+    (a padded copy of hashes of one width), at ``words[value_offsets[n + 1
+    + h]]`` when ``stride`` is -1 (a packed copy of mixed widths, each
+    padded to its own words only: ``value_offsets`` is then the byte
+    offsets followed by each hash's first word), else at
+    ``words[(value_offsets[h] - base) // 8]`` (the Arrow values buffer
+    viewed in place). Every array is read-only.
     """
 
     row_offsets: np.ndarray[Any, np.dtype[np.int64]]
@@ -530,16 +592,24 @@ class HashWords:
         return int(self.row_offsets[-1])
 
     @property
+    def _byte_offsets(self) -> np.ndarray[Any, Any]:
+        if self.stride < 0:
+            return self.value_offsets[: self.value_offsets.shape[0] // 2]
+        return self.value_offsets
+
+    @property
     def nbytes(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Each hash's length in bytes."""
         if self.value_offsets.shape[0] == 0:
             return _readonly(np.full(self.num_hashes, self.width, dtype=np.int64))
-        return _readonly(np.diff(self.value_offsets.astype(np.int64)))
+        return _readonly(np.diff(self._byte_offsets.astype(np.int64)))
 
     @property
     def word_offsets(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Hash ``h`` is ``words[word_offsets[h]:word_offsets[h + 1]]``, its
         zero padding included."""
+        if self.stride < 0:
+            return _readonly(self.value_offsets[self.value_offsets.shape[0] // 2 :].copy())
         if self.stride:
             return _readonly(np.arange(self.num_hashes + 1, dtype=np.int64) * self.stride)
         return _readonly((self.value_offsets.astype(np.int64) - self.base) >> 3)
@@ -551,7 +621,7 @@ class HashWords:
             return 0
         if self.value_offsets.shape[0] == 0:
             return self.width
-        return int(np.diff(self.value_offsets).max())
+        return int(np.diff(self._byte_offsets).max())
 
 
 def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -599,13 +669,29 @@ def hash_words(hashes: pa.Array) -> HashWords:
         return HashWords(row_offsets, words, voff, base=base)
     data = np.frombuffer(data_buf, dtype=np.uint8)
     lens = np.diff(voff.astype(np.int64))
-    stride = (int(lens.max()) + 7) >> 3
-    padded = np.zeros(n * stride * 8, dtype=np.uint8)
-    starts = np.arange(n, dtype=np.int64) * (stride * 8)
-    for width in np.unique(lens).tolist():
+    widths = np.unique(lens)
+    if widths.shape[0] == 1:  # one width: a copy at a fixed stride
+        stride = (int(widths[0]) + 7) >> 3
+        first = np.arange(n + 1, dtype=np.int64) * stride
+    else:
+        # Mixed widths: each hash padded to its own words, never to the
+        # widest (one long hash among short ones would pad them all).
+        stride = -1
+        first = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum((lens + 7) >> 3, out=first[1:])
+    padded = np.zeros(int(first[-1]) * 8, dtype=np.uint8)
+    starts = first[:-1] * 8
+    src = voff[:-1].astype(np.int64)
+    for width in widths.tolist():
         rows = np.flatnonzero(lens == width)
+        # In slices of rows: the index arrays stay near 64 MB whatever the width.
+        step = max(1, (8 << 20) // max(1, width))
         span = np.arange(width, dtype=np.int64)
-        padded[starts[rows][:, None] + span] = data[voff[rows].astype(np.int64)[:, None] + span]
+        for lo in range(0, rows.shape[0], step):
+            part = rows[lo : lo + step]
+            padded[starts[part][:, None] + span] = data[src[part][:, None] + span]
+    if stride < 0:
+        voff = _readonly(np.concatenate([voff.astype(np.int64), first]))
     return HashWords(row_offsets, _readonly(padded.view(np.uint64)), voff, stride=stride)
 
 
@@ -672,6 +758,7 @@ class TraceReader:
         self._pf = _open_parquet(path)
         self.config = read_config(self._pf, self.name)
         self.columns = check_schema(self.name, self._pf.schema_arrow)
+        check_declared_sizes(self._pf, self.name)
 
     @property
     def num_rows(self) -> int:
@@ -726,6 +813,8 @@ class TraceReader:
     #: memory stays bounded whatever the row groups' size, large enough that
     #: per-batch costs vanish.
     BATCH_BYTES = 16 << 20
+    #: And about this many hashes at most (where the footer declares them).
+    BATCH_HASHES = 1 << 20
 
     def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
         cols = list(self.columns)
@@ -737,6 +826,11 @@ class TraceReader:
             # Parquet streams within a row group, so one huge row group costs
             # a batch's memory, not the row group's.
             rows = rg.num_rows * self.BATCH_BYTES // max(1, rg.total_byte_size)
+            # Dictionary-encoded hashes decode to far more than their pages:
+            # the declared hash count bounds a batch too.
+            hashes = _declared_hashes(rg)
+            if hashes:
+                rows = min(rows, rg.num_rows * self.BATCH_HASHES // hashes)
             rows = max(1, min(batch_size, rows))
             yield from self._pf.iter_batches(batch_size=rows, row_groups=[i], columns=cols)
 
@@ -917,6 +1011,7 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
             f"{path}: {_where(raw, row)}: block_hashes[{k}] {what} "
             "(expected a hash: non-empty bytes)"
         )
+    check_hash_sizes(path, raw, hashes)
     return hashes
 
 
