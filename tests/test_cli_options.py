@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from replay.base.errors import ReplayError
 from replay.cli.options import (
     parse_bytes,
     parse_count,
@@ -14,7 +15,6 @@ from replay.cli.options import (
     parse_seconds,
     parse_seed,
 )
-from replay.errors import ReplayError
 from tests.conftest import run_cli
 
 I64 = "9,223,372,036,854,775,807"
@@ -117,7 +117,7 @@ def test_a_capacity_beyond_what_the_requests_use_runs_at_what_they_use(
 ) -> None:
     """A billion GPU blocks once allocated ~40 GB up front; the runs are the
     same as at the largest size the trace can fill (nothing is evicted)."""
-    from replay.whatif import read_sweep
+    from replay.format.sweepfile import read_sweep
 
     out = tmp_path / "w.parquet"
     args = ["whatif", str(trace_43559), "--cache", "gpu", "--capacity-blocks", "1000000000,1T", "-o", str(out), "-q", "--jobs", "1"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""replay.limits: what a file declares is checked against the limits before
+"""replay.base.limits: what a file declares is checked against the limits before
 it is decoded (the Parquet footer), else as each row or line is read; a
 refusal is one line naming the limit and the option that raises it, exit
 status 2, nothing written (issue 25)."""
@@ -12,7 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.trace import TRACE_META_KEY, events_table, hash_words, trace_schema
+from replay.format.hashwords import hash_words
+from replay.format.schema import TRACE_META_KEY
+from replay.format.writer import events_table, trace_schema
 from tests.builders import full_mamba
 from tests.conftest import run_cli
 
@@ -139,7 +141,7 @@ def test_a_lookup_log_line_of_too_many_hashes(tmp_path: Path, inputs: dict[str, 
 def test_whatif_refuses_a_lookup_whose_num_tokens_its_hashes_do_not_cover(
     tmp_path: Path,
 ) -> None:
-    from replay.trace import write_trace
+    from replay.format.writer import write_trace
 
     rows = [{"kind": "lookup", "request_id": "r", "block_hashes": [b"a" * 16], "max_length": 15, "num_tokens": 1 << 48}]  # fmt: skip
     trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
@@ -152,8 +154,8 @@ def test_whatif_refuses_a_lookup_whose_num_tokens_its_hashes_do_not_cover(
 
 
 def test_many_groups_merge_into_spec_groups_by_key() -> None:
-    from replay.coordinator.hybrid import build_spec_groups
-    from replay.spec import TraceConfig
+    from replay.base.spec import TraceConfig
+    from replay.rules.coordinator.hybrid import build_spec_groups
 
     raw = full_mamba().to_json()
     first = raw["kv_cache_groups"][0]

@@ -1,4 +1,4 @@
-"""replay.paths: where a command may read and write. An output that is an
+"""replay.format.paths: where a command may read and write. An output that is an
 input is refused before anything is written, ``/dev/null`` discards,
 ``-`` is standard output, a missing directory is an error, a FIFO never
 blocks, and a failed write leaves nothing behind (through the CLI, as a
@@ -372,7 +372,7 @@ def test_split_files_are_bounded_by_the_rows(tmp_path: Path, inputs: dict[str, P
     out = tmp_path / "parts"
     result = run_cli(["split", str(inputs["trace"]), "-o", str(out), "--files", "1000000000000"])
     assert result.exit_code == 0, result.output
-    from replay.trace import open_trace
+    from replay.format.tracedir import open_trace
 
     rows = open_trace(inputs["trace"]).num_rows
     assert result.stdout == f"{inputs['trace']} -> {out}: {rows} files\n"

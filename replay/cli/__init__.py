@@ -1,5 +1,5 @@
 """The ``replay`` command line: click only. Each command parses options,
-calls the library and prints what ``replay.render`` words; library errors
+calls the library and prints what ``replay.tools.render`` words; library errors
 become one line on stderr and exit status 2 (``replay.cli.common``).
 
 One module per command group:
@@ -24,10 +24,10 @@ from typing import Any
 import click
 
 from replay import __version__
+from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
 from replay.cli import analysis, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
 from replay.cli.options import INT64_MAX, count_type
-from replay.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
 
 # The sections of `replay --help`, in the order a user meets them.
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 
 import click
 
+from replay.base.errors import ReplayError
 from replay.cli.common import fail
-from replay.coordinator import CACHES
-from replay.errors import ReplayError
+from replay.rules.coordinator import CACHES
 from replay.sources.archetypes import ARCHETYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -243,7 +243,7 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 
 
 def store_options(fn: F) -> F:
-    """The store rules' options of a trace source (``replay.store_rules.StorePolicy``)."""
+    """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
     for decorator in reversed(
         [
             click.option(

@@ -1,4 +1,4 @@
-"""``replay whatif``: click only, over ``replay.whatif``."""
+"""``replay whatif``: click only, over ``replay.whatif.sweep``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import click
 
-from replay.answers import resolve_cache
-from replay.blockpool import EVICTIONS
 from replay.cli.common import command, fail
 from replay.cli.options import (
     SIZE_LIMIT,
@@ -24,18 +22,14 @@ from replay.cli.options import (
 )
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
-from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.paths import check_outputs, staged_outputs
-from replay.render import sweep_lines
-from replay.whatif import (
-    RunSpec,
-    blocks_for_bytes,
-    emit_path,
-    load_requests,
-    page_sizes,
-    sweep,
-    write_sweep,
-)
+from replay.engine.answers import resolve_cache
+from replay.format.paths import check_outputs, staged_outputs
+from replay.rules.blockpool import EVICTIONS
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.tools.render import sweep_lines
+from replay.whatif.requests import load_requests
+from replay.whatif.sizes import blocks_for_bytes, page_sizes
+from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
 
 #: The largest cache a what-if run simulates, in blocks (a capacity beyond
 #: what the trace's requests can fill is simulated at what they can fill).

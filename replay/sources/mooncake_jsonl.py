@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.errors import ReplayError
-from replay.limits import ROW_HASHES, bounded_lines
-from replay.paths import check_input
+from replay.base.errors import ReplayError
+from replay.base.limits import ROW_HASHES, bounded_lines
+from replay.format.paths import check_input
+from replay.format.validate import TOKEN_LIMIT
 from replay.sources.values import JSON_TYPES, is_text, type_name
-from replay.trace import TOKEN_LIMIT
 
 #: Timestamps are kept relative to the epoch; the last one a trace can hold.
 _MAX_TS_US = 253_402_300_799 * 1_000_000
