@@ -150,11 +150,11 @@ def run(
             progress=None if bar is None else _replay_progress(bar),
         )
     summaries = []
-    # Several results files appear together or not at all.
+    # Several results files appear together or not at all (one is atomic itself).
     with staged_outputs() as stage:
         for result, out in zip(results, outs, strict=True):
             flags = result.flags()
-            save_results(result, stage.file(out))
+            save_results(result, stage.file(out) if len(outs) > 1 else out)
             summary = run_summary(result, flag_counts(flags))
             summary["results"] = str(out)
             summary["examples"] = flag_examples(flags, examples)
