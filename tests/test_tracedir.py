@@ -4,6 +4,7 @@ file, the footers are checked before any row, and split / cat convert."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -306,3 +307,32 @@ def test_report_finds_a_directory_trace_beside_its_results(demo_dir: Path) -> No
     assert "not found next to" not in text
     flagged = replay_trace(DEMO, policy="pre-49502").flags()["request_id"][0]
     assert "replay explain" in text and flagged in text
+
+
+# ------------------------------------------- every part read, or refused (issue 25)
+
+PART_OF = "every .parquet file of a trace directory is a part of it"
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "symlink loop", "fifo", "directory"])
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_part_that_is_not_a_regular_file_is_an_error_naming_it(
+    tmp_path: Path, demo_dir: Path, kind: str, command: str
+) -> None:
+    part = demo_dir / "part-000009.parquet"
+    if kind == "dangling symlink":
+        part.symlink_to("gone.parquet")
+        message = f"{part}: is a dangling symlink (to gone.parquet); {PART_OF}"
+    elif kind == "symlink loop":
+        part.symlink_to(part.name)
+        message = f"{part}: is a symlink loop; {PART_OF}"
+    elif kind == "fifo":
+        os.mkfifo(part)
+        message = f"{part}: is a FIFO, expected a Parquet file ({PART_OF})"
+    else:
+        part.mkdir()
+        message = f"{part}: is a directory, expected a Parquet file ({PART_OF})"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = ["validate", str(demo_dir)] if command == "validate" else ["run", str(demo_dir), "-q"]
+    assert _error(args) == f"error: {message}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -49,7 +49,8 @@ EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PAUSE_ENV = "REPLAY_TEST_PAUSE"
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in a message's words."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -76,7 +77,7 @@ def check_input(path: PathLike, expected: str) -> Path:
     if stat.S_ISDIR(st.st_mode):
         raise ReplayError(f"{p}: is a directory, expected {expected}")
     if not stat.S_ISREG(st.st_mode):
-        raise ReplayError(f"{p}: is {_file_kind(st.st_mode)}, expected {expected} (a regular file)")
+        raise ReplayError(f"{p}: is {file_kind(st.st_mode)}, expected {expected} (a regular file)")
     if not os.access(p, os.R_OK):
         raise ReplayError(f"{p}: cannot read (Permission denied)")
     return p
@@ -127,7 +128,7 @@ def output_target(path: PathLike, *, text: bool, what: str = "Parquet") -> Outpu
         if stat.S_ISDIR(st.st_mode):
             raise ReplayError(f"{p}: is a directory, expected a file path to write")
         raise ReplayError(
-            f"{p}: is {_file_kind(st.st_mode)}, expected a file path to write "
+            f"{p}: is {file_kind(st.st_mode)}, expected a file path to write "
             "(or /dev/null to discard the output)"
         )
     real = Path(os.path.realpath(p))

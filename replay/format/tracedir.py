@@ -17,14 +17,16 @@ a dot) and other names are ignored.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 
 from replay.base.errors import ReplayError, TraceError
-from replay.format.paths import check_outputs, staged_outputs
+from replay.format.paths import check_outputs, file_kind, staged_outputs
 from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
 from replay.format.trace import TraceReader
 from replay.format.writer import TraceWriter
@@ -42,13 +44,38 @@ def trace_files(path: Path) -> list[Path]:
     except OSError as exc:
         raise TraceError(f"{path}: cannot list the directory ({exc.strerror or exc})") from None
     files = [
-        path / name
-        for name in entries
-        if name.endswith(".parquet") and not name.startswith(".") and (path / name).is_file()
+        path / name for name in entries if name.endswith(".parquet") and not name.startswith(".")
     ]
+    for part in files:
+        # Every part is read, or the directory is refused: a part skipped
+        # would replay the trace without its events.
+        _check_part(part)
     if not files:
         raise TraceError(f"{path}: no .parquet files in the directory (expected a trace's files)")
     return files
+
+
+def _check_part(part: Path) -> None:
+    """A part of a trace directory is a regular file to read, else one line
+    naming it (a dangling symlink, a symlink loop, a FIFO, a directory)."""
+    try:
+        st = os.stat(part)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            what = "is a symlink loop"
+        elif exc.errno == errno.ENOENT and os.path.islink(part):
+            what = f"is a dangling symlink (to {os.readlink(part)})"
+        else:
+            what = f"cannot be read ({exc.strerror or exc})"
+        raise TraceError(
+            f"{part}: {what}; every .parquet file of a trace directory is a part of it"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else file_kind(st.st_mode)
+        raise TraceError(
+            f"{part}: is {kind}, expected a Parquet file (every .parquet file of a trace "
+            "directory is a part of it)"
+        )
 
 
 def _seq_range(reader: TraceReader) -> tuple[int, int] | None:
