@@ -377,3 +377,67 @@ def test_split_files_are_bounded_by_the_rows(tmp_path: Path, inputs: dict[str, P
     rows = open_trace(inputs["trace"]).num_rows
     assert result.stdout == f"{inputs['trace']} -> {out}: {rows} files\n"
     assert len(list(out.iterdir())) == rows
+
+
+# ---------------------------------------------- names that are not UTF-8 (issue 25)
+
+
+def _bytes_name(folder: Path, raw: bytes) -> Path:
+    """A path whose last part is the bytes ``raw`` (Python's surrogateescape)."""
+    path = folder / os.fsdecode(raw)
+    try:
+        path.touch()
+        path.unlink()
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system takes no names that are not UTF-8")
+    return path
+
+
+def test_names_that_are_not_utf8_work_as_inputs_and_outputs(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    import json as jsonlib
+
+    import pyarrow.parquet as pq
+
+    from replay.format.tracedir import open_trace
+
+    trace = _bytes_name(tmp_path, b"caf\xe9.parquet")
+    trace.write_bytes(inputs["trace"].read_bytes())
+    results = _bytes_name(tmp_path, b"r\xff.results.parquet")
+    folder = _bytes_name(tmp_path, b"d\xe9")
+    jsonl = _bytes_name(tmp_path, b"m\xe9.jsonl")
+    jsonl.write_bytes(inputs["mooncake"].read_bytes())
+    imported = tmp_path / "m.parquet"
+    commands: list[list[str | Path]] = [
+        ["validate", trace],
+        ["run", trace, "-o", results, "-q"],
+        ["report", results, "-o", _bytes_name(tmp_path, b"r\xe9.md")],
+        ["split", trace, "-o", folder, "--files", "2"],
+        ["run", folder, "-o", "/dev/null", "-q"],
+        [
+            "whatif",
+            trace,
+            "--capacity-blocks",
+            "10",
+            "-o",
+            _bytes_name(tmp_path, b"w\xe9.parquet"),
+            "-q",
+        ],
+        ["ingest", "mooncake", jsonl, "-o", imported],
+        ["info", imported, "--json"],
+    ]
+    for args in commands:
+        result = run_cli(args)
+        assert result.exit_code == 0, (args, result.output)
+    # What a trace records of a file name is text any reader takes back.
+    assert (open_trace(imported).config.source or {})["file"] == "m\\xe9.jsonl"
+    meta = pq.read_schema(str(imported)).metadata[b"replay.trace"]
+    assert jsonlib.loads(meta.decode("utf-8"))["source"]["file"] == "m\\xe9.jsonl"
+    assert (tmp_path / os.fsdecode(b"r\xe9.md")).read_text().startswith("## Replay report: ")
+    missing = _bytes_name(tmp_path, b"gone\xe9.parquet")
+    result = run_cli(["validate", missing])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {tmp_path}/gone\\xe9.parquet: no such file\n",
+    )

@@ -19,6 +19,7 @@ and what they share: ``common`` (the error and signal rules), ``options``
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import click
@@ -99,6 +100,12 @@ def cli() -> None:
     `replay check` exits 1 when any lookup is flagged (for CI); `replay
     explain` shows how one request's hit was decided.
     """
+    # A file name that is not UTF-8 is printed as the bytes it is, never a
+    # UnicodeEncodeError in a UTF-8 terminal.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="surrogateescape")
 
 
 for _title, _commands in SECTIONS:

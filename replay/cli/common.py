@@ -22,6 +22,7 @@ from typing import IO, Any
 import click
 
 from replay.base.errors import Interrupted, ReplayError
+from replay.base.text import readable_name
 from replay.format.paths import EXIT_SIGNALS, note_signal, remove_leftovers
 
 
@@ -31,7 +32,8 @@ class UserError(click.ClickException):
     exit_code = 2
 
     def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        # A file name that is not UTF-8 is shown escaped (\xNN), as recorded.
+        click.echo(f"error: {readable_name(self.format_message())}", err=True)
 
 
 def fail(message: str) -> UserError:

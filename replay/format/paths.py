@@ -30,9 +30,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from replay.base.errors import ReplayError
+from replay.base.text import readable_name, utf8_path
 
 PathLike = str | os.PathLike[str]
 
@@ -508,10 +509,22 @@ def staged_outputs() -> Iterator[Staging]:
         raise
 
 
+@contextlib.contextmanager
+def arrow_file(path: PathLike, mode: str = "rb") -> Iterator[Any]:
+    """``path`` as Arrow takes it: its name when the name is UTF-8, else the
+    file opened by Python (Arrow cannot take a name that is not UTF-8)."""
+    if utf8_path(path):
+        yield os.fspath(path)
+        return
+    with open(path, mode) as fh:
+        yield fh
+
+
 def write_text(path: PathLike, text: str, *, what: str = "text") -> OutputTarget:
     """Write ``text`` to ``path``: atomically to a file, to standard output for
     ``-`` or ``/dev/stdout``, nowhere for ``/dev/null``."""
     target = output_target(path, text=True, what=what)
+    text = readable_name(text)  # a file name that is not UTF-8, escaped
     if target.kind == "stdout":
         sys.stdout.write(text)
         sys.stdout.flush()

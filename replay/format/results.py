@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
 from replay.base.spec import TraceConfig
+from replay.base.text import readable
+from replay.format.paths import arrow_file
 from replay.format.schema import (
     RESULTS_META_KEY,
     RESULTS_SCHEMA,
@@ -34,7 +36,7 @@ from replay.rules.coordinator import CACHES, DEFAULT_CACHE
 
 def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
     return RESULTS_SCHEMA.with_metadata(
-        {RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()}
+        {RESULTS_META_KEY: json.dumps(readable(metadata), sort_keys=True).encode()}
     )
 
 
@@ -56,8 +58,8 @@ def write_results(
     table = table.select(list(RESULTS_SCHEMA.names) + extra)
     fields = list(schema) + [table.schema.field(n) for n in extra]
     table = table.cast(pa.schema(fields, metadata=schema.metadata))
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp), compression="zstd")
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(table, where, compression="zstd")
     return Path(path)
 
 

@@ -7,6 +7,7 @@ prefetched on a thread while the caller works on the previous one."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 from replay.base.errors import ConfigError, ReplayError, TraceError
 from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
+from replay.base.text import utf8_path
 from replay.format.paths import check_input
 from replay.format.schema import (
     _EMPTY_POLARS,
@@ -70,12 +72,21 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
     if tail != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    owned: BinaryIO | None = None
+    if isinstance(source, str) and not utf8_path(source):
+        # Arrow takes only UTF-8 names: any other is read through Python,
+        # the file closed when the reader goes.
+        source = owned = open(source, "rb")  # noqa: SIM115
     try:
         pf = pq.ParquetFile(source)
+        if owned is not None:
+            weakref.finalize(pf, owned.close)
         # The footer is decoded lazily: a column name or a metadata key that
         # is not UTF-8 (a damaged footer) fails here, not in a later reader.
         pf.schema_arrow  # noqa: B018
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        if owned is not None:
+            owned.close()
         raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
     return pf
 

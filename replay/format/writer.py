@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import TraceError
 from replay.base.spec import TraceConfig
-from replay.format.paths import atomic_output, pause_point
+from replay.format.paths import arrow_file, atomic_output, pause_point
 from replay.format.schema import (
     _EXPECTED_TYPE,
     EXPECT_META_KEY,
@@ -123,8 +123,8 @@ def _parquet_sink(target: TraceFile) -> Iterator[Any]:
     helper (a temporary file, renamed on success); a file object gets the
     bytes only once the file is complete, so an error writes nothing to it."""
     if isinstance(target, str | os.PathLike):
-        with atomic_path(target) as tmp:
-            yield str(tmp)
+        with atomic_path(target) as tmp, arrow_file(tmp, "wb") as where:
+            yield where
         return
     buffer = pa.BufferOutputStream()
     yield buffer
@@ -265,6 +265,6 @@ def write_keys(path: str | os.PathLike[str], keys: Sequence[tuple[int, Sequence[
     gids = [gid for gid, hashes in keys for _ in hashes]
     hashes = [h for _, hs in keys for h in hs]
     table = pa.table({"group_id": gids, "hash": hashes}, schema=KEYS_SCHEMA)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp))
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(table, where)
     return len(hashes)
