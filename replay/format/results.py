@@ -29,7 +29,7 @@ from replay.format.schema import (
     check_config_limits,
 )
 from replay.format.trace import _open_parquet
-from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars
+from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars, utc_ts
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE
 
@@ -129,6 +129,7 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     a trace gets: types, nulls, ``seq`` order, one entry per group."""
     for name in table.column_names:
         _check_utf8(path, table, name)
+    table = utc_ts(table)
     _check_ts(path, table)
     frame = _to_polars(table)
     casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
@@ -173,6 +174,23 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
         checks.append((col.list.min() < 0, f"{name} holds a negative number"))
         limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
         checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
+    if "flags" in frame.columns and "flag_details" in frame.columns:
+        # Each flag a lookup lists has the numbers that prove it, and no
+        # numbers prove a flag it does not list: `check` reads either.
+        listed = pl.col("flags").list.unique().list.sort()
+        proved = (
+            pl.col("flag_details")
+            .list.eval(pl.element().struct.field("flag"))
+            .list.unique()
+            .list.sort()
+        )
+        checks.append(
+            (
+                (listed != proved) & pl.col("flags").is_not_null(),
+                "flags and flag_details disagree (each flag listed needs its flag_details "
+                "entry, and each entry a listed flag)",
+            )
+        )
     if "unit_present" in frame.columns:
         up = pl.col("unit_present")
         checks.append((up.is_null(), "unit_present is null (expected one list per group)"))

@@ -80,7 +80,9 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
     ts = _combined(raw.column("ts"))
     per = _PER_SECOND[ts.type.unit]
     # In nanoseconds the whole int64 range is representable: clip the bounds.
-    lo, hi = (min(max(b * per, -(1 << 63)), (1 << 63) - 1) for b in _TS_RANGE_S)
+    # The last second of 9999 is representable to its last tick.
+    first, last = _TS_RANGE_S[0] * per, (_TS_RANGE_S[1] + 1) * per - 1
+    lo, hi = (min(max(b, -(1 << 63)), (1 << 63) - 1) for b in (first, last))
     if ts.null_count == len(ts):
         return
     values = ts.cast(pa.int64())
@@ -91,6 +93,21 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
             "epoch is outside the representable range (expected a time between "
             "0001-01-01 and 9999-12-31)"
         )
+
+
+def utc_ts(raw: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+    """``raw`` with a ``ts`` column of any time zone (a fixed offset such as
+    +05:30, a zone name polars does not know, none) as UTC: Arrow stores
+    the instant itself, in UTC, whatever the zone, so only the type changes."""
+    if "ts" not in raw.column_names:
+        return raw
+    typ = raw.schema.field("ts").type
+    if not pa.types.is_timestamp(typ) or typ.tz in (None, "UTC"):
+        return raw
+    utc = pa.timestamp(typ.unit, tz="UTC")
+    ts = _combined(raw.column("ts")).cast(pa.int64()).cast(utc)
+    i = raw.schema.get_field_index("ts")
+    return raw.set_column(i, pa.field("ts", utc), ts)
 
 
 def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array) -> None:
@@ -165,6 +182,7 @@ def validate_rows(
     """Every check of format v1 on one batch of trace rows, in file order
     after ``last_seq``; the reader and every writer go through it. Returns
     the decoded batch and its last seq."""
+    raw = utc_ts(raw)
     hashes = check_arrow_batch(path, config, raw)
     frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
         pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)

@@ -1,0 +1,122 @@
+"""Issue 25's remaining hostile inputs, each fed as found: one line, exit
+status 2 (or a correct run where the input is valid), nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from replay.format.writer import events_table, write_trace
+from tests.builders import full_mamba
+from tests.conftest import run_cli
+
+ROWS: list[dict[str, Any]] = [
+    {"kind": "store", "group_id": 0, "block_hashes": [b"a" * 16]},
+    {"kind": "store", "group_id": 1, "block_hashes": [b"a" * 16]},
+    {"kind": "lookup", "request_id": "r", "block_hashes": [b"a" * 16], "max_length": 15},
+]
+
+
+def _with_ts(path: Path, typ: pa.DataType, values: list[int]) -> Path:
+    table = events_table(ROWS[: len(values)], full_mamba())
+    ts = pa.array(values, pa.int64()).cast(typ)
+    table = table.set_column(table.schema.get_field_index("ts"), pa.field("ts", typ), ts)
+    pq.write_table(table, str(path))
+    return path
+
+
+LAST_US = 253_402_300_799 * 1_000_000 + 999_999  # 9999-12-31T23:59:59.999999
+
+
+@pytest.mark.parametrize("zone", ["+05:30", "-08:00", "Mars/Olympus", "America/New_York", None])
+def test_a_ts_in_any_time_zone_is_read_as_the_instant_it_stores(
+    tmp_path: Path, zone: str | None
+) -> None:
+    trace = _with_ts(tmp_path / "t.parquet", pa.timestamp("us", tz=zone), [0, 1, 2])
+    results = tmp_path / "r.parquet"
+    for args in (
+        ["validate", str(trace)],
+        ["info", str(trace), "--json"],
+        ["run", str(trace), "-o", str(results), "-q"],
+        ["report", str(results), "-o", str(tmp_path / "r.md")],
+    ):
+        result = run_cli(args)
+        assert result.exit_code == 0, (args, result.output)
+    import polars as pl
+
+    assert pl.read_parquet(results)["ts"].dt.epoch("us").to_list() == [2]
+
+
+def test_the_last_second_of_9999_is_a_valid_ts(tmp_path: Path) -> None:
+    trace = _with_ts(
+        tmp_path / "t.parquet", pa.timestamp("us", tz="UTC"), [LAST_US - 2, LAST_US - 1, LAST_US]
+    )
+    results = tmp_path / "r.parquet"
+    for args in (
+        ["validate", str(trace)],
+        ["run", str(trace), "-o", str(results), "-q"],
+        ["report", str(results), "-o", str(tmp_path / "r.html")],
+    ):
+        result = run_cli(args)
+        assert result.exit_code == 0, (args, result.output)
+    beyond = _with_ts(tmp_path / "b.parquet", pa.timestamp("ns", tz="UTC"), [0, 1])
+    assert run_cli(["validate", str(beyond)]).exit_code == 0
+
+
+def test_a_report_of_x_values_beyond_2_53(tmp_path: Path) -> None:
+    big = 1 << 60
+    rows = [{**row, "seq": big + i} for i, row in enumerate(ROWS)]
+    trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    results = tmp_path / "r.parquet"
+    assert run_cli(["run", str(trace), "-o", str(results), "-q"]).exit_code == 0
+    result = run_cli(["report", str(results), "-o", str(tmp_path / "r.html")])
+    assert (result.exit_code, result.stdout) == (0, f"wrote {tmp_path / 'r.html'}\n")
+
+
+def test_prompts_all_shorter_than_one_block(tmp_path: Path) -> None:
+    src = tmp_path / "m.jsonl"
+    src.write_text(
+        json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}) + "\n"
+    )
+    out = tmp_path / "m.parquet"
+    result = run_cli(["ingest", "mooncake", str(src), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 events (1 lookups, 0 stores" in result.stdout
+    assert run_cli(["run", str(out), "-o", str(tmp_path / "r.parquet"), "-q"]).exit_code == 0
+
+
+def test_check_refuses_flags_without_their_details(tmp_path: Path, trace_43559: Path) -> None:
+    results = tmp_path / "r.parquet"
+    assert run_cli(["run", str(trace_43559), "-o", str(results), "-q"]).exit_code == 0
+    table = pq.read_table(str(results))
+    i = table.schema.get_field_index("flags")
+    flags = pa.array([["mamba_overrun"]] * table.num_rows, table.schema.field("flags").type)
+    lying = tmp_path / "lying.parquet"
+    pq.write_table(table.set_column(i, table.schema.field("flags"), flags), str(lying))
+    result = run_cli(["check", str(lying)])
+    seq = table.column("seq")[0].as_py()
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {lying}: seq {seq}: flags and flag_details disagree (each flag listed needs "
+        "its flag_details entry, and each entry a listed flag)\n",
+    )
+
+
+def test_run_of_the_working_directory(tmp_path: Path, trace_43559: Path) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    os.link(trace_43559, here / "t.parquet")
+    old = Path.cwd()
+    os.chdir(here)
+    try:
+        result = run_cli(["run", ".", "-q"])
+    finally:
+        os.chdir(old)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "here.results.parquet").is_file()
