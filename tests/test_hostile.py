@@ -120,3 +120,77 @@ def test_run_of_the_working_directory(tmp_path: Path, trace_43559: Path) -> None
         os.chdir(old)
     assert result.exit_code == 0, result.output
     assert (tmp_path / "here.results.parquet").is_file()
+
+
+DRIVER = """
+import json, sys
+from click.testing import CliRunner
+from replay.cli import cli
+out = []
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(cli, args)
+    out.append([r.exit_code, r.stderr])
+print(json.dumps(out))
+"""
+
+
+def test_a_full_disk_is_an_error_naming_the_file_and_leaves_nothing(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """Each command writes into a 32 KiB tmpfs (mounted in a user and mount
+    namespace): the error names the file the user asked for, never a hidden
+    temporary one, and the disk is left empty."""
+    import shutil
+    import subprocess
+    import sys
+
+    from replay.format.writer import write_trace
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    # A trace larger than the disk.
+    rows = [
+        {"kind": "store", "group_id": 0, "block_hashes": [os.urandom(32) for _ in range(64)]}
+        for _ in range(64)
+    ]
+    trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    commands = [
+        ["split", str(trace), "-o", f"{disk}/parts", "--files", "3"],
+        ["cat", str(trace), "-o", f"{disk}/c.parquet"],
+        ["synth", "-o", f"{disk}/s.parquet", "--model", "full", "--requests", "200"],
+        [
+            "whatif",
+            str(trace_43559),
+            "--capacity-blocks",
+            "1,2",
+            "-q",
+            "--jobs",
+            "1",
+            "-o",
+            f"{disk}/w.parquet",
+        ],
+    ]
+    script = (
+        f"mount -t tmpfs -o size=32k tmpfs {disk} && "
+        f"{sys.executable} -c '{DRIVER}' '{json.dumps(commands)}' && ls -A {disk}"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env
+    )
+    if "unshare:" in run.stderr or "mount:" in run.stderr:
+        pytest.skip(f"no tmpfs mount here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    results = json.loads(lines[0])
+    full = "cannot write here (No space left on device)"
+    assert results[:3] == [
+        [2, f"error: {disk}/parts/part-000000.parquet: {full}\n"],
+        [2, f"error: {disk}/c.parquet: {full}\n"],
+        [2, f"error: {disk}/s.parquet: {full}\n"],
+    ]
+    # The sweep file is small: it fits, and is written whole.
+    assert results[3][0] in (0, 2)
+    assert lines[1:] in ([], ["w.parquet"])

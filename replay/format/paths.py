@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -63,6 +64,15 @@ def file_kind(mode: int) -> str:
     if stat.S_ISBLK(mode):
         return "a block device"
     return "not a regular file"
+
+
+def os_reason(exc: OSError) -> str:
+    """What the system said, without Arrow's wrapping: ``No space left on
+    device`` for an Arrow write error carrying errno 28."""
+    found = re.search(r"\[errno (\d+)\]", str(exc))
+    if found:
+        return os.strerror(int(found.group(1)))
+    return exc.strerror or " ".join(str(exc).split())
 
 
 def check_input(path: PathLike, expected: str) -> Path:
@@ -354,7 +364,7 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
         try:
             fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
         except OSError as exc:
-            raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+            raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
         os.close(fd)
         tmp = Path(name)
         _LIVE[tmp] = False
@@ -362,14 +372,14 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
         try:
             yield tmp
         except OSError as exc:  # a full disk, a quota: name the file the user gave
-            raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+            raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
         os.chmod(tmp, mode)
         pause_point("publish", tmp)
         with signals_held():
             try:
                 os.replace(tmp, real)
             except OSError as exc:
-                raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
             _LIVE.pop(tmp, None)
     except BaseException:
         with signals_held():
@@ -429,7 +439,7 @@ class Staging:
             try:
                 fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
             except OSError as exc:
-                raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
             os.close(fd)
             self._items.append((Path(name), real, os.fspath(path), False, mode))
             _LIVE[Path(name)] = False
@@ -444,7 +454,7 @@ class Staging:
             try:
                 name = tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
             except OSError as exc:
-                raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
             self._items.append((Path(name), real, os.fspath(path), True, 0o777 & _new_file_mode()))
             _LIVE[Path(name)] = True
         return Path(name)
@@ -501,7 +511,7 @@ def staged_outputs() -> Iterator[Staging]:
             first = stage._items[0][2] if stage._items else ""
             where = stage.named(exc.filename) if exc.filename else first
             raise ReplayError(
-                f"{where}: cannot write here ({stage.named(exc.strerror or str(exc))})"
+                f"{where}: cannot write here ({stage.named(os_reason(exc))})"
             ) from None
         stage.publish()
     except BaseException:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import TraceError
 from replay.base.spec import TraceConfig
-from replay.format.paths import arrow_file, atomic_output, pause_point
+from replay.format.paths import arrow_file, atomic_output, os_reason, pause_point
 from replay.format.schema import (
     _EXPECTED_TYPE,
     EXPECT_META_KEY,
@@ -178,7 +178,10 @@ class TraceWriter:
             return
         # A writer never makes a trace the readers would refuse.
         _, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
-        write_bounded(self._writer, table)
+        try:
+            write_bounded(self._writer, table)
+        except OSError as exc:  # a full disk, a quota: name the file the user gave
+            raise TraceError(f"{self.name}: cannot write here ({os_reason(exc)})") from None
         self.rows_written += table.num_rows
         if isinstance(self._tmp, str):
             pause_point("rows", Path(self._tmp))
@@ -194,7 +197,10 @@ class TraceWriter:
         if source is not None:
             config = TraceConfig.from_json({**config.to_json(), "source": source})
         self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:
+            raise TraceError(f"{self.name}: cannot write here ({os_reason(exc)})") from None
         self._writer = None
         self._finished = True
         self._cm.__exit__(None, None, None)
