@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from analysis.diff import DiffResult
+from replay.base.text import printable
 from replay.tools.render import table
 
 
@@ -81,7 +82,7 @@ def render_text(diff: DiffResult, limit: int = 20) -> str:
     rows = [
         [
             r["seq"],
-            r["request_id"],
+            printable(r["request_id"]),
             r["max_length"],
             r["hit_a"],
             r["hit_b"],

@@ -194,3 +194,29 @@ def test_a_full_disk_is_an_error_naming_the_file_and_leaves_nothing(
     # The sweep file is small: it fits, and is written whole.
     assert results[3][0] in (0, 2)
     assert lines[1:] in ([], ["w.parquet"])
+
+
+def test_control_characters_in_request_ids_never_reach_the_terminal(tmp_path: Path) -> None:
+    from tests.builders import issue_43559_rows
+
+    evil = "req\x1b[2J\x1b]0;pwned\x07\r"
+    rows = [
+        {**row, "request_id": evil} if row.get("request_id") == "req-43559" else row
+        for row in issue_43559_rows()
+    ]
+    trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    shown = "req\\x1b[2J\\x1b]0;pwned\\x07\\r"
+    outputs = []
+    for args in (
+        ["check", str(trace), "--policy", "pre-49502"],
+        ["explain", str(trace), "--request", evil, "--policy", "pre-49502"],
+        ["diff", str(trace), "--policy", "vllm-0.33", "--policy", "pre-49502"],
+        ["run", str(trace), "--policy", "pre-49502", "-o", str(tmp_path / "r.parquet")],
+        ["explain", str(trace), "--request", evil + "x"],
+    ):
+        result = run_cli(args)
+        outputs.append(result.output)
+        assert "\x1b" not in result.output and "\x07" not in result.output, args
+        assert "\r" not in result.output, args
+    assert all(shown in out for out in outputs[:4]), outputs
+    assert shown + "x" in outputs[4]

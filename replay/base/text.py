@@ -42,3 +42,14 @@ def utf8_path(path: object) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: control characters (an escape sequence in a
+    request id, a carriage return, a bell) as ``\\xNN`` escapes, so a
+    user's data never drives the terminal; other text as it is."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )

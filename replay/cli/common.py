@@ -22,7 +22,7 @@ from typing import IO, Any
 import click
 
 from replay.base.errors import Interrupted, ReplayError
-from replay.base.text import readable_name
+from replay.base.text import printable, readable_name
 from replay.format.paths import EXIT_SIGNALS, note_signal, remove_leftovers
 
 
@@ -33,7 +33,8 @@ class UserError(click.ClickException):
 
     def show(self, file: IO[Any] | None = None) -> None:
         # A file name that is not UTF-8 is shown escaped (\xNN), as recorded.
-        click.echo(f"error: {readable_name(self.format_message())}", err=True)
+        # and a control character (a request id's escape sequence) too.
+        click.echo(f"error: {printable(readable_name(self.format_message()))}", err=True)
 
 
 def fail(message: str) -> UserError:
