@@ -220,3 +220,24 @@ def test_control_characters_in_request_ids_never_reach_the_terminal(tmp_path: Pa
         assert "\r" not in result.output, args
     assert all(shown in out for out in outputs[:4]), outputs
     assert shown + "x" in outputs[4]
+
+
+def test_a_kv_dump_whose_block_size_differs_from_the_config_is_refused(tmp_path: Path) -> None:
+    from replay.sources.dump import DumpWriter
+    from tests.kvpayloads import T0, payload, stored
+
+    dump = tmp_path / "d.kvdump"
+    with DumpWriter(dump) as w:  # events of 16-token blocks
+        w.write([b"", (0).to_bytes(8, "big"), payload(T0, stored([1, 2]))], "live", T0)
+    out = tmp_path / "t.parquet"
+    result = run_cli(["ingest", "kv-events", str(dump), "-o", str(out), "--block-size", "32"])
+    assert result.exit_code == 2
+    assert result.stderr.endswith(
+        "group_idx 0: the publisher says block_size 16, but the config's group 0 has "
+        "block_size 32\n"
+    ), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.kvdump"]
+    assert (
+        run_cli(["ingest", "kv-events", str(dump), "-o", str(out), "--block-size", "16"]).exit_code
+        == 0
+    )
