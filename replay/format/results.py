@@ -142,6 +142,26 @@ def _results_type_ok(name: str, typ: pa.DataType) -> bool:
     return True
 
 
+def _flag_columns_typed(table: pa.Table) -> bool:
+    """Whether ``flags`` is a list of strings and ``flag_details`` a list of
+    structs with a string ``flag`` (then the two must agree)."""
+    names = table.column_names
+    if "flags" not in names or "flag_details" not in names:
+        return False
+    flags, details = table.schema.field("flags").type, table.schema.field("flag_details").type
+    if not (pa.types.is_list(flags) or pa.types.is_large_list(flags)):
+        return False
+    if not (pa.types.is_string(flags.value_type) or pa.types.is_large_string(flags.value_type)):
+        return False
+    if not (pa.types.is_list(details) or pa.types.is_large_list(details)):
+        return False
+    inner = details.value_type
+    if not pa.types.is_struct(inner) or inner.get_field_index("flag") < 0:
+        return False
+    flag = inner.field("flag").type
+    return bool(pa.types.is_string(flag) or pa.types.is_large_string(flag))
+
+
 def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFrame:
     """The results rows as a frame in the contract's types, after the checks
     a trace gets: types, nulls, ``seq`` order, one entry per group."""
@@ -199,7 +219,7 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
         checks.append((col.list.min() < 0, f"{name} holds a negative number"))
         limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
         checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
-    if "flags" in frame.columns and "flag_details" in frame.columns:
+    if _flag_columns_typed(table):
         # Each flag a lookup lists has the numbers that prove it, and no
         # numbers prove a flag it does not list: `check` reads either.
         listed = pl.col("flags").list.unique().list.sort()
