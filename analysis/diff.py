@@ -43,8 +43,10 @@ import pyarrow.parquet as pq
 from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, with_flag_column
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
+from replay.base.text import readable
 from replay.engine.answers import Progress, resolve_cache
 from replay.engine.run import ReplayOptions, replay
+from replay.format.paths import arrow_file
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
 from replay.format.writer import atomic_path
@@ -609,7 +611,9 @@ def write_diff(diff: DiffResult, path: str | os.PathLike[str]) -> Path:
     """The changed lookups as Parquet, the summary in metadata ``replay.diff`` (atomic)."""
     tbl = diff.lookups.to_arrow()
     meta = {**diff.summary(), "version": 1, "reasons": diff.reasons.to_dicts()}
-    tbl = tbl.replace_schema_metadata({DIFF_META_KEY: json.dumps(meta, sort_keys=True).encode()})
-    with atomic_path(path) as tmp:
-        pq.write_table(tbl, str(tmp), compression="zstd")
+    tbl = tbl.replace_schema_metadata(
+        {DIFF_META_KEY: json.dumps(readable(meta), sort_keys=True).encode()}
+    )
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(tbl, where, compression="zstd")
     return Path(path)

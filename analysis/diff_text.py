@@ -14,6 +14,7 @@ import polars as pl
 
 from analysis.diff import DiffResult
 from analysis.flags import severity
+from replay.base.text import printable
 from replay.tools.render import table
 
 
@@ -118,7 +119,7 @@ def diff_sections(diff: DiffResult, limit: int) -> list[Section]:
             [
                 [
                     r["seq"],
-                    r["request_id"],
+                    printable(r["request_id"]),
                     r["max_length"],
                     r["hit_a"],
                     r["hit_b"],

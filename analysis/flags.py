@@ -45,6 +45,7 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
+from replay.base.text import printable
 from replay.format.link import link
 from replay.format.results import write_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
@@ -549,7 +550,8 @@ def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
     for name in by_severity(FLAG_KINDS):
         part = flags.filter(pl.col("flag") == name).head(limit)
         for r in part.iter_rows(named=True):
-            r["text"] = f"{r['flag']}: request {r['request_id']} seq {r['seq']}: {r['detail']}"
+            request = printable(r["request_id"])
+            r["text"] = f"{r['flag']}: request {request} seq {r['seq']}: {r['detail']}"
             rows.append(r)
     return rows
 

@@ -759,3 +759,224 @@ def test_the_valid_inputs_pass_every_command(valid: dict[str, Path]) -> None:
     meta = json.loads(pq.read_schema(valid["trace"]).metadata[TRACE_META_KEY])
     assert meta["version"] == 1
     assert read_results(valid["results"])[0].height == 4
+
+
+# ------------------------------------------- directories, options, time zones (issue 25)
+
+SMALL = settings(FUZZ, max_examples=int(os.environ.get("REPLAY_FUZZ_EXAMPLES_SMALL", "8")))
+
+#: What may sit in a trace directory beside its parts (name, how it is made).
+DIR_ENTRIES = st.sampled_from(
+    ["dangling", "loop", "fifo", "subdir", "hidden", "notes", "hardlink", "empty", "none"]
+)
+#: Where an output goes, relative to the trace directory D and the case root.
+DIR_OUTPUTS = st.sampled_from(
+    ["{d}/part-000000.parquet", "{d}/new.parquet", "{d}", "{d}/sub/x.parquet", "{root}/o.parquet",
+     "{root}/hard.parquet", "{root}/o"]
+)  # fmt: skip
+
+
+def _dir_entry(d: Path, root: Path, kind: str) -> None:
+    number = {"dangling": 91, "loop": 92, "fifo": 93, "subdir": 94, "empty": 95}.get(kind, 99)
+    part = d / f"part-{number:06d}.parquet"
+    if kind == "dangling":
+        part.symlink_to("gone.parquet")
+    elif kind == "loop":
+        part.symlink_to(part.name)
+    elif kind == "fifo":
+        os.mkfifo(part)
+    elif kind == "subdir":
+        part.mkdir()
+    elif kind == "hidden":
+        (d / ".part-000001.parquet.x.tmp").write_bytes(b"PAR1")
+    elif kind == "notes":
+        (d / "README.txt").write_text("notes")
+    elif kind == "hardlink":
+        os.link(d / "part-000000.parquet", root / "hard.parquet")
+    elif kind == "empty":
+        part.write_bytes(b"")
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder``: files by content, the rest by kind."""
+    out: dict[str, str] = {}
+    for p in sorted(folder.rglob("*")):
+        key = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[key] = "link:" + os.readlink(p)
+        elif stat.S_ISFIFO(os.lstat(p).st_mode):
+            out[key] = "fifo"
+        elif p.is_file():
+            out[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[key] = "dir"
+    return out
+
+
+@SMALL
+@given(
+    entries=st.lists(DIR_ENTRIES, min_size=1, max_size=2, unique=True),
+    where=DIR_OUTPUTS,
+    data=st.data(),
+)
+def test_trace_directories_with_hostile_entries_and_outputs(
+    valid: dict[str, Path], entries: list[str], where: str, data: st.DataObject
+) -> None:
+    """Every command over a directory: a part that is not a regular file is
+    one error line; an output in, over or holding the input is refused; the
+    directory is unchanged, whatever happens."""
+    with Case() as case:
+        d = case.root / "D"
+        result = CliRunner().invoke(
+            cli, ["split", str(valid["trace"]), "-o", str(d), "--files", "3"]
+        )
+        assert result.exit_code == 0, result.output
+        for kind in entries:
+            _dir_entry(d, case.root, kind)
+        before = _tree(case.root)
+        out = where.format(d=d, root=case.root)
+        command = data.draw(st.sampled_from(["validate", "run", "cat", "split", "state", "whatif"]))
+        args = {
+            "validate": ["validate", str(d)],
+            "run": ["run", str(d), "-o", out, "-q"],
+            "cat": ["cat", str(d), "-o", out],
+            "split": ["split", str(d), "-o", out, "--files", "2"],
+            "state": ["state", str(d), "-o", out],
+            "whatif": ["whatif", str(d), "--capacity-blocks", "5", "--jobs", "1", "-q", "-o", out],
+        }[command]
+        TRIED["directories"] += 1
+        with _no_fifo_block():
+            result = CliRunner().invoke(cli, args, catch_exceptions=True)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise AssertionError(f"{args}: raised {result.exception!r}") from result.exception
+        OUTCOMES[f"directories {command} exit {result.exit_code}"] += 1
+        assert result.exit_code in (0, 2), (args, result.output)
+        after = _tree(case.root)
+        bad_part = {"dangling", "loop", "fifo", "subdir", "empty"} & set(entries)
+        if bad_part:
+            assert result.exit_code == 2, (args, entries, result.output)
+        if result.exit_code == 2:
+            lines = result.stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+            assert after == before, (args, entries)
+        else:
+            # Only the output appeared; the directory's own entries are unchanged.
+            assert {k: v for k, v in after.items() if k in before} == before, (args, entries)
+            assert not any(Path(k).name.startswith(".") and k not in before for k in after), after
+
+
+@contextlib.contextmanager
+def _no_fifo_block(seconds: int = 20) -> Iterator[None]:
+    import signal
+
+    def fire(signum: int, frame: object) -> None:
+        raise AssertionError("blocked on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+#: Text a user may type for a number: digits of every script, suffixes,
+#: signs, exponents, NaN, huge and negative values, whitespace.
+NUMBER_TEXT = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.from_regex(
+        r"\A[ ]?[+-]?[0-9]{0,25}(\.[0-9]{0,4})?[ ]?(k|M|G|T|Ki|MiB|GiB|kb|s|ms|m|h|d|x)?\Z"
+    ),
+    st.sampled_from(
+        ["²", "٣", "nan", "inf", "-inf", "1e308", "1e3", "0x10", "", " ", "9" * 400, "1_000"]
+    ),
+    st.text(max_size=8),
+)
+NUMBER_OPTIONS = [
+    (["state", "{t}", "--show", "{v}"], "--show"),
+    (["state", "{t}", "--at", "{v}"], "--at"),
+    (["synth", "-o", "{o}/s.parquet", "--model", "full", "--requests", "3", "--seed", "{v}"], "--seed"),
+    (["whatif", "{t}", "--capacity-blocks", "{v}", "--jobs", "1", "-q", "-o", "{o}/w.parquet"], "--capacity-blocks"),
+    (["whatif", "{t}", "--capacity-bytes", "{v}", "--page-bytes", "4KiB", "--jobs", "1", "-q", "-o", "{o}/w.parquet"], "--capacity-bytes"),
+    (["split", "{t}", "-o", "{o}/parts", "--files", "{v}"], "--files"),
+    (["run", "{t}", "-o", "{o}/r.parquet", "-q", "--examples", "{v}"], "--examples"),
+    (["--max-row-hashes", "{v}", "validate", "{t}"], "--max-row-hashes"),
+]  # fmt: skip
+
+
+@SMALL
+@given(text=NUMBER_TEXT, which=st.sampled_from(range(len(NUMBER_OPTIONS))))
+def test_every_number_option_is_parsed_exactly_or_refused_in_one_line(
+    valid: dict[str, Path], text: str, which: int
+) -> None:
+    from replay.cli.options import parse_bytes, parse_count, parse_seconds
+
+    template, option = NUMBER_OPTIONS[which]
+    if "\x00" in text:
+        return  # no command line holds a NUL
+    with Case() as case:
+        out = case.out()
+        args = [a.format(t=valid["trace"], o=out, v=text) for a in template]
+        TRIED["options"] += 1
+        readers: dict[str, Callable[[Path], object]] = {
+            "s.parquet": read_trace_fully,
+            "w.parquet": read_parquet,
+            "parts": open_trace,
+            "r.parquet": read_results,
+        }
+        code = outcome("options", option, args, out, readers)
+    # The parsers agree with the command: a value they accept is never refused as a number.
+    for parse in (parse_count, parse_bytes, parse_seconds):
+        with contextlib.suppress(Exception):
+            value = parse(text, option)
+            assert value >= 0
+    assert code in (0, 2)
+
+
+ZONES = st.one_of(
+    st.builds(lambda h, m, s: f"{s}{h:02d}:{m:02d}", st.integers(0, 23), st.sampled_from([0, 15, 30, 45]), st.sampled_from("+-")),
+    st.sampled_from(["UTC", "Europe/Paris", "America/St_Johns", "Asia/Kathmandu", "Mars/Olympus", "Etc/GMT+12", "utc", "Z"]),
+    st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz/_+-0123456789", min_size=1, max_size=12),
+)  # fmt: skip
+
+
+@SMALL
+@given(zone=ZONES, unit=st.sampled_from(["s", "ms", "us", "ns"]))
+def test_a_ts_in_any_time_zone_reads_as_its_instant(
+    valid: dict[str, Path], zone: str, unit: str
+) -> None:
+    with Case() as case:
+        table = pq.read_table(valid["trace"])
+        try:
+            typ = pa.timestamp(unit, tz=zone)
+            micros = table.column("ts").cast(pa.int64())
+            values = (
+                pc.divide(micros, {"s": 1_000_000, "ms": 1_000, "us": 1, "ns": 1}[unit])
+                if unit in ("s", "ms")
+                else (pc.multiply(micros, 1000) if unit == "ns" else micros)
+            )
+            ts = values.cast(pa.int64()).cast(typ)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return  # not a zone Arrow can hold
+        table = table.set_column(table.schema.get_field_index("ts"), pa.field("ts", typ), ts)
+        trace = case.inputs / "t.parquet"
+        pq.write_table(table, str(trace))
+        before = snapshot(case.inputs)
+        TRIED["time zones"] += 1
+        commands: list[tuple[str, list[str], Mapping[str, Callable[[Path], object]]]] = [
+            ("validate", ["validate", str(trace)], {}),
+            ("info", ["info", str(trace), "--json"], {}),
+            ("run", ["run", str(trace), "-o", "{o}/r.parquet", "-q"], {"r.parquet": read_results}),
+            (
+                "report",
+                ["report", str(valid["results"]), "--trace", str(trace), "-o", "{o}/r.md"],
+                {"r.md": lambda p: p.read_text()},
+            ),
+        ]
+        for command, args, outputs in commands:
+            out = case.out()
+            code = outcome("time zones", command, [a.format(o=out) for a in args], out, outputs)
+            # A zone only says how to show the instant: the trace is valid.
+            assert code == 0, (zone, unit, command)
+        assert snapshot(case.inputs) == before

@@ -263,3 +263,184 @@ def test_directories_given_as_inputs_are_one_line_errors(
 
 
 # ---------------------------------------------- hashes of different widths
+
+
+# ---------------------------------------------- one output guard (issue 25)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under ``folder`` (hidden ones too), files by content."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path, inputs: dict[str, Path]) -> Path:
+    d = tmp_path / "D"
+    assert run_cli(["split", str(inputs["trace"]), "-o", str(d), "--files", "2"]).exit_code == 0
+    return d
+
+
+INSIDE = "lies inside the input directory {d}; refusing to write there"
+OVER = "is the input {d}/part-000001.parquet; refusing to overwrite it"
+# (command line, the output, what it is)
+DIR_CASES = {
+    "run-part": (["run", "{d}", "-o", "{d}/part-000001.parquet", "-q"], "-o {d}/part-000001.parquet", OVER),
+    "run-new": (["run", "{d}", "-o", "{d}/zz.results.parquet", "-q"], "-o {d}/zz.results.parquet", INSIDE),
+    "state": (["state", "{d}", "-o", "{d}/part-000001.parquet"], "-o {d}/part-000001.parquet", OVER),
+    "diff": (["diff", "{d}", "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", "{d}/x.parquet"], "-o {d}/x.parquet", INSIDE),
+    "minimize": (["minimize", "{d}", "--request", "req-43559", "-o", "{d}/m.parquet"], "-o {d}/m.parquet", INSIDE),
+    "whatif": (["whatif", "{d}", "--capacity-blocks", "10", "-o", "{d}/w.parquet"], "-o {d}/w.parquet", INSIDE),
+    "whatif-emit": (["whatif", "{d}", "--capacity-blocks", "10", "-o", "{tmp}/w.parquet", "--emit-traces", "{d}"], "--emit-traces {d}", "is the input directory {d}; refusing to write there"),
+    "whatif-emit-inside": (["whatif", "{d}", "--capacity-blocks", "10", "-o", "{tmp}/w.parquet", "--emit-traces", "{d}/e"], "--emit-traces {d}/e", INSIDE),
+    "merge": (["ingest", "merge", "{d}", "{lookups}", "-o", "{d}/m.parquet"], "-o {d}/m.parquet", INSIDE),
+    "report-trace": (["report", "{results}", "--trace", "{d}", "-o", "{d}/r.html"], "-o {d}/r.html", INSIDE),
+    "cat": (["cat", "{d}", "-o", "{d}/all.parquet"], "-o {d}/all.parquet", INSIDE),
+    "split": (["split", "{d}", "-o", "{d}/sub", "--files", "2"], "-o {d}/sub", INSIDE),
+    "hard-link-to-a-part": (["run", "{d}", "-o", "{tmp}/hard", "-q"], "-o {tmp}/hard", "is the input {d}/part-000000.parquet; refusing to overwrite it"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(DIR_CASES))
+def test_an_output_in_or_over_an_input_directory_is_refused_before_any_work(
+    tmp_path: Path, inputs: dict[str, Path], trace_dir: Path, case: str
+) -> None:
+    template, option, what = DIR_CASES[case]
+    names = {"d": str(trace_dir), "tmp": str(tmp_path), "lookups": str(inputs["lookups"])}
+    names["results"] = str(inputs["results"])
+    if case == "hard-link-to-a-part":
+        os.link(trace_dir / "part-000000.parquet", tmp_path / "hard")
+    before = _snapshot(tmp_path)
+    result = run_cli([a.format(**names) for a in template])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {option.format(**names)}: {what.format(**names)} (give another output path)\n",
+    )
+    assert _snapshot(tmp_path) == before
+
+
+def test_an_output_directory_holding_an_input_is_refused(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    folder = inputs["trace"].parent
+    before = _snapshot(tmp_path)
+    result = run_cli(["whatif", str(inputs["trace"]), "--capacity-blocks", "10", "-o", str(tmp_path / "w.parquet"), "--emit-traces", str(tmp_path)])  # fmt: skip
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: --emit-traces {tmp_path}: holds the input {inputs['trace']}; refusing to "
+        "write there (give another output path)\n",
+    )
+    out = tmp_path / "E"
+    result = run_cli(["whatif", str(inputs["trace"]), "--capacity-blocks", "10", "-o", str(out / "w.parquet"), "--emit-traces", str(out)])  # fmt: skip
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: -o {out}/w.parquet: lies inside the output directory of --emit-traces; "
+        "refusing to write there (give another output path)\n",
+    )
+    assert _snapshot(tmp_path) == before and folder.is_dir()
+
+
+def test_two_new_outputs_at_one_path_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "x.parquet"
+    for other in (out, tmp_path / "." / "x.parquet"):
+        result = run_cli(["record", "--endpoint", "tcp://127.0.0.1:1", "-o", str(out), "--dump", str(other), "--block-size", "16"])  # fmt: skip
+        assert (result.exit_code, result.stderr) == (
+            2,
+            f"error: --dump {other}: is also the output of -o; refusing to overwrite it "
+            "(give another output path)\n",
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_split_never_creates_a_missing_parent(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    out = tmp_path / "nope" / "deeper" / "parts"
+    result = run_cli(["split", str(inputs["trace"]), "-o", str(out), "--files", "2"])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {out}: no such directory {out.parent} (it is not created)\n",
+    )
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere" / "parts")
+    result = run_cli(["split", str(inputs["trace"]), "-o", str(link), "--files", "2"])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {link}: is a dangling symlink, expected a new or empty directory\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "in"]
+
+
+def test_split_files_are_bounded_by_the_rows(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    out = tmp_path / "parts"
+    result = run_cli(["split", str(inputs["trace"]), "-o", str(out), "--files", "1000000000000"])
+    assert result.exit_code == 0, result.output
+    from replay.format.tracedir import open_trace
+
+    rows = open_trace(inputs["trace"]).num_rows
+    assert result.stdout == f"{inputs['trace']} -> {out}: {rows} files\n"
+    assert len(list(out.iterdir())) == rows
+
+
+# ---------------------------------------------- names that are not UTF-8 (issue 25)
+
+
+def _bytes_name(folder: Path, raw: bytes) -> Path:
+    """A path whose last part is the bytes ``raw`` (Python's surrogateescape)."""
+    path = folder / os.fsdecode(raw)
+    try:
+        path.touch()
+        path.unlink()
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system takes no names that are not UTF-8")
+    return path
+
+
+def test_names_that_are_not_utf8_work_as_inputs_and_outputs(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    import json as jsonlib
+
+    import pyarrow.parquet as pq
+
+    from replay.format.tracedir import open_trace
+
+    trace = _bytes_name(tmp_path, b"caf\xe9.parquet")
+    trace.write_bytes(inputs["trace"].read_bytes())
+    results = _bytes_name(tmp_path, b"r\xff.results.parquet")
+    folder = _bytes_name(tmp_path, b"d\xe9")
+    jsonl = _bytes_name(tmp_path, b"m\xe9.jsonl")
+    jsonl.write_bytes(inputs["mooncake"].read_bytes())
+    imported = tmp_path / "m.parquet"
+    commands: list[list[str | Path]] = [
+        ["validate", trace],
+        ["run", trace, "-o", results, "-q"],
+        ["report", results, "-o", _bytes_name(tmp_path, b"r\xe9.md")],
+        ["split", trace, "-o", folder, "--files", "2"],
+        ["run", folder, "-o", "/dev/null", "-q"],
+        [
+            "whatif",
+            trace,
+            "--capacity-blocks",
+            "10",
+            "-o",
+            _bytes_name(tmp_path, b"w\xe9.parquet"),
+            "-q",
+        ],
+        ["ingest", "mooncake", jsonl, "-o", imported],
+        ["info", imported, "--json"],
+    ]
+    for args in commands:
+        result = run_cli(args)
+        assert result.exit_code == 0, (args, result.output)
+    # What a trace records of a file name is text any reader takes back.
+    assert (open_trace(imported).config.source or {})["file"] == "m\\xe9.jsonl"
+    meta = pq.read_schema(str(imported)).metadata[b"replay.trace"]
+    assert jsonlib.loads(meta.decode("utf-8"))["source"]["file"] == "m\\xe9.jsonl"
+    assert (tmp_path / os.fsdecode(b"r\xe9.md")).read_text().startswith("## Replay report: ")
+    missing = _bytes_name(tmp_path, b"gone\xe9.parquet")
+    result = run_cli(["validate", missing])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {tmp_path}/gone\\xe9.parquet: no such file\n",
+    )

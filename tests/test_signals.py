@@ -263,3 +263,39 @@ def test_a_torn_last_record_is_dropped_saying_how_much(tmp_path: Path) -> None:
         f"wrote {out}: 2 batches, 2 rows",
     ]
     assert open_trace(out).read_frame().height == 2
+
+
+# ------------------------------------------ several outputs: all or nothing (issue 25)
+
+
+def _everything(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_signal_before_several_results_files_are_published_leaves_none(
+    tmp_path: Path, trace: Path
+) -> None:
+    sig = signal.SIGHUP
+    marker = tmp_path / "paused"
+    out = tmp_path / "r.results.parquet"
+    args = ["run", str(trace), "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", str(out), "-q"]  # fmt: skip
+    proc = start(args, {PAUSE_ENV: f"publish:{marker}"})
+    wait_for(marker, proc)
+    err = finish(proc, sig)
+    assert (proc.returncode, err) == (128 + sig, f"interrupted by {sig.name}\n")
+    assert _everything(tmp_path) == ["in", "in/t.parquet", "paused"]
+
+
+def test_a_signal_to_a_parallel_whatif_leaves_no_trace_and_no_worker_traceback(
+    tmp_path: Path, trace: Path
+) -> None:
+    marker = tmp_path / "paused"
+    args = ["whatif", str(trace), "--capacity-blocks", "10,20,30,40", "--jobs", "2", "-q",
+            "-o", str(tmp_path / "w.parquet"), "--emit-traces", str(tmp_path / "E")]  # fmt: skip
+    # A worker pauses after the first row group of its emitted trace.
+    proc = start(args, {PAUSE_ENV: f"rows:{marker}"})
+    wait_for(marker, proc)
+    err = finish(proc, signal.SIGTERM)
+    time.sleep(0.5)  # a worker that outlived its parent would speak now
+    assert (proc.returncode, err) == (128 + signal.SIGTERM, "interrupted by SIGTERM\n")
+    assert _everything(tmp_path) == ["in", "in/t.parquet", "paused"]

@@ -4,6 +4,7 @@ file, the footers are checked before any row, and split / cat convert."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -272,17 +273,25 @@ def test_split_of_a_bad_trace_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_cat_never_writes_over_or_into_its_input(tmp_path: Path, demo_dir: Path) -> None:
+    # The one output guard of replay.paths (issue 25): its words, for every command.
     inside = demo_dir / "all.parquet"
     assert _error(["cat", str(demo_dir), "-o", str(inside)]) == (
-        f"error: {inside}: inside the input directory {demo_dir} (it would become part of it)\n"
+        f"error: -o {inside}: lies inside the input directory {demo_dir}; refusing to write "
+        "there (give another output path)\n"
     )
     part = demo_dir / "part-000001.parquet"
     assert _error(["cat", str(DEMO), "-o", str(DEMO)]) == (
-        f"error: {DEMO}: would write over the input {DEMO}\n"
+        f"error: -o {DEMO}: is the input {DEMO}; refusing to overwrite it (give another output path)\n"
     )
     size = part.stat().st_size
     assert _error(["split", str(demo_dir), "-o", str(part), "--files", "2"]) == (
-        f"error: {part}: exists and is not a directory, expected a new directory\n"
+        f"error: -o {part}: lies inside the input directory {demo_dir}; refusing to write "
+        "there (give another output path)\n"
+    )
+    other = tmp_path / "f.parquet"
+    other.write_bytes(b"x")
+    assert _error(["split", str(demo_dir), "-o", str(other), "--files", "2"]) == (
+        f"error: {other}: exists and is not a directory, expected a new directory\n"
     )
     assert part.stat().st_size == size
     assert sorted(p.name for p in demo_dir.iterdir()) == [f"part-{i:06d}.parquet" for i in range(4)]
@@ -298,3 +307,32 @@ def test_report_finds_a_directory_trace_beside_its_results(demo_dir: Path) -> No
     assert "not found next to" not in text
     flagged = result_flags(replay_trace(DEMO, policy="pre-49502"))["request_id"][0]
     assert "replay explain" in text and flagged in text
+
+
+# ------------------------------------------- every part read, or refused (issue 25)
+
+PART_OF = "every .parquet file of a trace directory is a part of it"
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "symlink loop", "fifo", "directory"])
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_part_that_is_not_a_regular_file_is_an_error_naming_it(
+    tmp_path: Path, demo_dir: Path, kind: str, command: str
+) -> None:
+    part = demo_dir / "part-000009.parquet"
+    if kind == "dangling symlink":
+        part.symlink_to("gone.parquet")
+        message = f"{part}: is a dangling symlink (to gone.parquet); {PART_OF}"
+    elif kind == "symlink loop":
+        part.symlink_to(part.name)
+        message = f"{part}: is a symlink loop; {PART_OF}"
+    elif kind == "fifo":
+        os.mkfifo(part)
+        message = f"{part}: is a FIFO, expected a Parquet file ({PART_OF})"
+    else:
+        part.mkdir()
+        message = f"{part}: is a directory, expected a Parquet file ({PART_OF})"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = ["validate", str(demo_dir)] if command == "validate" else ["run", str(demo_dir), "-q"]
+    assert _error(args) == f"error: {message}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

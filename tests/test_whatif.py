@@ -19,7 +19,6 @@ from replay.rules.coordinator import Coordinator
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.sources.archetypes import archetype_config
 from replay.whatif.requests import load_requests
-from replay.whatif.sizes import parse_bytes
 from replay.whatif.sweep import SWEEP_COLUMNS, RunSpec, simulate, sweep
 from tests.builders import random_archetype_config, random_prompts, replay_trace, unit_hashes
 from tests.conftest import run_cli
@@ -184,10 +183,12 @@ def test_belady_hits_at_least_as_much_as_lru_for_full_attention(cache: str, tmp_
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("64GiB") == 64 * 2**30
-    assert parse_bytes("500MB") == 500 * 10**6
-    assert parse_bytes("4096") == 4096
-    assert parse_bytes("1.5KiB") == 1536
+    from replay.cli.options import parse_bytes
+
+    assert parse_bytes("64GiB", "--capacity-bytes") == 64 * 2**30
+    assert parse_bytes("500MB", "--capacity-bytes") == 500 * 10**6
+    assert parse_bytes("4096", "--capacity-bytes") == 4096
+    assert parse_bytes("1.5KiB", "--capacity-bytes") == 1536
 
 
 def _demo_trace(tmp_path: Path) -> Path:
@@ -264,7 +265,7 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
     [
         (["--capacity-blocks", "10", "--capacity-bytes", "1GiB"], "exactly one of"),
         ([], "exactly one of"),
-        (["--capacity-blocks", "10,x"], "--capacity-blocks: expected positive integers"),
+        (["--capacity-blocks", "10,x"], "--capacity-blocks 'x': expected a whole number from 1"),
         (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
         (["--capacity-bytes", "1GiB"], "needs the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),
@@ -286,7 +287,10 @@ def test_cli_refuses_to_write_over_its_input(tmp_path: Path) -> None:
     trace = _demo_trace(tmp_path)
     before = trace.read_bytes()
     result = run_cli(["whatif", str(trace), "--capacity-blocks", "10", "-o", str(trace)])
-    assert result.exit_code == 2 and "is the input trace" in result.output
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: -o {trace}: is the input {trace}; refusing to overwrite it (give another output path)\n",
+    )
     assert trace.read_bytes() == before
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
 from markupsafe import Markup, escape
 
 from analysis.report.data import Bin, Point
-from analysis.report.fmt import fmt_time, is_relative, num
+from analysis.report.fmt import fmt_time, is_relative, num, utc_datetime
 from replay.base.spec import GroupKind
 
 _W, _H = 760, 300
@@ -166,8 +165,11 @@ def timeline_svg(points: Sequence[Point], x_axis: str, overall: float) -> Markup
     parts = [_svg_open("timeline", title)]
     xs = [p.x for p in points]
     lo, hi = min(xs), max(xs)
-    if hi == lo:
-        lo, hi = lo - 1, hi + 1
+    if not hi - lo > 0:
+        # One x, or xs beyond 2**53 that floats cannot tell apart: a span
+        # wide enough to be one in floating point.
+        pad = max(1.0, abs(lo) * 1e-9)
+        lo, hi = lo - pad, hi + pad
 
     def px(x: float) -> float:
         return left + 10 + (x - lo) / (hi - lo) * (right - left - 20)
@@ -179,7 +181,7 @@ def timeline_svg(points: Sequence[Point], x_axis: str, overall: float) -> Markup
     if x_axis == "time":
         span = max(xs) - min(xs)
         x_ticks = [(px(t), fmt_time(t, span)) for t in time_ticks(min(xs), max(xs))]
-        day = datetime.fromtimestamp(min(xs) / 1e6, tz=UTC).strftime("%Y-%m-%d")
+        day = utc_datetime(min(xs)).strftime("%Y-%m-%d")
         x_label = f"time (UTC, {day})" if span < 86_400e6 else "time (UTC)"
         if is_relative(max(xs)):
             x_label = "elapsed time since the trace's start (h:mm:ss)"

@@ -3,9 +3,11 @@ for the cards, the tables, the chart labels and the Markdown."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from replay.tools.render import elapsed, percent
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def num(v: float) -> str:
@@ -29,12 +31,21 @@ def is_relative(us: float) -> bool:
     return us < RELATIVE_BEFORE_US
 
 
+def utc_datetime(us: float) -> datetime:
+    """An epoch-µs time as a UTC datetime, exactly: a float of seconds rounds
+    the last second of 9999 into the year 10000."""
+    lo = (datetime.min.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+    hi = (datetime.max.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+    # A chart's tick may round past the last representable time: clamped.
+    return _EPOCH + timedelta(microseconds=min(max(int(us), lo), hi))
+
+
 def fmt_time(us: float, span_us: float) -> str:
     """An epoch-µs time in UTC, as precise as a span of ``span_us`` needs;
     in a relative trace, the elapsed time (``+00:58:57``)."""
     if is_relative(us):
         return elapsed(us / 1e6, millis=span_us < 10e6)
-    t = datetime.fromtimestamp(us / 1e6, tz=UTC)
+    t = utc_datetime(us)
     if span_us < 10e6:
         return t.strftime("%H:%M:%S.%f")[:-3]
     if span_us < 86_400e6:

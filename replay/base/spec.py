@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from replay.base.errors import ConfigError
+from replay.base.text import readable
 
 
 class GroupKind(StrEnum):
@@ -222,4 +223,5 @@ class TraceConfig:
         )
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True)
+        # A file name that is not UTF-8 is recorded escaped: always readable back.
+        return json.dumps(readable(self.to_json()), sort_keys=True)

@@ -18,10 +18,16 @@ and what they share: ``common`` (the error and signal rules), ``options``
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 import click
 
+from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
 from replay.cli import analysis, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
+from replay.cli.options import INT64_MAX, count_type
 
 # The sections of `replay --help`, in the order a user meets them.
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
@@ -57,6 +63,39 @@ class _Replay(Group):
                 formatter.write_dl(rows)
 
 
+def _set_limit(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    """A limit option: in the environment for this command (and the worker
+    processes it starts), restored when it ends."""
+    if value is None:
+        return
+    limit = next(lim for lim in LIMITS if lim.option == param.opts[0])
+    before = os.environ.get(limit.env)
+    os.environ[limit.env] = str(value)
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(limit.env, None)
+        else:
+            os.environ[limit.env] = before
+
+    ctx.call_on_close(restore)
+
+
+def _limit_options(fn: Any) -> Any:
+    for limit in reversed(LIMITS):
+        fn = click.option(
+            limit.option,
+            type=count_type(1, MAX_HASH_BYTES if limit is HASH_BYTES else INT64_MAX),
+            default=None,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_limit,
+            metavar="N",
+            help=f"Refuse inputs with more {limit.what} [default: {limit.default:,}].",
+        )(fn)
+    return fn
+
+
 @click.group(cls=_Replay, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--version",
@@ -66,6 +105,7 @@ class _Replay(Group):
     callback=lambda ctx, _param, value: _show_version(ctx, value),
     help="Show the version and exit.",
 )
+@_limit_options
 def cli() -> None:
     """Replay KV-cache block events through vLLM's hybrid prefix-cache
     coordinator and flag every lookup whose hit is wrong.
@@ -75,6 +115,12 @@ def cli() -> None:
     `replay check` exits 1 when any lookup is flagged (for CI); `replay
     explain` shows how one request's hit was decided.
     """
+    # A file name that is not UTF-8 is printed as the bytes it is, never a
+    # UnicodeEncodeError in a UTF-8 terminal.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="surrogateescape")
 
 
 for _title, _commands in SECTIONS:

@@ -23,7 +23,8 @@ from typing import IO, Any
 import click
 
 from replay.base.errors import Interrupted, ReplayError
-from replay.format.paths import EXIT_SIGNALS, note_signal
+from replay.base.text import printable, readable_name
+from replay.format.paths import EXIT_SIGNALS, note_signal, remove_leftovers
 
 
 class UserError(click.ClickException):
@@ -32,7 +33,9 @@ class UserError(click.ClickException):
     exit_code = 2
 
     def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        # A file name that is not UTF-8 is shown escaped (\xNN), as recorded.
+        # and a control character (a request id's escape sequence) too.
+        click.echo(f"error: {printable(readable_name(self.format_message()))}", err=True)
 
 
 def fail(message: str) -> UserError:
@@ -98,6 +101,7 @@ def run_main(command: click.Command, prog_name: str) -> None:
             try:
                 command(prog_name=prog_name)
             except Interrupted as exc:  # arrived outside a command (parsing, exiting)
+                remove_leftovers()
                 raise exit_on_signal(exc.signum) from None
     except click.exceptions.Exit as exc:
         code: int | str | None = exc.exit_code
@@ -124,7 +128,12 @@ def command_guard() -> Iterator[None]:
     user errors; a signal ends the command with its exit status."""
     with signals_raise():
         try:
-            yield
+            try:
+                yield
+            except BaseException:
+                # What a signal between two statements of a writer left.
+                remove_leftovers()
+                raise
         except ReplayError as exc:
             raise fail(str(exc)) from None
         except BrokenPipeError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail
-from replay.cli.options import TRACE, count_option, output_option
+from replay.cli.options import TRACE, count_option, integer_type, output_option
 from replay.tools.render import group_label, info_lines, validate_line
 
 
@@ -48,11 +48,11 @@ def info(trace: Path, as_json: bool) -> None:
 @click.option(
     "--at",
     "at",
-    type=int,
+    type=integer_type(),
     default=None,
     help="A seq: the state a lookup at SEQ sees (every event before it). Default: the end of the trace.",
 )
-@click.option("--group", "group", type=int, default=None, help="Only this group_id.")
+@click.option("--group", "group", type=integer_type(), default=None, help="Only this group_id.")
 @output_option("Write the keys as Parquet (group_id int32, hash binary).")
 @count_option("--show", default=5, help="Keys to print per group.")
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:

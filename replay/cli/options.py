@@ -2,17 +2,165 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
+from replay.base.errors import ReplayError
 from replay.cli.common import fail
 from replay.rules.coordinator import CACHES
 from replay.sources.archetypes import ARCHETYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# ---------------------------------------------------------------- numbers
+#
+# Every number a user types is parsed here, exactly (integers and decimal
+# fractions, never a float on the way) and range-checked, so nothing a user
+# gives reaches int(), float() or numpy unchecked. The parsers are plain
+# functions raising ReplayError (reusable by any command); the click types
+# below wrap them.
+
+#: The largest count, byte size or seed any option takes: what int64 holds.
+INT64_MAX = (1 << 63) - 1
+#: Longer text is refused before it is read as a number (a 400-digit size).
+_MAX_CHARS = 40
+#: A decimal number (ASCII digits only: "²" and other Unicode digits are not
+#: numbers here), an optional fraction, an optional unit.
+_NUMBER = re.compile(r"([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)", re.ASCII)
+
+COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+BYTE_UNITS = {
+    **{u: f for u, f in COUNT_UNITS.items()},
+    "p": 10**15,
+    **{f"{u}i": 1024 ** "_kmgtp".index(u) for u in "kmgtp"},
+}
+BYTE_UNITS = {**BYTE_UNITS, **{f"{u}b": f for u, f in BYTE_UNITS.items()}}
+SECOND_UNITS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "m": 60, "min": 60, "h": 3600, "d": 86400}
+
+
+def _shown(text: str) -> str:
+    """How an error quotes what the user typed (a 400-digit value, cut)."""
+    given = text.strip()
+    return repr(given if len(given) <= _MAX_CHARS else given[:_MAX_CHARS] + "…")
+
+
+def _exact(text: str, units: dict[str, Any]) -> Fraction | None:
+    """``text`` as an exact number in ``units``, or None."""
+    given = text.strip()
+    m = _NUMBER.fullmatch(given) if len(given) <= _MAX_CHARS else None
+    unit = m.group(3).lower() if m is not None else ""
+    if m is None or unit not in units:
+        return None
+    whole, frac = m.group(1), m.group(2) or ""
+    return Fraction(int(whole + frac), 10 ** len(frac)) * Fraction(units[unit])
+
+
+def parse_count(
+    text: str, option: str, *, least: int = 0, most: int = INT64_MAX, units: bool = True
+) -> int:
+    """A whole number, optionally with a k/M/G/T suffix (powers of 1000):
+    ``1000``, ``64k``, ``2M``, ``1.5k``; from ``least`` to ``most``."""
+    value = _exact(text, COUNT_UNITS if units else {"": 1})
+    if value is None or value.denominator != 1 or not least <= value <= most:
+        suffixes = ", k/M/G/T suffixes allowed" if units else ""
+        raise ReplayError(
+            f"{option} {_shown(text)}: expected a whole number from {least:,} to {most:,}{suffixes}"
+        )
+    return int(value)
+
+
+def parse_bytes(text: str, option: str, *, least: int = 1, most: int = INT64_MAX) -> int:
+    """A byte size: ``4096``, ``500MB`` (powers of 1000), ``64GiB`` (powers
+    of 1024), ``1.5KiB``; a whole number of bytes from ``least`` to ``most``."""
+    value = _exact(text, BYTE_UNITS)
+    if value is None or value.denominator != 1 or not least <= value <= most:
+        raise ReplayError(
+            f"{option} {_shown(text)}: expected a whole number of bytes from {least:,} to "
+            f"{most:,}, such as 4096, 500MB or 64GiB"
+        )
+    return int(value)
+
+
+def parse_seconds(text: str, option: str, *, most: int = 366 * 86400) -> float:
+    """A positive duration: seconds (``30``, ``2.5``) or with a unit (``ms``,
+    ``s``, ``m``/``min``, ``h``, ``d``); at most ``most`` seconds."""
+    value = _exact(text, SECOND_UNITS)
+    if value is None or not 0 < value <= most:
+        raise ReplayError(
+            f"{option} {_shown(text)}: expected a duration above 0 and up to {most:,} "
+            "seconds, such as 30, 2.5s, 10m or 1h"
+        )
+    return float(value)
+
+
+def parse_seed(text: str, option: str = "--seed") -> int:
+    """A random seed: a whole number from 0 to 2**64 - 1."""
+    return parse_count(text, option, least=0, most=(1 << 64) - 1, units=False)
+
+
+def parse_integer(text: str, option: str, *, least: int, most: int) -> int:
+    """A plain integer, negative ones too (a seq), from ``least`` to ``most``."""
+    given = text.strip()
+    negative = given.startswith("-")
+    body = given[1:] if given[:1] in "+-" else given
+    value = _exact(body, {"": 1})
+    number = None if value is None else -int(value) if negative else int(value)
+    if number is None or not least <= number <= most:
+        raise ReplayError(
+            f"{option} {_shown(text)}: expected an integer from {least:,} to {most:,}"
+        )
+    return number
+
+
+def parse_list(text: str, option: str, parse: Callable[[str, str], int]) -> list[int]:
+    """Comma-separated values of ``parse`` (e.g. ``--capacity-blocks 100,1k``)."""
+    parts = text.split(",")
+    if len(parts) > 1000:
+        raise ReplayError(f"{option}: at most 1000 values, got {len(parts)}")
+    return [parse(part, option) for part in parts]
+
+
+class _Parsed(click.ParamType):  # type: ignore[type-arg]
+    """A click type over one of the parsers above: its error is the one line."""
+
+    def __init__(self, name: str, parse: Callable[[str, str], Any]) -> None:
+        self.name = name
+        self._parse = parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value  # a default, already a number
+        option = param.opts[0] if param is not None and param.opts else self.name
+        try:
+            return self._parse(value, option)
+        except ReplayError as exc:
+            raise fail(str(exc)) from None
+
+
+def count_type(least: int = 0, most: int = INT64_MAX) -> _Parsed:
+    """The click type of a count (k/M/G/T suffixes)."""
+    return _Parsed("N", lambda t, o: parse_count(t, o, least=least, most=most))
+
+
+def integer_type(least: int = -INT64_MAX - 1, most: int = INT64_MAX) -> _Parsed:
+    """The click type of a plain integer in a range (a seq, a group id)."""
+    return _Parsed("N", lambda t, o: parse_integer(t, o, least=least, most=most))
+
+
+def bytes_type(least: int = 1, most: int = INT64_MAX) -> _Parsed:
+    return _Parsed("SIZE", lambda t, o: parse_bytes(t, o, least=least, most=most))
+
+
+def seconds_type(most: int = 366 * 86400) -> _Parsed:
+    return _Parsed("SECONDS", lambda t, o: parse_seconds(t, o, most=most))
+
+
+SEED = _Parsed("N", parse_seed)
 
 TRACE = click.argument("trace", type=click.Path(path_type=Path))
 
@@ -25,12 +173,18 @@ def output_option(help: str, *, required: bool = False) -> Callable[[F], F]:
 
 
 def count_option(
-    name: str, *, default: int | None = None, least: int = 0, **attrs: Any
+    name: str,
+    *,
+    default: int | None = None,
+    least: int = 0,
+    most: int = INT64_MAX,
+    **attrs: Any,
 ) -> Callable[[F], F]:
-    """An integer option of at least ``least``, its default shown when it has one."""
+    """A count option (k/M/G/T suffixes) from ``least`` to ``most``, its
+    default shown when it has one."""
     return click.option(
         name,
-        type=click.IntRange(min=least),
+        type=count_type(least, most),
         default=default,
         show_default=default is not None,
         **attrs,
@@ -43,9 +197,13 @@ def repeated_choice(name: str, dest: str, choices: Iterable[str], help: str) -> 
     return click.option(name, dest, type=click.Choice(list(choices)), multiple=True, help=help)
 
 
+#: Sizes in tokens (block sizes, budgets, intervals): what a trace's config allows.
+SIZE_LIMIT = (1 << 31) - 1
+
 CAPACITY_BLOCKS = count_option(
     "--capacity-blocks",
     least=1,
+    most=1 << 40,
     help="LRU store capacity in blocks across all groups [default: unbounded].",
 )
 
@@ -57,12 +215,12 @@ def retention_interval(text: str) -> int | None:
     if text.strip().lower() == "none":
         return None
     try:
-        interval = int(text)
-    except ValueError:
-        interval = -1
-    if interval < 0:
-        raise fail(f"--retention-interval: expected an integer >= 0 or 'none', got {text!r}")
-    return interval
+        return parse_count(text, "--retention-interval", most=SIZE_LIMIT)
+    except ReplayError:
+        raise fail(
+            f"--retention-interval: expected an integer from 0 to {SIZE_LIMIT} or 'none', "
+            f"got {text!r}"
+        ) from None
 
 
 def _retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int | None:
@@ -71,12 +229,11 @@ def _retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int 
 
 def _budget(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
     try:
-        tokens = int(value)
-    except ValueError:
-        tokens = 0
-    if tokens <= 0:
-        raise fail(f"--max-num-batched-tokens: expected a positive integer, got {value!r}")
-    return tokens
+        return parse_count(value, "--max-num-batched-tokens", least=1, most=SIZE_LIMIT)
+    except ReplayError:
+        raise fail(
+            f"--max-num-batched-tokens: expected an integer from 1 to {SIZE_LIMIT}, got {value!r}"
+        ) from None
 
 
 def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail
-from replay.cli.options import TRACE, count_option, output_option, repeated_choice
+from replay.cli.options import TRACE, count_option, integer_type, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
@@ -56,7 +56,7 @@ COORDINATOR = click.option(
 )
 SEQ = click.option(
     "--seq",
-    type=int,
+    type=integer_type(),
     default=None,
     help="The seq of the lookup, when the request_id occurs in several.",
 )
@@ -124,7 +124,7 @@ def run(
     )
     from analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
-    from replay.format.paths import check_outputs
+    from replay.format.paths import check_outputs, staged_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
@@ -146,13 +146,15 @@ def run(
         )
         results = flag_results(replay(trace, options))
     summaries = []
-    for result, out in zip(results, outs, strict=True):
-        flags = flags_table(result.results)
-        save_results(result, out)
-        summary = run_summary(result, flag_counts(flags))
-        summary["results"] = str(out)
-        summary["examples"] = flag_examples(flags, examples)
-        summaries.append(summary)
+    # Several results files appear together or not at all (one is atomic itself).
+    with staged_outputs() as stage:
+        for result, out in zip(results, outs, strict=True):
+            flags = flags_table(result.results)
+            save_results(result, stage.file(out) if len(outs) > 1 else out)
+            summary = run_summary(result, flag_counts(flags))
+            summary["results"] = str(out)
+            summary["examples"] = flag_examples(flags, examples)
+            summaries.append(summary)
     if as_json:
         from replay.cli import payloads
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from replay.cli.common import command
-from replay.cli.options import TRACE, count_option, output_option
+from replay.cli.options import TRACE, count_option, count_type, output_option
 
 if TYPE_CHECKING:
     pass
@@ -49,7 +49,7 @@ def cat(trace: Path, output: Path) -> None:
 
 WORKERS = click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=count_type(1, 4096),
     default=None,
     help="Replay on Ray with the store split into this many key shards (a local Ray "
     "with this many CPUs, unless --ray names a cluster). Needs the ray extra.",

@@ -16,8 +16,10 @@ from replay.cli.common import command, exit_on_signal, fail, group
 from replay.cli.options import (
     CAPACITY_BLOCKS,
     MODEL_HELP,
+    SIZE_LIMIT,
     count_option,
     output_option,
+    seconds_type,
     store_options,
 )
 from replay.cli.progress import progress_bar
@@ -40,6 +42,7 @@ def config_options(func: F) -> F:
     func = count_option(
         "--block-size",
         least=1,
+        most=SIZE_LIMIT,
         help="Instead of --config: one full-attention group with blocks of N tokens.",
     )(func)
     func = click.option(
@@ -79,7 +82,7 @@ def _seconds(name: str, default: float, help: str) -> Callable[[F], F]:
     """A positive number of seconds, its default shown."""
     return click.option(
         name,
-        type=click.FloatRange(min=0, min_open=True),
+        type=seconds_type(most=3600),
         default=default,
         show_default=True,
         metavar="SECONDS",
@@ -122,7 +125,7 @@ def _say(message: str) -> None:
 @count_option("--max-batches", least=1, help="Stop once N batches (sequence numbers) were taken.")
 @click.option(
     "--duration",
-    type=click.FloatRange(min=0, min_open=True),
+    type=seconds_type(),
     metavar="SECONDS",
     help="Stop after this many seconds.",
 )
@@ -285,7 +288,11 @@ def _importer(format_name: str, doc: str) -> click.Command:
         help=MODEL_HELP,
     )
     @count_option(
-        "--block-size", default=16, least=1, help="Tokens per trace block (and per lookup hash)."
+        "--block-size",
+        default=16,
+        least=1,
+        most=SIZE_LIMIT,
+        help="Tokens per trace block (and per lookup hash).",
     )
     @click.option("--eagle/--no-eagle", default=False, show_default=True)
     @CAPACITY_BLOCKS

@@ -11,6 +11,8 @@ from replay.cli.common import command
 from replay.cli.options import (
     CAPACITY_BLOCKS,
     MODEL_HELP,
+    SEED,
+    SIZE_LIMIT,
     count_option,
     output_option,
     store_options,
@@ -25,20 +27,29 @@ from replay.tools.render import synth_summary_text
 @output_option("Trace file to write (Parquet).", required=True)
 @click.option("--model", required=True, type=click.Choice(list(ARCHETYPES)), help=MODEL_HELP)
 @count_option(
-    "--requests", default=10_000, help="Workload requests (each injected scenario adds two)."
+    "--requests",
+    default=10_000,
+    most=10**9,
+    help="Workload requests (each injected scenario adds two).",
 )
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option(
+    "--seed", default=0, show_default=True, type=SEED, help="Random seed (0 to 2**64 - 1)."
+)
 @click.option(
     "--eagle/--no-eagle", default=False, show_default=True, help="EAGLE speculative decoding."
 )
 @CAPACITY_BLOCKS
-@count_option("--block-size", default=16, least=1)
+@count_option("--block-size", default=16, least=1, most=SIZE_LIMIT)
 @count_option(
-    "--hash-block-size", least=1, help="Tokens per lookup hash [default: the block size]."
+    "--hash-block-size",
+    least=1,
+    most=SIZE_LIMIT,
+    help="Tokens per lookup hash [default: the block size].",
 )
 @count_option(
     "--inject-overrun",
     default=0,
+    most=10**6,
     help="Add this many #43559 scenarios (needs --eagle and a Mamba model).",
 )
 @count_option("--clear-every", least=1, help="Emit a clear event before every N-th request.")

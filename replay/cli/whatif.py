@@ -12,25 +12,38 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail
-from replay.cli.options import count_option, output_option
+from replay.cli.options import (
+    SIZE_LIMIT,
+    count_option,
+    output_option,
+    parse_bytes,
+    parse_count,
+    parse_list,
+)
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
+from replay.rules.blockpool import EVICTIONS
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
 
+#: The largest cache a what-if run simulates, in blocks (a capacity beyond
+#: what the trace's requests can fill is simulated at what they can fill).
+MAX_CAPACITY_BLOCKS = 1 << 40
 
-def _int_list(text: str, option: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise fail(f"{option}: expected positive integers separated by commas, got {part!r}")
-        out.append(int(part))
-    return out
+
+def _capacities(text: str) -> list[int]:
+    return parse_list(
+        text,
+        "--capacity-blocks",
+        lambda t, o: parse_count(t, o, least=1, most=MAX_CAPACITY_BLOCKS),
+    )
+
+
+def _byte_list(text: str, option: str) -> list[int]:
+    return parse_list(text, option, lambda t, o: parse_bytes(t, o))
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
-    from replay.rules.blockpool import EVICTIONS
 
     out: list[str] = []
     for value in values:
@@ -109,6 +122,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     "--max-num-batched-tokens",
     default=8192,
     least=1,
+    most=SIZE_LIMIT,
     help="The scheduler's token budget per step (the longest prefill chunk).",
 )
 @output_option("SWEEP.parquet to write.", required=True)
@@ -119,7 +133,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     help="Also write each run as a trace in this directory (replay run replays it to the "
     "same hits).",
 )
-@count_option("--jobs", least=1, help="Runs in parallel (default: the number of cores).")
+@count_option("--jobs", least=1, most=1024, help="Runs in parallel (default: the number of cores).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
 def whatif(
     trace: Path,
@@ -144,14 +158,20 @@ def whatif(
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
     from replay.engine.answers import resolve_cache
+    from replay.format.paths import check_outputs, staged_outputs
     from replay.whatif.requests import load_requests
-    from replay.whatif.sizes import blocks_for_bytes, page_sizes, parse_bytes
+    from replay.whatif.sizes import blocks_for_bytes, page_sizes
     from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
 
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
-    if output.resolve() == trace.resolve():
-        raise fail(f"{output}: is the input trace; choose another output")
+    check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
+    # Every number is parsed before any work: a typo costs no sweep.
+    blocks = _capacities(capacity_blocks) if capacity_blocks is not None else None
+    byte_sizes = (
+        _byte_list(capacity_bytes, "--capacity-bytes") if capacity_bytes is not None else None
+    )
+    given_pages = _byte_list(page_bytes, "--page-bytes") if page_bytes is not None else None
     names = _names(evictions)
     retention = parse_retention(retention_interval)
     requests = load_requests(trace)
@@ -159,17 +179,11 @@ def whatif(
     cache_name = resolve_cache(config, cache)
     sizes: list[tuple[int, int | None]] = []
     pages: tuple[int, ...] | None = None
-    if capacity_bytes is not None:
-        pages = page_sizes(config, page_bytes)
-        sizes = [
-            (blocks_for_bytes(b, pages), b) for b in map(parse_bytes, capacity_bytes.split(","))
-        ]
-    elif capacity_blocks is not None:
-        sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
-    if emit_traces is not None:
-        if emit_traces.exists() and not emit_traces.is_dir():
-            raise fail(f"{emit_traces}: not a directory")
-        emit_traces.mkdir(parents=True, exist_ok=True)
+    if byte_sizes is not None:
+        pages = page_sizes(config, given_pages)
+        sizes = [(blocks_for_bytes(b, pages), b) for b in byte_sizes]
+    elif blocks is not None:
+        sizes = [(n, None) for n in blocks]
     run = functools.partial(
         RunSpec,
         cache=cache_name,
@@ -179,32 +193,35 @@ def whatif(
         page_bytes=pages,
     )
     specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
-    if emit_traces is not None:
-        specs = [dataclasses.replace(spec, emit=emit_path(emit_traces, spec)) for spec in specs]
-    started = time.perf_counter()
-    with progress_bar(quiet) as bar:
-        rows = sweep(
-            requests,
-            specs,
-            jobs=jobs or os.cpu_count() or 1,
-            progress=None if bar is None else _sweep_progress(bar),
-        )
-    from analysis.flags import sweep_flag_counts
+    # The emitted traces and the sweep file appear together or not at all.
+    with staged_outputs() as stage:
+        if emit_traces is not None:
+            staging = stage.directory(emit_traces, "--emit-traces")
+            specs = [dataclasses.replace(spec, emit=emit_path(staging, spec)) for spec in specs]
+        started = time.perf_counter()
+        with progress_bar(quiet) as bar:
+            rows = sweep(
+                requests,
+                specs,
+                jobs=jobs or os.cpu_count() or 1,
+                progress=None if bar is None else _sweep_progress(bar),
+            )
+        from analysis.flags import sweep_flag_counts
 
-    rows = sweep_flag_counts(rows, config)
-    seconds = time.perf_counter() - started
-    meta = {
-        "version": 1,
-        "trace": trace.name,
-        "trace_config": config.to_json(),
-        "cache": cache_name,
-        "policy": policy,
-        "retention_interval": retention,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "page_bytes": list(pages) if pages else None,
-        "seconds": seconds,
-    }
-    write_sweep(output, rows, meta)
+        rows = sweep_flag_counts(rows, config)
+        seconds = time.perf_counter() - started
+        meta = {
+            "version": 1,
+            "trace": trace.name,
+            "trace_config": config.to_json(),
+            "cache": cache_name,
+            "policy": policy,
+            "retention_interval": retention,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "page_bytes": list(pages) if pages else None,
+            "seconds": seconds,
+        }
+        write_sweep(stage.file(output), rows, meta)
     if quiet:
         return
     for line in sweep_lines(trace, len(requests), meta, rows):

@@ -22,8 +22,9 @@ group is cleared. The key width ``W`` grows, by a rebuild, when a store
 brings a longer hash than any before.
 
 Everything here is ``nogil``: the reader's prefetch thread decodes the next
-batch while a batch folds. ``cache=True`` keeps the machine code on disk,
-so only the first run after an install compiles.
+batch while a batch folds. The machine code is kept on disk where there is
+a place for it (``replay.engine.jit``), so only the first run after an
+install compiles.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from replay.base.errors import ReplayError
+from replay.engine.jit import jit
 
 if TYPE_CHECKING:
     from replay.format.hashwords import HashWords
@@ -91,7 +93,7 @@ def _prefetch_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
 _prefetch: Any = _prefetch_intrinsic
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _mix(z: Any) -> Any:
     # splitmix64's finaliser: every input bit reaches every output bit, so
     # integer ids written as big-endian bytes spread as well as digests do.
@@ -100,7 +102,7 @@ def _mix(z: Any) -> Any:
     return z ^ (z >> np.uint64(31))
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     # Each word times its own odd constant (independent multiplies, no
     # chain), then one full mix: equal sums of distinct keys only cost a
@@ -114,7 +116,7 @@ def _key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     return (_mix(acc) & _HIGH32) | (np.uint64(nbytes + 1) << np.uint64(16))
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _bit(slots: Any, base: int, m: int, g: int) -> Any:
     """Whether group ``g`` holds the key of the slot at ``base``."""
     if m == 0:
@@ -122,7 +124,7 @@ def _bit(slots: Any, base: int, m: int, g: int) -> Any:
     return (slots[base + 1 + (g >> 6)] >> np.uint64(g & 63)) & np.uint64(1)
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _set_bit(slots: Any, base: int, m: int, g: int, on: bool) -> None:
     i = base if m == 0 else base + 1 + (g >> 6)
     bit = np.uint64(1) << np.uint64(g if m == 0 else g & 63)
@@ -132,7 +134,7 @@ def _set_bit(slots: Any, base: int, m: int, g: int, on: bool) -> None:
         slots[i] &= ~bit
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _live(slots: Any, base: int, m: int) -> Any:
     """Some group holds the key of the slot at ``base``."""
     if m == 0:
@@ -143,12 +145,12 @@ def _live(slots: Any, base: int, m: int) -> Any:
     return False
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _home(meta: Any, cap: int) -> Any:
     return np.int64(((meta >> np.uint64(32)) * np.uint64(cap)) >> np.uint64(32))
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _find(
     slots: Any, cap: int, stride: int, m: int, meta: Any, words: Any, start: int, nwords: int
 ) -> Any:
@@ -173,7 +175,7 @@ def _find(
             i = 0
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _place(slots: Any, info: Any, src: Any, sbase: int, sw: int) -> None:
     """Insert a slot copied from another layout (growth, width change)."""
     cap, w, m = info[_CAP], info[_W], info[_M]
@@ -193,7 +195,7 @@ def _place(slots: Any, info: Any, src: Any, sbase: int, sw: int) -> None:
     info[_COUNT] += 1
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _rehash(slots: Any, info: Any, new: Any, cap: int, w: int) -> None:
     """Copy the live slots (some group bit set) into ``new``, a zeroed table
     of ``cap`` slots and key width ``w`` words."""
@@ -206,7 +208,7 @@ def _rehash(slots: Any, info: Any, new: Any, cap: int, w: int) -> None:
             _place(new, info, slots, base, min(old_w, w))
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _double_in_place(slots: Any, info: Any) -> int:
     """Rehash the table into twice its slots, in place: ``slots`` holds the
     table, then as many zero words again.
@@ -257,7 +259,7 @@ def _double_in_place(slots: Any, info: Any) -> int:
     return spilled
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _delete(slots: Any, info: Any, i: int) -> None:
     """Empty slot ``i`` and shift later members of its probe run back, so a
     search never stops early at the hole (no tombstones)."""
@@ -284,16 +286,21 @@ def _delete(slots: Any, info: Any, i: int) -> None:
     info[_COUNT] -= 1
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _span(voff: Any, base: int, stride: int, width: int, h: int) -> Any:
     """Hash ``h``'s first word, words and bytes (``HashWords``' layouts)."""
     fixed = voff.shape[0] == 0
     nb = np.int64(width) if fixed else np.int64(voff[h + 1]) - np.int64(voff[h])
-    start = (np.int64(voff[h]) - base) >> 3 if stride == 0 else np.int64(h) * stride
+    if stride < 0:  # packed: the second half of voff holds each hash's first word
+        start = np.int64(voff[(voff.shape[0] >> 1) + h])
+    elif stride == 0:
+        start = (np.int64(voff[h]) - base) >> 3
+    else:
+        start = np.int64(h) * stride
     return start, (nb + 7) >> 3, nb
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any) -> None:
     """Every hash's ``_key_meta``, in one branch-free pass ahead of the fold
     (computed inside the probe loop they measured 10-25% slower)."""
@@ -302,7 +309,7 @@ def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any
         metas[h] = _key_meta(words, s, nw, nb)
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def fold_batch(
     slots: Any,
     info: Any,
@@ -401,7 +408,7 @@ def fold_batch(
     return -1, 0
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _group_counts(slots: Any, info: Any, num_groups: int) -> Any:
     cap, w, m = info[_CAP], info[_W], info[_M]
     stride = 1 + m + w

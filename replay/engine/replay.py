@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Progress, Variant, resolve_cache
 from replay.engine.shard import replay_answers
@@ -63,7 +64,13 @@ def _event(row: dict[str, Any], hashes: list[Any]) -> Event:
 
 
 def default_results_path(trace: str | os.PathLike[str]) -> Path:
+    """``NAME.results.parquet`` beside the trace (a directory: beside it,
+    ``.`` and ``..`` by their real names)."""
     p = Path(trace)
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.realpath(p))
+    if not p.name:
+        raise ReplayError(f"{trace}: has no name to derive the results file's from; give -o")
     name = p.name.removesuffix(".parquet")
     return p.with_name(f"{name}.results.parquet")
 

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from numba import njit
 
 from replay.base.errors import ReplayError
 from replay.engine.answers import (
@@ -43,6 +42,7 @@ from replay.engine.answers import (
     Progress,
     ReplayResult,
 )
+from replay.engine.jit import jit
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
 from replay.format.hashwords import HashWords, hash_words
 from replay.format.schema import TraceBatch
@@ -56,7 +56,7 @@ _SHARD_SEED = np.uint64(0x5851F42D4C957F2D)
 MAX_SHARDS = 4096
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _shard_ids(words: Any, woff: Any, nbytes: Any, shards: Any, out: Any) -> None:
     for h in range(nbytes.shape[0]):
         meta = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
@@ -75,7 +75,7 @@ def _shards_of_words(words: HashWords, shards: int) -> np.ndarray[Any, np.dtype[
     return out
 
 
-@njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _group_by_shard(
     row_off: Any, sid: Any, start: Any, order: Any, offsets: Any, grid: Any, data: Any
 ) -> None:

@@ -19,9 +19,13 @@ class HashWords:
     is ``nbytes[h]`` bytes long: ``value_offsets[h + 1] - value_offsets[h]``
     (the Arrow offsets themselves, int32 or int64), or ``width`` for every
     hash when ``value_offsets`` is empty (fixed-size binary). Its words,
-    zero-padded, start at ``words[h * stride]`` when ``stride`` is set (a
-    padded copy), else at ``words[(value_offsets[h] - base) // 8]`` (the
-    Arrow values buffer viewed in place). Every array is read-only.
+    zero-padded, start at ``words[h * stride]`` when ``stride`` is positive
+    (a padded copy of hashes of one width), at ``words[value_offsets[n + 1
+    + h]]`` when ``stride`` is -1 (a packed copy of mixed widths, each
+    padded to its own words only: ``value_offsets`` is then the byte
+    offsets followed by each hash's first word), else at
+    ``words[(value_offsets[h] - base) // 8]`` (the Arrow values buffer
+    viewed in place). Every array is read-only.
     """
 
     row_offsets: np.ndarray[Any, np.dtype[np.int64]]
@@ -36,16 +40,24 @@ class HashWords:
         return int(self.row_offsets[-1])
 
     @property
+    def _byte_offsets(self) -> np.ndarray[Any, Any]:
+        if self.stride < 0:
+            return self.value_offsets[: self.value_offsets.shape[0] // 2]
+        return self.value_offsets
+
+    @property
     def nbytes(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Each hash's length in bytes."""
         if self.value_offsets.shape[0] == 0:
             return _readonly(np.full(self.num_hashes, self.width, dtype=np.int64))
-        return _readonly(np.diff(self.value_offsets.astype(np.int64)))
+        return _readonly(np.diff(self._byte_offsets.astype(np.int64)))
 
     @property
     def word_offsets(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Hash ``h`` is ``words[word_offsets[h]:word_offsets[h + 1]]``, its
         zero padding included."""
+        if self.stride < 0:
+            return _readonly(self.value_offsets[self.value_offsets.shape[0] // 2 :].copy())
         if self.stride:
             return _readonly(np.arange(self.num_hashes + 1, dtype=np.int64) * self.stride)
         return _readonly((self.value_offsets.astype(np.int64) - self.base) >> 3)
@@ -57,7 +69,7 @@ class HashWords:
             return 0
         if self.value_offsets.shape[0] == 0:
             return self.width
-        return int(np.diff(self.value_offsets).max())
+        return int(np.diff(self._byte_offsets).max())
 
 
 def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -105,11 +117,27 @@ def hash_words(hashes: pa.Array) -> HashWords:
         return HashWords(row_offsets, words, voff, base=base)
     data = np.frombuffer(data_buf, dtype=np.uint8)
     lens = np.diff(voff.astype(np.int64))
-    stride = (int(lens.max()) + 7) >> 3
-    padded = np.zeros(n * stride * 8, dtype=np.uint8)
-    starts = np.arange(n, dtype=np.int64) * (stride * 8)
-    for width in np.unique(lens).tolist():
+    widths = np.unique(lens)
+    if widths.shape[0] == 1:  # one width: a copy at a fixed stride
+        stride = (int(widths[0]) + 7) >> 3
+        first = np.arange(n + 1, dtype=np.int64) * stride
+    else:
+        # Mixed widths: each hash padded to its own words, never to the
+        # widest (one long hash among short ones would pad them all).
+        stride = -1
+        first = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum((lens + 7) >> 3, out=first[1:])
+    padded = np.zeros(int(first[-1]) * 8, dtype=np.uint8)
+    starts = first[:-1] * 8
+    src = voff[:-1].astype(np.int64)
+    for width in widths.tolist():
         rows = np.flatnonzero(lens == width)
+        # In slices of rows: the index arrays stay near 64 MB whatever the width.
+        step = max(1, (8 << 20) // max(1, width))
         span = np.arange(width, dtype=np.int64)
-        padded[starts[rows][:, None] + span] = data[voff[rows].astype(np.int64)[:, None] + span]
+        for lo in range(0, rows.shape[0], step):
+            part = rows[lo : lo + step]
+            padded[starts[part][:, None] + span] = data[src[part][:, None] + span]
+    if stride < 0:
+        voff = _readonly(np.concatenate([voff.astype(np.int64), first]))
     return HashWords(row_offsets, _readonly(padded.view(np.uint64)), voff, stride=stride)

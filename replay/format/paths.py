@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import stat
 import sys
@@ -29,9 +31,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from replay.base.errors import ReplayError
+from replay.base.text import readable_name, utf8_path
 
 PathLike = str | os.PathLike[str]
 
@@ -48,7 +51,8 @@ EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PAUSE_ENV = "REPLAY_TEST_PAUSE"
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in a message's words."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -60,6 +64,15 @@ def _file_kind(mode: int) -> str:
     if stat.S_ISBLK(mode):
         return "a block device"
     return "not a regular file"
+
+
+def os_reason(exc: OSError) -> str:
+    """What the system said, without Arrow's wrapping: ``No space left on
+    device`` for an Arrow write error carrying errno 28."""
+    found = re.search(r"\[errno (\d+)\]", str(exc))
+    if found:
+        return os.strerror(int(found.group(1)))
+    return exc.strerror or " ".join(str(exc).split())
 
 
 def check_input(path: PathLike, expected: str) -> Path:
@@ -75,7 +88,7 @@ def check_input(path: PathLike, expected: str) -> Path:
     if stat.S_ISDIR(st.st_mode):
         raise ReplayError(f"{p}: is a directory, expected {expected}")
     if not stat.S_ISREG(st.st_mode):
-        raise ReplayError(f"{p}: is {_file_kind(st.st_mode)}, expected {expected} (a regular file)")
+        raise ReplayError(f"{p}: is {file_kind(st.st_mode)}, expected {expected} (a regular file)")
     if not os.access(p, os.R_OK):
         raise ReplayError(f"{p}: cannot read (Permission denied)")
     return p
@@ -126,7 +139,7 @@ def output_target(path: PathLike, *, text: bool, what: str = "Parquet") -> Outpu
         if stat.S_ISDIR(st.st_mode):
             raise ReplayError(f"{p}: is a directory, expected a file path to write")
         raise ReplayError(
-            f"{p}: is {_file_kind(st.st_mode)}, expected a file path to write "
+            f"{p}: is {file_kind(st.st_mode)}, expected a file path to write "
             "(or /dev/null to discard the output)"
         )
     real = Path(os.path.realpath(p))
@@ -147,31 +160,147 @@ def _identity(path: PathLike) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _real(path: PathLike) -> Path:
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+@dataclass(slots=True)
+class _Claims:
+    """What a command reads or already writes: files by (device, inode),
+    directories by their real path, and output paths by their real path."""
+
+    files: dict[tuple[int, int], str]
+    dirs: list[tuple[Path, str]]
+    paths: dict[Path, str]
+
+    def inside(self, real: Path) -> tuple[Path, str] | None:
+        """The claimed directory ``real`` is (or lies inside), if any."""
+        for d, label in self.dirs:
+            if real == d or d in real.parents:
+                return d, label
+        return None
+
+
+def _claim_inputs(inputs: Sequence[PathLike | None]) -> _Claims:
+    claims = _Claims(files={}, dirs=[], paths={})
+    for path in inputs:
+        if path is None or os.fspath(path) in STDOUT_NAMES:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # the command's reader says what is wrong with it
+        label = f"the input {os.fspath(path)}"
+        if stat.S_ISREG(st.st_mode):
+            claims.files.setdefault((st.st_dev, st.st_ino), label)
+            claims.paths.setdefault(_real(path), label)
+        elif stat.S_ISDIR(st.st_mode):
+            real = _real(path)
+            claims.dirs.append((real, f"the input directory {os.fspath(path)}"))
+            # A hard link to a part of the directory is a part of it too.
+            with contextlib.suppress(OSError), os.scandir(real) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):
+                        est = entry.stat()
+                        if stat.S_ISREG(est.st_mode):
+                            where = f"{os.fspath(path)}/{entry.name}"
+                            claims.files.setdefault((est.st_dev, est.st_ino), f"the input {where}")
+    return claims
+
+
+def _refuse(option: str, path: PathLike, what: str, verb: str = "overwrite it") -> ReplayError:
+    return ReplayError(
+        f"{option} {os.fspath(path)}: {what}; refusing to {verb} (give another output path)"
+    )
+
+
 def refuse_overwriting_inputs(
-    outputs: Mapping[str, PathLike | None], inputs: Sequence[PathLike | None]
+    outputs: Mapping[str, PathLike | None],
+    inputs: Sequence[PathLike | None],
+    directories: Mapping[str, PathLike | None] | None = None,
 ) -> None:
     """Before anything is written: an output (named by its option, e.g.
-    ``-o``) that is one of the inputs, or another output, is refused.
-    Files are compared by (device, inode), so a hard link or a symlink to an
-    input is the input."""
-    seen: dict[tuple[int, int], str] = {}
-    for path in inputs:
-        if path is not None:
-            ident = _identity(path)
-            if ident is not None:
-                seen.setdefault(ident, f"the input {os.fspath(path)}")
+    ``-o``) that is one of the inputs, lies inside an input directory, or is
+    another output of the command is refused. Files are compared by (device,
+    inode), so a hard link or a symlink to an input is the input; paths not
+    yet created by their real path. ``directories`` are outputs that are
+    whole directories (``split -o``, ``--emit-traces``): they may neither
+    be, lie inside nor hold an input or another output."""
+    claims = _claim_inputs(inputs)
+    input_paths = dict(claims.paths)
+    made: list[tuple[Path, str]] = []  # the output directories so far
+    for option, path in (directories or {}).items():
+        if path is None:
+            continue
+        real = _real(path)
+        hit = claims.inside(real)
+        if hit is not None:
+            raise _refuse(
+                option,
+                path,
+                f"is {hit[1]}" if hit[0] == real else f"lies inside {hit[1]}",
+                "write there",
+            )
+        for inner, label in input_paths.items():
+            if real in inner.parents:
+                raise _refuse(option, path, f"holds {label}", "write there")
+        for other, label in claims.paths.items():
+            if other == real or real in other.parents:
+                raise _refuse(option, path, f"is {label}", "write there")
+        made.append((real, f"the output directory of {option}"))
+        claims.dirs.append((real, f"the output directory of {option}"))
     for option, path in outputs.items():
         if path is None or os.fspath(path) in STDOUT_NAMES:
             continue
         ident = _identity(path)
-        if ident is None:
-            continue
-        if ident in seen:
-            raise ReplayError(
-                f"{option} {os.fspath(path)}: is {seen[ident]}; refusing to overwrite it "
-                "(give another output path)"
-            )
-        seen[ident] = f"also the output of {option}"
+        if ident is not None and ident in claims.files:
+            raise _refuse(option, path, f"is {claims.files[ident]}")
+        try:
+            null = stat.S_ISCHR(os.stat(path).st_mode)
+        except OSError:
+            null = False
+        if null:
+            continue  # /dev/null (output_target refuses the other devices)
+        real = _real(path)
+        if real in claims.paths:
+            raise _refuse(option, path, f"is {claims.paths[real]}")
+        hit = claims.inside(real)
+        if hit is not None:
+            where = "is" if hit[0] == real else "lies inside"
+            raise _refuse(option, path, f"{where} {hit[1]}", "write there")
+        label = f"also the output of {option}"
+        if ident is not None:
+            claims.files[ident] = label
+        claims.paths[real] = label
+
+
+def _check_new_directory(option: str, path: PathLike) -> None:
+    """An output directory is new or empty, and its parent exists (it is
+    never created)."""
+    p = Path(path)
+    try:
+        st: os.stat_result | None = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ReplayError(f"{p}: cannot write here ({exc.strerror or exc})") from None
+    if st is None:
+        if os.path.islink(p):
+            raise ReplayError(f"{p}: is a dangling symlink, expected a new or empty directory")
+        real = _real(p)
+        if not real.parent.is_dir():
+            shown = p.parent if p.parent != Path() else real.parent
+            raise ReplayError(f"{p}: no such directory {shown} (it is not created)")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise ReplayError(f"{p}: exists and is not a directory, expected a new directory")
+    try:
+        with os.scandir(p) as entries:
+            empty = next(entries, None) is None
+    except OSError as exc:
+        raise ReplayError(f"{p}: cannot list the directory ({exc.strerror or exc})") from None
+    if not empty:
+        raise ReplayError(f"{p}: directory is not empty, expected a new or empty directory")
 
 
 @contextlib.contextmanager
@@ -230,38 +359,182 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
     try:
         mode = os.stat(real).st_mode & 0o7777
     except FileNotFoundError:
-        # mkstemp makes the file private; give it the mode any new file gets.
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
+        mode = _new_file_mode()  # mkstemp makes the file private
     with signals_held():
         try:
             fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
         except OSError as exc:
-            raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+            raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
         os.close(fd)
-    tmp = Path(name)
+        tmp = Path(name)
+        _LIVE[tmp] = False
     try:
         try:
             yield tmp
         except OSError as exc:  # a full disk, a quota: name the file the user gave
-            raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+            raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
         os.chmod(tmp, mode)
         pause_point("publish", tmp)
         with signals_held():
             try:
                 os.replace(tmp, real)
             except OSError as exc:
-                raise ReplayError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
+            _LIVE.pop(tmp, None)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with signals_held():
+            tmp.unlink(missing_ok=True)
+            _LIVE.pop(tmp, None)
         raise
+
+
+#: Every temporary file (False) or directory (True) not yet published or
+#: removed. A signal can arrive between two statements of any writer (after
+#: a temporary file is made, before the ``try`` that removes it is
+#: entered): the CLI removes what is left here when a command ends.
+_LIVE: dict[Path, bool] = {}
+
+
+def remove_leftovers() -> None:
+    """Remove every temporary output still registered (see :data:`_LIVE`)."""
+    with signals_held():
+        for tmp, is_dir in list(_LIVE.items()):
+            if is_dir:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+            _LIVE.pop(tmp, None)
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+class Staging:
+    """Several outputs of one command, published all or nothing: each file
+    is written to a hidden temporary file beside it, each directory built
+    in a hidden temporary directory beside it, and all are renamed into
+    place at the end (signals held); any error or signal before removes
+    every one of them. Used through :func:`staged_outputs`."""
+
+    def __init__(self) -> None:
+        # (temporary, target, the path the user gave, a directory?, mode)
+        self._items: list[tuple[Path, Path, str, bool, int]] = []
+
+    def file(self, path: PathLike, *, what: str = "Parquet") -> Path:
+        """The temporary file to write ``path``'s content to (``/dev/null``:
+        itself)."""
+        target = output_target(path, text=False, what=what)
+        if target.kind == "null":
+            return target.real
+        real = target.real
+        try:
+            mode = os.stat(real).st_mode & 0o7777
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        with signals_held():
+            try:
+                fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+            except OSError as exc:
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
+            os.close(fd)
+            self._items.append((Path(name), real, os.fspath(path), False, mode))
+            _LIVE[Path(name)] = False
+        return Path(name)
+
+    def directory(self, path: PathLike, option: str = "-o") -> Path:
+        """The temporary directory to build the new (or empty) directory
+        ``path`` in; its parent must exist."""
+        _check_new_directory(option, path)
+        real = _real(path)
+        with signals_held():
+            try:
+                name = tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+            except OSError as exc:
+                raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
+            self._items.append((Path(name), real, os.fspath(path), True, 0o777 & _new_file_mode()))
+            _LIVE[Path(name)] = True
+        return Path(name)
+
+    def named(self, message: str) -> str:
+        """``message`` with every temporary path replaced by the user's."""
+        for tmp, _, given, _, _ in self._items:
+            message = message.replace(str(tmp), given)
+        return message
+
+    def publish(self) -> None:
+        if self._items:
+            pause_point("publish", self._items[0][0])
+        with signals_held():
+            for tmp, real, given, is_dir, mode in self._items:
+                try:
+                    os.chmod(tmp, mode | (0o111 & mode if is_dir else 0))
+                    if is_dir:
+                        with contextlib.suppress(FileNotFoundError):
+                            real.rmdir()  # empty (checked): the rename replaces it
+                        os.rename(tmp, real)
+                    else:
+                        os.replace(tmp, real)
+                    _LIVE.pop(tmp, None)
+                except OSError as exc:
+                    raise ReplayError(
+                        f"{given}: cannot write here ({exc.strerror or exc})"
+                    ) from None
+            self._items.clear()
+
+    def discard(self) -> None:
+        with signals_held():
+            for tmp, _, _, is_dir, _ in self._items:
+                if is_dir:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+                _LIVE.pop(tmp, None)
+            self._items.clear()
+
+
+@contextlib.contextmanager
+def staged_outputs() -> Iterator[Staging]:
+    """A :class:`Staging` whose outputs are published when the block ends
+    normally and removed on any error or signal; errors name the user's
+    paths, never a temporary one."""
+    stage = Staging()
+    try:
+        try:
+            yield stage
+        except ReplayError as exc:
+            raise type(exc)(stage.named(str(exc))) from None
+        except OSError as exc:  # a full disk, a quota: name the output
+            first = stage._items[0][2] if stage._items else ""
+            where = stage.named(exc.filename) if exc.filename else first
+            raise ReplayError(
+                f"{where}: cannot write here ({stage.named(os_reason(exc))})"
+            ) from None
+        stage.publish()
+    except BaseException:
+        stage.discard()
+        raise
+
+
+@contextlib.contextmanager
+def arrow_file(path: PathLike, mode: str = "rb") -> Iterator[Any]:
+    """``path`` as Arrow takes it: its name when the name is UTF-8, else the
+    file opened by Python (Arrow cannot take a name that is not UTF-8)."""
+    if utf8_path(path):
+        yield os.fspath(path)
+        return
+    with open(path, mode) as fh:
+        yield fh
 
 
 def write_text(path: PathLike, text: str, *, what: str = "text") -> OutputTarget:
     """Write ``text`` to ``path``: atomically to a file, to standard output for
     ``-`` or ``/dev/stdout``, nowhere for ``/dev/null``."""
     target = output_target(path, text=True, what=what)
+    text = readable_name(text)  # a file name that is not UTF-8, escaped
     if target.kind == "stdout":
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -278,11 +551,17 @@ def check_outputs(
     *,
     text: bool = False,
     what: str = "Parquet",
+    directories: Mapping[str, PathLike | None] | None = None,
 ) -> None:
-    """Everything a command checks before it writes: each output (keyed by
-    its option) is a place it can write (:func:`output_target`) and none is
-    one of the inputs (:func:`refuse_overwriting_inputs`)."""
+    """Everything a command checks before it does any work: each output
+    (keyed by its option) is a place it can write (:func:`output_target`;
+    ``directories``: a new or empty directory whose parent exists), and
+    none is an input, lies inside an input directory or is another output
+    (:func:`refuse_overwriting_inputs`)."""
+    refuse_overwriting_inputs(outputs, inputs, directories)
+    for option, path in (directories or {}).items():
+        if path is not None:
+            _check_new_directory(option, path)
     for path in outputs.values():
         if path is not None:
             output_target(path, text=text, what=what)
-    refuse_overwriting_inputs(outputs, inputs)

@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
 from replay.base.spec import TraceConfig
+from replay.base.text import readable
+from replay.format.paths import arrow_file
 from replay.format.schema import (
     FACT_COLUMNS,
     RESULTS_META_KEY,
@@ -28,14 +30,14 @@ from replay.format.schema import (
     check_config_limits,
 )
 from replay.format.trace import _open_parquet
-from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars
+from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars, utc_ts
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE
 
 
 def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
     return RESULTS_SCHEMA.with_metadata(
-        {RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()}
+        {RESULTS_META_KEY: json.dumps(readable(metadata), sort_keys=True).encode()}
     )
 
 
@@ -66,8 +68,8 @@ def write_results(
     table = table.select(schema.names + extra)
     fields = list(schema) + [table.schema.field(n) for n in extra]
     table = table.cast(pa.schema(fields, metadata=schema.metadata))
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp), compression="zstd")
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(table, where, compression="zstd")
     return Path(path)
 
 
@@ -149,11 +151,32 @@ def _results_type_ok(name: str, typ: pa.DataType) -> bool:
     return True
 
 
+def _flag_columns_typed(table: pa.Table) -> bool:
+    """Whether ``flags`` is a list of strings and ``flag_details`` a list of
+    structs with a string ``flag`` (then the two must agree)."""
+    names = table.column_names
+    if "flags" not in names or "flag_details" not in names:
+        return False
+    flags, details = table.schema.field("flags").type, table.schema.field("flag_details").type
+    if not (pa.types.is_list(flags) or pa.types.is_large_list(flags)):
+        return False
+    if not (pa.types.is_string(flags.value_type) or pa.types.is_large_string(flags.value_type)):
+        return False
+    if not (pa.types.is_list(details) or pa.types.is_large_list(details)):
+        return False
+    inner = details.value_type
+    if not pa.types.is_struct(inner) or inner.get_field_index("flag") < 0:
+        return False
+    flag = inner.field("flag").type
+    return bool(pa.types.is_string(flag) or pa.types.is_large_string(flag))
+
+
 def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFrame:
     """The results rows as a frame in the contract's types, after the checks
     a trace gets: types, nulls, ``seq`` order, one entry per group."""
     for name in table.column_names:
         _check_utf8(path, table, name)
+    table = utc_ts(table)
     _check_ts(path, table)
     frame = _to_polars(table)
     casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
@@ -205,6 +228,23 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
         checks.append((col.list.min() < 0, f"{name} holds a negative number"))
         limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
         checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
+    if _flag_columns_typed(table):
+        # Each flag a lookup lists has the numbers that prove it, and no
+        # numbers prove a flag it does not list: `check` reads either.
+        listed = pl.col("flags").list.unique().list.sort()
+        proved = (
+            pl.col("flag_details")
+            .list.eval(pl.element().struct.field("flag"))
+            .list.unique()
+            .list.sort()
+        )
+        checks.append(
+            (
+                (listed != proved) & pl.col("flags").is_not_null(),
+                "flags and flag_details disagree (each flag listed needs its flag_details "
+                "entry, and each entry a listed flag)",
+            )
+        )
     if "hit_alignment" in frame.columns:
         checks.append((pl.col("hit_alignment") < 1, "hit_alignment is not a positive number"))
         for name in ("group_state_tokens", "first_absent_block", "eagle_unit_present"):

@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ReplayError
+from replay.base.text import readable
+from replay.format.paths import arrow_file
 from replay.format.writer import atomic_path
 
 SWEEP_META_KEY = b"replay.sweep"
@@ -41,15 +43,16 @@ def write_sweep_frame(
     import json
 
     table = frame.to_arrow()
-    table = table.replace_schema_metadata({SWEEP_META_KEY: json.dumps(metadata).encode()})
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp))
+    table = table.replace_schema_metadata({SWEEP_META_KEY: json.dumps(readable(metadata)).encode()})
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(table, where)
     return Path(path)
 
 
 def is_sweep_file(path: str | os.PathLike[str]) -> bool:
     try:
-        meta = pq.read_schema(str(path)).metadata or {}
+        with arrow_file(path) as source:
+            meta = pq.read_schema(source).metadata or {}
     except (OSError, pa.ArrowInvalid):
         return False
     return SWEEP_META_KEY in meta
@@ -60,7 +63,8 @@ def read_sweep(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, An
 
     if not is_sweep_file(path):
         raise ReplayError(f"{path}: not a sweep file (replay whatif writes them)")
-    table = pq.read_table(str(path))
+    with arrow_file(path) as source:
+        table = pq.read_table(source)
     meta = json.loads((table.schema.metadata or {})[SWEEP_META_KEY])
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)

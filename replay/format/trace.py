@@ -7,16 +7,19 @@ prefetched on a thread while the caller works on the previous one."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
+from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
+from replay.base.text import utf8_path
 from replay.format.paths import check_input
 from replay.format.schema import (
     _EMPTY_POLARS,
@@ -69,12 +72,21 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
     if tail != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    owned: BinaryIO | None = None
+    if isinstance(source, str) and not utf8_path(source):
+        # Arrow takes only UTF-8 names: any other is read through Python,
+        # the file closed when the reader goes.
+        source = owned = open(source, "rb")  # noqa: SIM115
     try:
         pf = pq.ParquetFile(source)
+        if owned is not None:
+            weakref.finalize(pf, owned.close)
         # The footer is decoded lazily: a column name or a metadata key that
         # is not UTF-8 (a damaged footer) fails here, not in a later reader.
         pf.schema_arrow  # noqa: B018
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        if owned is not None:
+            owned.close()
         raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
     return pf
 
@@ -125,6 +137,39 @@ def prefetched(batches: Iterator[T]) -> Iterator[T]:
                 worker.join(timeout=0.05)
 
 
+def _declared_hashes(rg: Any) -> int:
+    """The hashes a row group's footer declares (0 when it says nothing)."""
+    for c in range(rg.num_columns):
+        col = rg.column(c)
+        if col.path_in_schema.startswith("block_hashes."):
+            return int(col.num_values)
+    return 0
+
+
+def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
+    """Before any row is decoded: the sizes the footer declares are within
+    the limits of ``replay.base.limits`` (hashes per row group, per row on
+    average, bytes per fixed-width hash). A refusal names the limit and the
+    option that raises it."""
+    hashes_type = pf.schema_arrow.field("block_hashes").type
+    width = hashes_type.value_type
+    if pa.types.is_fixed_size_binary(width) and width.byte_width > HASH_BYTES.value():
+        raise HASH_BYTES.refuse(f"{path}: column 'block_hashes' holds hashes of", width.byte_width)
+    meta = pf.metadata
+    per_row, per_group = ROW_HASHES.value(), GROUP_HASHES.value()
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        declared = _declared_hashes(rg)
+        if declared > per_group:
+            raise GROUP_HASHES.refuse(f"{path}: row group {i} declares", declared)
+        rows = max(1, rg.num_rows)
+        if declared > rows * per_row:
+            raise ROW_HASHES.refuse(
+                f"{path}: row group {i} declares {declared:,} hashes in {rows:,} rows, at least",
+                -(-declared // rows),
+            )
+
+
 class TraceReader:
     """A validated, streaming view of a trace file: a path, or a seekable
     binary file object (``io.BytesIO``, an open file), which the reader then
@@ -142,6 +187,7 @@ class TraceReader:
         self._pf = _open_parquet(path)
         self.config = read_config(self._pf, self.name)
         self.columns = check_schema(self.name, self._pf.schema_arrow)
+        check_declared_sizes(self._pf, self.name)
 
     @property
     def num_rows(self) -> int:
@@ -196,6 +242,8 @@ class TraceReader:
     #: memory stays bounded whatever the row groups' size, large enough that
     #: per-batch costs vanish.
     BATCH_BYTES = 16 << 20
+    #: And about this many hashes at most (where the footer declares them).
+    BATCH_HASHES = 1 << 20
 
     def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
         cols = list(self.columns)
@@ -207,6 +255,11 @@ class TraceReader:
             # Parquet streams within a row group, so one huge row group costs
             # a batch's memory, not the row group's.
             rows = rg.num_rows * self.BATCH_BYTES // max(1, rg.total_byte_size)
+            # Dictionary-encoded hashes decode to far more than their pages:
+            # the declared hash count bounds a batch too.
+            hashes = _declared_hashes(rg)
+            if hashes:
+                rows = min(rows, rg.num_rows * self.BATCH_HASHES // hashes)
             rows = max(1, min(batch_size, rows))
             yield from self._pf.iter_batches(batch_size=rows, row_groups=[i], columns=cols)
 

@@ -17,16 +17,16 @@ a dot) and other names are ignored.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
-import shutil
-import tempfile
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 
 from replay.base.errors import ReplayError, TraceError
+from replay.format.paths import check_outputs, file_kind, staged_outputs
 from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
 from replay.format.trace import TraceReader
 from replay.format.writer import TraceWriter
@@ -44,13 +44,38 @@ def trace_files(path: Path) -> list[Path]:
     except OSError as exc:
         raise TraceError(f"{path}: cannot list the directory ({exc.strerror or exc})") from None
     files = [
-        path / name
-        for name in entries
-        if name.endswith(".parquet") and not name.startswith(".") and (path / name).is_file()
+        path / name for name in entries if name.endswith(".parquet") and not name.startswith(".")
     ]
+    for part in files:
+        # Every part is read, or the directory is refused: a part skipped
+        # would replay the trace without its events.
+        _check_part(part)
     if not files:
         raise TraceError(f"{path}: no .parquet files in the directory (expected a trace's files)")
     return files
+
+
+def _check_part(part: Path) -> None:
+    """A part of a trace directory is a regular file to read, else one line
+    naming it (a dangling symlink, a symlink loop, a FIFO, a directory)."""
+    try:
+        st = os.stat(part)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            what = "is a symlink loop"
+        elif exc.errno == errno.ENOENT and os.path.islink(part):
+            what = f"is a dangling symlink (to {os.readlink(part)})"
+        else:
+            what = f"cannot be read ({exc.strerror or exc})"
+        raise TraceError(
+            f"{part}: {what}; every .parquet file of a trace directory is a part of it"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else file_kind(st.st_mode)
+        raise TraceError(
+            f"{part}: is {kind}, expected a Parquet file (every .parquet file of a trace "
+            "directory is a part of it)"
+        )
 
 
 def _seq_range(reader: TraceReader) -> tuple[int, int] | None:
@@ -154,55 +179,22 @@ def batch_table(batch: TraceBatch) -> pa.Table:
     return frame.append_column("block_hashes", batch.hashes).select(list(TRACE_COLUMNS))
 
 
-@contextlib.contextmanager
-def _atomic_dir(target: Path, inputs: list[Path]) -> Iterator[Path]:
-    """A temporary directory beside ``target``, renamed onto it on success
-    and removed on any error: a half-split trace is never left behind."""
-    if target.exists() and not target.is_dir():
-        raise ReplayError(f"{target}: exists and is not a directory, expected a new directory")
-    if target.is_dir() and any(target.iterdir()):
-        raise ReplayError(f"{target}: directory is not empty, expected a new or empty directory")
-    resolved = target.resolve()
-    for p in inputs:
-        if resolved == p.resolve() or resolved in p.resolve().parents:
-            raise ReplayError(f"{target}: would write over the input {p}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    except OSError as exc:
-        raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if target.is_dir():
-            target.rmdir()  # empty (checked above): the rename replaces it
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _inputs(reader: TraceReader) -> list[Path]:
-    if isinstance(reader, TraceDir):
-        return [f.path for f in reader.files]
-    return [reader.path] if reader.path is not None else []
-
-
 def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], files: int) -> int:
     """Write ``trace`` as ``files`` files of equal rows, give or take one,
-    into the new directory ``out_dir`` (as many files as rows when there are
-    fewer). Returns the number of files written."""
+    into the new (or empty) directory ``out_dir``, whose parent must exist
+    (as many files as rows when there are fewer). The directory appears
+    whole or not at all. Returns the number of files written."""
     if files < 1:
         raise ReplayError(f"--files {files}: expected at least 1")
+    check_outputs({}, [trace], directories={"-o": out_dir})
     reader = open_trace(trace)
-    target = Path(out_dir)
     total = reader.num_rows
+    files = min(files, max(total, 1))  # never more files than rows
     # Where each file ends, in rows of the whole trace; empty files dropped.
     ends = sorted({(i + 1) * total // files for i in range(files)} - {0})
     written = 0
-    with _atomic_dir(target, _inputs(reader)) as tmp:
+    with staged_outputs() as stage:
+        tmp = stage.directory(out_dir)
         writer: TraceWriter | None = None
         done = 0
         try:
@@ -233,17 +225,9 @@ def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
 def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
     """Write every event of ``trace`` (a directory, or a file) into the one
     file ``out``. Returns the rows written."""
+    check_outputs({"-o": out}, [trace])
     reader = open_trace(trace)
-    target = Path(out)
-    resolved = target.resolve()
-    for p in _inputs(reader):
-        if resolved == p.resolve():
-            raise ReplayError(f"{target}: would write over the input {p}")
-    if isinstance(reader, TraceDir) and reader.path.resolve() in resolved.parents:
-        raise ReplayError(
-            f"{target}: inside the input directory {reader.path} (it would become part of it)"
-        )
-    with TraceWriter(target, reader.config) as writer:
+    with TraceWriter(out, reader.config) as writer:
         for batch in reader.iter_batches(prefetch=True):
             writer.write_table(batch_table(batch))
     return writer.rows_written

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.base.errors import TraceError
+from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
 from replay.format.schema import _EMPTY_POLARS, EVENT_KINDS, TraceBatch, _one_line, _string_ok
 
@@ -79,7 +80,9 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
     ts = _combined(raw.column("ts"))
     per = _PER_SECOND[ts.type.unit]
     # In nanoseconds the whole int64 range is representable: clip the bounds.
-    lo, hi = (min(max(b * per, -(1 << 63)), (1 << 63) - 1) for b in _TS_RANGE_S)
+    # The last second of 9999 is representable to its last tick.
+    first, last = _TS_RANGE_S[0] * per, (_TS_RANGE_S[1] + 1) * per - 1
+    lo, hi = (min(max(b, -(1 << 63)), (1 << 63) - 1) for b in (first, last))
     if ts.null_count == len(ts):
         return
     values = ts.cast(pa.int64())
@@ -89,6 +92,45 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
             f"{path}: {_where(raw, i)}: ts {values[i].as_py()} {ts.type.unit} since the "
             "epoch is outside the representable range (expected a time between "
             "0001-01-01 and 9999-12-31)"
+        )
+
+
+def utc_ts(raw: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+    """``raw`` with a ``ts`` column of any time zone (a fixed offset such as
+    +05:30, a zone name polars does not know, none) as UTC: Arrow stores
+    the instant itself, in UTC, whatever the zone, so only the type changes."""
+    if "ts" not in raw.column_names:
+        return raw
+    typ = raw.schema.field("ts").type
+    if not pa.types.is_timestamp(typ) or typ.tz in (None, "UTC"):
+        return raw
+    utc = pa.timestamp(typ.unit, tz="UTC")
+    ts = _combined(raw.column("ts")).cast(pa.int64()).cast(utc)
+    i = raw.schema.get_field_index("ts")
+    return raw.set_column(i, pa.field("ts", utc), ts)
+
+
+def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array) -> None:
+    """Each row's hash count and each hash's width within the limits."""
+    counts = pc.list_value_length(hashes)
+    most = pc.max(counts).as_py()
+    if most is not None and most > ROW_HASHES.value():
+        i = _first(pc.equal(counts, most))
+        assert i is not None
+        raise ROW_HASHES.refuse(f"{path}: {_where(raw, i)}: block_hashes holds", most)
+    values = hashes.values
+    if len(values) == 0 or pa.types.is_fixed_size_binary(values.type):
+        return  # a fixed width is checked from the schema
+    width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(values.buffers()[1], dtype=width)
+    lo, hi = int(hashes.offsets[0].as_py()), int(hashes.offsets[-1].as_py())
+    lens = np.diff(offsets[values.offset + lo : values.offset + hi + 1])
+    if lens.size and int(lens.max()) > HASH_BYTES.value():
+        j = int(np.argmax(lens))
+        row = int(pc.list_parent_indices(hashes)[j].as_py())
+        k = j - (int(hashes.offsets[row].as_py()) - lo)
+        raise HASH_BYTES.refuse(
+            f"{path}: {_where(raw, row)}: block_hashes[{k}] holds", int(lens[j])
         )
 
 
@@ -130,6 +172,7 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
             f"{path}: {_where(raw, row)}: block_hashes[{k}] {what} "
             "(expected a hash: non-empty bytes)"
         )
+    check_hash_sizes(path, raw, hashes)
     return hashes
 
 
@@ -139,6 +182,7 @@ def validate_rows(
     """Every check of format v1 on one batch of trace rows, in file order
     after ``last_seq``; the reader and every writer go through it. Returns
     the decoded batch and its last seq."""
+    raw = utc_ts(raw)
     hashes = check_arrow_batch(path, config, raw)
     frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
         pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)

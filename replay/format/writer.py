@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import TraceError
 from replay.base.spec import TraceConfig
-from replay.format.paths import atomic_output, pause_point
+from replay.format.paths import arrow_file, atomic_output, os_reason, pause_point
 from replay.format.schema import (
     _EXPECTED_TYPE,
     EXPECT_META_KEY,
@@ -123,8 +123,8 @@ def _parquet_sink(target: TraceFile) -> Iterator[Any]:
     helper (a temporary file, renamed on success); a file object gets the
     bytes only once the file is complete, so an error writes nothing to it."""
     if isinstance(target, str | os.PathLike):
-        with atomic_path(target) as tmp:
-            yield str(tmp)
+        with atomic_path(target) as tmp, arrow_file(tmp, "wb") as where:
+            yield where
         return
     buffer = pa.BufferOutputStream()
     yield buffer
@@ -178,7 +178,10 @@ class TraceWriter:
             return
         # A writer never makes a trace the readers would refuse.
         _, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
-        write_bounded(self._writer, table)
+        try:
+            write_bounded(self._writer, table)
+        except OSError as exc:  # a full disk, a quota: name the file the user gave
+            raise TraceError(f"{self.name}: cannot write here ({os_reason(exc)})") from None
         self.rows_written += table.num_rows
         if isinstance(self._tmp, str):
             pause_point("rows", Path(self._tmp))
@@ -194,7 +197,10 @@ class TraceWriter:
         if source is not None:
             config = TraceConfig.from_json({**config.to_json(), "source": source})
         self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:
+            raise TraceError(f"{self.name}: cannot write here ({os_reason(exc)})") from None
         self._writer = None
         self._finished = True
         self._cm.__exit__(None, None, None)
@@ -265,6 +271,6 @@ def write_keys(path: str | os.PathLike[str], keys: Sequence[tuple[int, Sequence[
     gids = [gid for gid, hashes in keys for _ in hashes]
     hashes = [h for _, hs in keys for h in hs]
     table = pa.table({"group_id": gids, "hash": hashes}, schema=KEYS_SCHEMA)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, str(tmp))
+    with atomic_path(path) as tmp, arrow_file(tmp, "wb") as where:
+        pq.write_table(table, where)
     return len(hashes)

@@ -95,9 +95,20 @@ class EventConverter:
                 f"{type(event).__name__} names group_idx {gid}, but the config has {n} "
                 f"KV-cache group{'s' if n != 1 else ''} (0..{n - 1})"
             )
-        if isinstance(event, BlockStored) and gid not in self._checked_groups:
-            self._check_spec(gid, event)
-            self._checked_groups.add(gid)
+        if isinstance(event, BlockStored):
+            size, own = event.block_size, self.config.groups[gid].block_size
+            # A store of full blocks carries the group's block size; vLLM's
+            # partial-block store (cache_partial_block) one hash of fewer
+            # tokens. Hashes of another block size key other tokens: a
+            # replay of them against this config would be silently wrong.
+            if size is not None and (size > own or (len(event.block_hashes) > 1 and size != own)):
+                raise GroupMismatch(
+                    f"group_idx {gid}: the publisher says block_size {size}, but the "
+                    f"config's group {gid} has block_size {own}"
+                )
+            if gid not in self._checked_groups:
+                self._check_spec(gid, event)
+                self._checked_groups.add(gid)
         return gid
 
     def _check_spec(self, gid: int, event: BlockStored) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.errors import ReplayError, TraceError
+from replay.base.limits import ROW_HASHES, bounded_lines
 from replay.base.spec import TraceConfig
 from replay.sources.values import (
     Row,
@@ -128,6 +129,8 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
             f"field 'block_hashes': expected a list of integers or hex strings, "
             f"got {msgpack_type(raw_hashes)}"
         )
+    if len(raw_hashes) > ROW_HASHES.value():
+        raise ValueError(str(ROW_HASHES.refuse("field 'block_hashes' holds", len(raw_hashes))))
     hashes = []
     for j, h in enumerate(raw_hashes):
         try:
@@ -171,7 +174,7 @@ def read_lookup_log(path: str | os.PathLike[str], config: TraceConfig) -> list[L
     p = check_input(path, "a JSONL lookup log")
     out: list[LookupRecord] = []
     with open(p, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
+        for line_no, raw in bounded_lines(fh, p):
             if not raw.strip():
                 continue
             where = f"{p}: line {line_no}"

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.base.limits import ROW_HASHES
 from replay.format.writer import TraceWriter
 from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
@@ -137,7 +138,13 @@ def ingest(
         ) as writer,
     ):
         done = 0
+        most = ROW_HASHES.value()
         for row in read_rows(fmt, path):
+            if row.input_length // block_size > most:
+                raise ROW_HASHES.refuse(
+                    f"{path}: line {row.line}: input_length {row.input_length} makes",
+                    row.input_length // block_size,
+                )
             counter.add(row)
             writer.add(
                 ts_us=row.ts_us,

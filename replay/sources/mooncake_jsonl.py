@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replay.base.errors import ReplayError
+from replay.base.limits import ROW_HASHES, bounded_lines
 from replay.format.paths import check_input
 from replay.format.validate import TOKEN_LIMIT
 from replay.sources.values import JSON_TYPES, is_text, type_name
@@ -131,6 +132,8 @@ def _parse(fmt: SourceFormat, path: Path, line_no: int, text: str) -> SourceRow:
     if fmt is BAILIAN and isinstance(obj["chat_id"], str) and not is_text(obj["chat_id"]):
         raise ReplayError(f"{where}: field 'chat_id' holds a lone surrogate escape (not text)")
     ids = obj["hash_ids"]
+    if len(ids) > ROW_HASHES.value():
+        raise ROW_HASHES.refuse(f"{where}: field 'hash_ids' holds", len(ids))
     for i, h in enumerate(ids):
         if not _check_type(h, _INT) or not 0 <= h < _U64:
             raise ReplayError(
@@ -168,7 +171,7 @@ def read_rows(fmt: SourceFormat, path: Path) -> Iterator[SourceRow]:
     check_input(path, f"a {fmt.name} JSONL file")
     with open(path, encoding="utf-8", errors="strict") as fh:
         try:
-            for line_no, text in enumerate(fh, start=1):
+            for line_no, text in bounded_lines(fh, path):
                 if text.strip():
                     yield _parse(fmt, path, line_no, text)
         except UnicodeDecodeError as exc:

@@ -208,7 +208,8 @@ class WorkloadWriter:
         digests = np.ascontiguousarray(self._digest(keys))
         width = digests.shape[1] if digests.ndim == 2 else 0
         total = len(keys)
-        value_offsets = np.arange(0, (total + 1) * width, width, dtype=np.int32)[: total + 1]
+        # A batch of prompts all shorter than one block has no hash (width 0).
+        value_offsets = np.arange(total + 1, dtype=np.int32) * np.int32(width)
         values = pa.Array.from_buffers(
             pa.binary(),
             total,

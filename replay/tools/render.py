@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replay.base.spec import TraceConfig
+from replay.base.text import printable
 from replay.rules.coordinator import LookupOutcome, hit_alignment
 from replay.rules.store import LookupEvent
 
@@ -83,7 +84,8 @@ def explain_header(
     config: TraceConfig, lookup: LookupEvent[Any], policy: str, cache: str | None = None
 ) -> str:
     return (
-        f"request {lookup.request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
+        f"request {printable(lookup.request_id)} (seq {lookup.seq}): "
+        f"max_length {lookup.max_length}, "
         f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
         + (f", cache {cache}" if cache else "")
     )

@@ -45,6 +45,13 @@ class Requests:
     def __len__(self) -> int:
         return len(self.seq)
 
+    def useful_blocks(self) -> int:
+        """More blocks than every request of the trace allocates in every
+        group together: a block pool this large never evicts, so any larger
+        capacity gives the same run (and is simulated at this size)."""
+        sizes = [g.block_size for g in self.config.groups]
+        return 1 + sum((n + b - 1) // b + 1 for n in self.num_tokens for b in sizes)
+
     def unit_ids(self, i: int) -> list[int]:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
         return ids
@@ -117,11 +124,19 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
         for n, m in zip(frame.get_column("num_tokens").to_list(), max_length, strict=True)
     ]
     seqs = frame.get_column("seq").to_list()
-    for seq, n, m in zip(seqs, num_tokens, max_length, strict=True):
+    hbs = reader.config.hash_block_size
+    for seq, n, m, k in zip(seqs, num_tokens, max_length, lengths.tolist(), strict=True):
         if not 0 <= m < n:
             raise ReplayError(
                 f"{path}: seq {seq}: max_length {m} must be in [0, num_tokens {n}) for the "
                 "what-if (vLLM recomputes a prompt's last token)"
+            )
+        # The what-if stores the prompt's blocks: its hashes must cover it.
+        if n > (k + 1) * hbs:
+            raise ReplayError(
+                f"{path}: seq {seq}: num_tokens {n} exceeds what its {k} block_hashes cover "
+                f"(the what-if needs num_tokens <= (len(block_hashes) + 1) * hash_block_size "
+                f"{hbs})"
             )
     return Requests(
         config=reader.config,

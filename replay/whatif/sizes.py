@@ -1,38 +1,22 @@
-"""Sizes for the what-if: byte counts (64GiB, 500MB), the groups' page sizes, and
-the blocks a byte capacity holds."""
+"""Sizes for the what-if: the groups' page sizes and the blocks a byte capacity
+holds (byte counts a user types are parsed by ``replay.cli.options``)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+#: The largest page a group's block may take (1 TiB): a size beyond it is a typo.
+MAX_PAGE_BYTES = 1 << 40
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
-
-
-def parse_bytes(text: str) -> int:
-    """``64GiB``, ``500MB``, ``4096``: a byte count (``Ki`` = 1024, ``K`` = 1000)."""
-    m = _SIZE.match(text)
-    if m is None:
-        raise ReplayError(f"size {text!r}: expected a number with an optional unit such as 64GiB")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    base = unit[:1]
-    factor = 1024 ** "_kmgtp".index(base) if unit[1:2] == "i" else _UNITS[base]
-    value = int(number * factor)
-    if value <= 0:
-        raise ReplayError(f"size {text!r}: must be positive")
-    return value
-
-
-def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
+def page_sizes(config: TraceConfig, page_bytes: Sequence[int] | None) -> tuple[int, ...]:
     """Per group, the bytes of one block (all of its layers): ``--page-bytes``
-    (one size for every group, or one per group, comma-separated), else the
-    trace's ``source.page_bytes``."""
+    (one size for every group, or one per group, parsed by the command
+    line), else the trace's ``source.page_bytes`` (an integer, or one per
+    group)."""
     if page_bytes is None:
         source = config.source or {}
         given = source.get("page_bytes")
@@ -41,10 +25,17 @@ def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
                 "--capacity-bytes needs the groups' page sizes: give --page-bytes "
                 "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
             )
-        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
-    else:
-        parts = [p for p in page_bytes.split(",") if p.strip()]
-    sizes = [parse_bytes(p) for p in parts]
+        parts = given if isinstance(given, list) else [given]
+        for part in parts:
+            if type(part) is not int or not 1 <= part <= MAX_PAGE_BYTES:
+                raise ReplayError(
+                    f"source.page_bytes {part!r}: expected a whole number of bytes from 1 "
+                    f"to {MAX_PAGE_BYTES} (or give --page-bytes)"
+                )
+        page_bytes = parts
+    sizes = list(page_bytes)
+    if any(not 1 <= size <= MAX_PAGE_BYTES for size in sizes):
+        raise ReplayError(f"--page-bytes: a page is at most {MAX_PAGE_BYTES} bytes (1TiB)")
     if len(sizes) == 1:
         sizes *= config.num_groups
     if len(sizes) != config.num_groups:

@@ -28,7 +28,9 @@ same hits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -163,7 +165,7 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
     if spec.cache == "gpu":
         gpu = GpuCache(
             config,
-            spec.capacity_blocks,
+            min(spec.capacity_blocks, requests.useful_blocks()),
             policy=spec.policy,
             eviction=spec.eviction,
             store_policy=spec.store_policy(),
@@ -322,6 +324,10 @@ _LOADED: Requests | None = None
 
 def _load(requests: Requests) -> None:
     global _LOADED
+    # The parent decides when a sweep ends: a Ctrl-C sent to the terminal's
+    # process group, or a hang-up, must not end a worker with a traceback.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     _LOADED = requests
 
 
@@ -377,19 +383,37 @@ def sweep(
             if progress is not None:
                 progress(done, len(specs))
     else:
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=jobs,
             mp_context=get_context("spawn"),
             initializer=_load,
             initargs=(requests,),
-        ) as pool:
+        )
+        try:
             futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
             for future in as_completed(futures):
                 rows[futures[future]] = future.result()
                 done += 1
                 if progress is not None:
                     progress(done, len(specs))
+        except BaseException:
+            # An error or a signal: the workers end now, quietly, before the
+            # caller removes what they were writing.
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
     return [r for r in rows if r is not None]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.kill()
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.join(timeout=5)
 
 
 def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:

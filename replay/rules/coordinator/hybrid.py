@@ -129,16 +129,17 @@ def build_spec_groups(
     does (members are cached and looked up jointly)."""
     drops = eagle_group_ids(config, cache)
     merged: list[tuple[GroupSpec, list[int], bool]] = []
+    # Linear in the groups: each merge key's entry found by a dict lookup.
+    index: dict[tuple[object, ...], int] = {}
     for gid, group in enumerate(config.groups):
         spec = lookup_spec(group, cache)
-        key = _merge_key(spec)
-        for i, (seen, gids, eagle) in enumerate(merged):
-            if _merge_key(seen) == key:
-                gids.append(gid)
-                merged[i] = (seen, gids, eagle or gid in drops)
-                break
-        else:
+        i = index.setdefault(_merge_key(spec), len(merged))
+        if i == len(merged):
             merged.append((spec, [gid], gid in drops))
+        else:
+            seen, gids, eagle = merged[i]
+            gids.append(gid)
+            merged[i] = (seen, gids, eagle or gid in drops)
     # Full attention first; otherwise group order (a stable sort).
     merged.sort(key=lambda m: m[0].kind is not GroupKind.FULL_ATTENTION)
     return tuple(

@@ -1,0 +1,86 @@
+"""The resource limits every reader and importer holds a file to.
+
+A small file may declare sizes that decode to far more memory than the
+machine has (a 792-byte Parquet file claiming 2**31 copies of a hash in one
+row, one JSONL line of millions of hash ids). Each limit is checked against
+what a file declares before it is decoded where the format allows (the
+Parquet footer), else as each row is read, and a refusal is one line naming
+the limit and the option that raises it. The options of the ``replay``
+group set them (``replay --max-row-hashes N run ...``); they travel to
+worker processes through the environment variables below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, AnyStr
+
+from replay.base.errors import ReplayError
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One limit: its option, its environment variable, its default, and
+    what it bounds (in the refusal's words)."""
+
+    option: str
+    env: str
+    default: int
+    what: str
+
+    def value(self) -> int:
+        text = os.environ.get(self.env)
+        if text is None:
+            return self.default
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 1:
+            raise ReplayError(f"{self.env}={text!r}: expected a whole number of at least 1")
+        return value
+
+    def refuse(self, where: str, found: int) -> ReplayError:
+        """The one-line refusal: ``where`` (e.g. ``"t.parquet: seq 5: block_hashes holds"``)
+        then ``found`` and what is over the limit."""
+        return ReplayError(
+            f"{where} {found:,} {self.what}, above the limit of {self.value():,} "
+            f"(`replay {self.option} N ...` raises it)"
+        )
+
+
+#: Hashes in one row (a trace row's ``block_hashes``, a JSONL line's hash ids).
+ROW_HASHES = Limit("--max-row-hashes", "REPLAY_MAX_ROW_HASHES", 1 << 22, "hashes in one row")
+#: Hashes in one Parquet row group (decoded a batch at a time, but declared whole).
+GROUP_HASHES = Limit(
+    "--max-group-hashes", "REPLAY_MAX_GROUP_HASHES", 1 << 26, "hashes in one row group"
+)
+#: Bytes of one hash. The store's table gives every key the words of the
+#: widest hash folded so far (the kernel's layout), so one long hash among
+#: short ones costs its width in every slot: a 65,000-byte hash among
+#: 200,000 9-byte ones took 23 GB. vLLM's digests are 32 bytes.
+HASH_BYTES = Limit("--max-hash-bytes", "REPLAY_MAX_HASH_BYTES", 128, "bytes in one hash")
+#: What the store's keys can hold at all (replay.kernels).
+MAX_HASH_BYTES = 65534
+#: Bytes of one line of a JSONL input.
+LINE_BYTES = Limit("--max-line-bytes", "REPLAY_MAX_LINE_BYTES", 64 << 20, "bytes in one line")
+
+LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES)
+
+
+def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:
+    """The lines of a JSONL file, numbered from 1; a line longer than
+    :data:`LINE_BYTES` is refused once that much of it was read (a file of
+    one endless line is never held whole)."""
+    limit = LINE_BYTES.value()
+    line_no = 0
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        line_no += 1
+        if len(line) > limit and line[-1:] not in ("\n", b"\n"):
+            raise LINE_BYTES.refuse(f"{path}: line {line_no} holds more than", limit)
+        yield line_no, line
