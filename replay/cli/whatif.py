@@ -22,7 +22,6 @@ from replay.cli.options import (
 )
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
-from replay.rules.blockpool import EVICTIONS
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
 
@@ -44,6 +43,8 @@ def _byte_list(text: str, option: str) -> list[int]:
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
+    from replay.rules.blockpool import EVICTIONS
+
 
     out: list[str] = []
     for value in values:
