@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import re
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -54,6 +53,7 @@ from replay.errors import ReplayError
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.trace import TraceWriter, atomic_path, open_trace
+from replay.units import model_page_bytes, parse_bytes
 
 SWEEP_META_KEY = b"replay.sweep"
 SWEEP_COLUMNS = (
@@ -77,47 +77,42 @@ SWEEP_COLUMNS = (
 # ---------------------------------------------------------------- sizes
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+def page_sizes(
+    config: TraceConfig, page_bytes: str | None, model_config: str | None = None
+) -> tuple[tuple[int, ...], str] | None:
+    """Per group, the bytes of one block (all of its layers), and where they
+    came from: ``--page-bytes`` (one size for every group, or one per group,
+    comma-separated), else ``--model-config`` (a Hugging Face config.json),
+    else the trace's ``source.page_bytes`` (the vLLM plugin records them);
+    None when none says."""
+    if page_bytes is not None and model_config is not None:
+        raise ReplayError("give at most one of --page-bytes and --model-config")
+    if page_bytes is not None:
+        parts, origin = [p for p in page_bytes.split(",") if p.strip()], "--page-bytes"
+    elif model_config is not None:
+        import json
 
-
-def parse_bytes(text: str) -> int:
-    """``64GiB``, ``500MB``, ``4096``: a byte count (``Ki`` = 1024, ``K`` = 1000)."""
-    m = _SIZE.match(text)
-    if m is None:
-        raise ReplayError(f"size {text!r}: expected a number with an optional unit such as 64GiB")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    base = unit[:1]
-    factor = 1024 ** "_kmgtp".index(base) if unit[1:2] == "i" else _UNITS[base]
-    value = int(number * factor)
-    if value <= 0:
-        raise ReplayError(f"size {text!r}: must be positive")
-    return value
-
-
-def page_sizes(config: TraceConfig, page_bytes: str | None) -> tuple[int, ...]:
-    """Per group, the bytes of one block (all of its layers): ``--page-bytes``
-    (one size for every group, or one per group, comma-separated), else the
-    trace's ``source.page_bytes``."""
-    if page_bytes is None:
-        source = config.source or {}
-        given = source.get("page_bytes")
-        if given is None:
-            raise ReplayError(
-                "--capacity-bytes needs the groups' page sizes: give --page-bytes "
-                "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
-            )
-        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
+        try:
+            data = json.loads(Path(model_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ReplayError(f"--model-config {model_config}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ReplayError(f"--model-config {model_config}: expected a JSON object")
+        page = model_page_bytes(data, config.groups[0].block_size, f"--model-config {model_config}")
+        parts, origin = [str(page)], f"--model-config {os.path.basename(model_config)}"
     else:
-        parts = [p for p in page_bytes.split(",") if p.strip()]
-    sizes = [parse_bytes(p) for p in parts]
+        given = (config.source or {}).get("page_bytes")
+        if given is None:
+            return None
+        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
+        origin = "trace"
+    option = "--page-bytes" if origin != "trace" else "source.page_bytes"
+    sizes = [parse_bytes(p, option) for p in parts]
     if len(sizes) == 1:
         sizes *= config.num_groups
     if len(sizes) != config.num_groups:
-        raise ReplayError(
-            f"--page-bytes: {len(sizes)} sizes for {config.num_groups} KV-cache groups"
-        )
-    return tuple(sizes)
+        raise ReplayError(f"{option}: {len(sizes)} sizes for {config.num_groups} KV-cache groups")
+    return tuple(sizes), origin
 
 
 def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
@@ -128,6 +123,12 @@ def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
     if blocks < 1:
         raise ReplayError(f"{capacity_bytes} bytes hold no block of {max(pages)} bytes")
     return blocks
+
+
+def block_bytes(pages: Sequence[int]) -> int:
+    """What one block of a capacity costs: the largest page (the gpu pool
+    gives every group one page size)."""
+    return max(pages)
 
 
 # ---------------------------------------------------------------- requests
@@ -157,6 +158,11 @@ class Requests:
 
     def __len__(self) -> int:
         return len(self.seq)
+
+    def working_set_blocks(self) -> int:
+        """The blocks an unbounded cache could hold: every distinct hash the
+        lookups name, once per KV-cache group (what ``10%`` is a tenth of)."""
+        return len(self.digests) * self.config.num_groups
 
     def unit_ids(self, i: int) -> list[int]:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()

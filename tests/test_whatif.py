@@ -16,11 +16,11 @@ from replay.sources.archetypes import archetype_config
 from replay.spec import TraceConfig
 from replay.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.trace import open_trace, write_trace
+from replay.units import parse_bytes
 from replay.whatif import (
     SWEEP_COLUMNS,
     RunSpec,
     load_requests,
-    parse_bytes,
     read_sweep,
     simulate,
     sweep,
@@ -267,9 +267,15 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
     [
         (["--capacity-blocks", "10", "--capacity-bytes", "1GiB"], "exactly one of"),
         ([], "exactly one of"),
-        (["--capacity-blocks", "10,x"], "--capacity-blocks: expected positive integers"),
+        (["--capacity-blocks", "10,x"], "--capacity-blocks: 'x': expected a count such as"),
+        (["--capacity-blocks", "10,1.5"], "--capacity-blocks: '1.5': is not a whole number"),
+        (["--capacity", "10,10%"], "--capacity: '10%' is in percent, '10' in blocks"),
+        (["--capacity", "1GiB"], "bytes need the groups' page sizes"),
+        (["--points", "3", "--min", "10k"], "--points, --min and --max go together"),
+        (["--points", "3", "--min", "10k", "--max", "1GiB"], "are in different units"),
+        (["--capacity", "10", "--points", "3"], "exactly one of"),
         (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
-        (["--capacity-bytes", "1GiB"], "needs the groups' page sizes"),
+        (["--capacity-bytes", "1GiB"], "need the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),
         (["--capacity-blocks", "10", "--retention-interval", "x"], "--retention-interval"),
     ],
@@ -363,3 +369,36 @@ def test_a_configuration_the_gpu_model_does_not_cover_is_one_line_naming_the_tra
     # The Mooncake store model takes it.
     ok = run_cli(["whatif", str(trace), "--capacity-blocks", "100", "--cache", "mooncake", "-o", str(out)])  # fmt: skip
     assert ok.exit_code == 0, ok.output
+
+
+def test_cli_capacity_in_percent_bytes_and_log_ranges(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    working_set = requests.working_set_blocks()
+    assert working_set == len(requests.digests) * 2
+    out = tmp_path / "pct.parquet"
+    args = ["whatif", str(trace), "--cache", "gpu", "-o", str(out), "-q"]
+    assert run_cli([*args, "--capacity", "10%,50%"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [working_set // 10, working_set // 2]
+    assert meta["capacity_unit"] == "percent" and meta["working_set_blocks"] == working_set
+    assert meta["capacities"] == ["10%", "50%"] and meta["page_bytes_source"] is None
+    assert run_cli([*args, "--points", "4", "--min", "1k", "--max", "8k"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [1000, 2000, 4000, 8000]
+    assert meta["capacity_unit"] == "blocks"
+    assert run_cli([*args, "--capacity", "8MiB,16MiB", "--page-bytes", "32KiB"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [256, 512]
+    assert frame["capacity_bytes"].to_list() == [8 * 2**20, 16 * 2**20]
+    assert meta["page_bytes_source"] == "--page-bytes" and meta["block_bytes"] == 32 * 1024
+    model = tmp_path / "config.json"
+    model.write_text(
+        '{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,'
+        ' "head_dim": 64, "torch_dtype": "float16"}'
+    )
+    assert run_cli([*args, "--capacity", "1MiB", "--model-config", str(model)]).exit_code == 0
+    frame, meta = read_sweep(out)
+    page = 2 * 4 * 2 * 64 * 16 * 2  # K+V, 4 layers, 2 heads, 64 dims, 16 tokens, 2 bytes
+    assert meta["block_bytes"] == page and meta["page_bytes_source"] == "--model-config config.json"
+    assert frame["capacity_blocks"].to_list() == [2**20 // page]

@@ -19,25 +19,58 @@ from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.render import sweep_lines
+from replay.units import Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.whatif import (
     RunSpec,
-    blocks_for_bytes,
+    block_bytes,
     emit_path,
     load_requests,
     page_sizes,
-    parse_bytes,
     sweep,
     write_sweep,
 )
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise fail(f"{option}: expected positive integers separated by commas, got {part!r}")
-        out.append(int(part))
+def _capacities(
+    capacity: str | None,
+    capacity_blocks: str | None,
+    capacity_bytes: str | None,
+    points: int | None,
+    low: str | None,
+    high: str | None,
+) -> list[Capacity]:
+    """The sizes asked for, in the one unit they were given in."""
+    ranged = points is not None or low is not None or high is not None
+    given = [capacity, capacity_blocks, capacity_bytes]
+    if sum(g is not None for g in given) + ranged != 1:
+        raise fail(
+            "give exactly one of --capacity, --capacity-blocks, --capacity-bytes and "
+            "--points/--min/--max"
+        )
+    if ranged:
+        if points is None or low is None or high is None:
+            raise fail("--points, --min and --max go together")
+        return log_spaced(parse_capacity(low, "--min"), parse_capacity(high, "--max"), points)
+    if capacity is not None:
+        return parse_capacities(capacity)
+    if capacity_blocks is not None:
+        out = parse_capacities(capacity_blocks, "--capacity-blocks")
+        unit = "blocks"
+    else:
+        assert capacity_bytes is not None
+        out = parse_capacities(
+            ",".join(
+                p if p.strip()[-1:] in "bB" else p.strip() + "B"
+                for p in capacity_bytes.split(",")
+                if p.strip()
+            ),
+            "--capacity-bytes",
+        )
+        unit = "bytes"
+    bad = next((c for c in out if c.unit != unit), None)
+    if bad is not None:
+        option = "--capacity-blocks" if unit == "blocks" else "--capacity-bytes"
+        raise fail(f"{option}: {bad.text!r} is not in {unit} (--capacity takes any unit)")
     return out
 
 
@@ -68,21 +101,40 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
 )
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
-    "--capacity-blocks",
+    "--capacity",
+    "capacity",
     default=None,
-    help="Cache sizes to try, in blocks, comma-separated (gpu: vLLM's num_gpu_blocks "
-    "less its null block, shared by every group).",
+    help="Cache sizes to try, comma-separated, all in one unit: blocks (4096, 10k, 2M; gpu: "
+    "vLLM's num_gpu_blocks less its null block, shared by every group), bytes (8GiB, 500GB) "
+    "or a percentage of the trace's working set (10%,50%: of the distinct blocks its lookups "
+    "name).",
 )
 @click.option(
-    "--capacity-bytes",
-    default=None,
-    help="Cache sizes in bytes, comma-separated (64GiB, 500GB); needs --page-bytes.",
+    "--capacity-blocks", default=None, help="Cache sizes in blocks (--capacity in blocks)."
 )
+@click.option("--capacity-bytes", default=None, help="Cache sizes in bytes (--capacity in bytes).")
+@click.option(
+    "--points",
+    type=click.IntRange(min=2),
+    default=None,
+    help="With --min and --max: this many capacities, log-spaced, both ends included.",
+)
+@click.option(
+    "--min", "low", default=None, help="The smallest capacity of --points (10k, 1GiB, 1%)."
+)
+@click.option("--max", "high", default=None, help="The largest capacity of --points.")
 @click.option(
     "--page-bytes",
     default=None,
     help="Bytes of one block of each group (one size, or one per group, comma-separated); "
-    "default: the trace's source.page_bytes.",
+    "default: the trace's source.page_bytes (the vLLM plugin records them).",
+)
+@click.option(
+    "--model-config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A Hugging Face config.json to size one block from (K and V of every attention "
+    "layer), instead of --page-bytes.",
 )
 @click.option(
     "--eviction",
@@ -133,9 +185,14 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
 def whatif(
     trace: Path,
+    capacity: str | None,
     capacity_blocks: str | None,
     capacity_bytes: str | None,
+    points: int | None,
+    low: str | None,
+    high: str | None,
     page_bytes: str | None,
+    model_config: Path | None,
     evictions: tuple[str, ...],
     cache: str | None,
     policy: str,
@@ -153,8 +210,7 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT; `replay report OUTPUT` charts it."""
-    if (capacity_blocks is None) == (capacity_bytes is None):
-        raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
+    capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
     if output.resolve() == trace.resolve():
         raise fail(f"{output}: is the input trace; choose another output")
     names = _names(evictions)
@@ -162,15 +218,24 @@ def whatif(
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)
+    found = page_sizes(config, page_bytes, None if model_config is None else str(model_config))
+    pages, page_source = found if found is not None else (None, None)
+    unit = capacities[0].unit
+    if unit == "bytes" and pages is None:
+        raise fail(
+            f"capacity {capacities[0].text!r}: bytes need the groups' page sizes, which the "
+            "trace does not record: give --page-bytes (e.g. 2MiB, or one per group: "
+            "2MiB,512KiB) or --model-config config.json"
+        )
+    working_set = requests.working_set_blocks()
+    cost = block_bytes(pages) if pages is not None else None
     sizes: list[tuple[int, int | None]] = []
-    pages: tuple[int, ...] | None = None
-    if capacity_bytes is not None:
-        pages = page_sizes(config, page_bytes)
-        sizes = [
-            (blocks_for_bytes(b, pages), b) for b in map(parse_bytes, capacity_bytes.split(","))
-        ]
-    elif capacity_blocks is not None:
-        sizes = [(n, None) for n in _int_list(capacity_blocks, "--capacity-blocks")]
+    for c in capacities:
+        n = c.blocks(block_bytes=cost, working_set=working_set)
+        if unit == "bytes" and cache_name == "mooncake":
+            sizes.append((n, c.bytes))
+        else:
+            sizes.append((n, c.bytes if c.bytes is not None else (n * cost if cost else None)))
     if emit_traces is not None:
         if emit_traces.exists() and not emit_traces.is_dir():
             raise fail(f"{emit_traces}: not a directory")
@@ -181,7 +246,7 @@ def whatif(
         policy=policy,
         retention_interval=retention,
         max_num_batched_tokens=max_num_batched_tokens,
-        page_bytes=pages,
+        page_bytes=pages if unit == "bytes" else None,
     )
     specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
     if emit_traces is not None:
@@ -204,6 +269,11 @@ def whatif(
         "retention_interval": retention,
         "max_num_batched_tokens": max_num_batched_tokens,
         "page_bytes": list(pages) if pages else None,
+        "page_bytes_source": page_source,
+        "block_bytes": cost,
+        "capacity_unit": unit,
+        "capacities": [c.text for c in capacities],
+        "working_set_blocks": working_set,
         "seconds": seconds,
     }
     write_sweep(output, rows, meta)
