@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, FlagChecker
+from replay import whatif_kernel
 from replay.blockpool import EVICTIONS, NEVER, EvictionOrder, GpuCache
 from replay.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
 from replay.coordinator.finders import block_view
@@ -155,9 +156,25 @@ class Requests:
     _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _now: int = field(default=-1, repr=False)
     _soon: dict[int, int] = field(default_factory=dict, repr=False)
+    _arrays: Any = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.seq)
+
+    def arrays(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]
+    ]:
+        """The kernel's view: ids, offsets, num_tokens, max_length (int64)."""
+        if self._arrays is None:
+            self._arrays = (
+                np.ascontiguousarray(self.ids, dtype=np.int64),
+                np.ascontiguousarray(self.offsets, dtype=np.int64),
+                np.asarray(self.num_tokens, dtype=np.int64),
+                np.asarray(self.max_length, dtype=np.int64),
+            )
+        return self._arrays
 
     def working_set_blocks(self) -> int:
         """The blocks an unbounded cache could hold: every distinct hash the
@@ -216,20 +233,13 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
     ).filter(pl.col("kind") == "lookup")
     if frame.height == 0:
         raise ReplayError(f"{path}: no lookup rows, nothing to simulate")
-    hashes = frame.get_column("block_hashes")
-    lengths = hashes.list.len().to_numpy().astype(np.int64)
+    hashes = frame.get_column("block_hashes").rechunk().to_arrow()
+    if isinstance(hashes, pa.ChunkedArray):
+        hashes = hashes.combine_chunks()
+    lengths = np.diff(np.asarray(hashes.offsets, dtype=np.int64))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat = hashes.explode().drop_nulls()
-    # Dense ids in order of first appearance, by the exact bytes.
-    uniq = pl.DataFrame({"h": flat}).unique("h", keep="first", maintain_order=True)
-    digests = uniq.get_column("h")
-    ids = (
-        pl.DataFrame({"h": flat})
-        .join(uniq.with_row_index("id"), on="h", how="left", maintain_order="left")
-        .get_column("id")
-        .to_numpy()
-        .astype(np.int64)
-    )
+    # Dense ids in order of first appearance, by the exact bytes (compiled).
+    ids, digests = whatif_kernel.intern_hashes(hashes)
     max_length = frame.get_column("max_length").to_list()
     num_tokens = [
         n if n is not None else m + 1
@@ -252,7 +262,7 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
         ts=frame.get_column("ts").to_list(),
         offsets=offsets,
         ids=ids,
-        digests=digests.to_arrow(),
+        digests=digests,
     )
 
 
@@ -388,17 +398,28 @@ class MooncakeStore:
                 self.on_key("remove", vg, vk)
 
 
-def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``); with
-    ``spec.emit``, the run written there as a trace."""
+def simulate(requests: Requests, spec: RunSpec, *, compiled: bool = True) -> dict[str, Any]:
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``, and ``_hits``:
+    per request its hit tokens, -1 not admitted, -2 preempted); with
+    ``spec.emit``, the run written there as a trace. The gpu cache runs
+    compiled (``replay.whatif_kernel``) unless ``compiled`` is False, a
+    trace is emitted or the configuration is one it does not cover."""
     started = time.perf_counter()
     config = requests.config
+    if (
+        compiled
+        and spec.emit is None
+        and spec.cache == "gpu"
+        and whatif_kernel.supported(config, "gpu") is None
+    ):
+        return _simulate_compiled(requests, spec, started)
     log = _Log(requests) if spec.emit else None
     on_key = log.key if log is not None else None
     checker = FlagChecker(config, spec.cache)
     flags = dict.fromkeys(FLAG_KINDS, 0)
     hit_tokens = prompt_tokens = not_admitted = preempted = 0
     hbs = config.hash_block_size
+    per_request = np.zeros(len(requests), dtype=np.int64)
 
     def next_use(key: Hashable, now: int) -> int:
         return requests.next_use(key, now)
@@ -450,10 +471,13 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
                 log.lookup(i, outcome.hit_tokens)
             if not result.admitted:
                 not_admitted += 1
+                per_request[i] = whatif_kernel.NOT_ADMITTED
             elif not result.completed:
                 preempted += 1
+                per_request[i] = whatif_kernel.PREEMPTED
             else:
                 hit_tokens += result.hit_tokens
+                per_request[i] = result.hit_tokens
         else:
             assert store is not None
             store.order.now = i
@@ -468,6 +492,7 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
             if log is not None:
                 log.lookup(i, hit)
             hit_tokens += hit
+            per_request[i] = hit
             for gid, (g, go) in enumerate(zip(config.groups, outcome.groups, strict=True)):
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
                 for j in range(go.mask_blocks - go.loaded_blocks, go.mask_blocks):
@@ -510,6 +535,59 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
         **flags,
+        "_hits": per_request,
+    }
+
+
+def run_hits(requests: Requests, spec: RunSpec) -> tuple[npt.NDArray[np.int64], list[int], int]:
+    """The compiled gpu run: per request its hit tokens (or
+    ``whatif_kernel.NOT_ADMITTED`` / ``PREEMPTED``), the flag counts in
+    ``FLAG_KINDS`` order, and the evicted cached blocks."""
+    k = whatif_kernel.compile_config(
+        requests.config,
+        spec.policy,
+        spec.store_policy(),
+        spec.eviction,
+        spec.capacity_blocks,
+        len(requests.digests),
+    )
+    if spec.eviction == "belady":
+        uses, starts = requests._future()
+    else:
+        uses = starts = np.zeros(1, dtype=np.int64)
+    hits = np.zeros(len(requests), dtype=np.int64)
+    flags = np.zeros(whatif_kernel.NUM_FLAGS, dtype=np.int64)
+    stats = np.zeros(2, dtype=np.int64)
+    arrays = requests.arrays()
+    bad = whatif_kernel.run_gpu(
+        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, flags, stats
+    )
+    if bad >= 0:
+        raise ReplayError(f"cannot get the free blocks for seq {requests.seq[bad]}'s prefill")
+    return hits, flags.tolist(), int(stats[0])
+
+
+def _simulate_compiled(requests: Requests, spec: RunSpec, started: float) -> dict[str, Any]:
+    hits, flag_counts, evicted = run_hits(requests, spec)
+    served = hits >= 0
+    prompt_tokens = int(requests.arrays()[2].sum())
+    hit_tokens = int(hits[served].sum())
+    return {
+        "capacity_blocks": spec.capacity_blocks,
+        "capacity_bytes": spec.capacity_bytes,
+        "eviction": spec.eviction,
+        "cache": spec.cache,
+        "policy": spec.policy,
+        "lookups": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "hit_ratio": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_blocks": evicted,
+        "not_admitted": int((hits == whatif_kernel.NOT_ADMITTED).sum()),
+        "preempted": int((hits == whatif_kernel.PREEMPTED).sum()),
+        "seconds": time.perf_counter() - started,
+        **dict(zip(FLAG_KINDS, flag_counts, strict=True)),
+        "_hits": hits,
     }
 
 
