@@ -33,7 +33,13 @@ import bisect
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    as_completed,
+    wait,
+)
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -67,12 +73,31 @@ SWEEP_COLUMNS = (
     "prompt_tokens",
     "hit_tokens",
     "hit_ratio",
+    "hit_ratio_p50",
+    "hit_ratio_p90",
+    "hit_ratio_p99",
     "evicted_blocks",
     "not_admitted",
     "preempted",
     "seconds",
     *FLAG_KINDS,
 )
+
+
+PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
+
+
+def hit_ratio_percentiles(
+    hits: npt.NDArray[np.int64], num_tokens: npt.NDArray[np.int64]
+) -> dict[str, float]:
+    """Per request, hit tokens over prompt tokens (a request not admitted or
+    preempted hit nothing): its 50th, 90th and 99th percentiles (the lower
+    of two neighbours: a value some request had)."""
+    if hits.size == 0:
+        return dict.fromkeys(PERCENTILE_COLUMNS, 0.0)
+    ratios = np.where(hits > 0, hits, 0) / np.maximum(num_tokens, 1)
+    values = np.percentile(ratios, [50, 90, 99], method="lower")
+    return {c: float(v) for c, v in zip(PERCENTILE_COLUMNS, values, strict=True)}
 
 
 # ---------------------------------------------------------------- sizes
@@ -156,7 +181,17 @@ class Requests:
     _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _now: int = field(default=-1, repr=False)
     _soon: dict[int, int] = field(default_factory=dict, repr=False)
-    _arrays: Any = field(default=None, repr=False)
+    _arrays: (
+        tuple[
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+        ]
+        | None
+    ) = field(default=None, repr=False)
+    #: distinct hashes the lookups name (None: every id of ``digests``)
+    distinct: int | None = None
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -179,7 +214,79 @@ class Requests:
     def working_set_blocks(self) -> int:
         """The blocks an unbounded cache could hold: every distinct hash the
         lookups name, once per KV-cache group (what ``10%`` is a tenth of)."""
-        return len(self.digests) * self.config.num_groups
+        distinct = len(self.digests) if self.distinct is None else self.distinct
+        return distinct * self.config.num_groups
+
+    def max_request_blocks(self) -> int:
+        """The blocks the longest prompt needs in every group."""
+        tokens = int(self.arrays()[2].max()) if len(self) else 0
+        bs = min(g.block_size for g in self.config.groups)
+        return -(-tokens // bs) * self.config.num_groups
+
+    def sample(self, fraction: float) -> tuple[Requests, dict[str, Any]]:
+        """A deterministic sample of the sessions: a request's session is the
+        first hash past the prefix every lookup shares (a conversation's first
+        own block; its later turns extend it), kept when a digest of that
+        hash's bytes falls below ``fraction``: the same sessions on every run
+        and machine, whatever the trace's order. Returns the sample and what
+        it holds."""
+        import hashlib
+
+        ids, offsets = self.ids, self.offsets
+        lengths = np.diff(offsets)
+        first = ids[offsets[0] : offsets[1]] if len(self) else ids[:0]
+        common = int(first.size)
+        for i in range(len(self)):
+            u = int(lengths[i])
+            row = ids[offsets[i] : offsets[i] + min(u, common)]
+            differ = np.flatnonzero(row != first[: row.size])
+            if differ.size:
+                common = int(differ[0])
+        limit = int(fraction * 2**64)
+        keep: list[int] = []
+        sessions: dict[bytes, bool] = {}
+        for i in range(len(self)):
+            u = int(lengths[i])
+            if u == 0:
+                key = self.request_id[i].encode()
+            else:
+                key = self.digests[int(ids[offsets[i] + min(common, u - 1)])].as_py()
+            kept = sessions.get(key)
+            if kept is None:
+                digest = hashlib.blake2b(key, digest_size=8).digest()
+                kept = sessions[key] = int.from_bytes(digest, "big") < limit
+            if kept:
+                keep.append(i)
+        if not keep:
+            raise ReplayError(
+                f"--sample {fraction:g} keeps none of the {len(sessions):,} sessions: sample more"
+            )
+        idx = np.asarray(keep, dtype=np.int64)
+        parts = [ids[offsets[i] : offsets[i + 1]] for i in keep]
+        new_ids = np.concatenate(parts) if parts else ids[:0]
+        new_offsets = np.concatenate([[0], np.cumsum(lengths[idx])]).astype(np.int64)
+        sub = Requests(
+            config=self.config,
+            path=self.path,
+            seq=[self.seq[i] for i in keep],
+            request_id=[self.request_id[i] for i in keep],
+            max_length=[self.max_length[i] for i in keep],
+            num_tokens=[self.num_tokens[i] for i in keep],
+            ts=[self.ts[i] for i in keep],
+            offsets=new_offsets,
+            ids=new_ids,
+            digests=self.digests,
+            distinct=int(np.unique(new_ids).size),
+        )
+        info = {
+            "fraction": fraction,
+            "sessions": sum(sessions.values()),
+            "sessions_total": len(sessions),
+            "requests": len(keep),
+            "requests_total": len(self),
+            "session_key": f"the first hash past the {common} shared by every lookup",
+        }
+        return sub, info
 
     def unit_ids(self, i: int) -> list[int]:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
@@ -398,7 +505,13 @@ class MooncakeStore:
                 self.on_key("remove", vg, vk)
 
 
-def simulate(requests: Requests, spec: RunSpec, *, compiled: bool = True) -> dict[str, Any]:
+def simulate(
+    requests: Requests,
+    spec: RunSpec,
+    *,
+    compiled: bool = True,
+    control: npt.NDArray[np.int64] | None = None,
+) -> dict[str, Any]:
     """One run of the sweep: its row (see ``SWEEP_COLUMNS``, and ``_hits``:
     per request its hit tokens, -1 not admitted, -2 preempted); with
     ``spec.emit``, the run written there as a trace. The gpu cache runs
@@ -406,13 +519,8 @@ def simulate(requests: Requests, spec: RunSpec, *, compiled: bool = True) -> dic
     trace is emitted or the configuration is one it does not cover."""
     started = time.perf_counter()
     config = requests.config
-    if (
-        compiled
-        and spec.emit is None
-        and spec.cache == "gpu"
-        and whatif_kernel.supported(config, "gpu") is None
-    ):
-        return _simulate_compiled(requests, spec, started)
+    if compiled and runs_compiled(requests, spec):
+        return _simulate_compiled(requests, spec, started, control)
     log = _Log(requests) if spec.emit else None
     on_key = log.key if log is not None else None
     checker = FlagChecker(config, spec.cache)
@@ -535,11 +643,27 @@ def simulate(requests: Requests, spec: RunSpec, *, compiled: bool = True) -> dic
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
         **flags,
+        **hit_ratio_percentiles(per_request, requests.arrays()[2]),
         "_hits": per_request,
     }
 
 
-def run_hits(requests: Requests, spec: RunSpec) -> tuple[npt.NDArray[np.int64], list[int], int]:
+class Stopped(Exception):
+    """A compiled run was asked to stop before its last request."""
+
+
+def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
+    """Whether ``simulate`` runs ``spec`` compiled."""
+    return (
+        spec.emit is None
+        and spec.cache == "gpu"
+        and whatif_kernel.supported(requests.config, "gpu") is None
+    )
+
+
+def run_hits(
+    requests: Requests, spec: RunSpec, control: npt.NDArray[np.int64] | None = None
+) -> tuple[npt.NDArray[np.int64], list[int], int]:
     """The compiled gpu run: per request its hit tokens (or
     ``whatif_kernel.NOT_ADMITTED`` / ``PREEMPTED``), the flag counts in
     ``FLAG_KINDS`` order, and the evicted cached blocks."""
@@ -559,16 +683,25 @@ def run_hits(requests: Requests, spec: RunSpec) -> tuple[npt.NDArray[np.int64], 
     flags = np.zeros(whatif_kernel.NUM_FLAGS, dtype=np.int64)
     stats = np.zeros(2, dtype=np.int64)
     arrays = requests.arrays()
+    if control is None:
+        control = np.zeros(2, dtype=np.int64)
     bad = whatif_kernel.run_gpu(
-        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, flags, stats
+        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, flags, stats, control
     )
+    if bad == whatif_kernel.STOPPED:
+        raise Stopped
     if bad >= 0:
         raise ReplayError(f"cannot get the free blocks for seq {requests.seq[bad]}'s prefill")
     return hits, flags.tolist(), int(stats[0])
 
 
-def _simulate_compiled(requests: Requests, spec: RunSpec, started: float) -> dict[str, Any]:
-    hits, flag_counts, evicted = run_hits(requests, spec)
+def _simulate_compiled(
+    requests: Requests,
+    spec: RunSpec,
+    started: float,
+    control: npt.NDArray[np.int64] | None = None,
+) -> dict[str, Any]:
+    hits, flag_counts, evicted = run_hits(requests, spec, control)
     served = hits >= 0
     prompt_tokens = int(requests.arrays()[2].sum())
     hit_tokens = int(hits[served].sum())
@@ -587,6 +720,7 @@ def _simulate_compiled(requests: Requests, spec: RunSpec, started: float) -> dic
         "preempted": int((hits == whatif_kernel.PREEMPTED).sum()),
         "seconds": time.perf_counter() - started,
         **dict(zip(FLAG_KINDS, flag_counts, strict=True)),
+        **hit_ratio_percentiles(hits, requests.arrays()[2]),
         "_hits": hits,
     }
 
@@ -632,41 +766,88 @@ def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
             raise ReplayError(f"{requests.path}: {exc}") from None
 
 
+#: ``progress(requests_done, requests_total, runs_done, runs_total)``
+SweepProgress = Callable[[int, int, int, int], None]
+
+
 def sweep(
     requests: Requests,
     specs: Sequence[RunSpec],
     *,
     jobs: int = 1,
-    progress: Callable[[int, int], None] | None = None,
+    progress: SweepProgress | None = None,
+    on_row: Callable[[int, dict[str, Any]], None] | None = None,
+    poll: float = 0.2,
 ) -> list[dict[str, Any]]:
-    """Every run, in ``specs`` order; ``jobs`` > 1 runs them in worker
-    processes, each sent the requests once. Spawned, not forked: a fork of
-    a process whose Arrow or numba threads hold a lock can hang the child."""
+    """Every run, in ``specs`` order. Compiled runs go ``jobs`` at a time on
+    threads (the kernel holds no GIL), reporting each request done; the
+    others in ``jobs`` worker processes, each sent the requests once
+    (spawned, not forked: a fork of a process whose Arrow or numba threads
+    hold a lock can hang the child). ``on_row(k, row)`` hears of each run
+    as it finishes; on a signal (any ``BaseException``) the compiled runs
+    still going are stopped at their next request and the exception goes on,
+    so a caller can keep the runs ``on_row`` heard of."""
     check_specs(requests, specs)
     rows: list[dict[str, Any] | None] = [None] * len(specs)
-    done = 0
-    if progress is not None:
-        progress(0, len(specs))
     jobs = max(1, min(jobs, len(specs)))
+    n = len(requests)
+    total = n * len(specs)
+
+    def finished(k: int, row: dict[str, Any]) -> None:
+        rows[k] = row
+        if on_row is not None:
+            on_row(k, row)
+
+    if all(runs_compiled(requests, spec) for spec in specs):
+        controls = [np.zeros(2, dtype=np.int64) for _ in specs]
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
+            futures = {
+                pool.submit(simulate, requests, spec, control=controls[k]): k
+                for k, spec in enumerate(specs)
+            }
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=poll, return_when=FIRST_COMPLETED)
+                for future in done:
+                    k = futures[future]
+                    finished(k, future.result())
+                if progress is not None:
+                    progress(
+                        sum(int(c[0]) for c in controls),
+                        total,
+                        sum(r is not None for r in rows),
+                        len(specs),
+                    )
+        except BaseException:
+            for control in controls:
+                control[1] = 1
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return [r for r in rows if r is not None]
+    if progress is not None:
+        progress(0, total, 0, len(specs))
+    done_runs = 0
     if jobs == 1:
         for k, spec in enumerate(specs):
-            rows[k] = simulate(requests, spec)
-            done += 1
+            finished(k, simulate(requests, spec))
+            done_runs += 1
             if progress is not None:
-                progress(done, len(specs))
+                progress(done_runs * n, total, done_runs, len(specs))
     else:
         with ProcessPoolExecutor(
             max_workers=jobs,
             mp_context=get_context("spawn"),
             initializer=_load,
             initargs=(requests,),
-        ) as pool:
-            futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
-            for future in as_completed(futures):
-                rows[futures[future]] = future.result()
-                done += 1
+        ) as procs:
+            pfutures = {procs.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
+            for future in as_completed(pfutures):
+                finished(pfutures[future], future.result())
+                done_runs += 1
                 if progress is not None:
-                    progress(done, len(specs))
+                    progress(done_runs * n, total, done_runs, len(specs))
     return [r for r in rows if r is not None]
 
 
@@ -681,6 +862,9 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "prompt_tokens": pl.Int64,
         "hit_tokens": pl.Int64,
         "hit_ratio": pl.Float64,
+        "hit_ratio_p50": pl.Float64,
+        "hit_ratio_p90": pl.Float64,
+        "hit_ratio_p99": pl.Float64,
         "evicted_blocks": pl.Int64,
         "not_admitted": pl.Int64,
         "preempted": pl.Int64,
@@ -719,7 +903,8 @@ def read_sweep(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str, An
     meta = json.loads((table.schema.metadata or {})[SWEEP_META_KEY])
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
-    missing = [c for c in SWEEP_COLUMNS if c not in frame.columns and c not in FLAG_KINDS]
+    optional = (*FLAG_KINDS, *PERCENTILE_COLUMNS)
+    missing = [c for c in SWEEP_COLUMNS if c not in frame.columns and c not in optional]
     if missing:
         raise ReplayError(f"{path}: sweep file lacks column {missing[0]!r}")
     return frame, meta

@@ -41,6 +41,8 @@ _KINDS = {GroupKind.FULL_ATTENTION: FA, GroupKind.SLIDING_WINDOW: SWA, GroupKind
 NEVER = 1 << 62
 #: Per-request results: not scheduled (the prompt never fits), preempted.
 NOT_ADMITTED, PREEMPTED = -1, -2
+#: ``run_gpu``'s return when its ``control`` asked it to stop.
+STOPPED = -2
 #: Flag counts, in ``analysis.flags.FLAG_KINDS`` order.
 NUM_FLAGS = 7
 _F_OVERRUN, _F_STATE, _F_BEYOND, _F_MISALIGNED, _F_MISSING, _F_EAGLE = 0, 1, 2, 3, 4, 5
@@ -795,8 +797,11 @@ def run_gpu(
     hits: Any,
     flag_counts: Any,
     stats: Any,
+    control: Any,
 ) -> int:
-    """Every request through one pool. ``hits[i]``: the request's hit
+    """Every request through one pool. ``control[0]`` counts the requests
+    done (for a progress display); a nonzero ``control[1]`` stops the run
+    (returns ``STOPPED``). ``hits[i]``: the request's hit
     tokens, ``NOT_ADMITTED`` or ``PREEMPTED``; ``stats``: evicted blocks.
     Returns -1, or the request whose first chunk found too few blocks (the
     Python model raises there too)."""
@@ -866,6 +871,9 @@ def run_gpu(
     front = np.zeros(num_groups * (max_u + 2), dtype=np.int64)
 
     for i in range(requests):
+        control[0] = i
+        if control[1]:
+            return STOPPED
         o = offsets[i]
         u = offsets[i + 1] - o
         n = num_tokens[i]
@@ -1276,6 +1284,7 @@ def run_gpu(
             rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, front, freed, nf, key)
         hits[i] = hit
     stats[0] = evicted
+    control[0] = requests
     return -1
 
 

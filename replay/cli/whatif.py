@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,6 +22,7 @@ from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.render import sweep_lines
 from replay.units import Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.whatif import (
+    PERCENTILE_COLUMNS,
     RunSpec,
     block_bytes,
     emit_path,
@@ -88,9 +90,18 @@ def _names(values: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        bar.count(done, total, f"{done}/{total} runs  {bar.elapsed():,.1f} s")
+def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
+    """Requests done across the whole sweep, the runs finished, and the time
+    left at the rate so far."""
+
+    def show(done: int, total: int, runs: int, all_runs: int) -> None:
+        elapsed = bar.elapsed()
+        eta = f"ETA {elapsed * (total - done) / done:,.0f} s" if done else "ETA ?"
+        bar.count(
+            done,
+            total,
+            f"{done:,}/{total:,} requests  {runs}/{all_runs} runs  {elapsed:,.1f} s  {eta}",
+        )
 
     return show
 
@@ -181,6 +192,14 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     help="Also write each run as a trace in this directory (replay run replays it to the "
     "same hits).",
 )
+@click.option(
+    "--sample",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="Replay this fraction of the sessions (a deterministic sample: a session is kept "
+    "by a digest of its first own hash) against the same fraction of each capacity; the "
+    "sweep file says so.",
+)
 @count_option("--jobs", least=1, help="Runs in parallel (default: the number of cores).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
 def whatif(
@@ -200,6 +219,7 @@ def whatif(
     max_num_batched_tokens: int,
     output: Path,
     emit_traces: Path | None,
+    sample: float | None,
     jobs: int | None,
     quiet: bool,
 ) -> None:
@@ -209,7 +229,10 @@ def whatif(
     hit from the simulated cache, then leaves behind the stores vLLM would
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
-    eviction) to OUTPUT; `replay report OUTPUT` charts it."""
+    eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
+    per-request hit-ratio percentiles, and the unbounded cache's ceiling in
+    its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    writes the runs that finished (marked partial)."""
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
     if output.resolve() == trace.resolve():
         raise fail(f"{output}: is the input trace; choose another output")
@@ -248,19 +271,36 @@ def whatif(
         max_num_batched_tokens=max_num_batched_tokens,
         page_bytes=pages if unit == "bytes" else None,
     )
-    specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
+    sample_info: dict[str, object] | None = None
+    scale = 1.0
+    if sample is not None:
+        requests, sample_info = requests.sample(sample)
+        scale = sample
+        sample_info["capacities"] = (
+            f"each run simulates {sample:g} x its capacity on the sampled sessions "
+            "(spatial sampling); rows give the full trace's capacity"
+        )
+
+    def simulated(n: int, b: int | None) -> tuple[int, int | None]:
+        if scale == 1.0:
+            return n, b
+        return max(1, round(n * scale)), None if b is None else max(1, round(b * scale))
+
+    specs = [
+        run(eviction=e, capacity_blocks=sim_n, capacity_bytes=sim_b)
+        for n, b in sizes
+        for e in names
+        for sim_n, sim_b in [simulated(n, b)]
+    ]
+    given = [(n, b) for n, b in sizes for _ in names]
     if emit_traces is not None:
         specs = [dataclasses.replace(spec, emit=emit_path(emit_traces, spec)) for spec in specs]
+    # The unbounded ceiling: a cache that never evicts (checked below).
+    room = requests.working_set_blocks() + 2 * requests.max_request_blocks() + 64
+    ceiling_spec = run(eviction="lru", capacity_blocks=room, capacity_bytes=None, page_bytes=None)
     started = time.perf_counter()
-    with progress_bar(quiet) as bar:
-        rows = sweep(
-            requests,
-            specs,
-            jobs=jobs or os.cpu_count() or 1,
-            progress=None if bar is None else _sweep_progress(bar),
-        )
-    seconds = time.perf_counter() - started
-    meta = {
+    rows: dict[int, dict[str, Any]] = {}
+    meta: dict[str, Any] = {
         "version": 1,
         "trace": trace.name,
         "trace_config": config.to_json(),
@@ -274,11 +314,51 @@ def whatif(
         "capacity_unit": unit,
         "capacities": [c.text for c in capacities],
         "working_set_blocks": working_set,
-        "seconds": seconds,
+        "sample": sample_info,
+        "ceiling": None,
+        "partial": False,
     }
-    write_sweep(output, rows, meta)
+
+    def keep(k: int, row: dict[str, Any]) -> None:
+        if k < len(specs):
+            n, b = given[k]
+            rows[k] = {**row, "capacity_blocks": n, "capacity_bytes": b}
+        else:
+            meta["ceiling"] = {
+                c: row[c] for c in ("capacity_blocks", "hit_ratio", "hit_tokens", "evicted_blocks")
+            } | {p: row[p] for p in PERCENTILE_COLUMNS}
+
+    def finished_rows() -> list[dict[str, Any]]:
+        return [rows[k] for k in sorted(rows)]
+
+    try:
+        with progress_bar(quiet) as bar:
+            sweep(
+                requests,
+                [*specs, ceiling_spec],
+                jobs=jobs or os.cpu_count() or 1,
+                progress=None if bar is None else _sweep_progress(bar),
+                on_row=keep,
+            )
+    except BaseException:
+        # A signal (or an error) mid-sweep: keep the runs that finished.
+        if rows:
+            meta["partial"] = True
+            meta["seconds"] = time.perf_counter() - started
+            write_sweep(output, finished_rows(), meta)
+            click.echo(
+                f"wrote {output}: partial, {len(rows)} of {len(specs)} runs finished", err=True
+            )
+        raise
+    ceiling = meta["ceiling"]
+    if ceiling is not None and ceiling["evicted_blocks"]:
+        meta["ceiling"] = None  # not unbounded after all: say nothing rather than a bound
+    seconds = time.perf_counter() - started
+    meta["seconds"] = seconds
+    out_rows = finished_rows()
+    write_sweep(output, out_rows, meta)
     if quiet:
         return
-    for line in sweep_lines(trace, len(requests), meta, rows):
+    for line in sweep_lines(trace, len(requests), meta, out_rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({len(rows)} runs in {seconds:.1f} s)")
+    click.echo(f"wrote {output} ({len(out_rows)} runs in {seconds:.1f} s)")
