@@ -228,7 +228,8 @@ class Requests:
         first hash past the prefix every lookup shares (a conversation's first
         own block; its later turns extend it), kept when a digest of that
         hash's bytes falls below ``fraction``: the same sessions on every run
-        and machine, whatever the trace's order. Returns the sample and what
+        and machine, whatever the trace's order. (Requests with no hash of
+        their own past that prefix share one session.) Returns the sample and what
         it holds."""
         import hashlib
 

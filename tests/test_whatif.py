@@ -402,3 +402,126 @@ def test_cli_capacity_in_percent_bytes_and_log_ranges(tmp_path: Path) -> None:
     page = 2 * 4 * 2 * 64 * 16 * 2  # K+V, 4 layers, 2 heads, 64 dims, 16 tokens, 2 bytes
     assert meta["block_bytes"] == page and meta["page_bytes_source"] == "--model-config config.json"
     assert frame["capacity_blocks"].to_list() == [2**20 // page]
+
+
+def _lower_percentile(values: list[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[int(q / 100 * (len(ordered) - 1))]
+
+
+def test_rows_carry_per_request_percentiles_and_the_sweep_its_ceiling(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    out = tmp_path / "sweep.parquet"
+    result = run_cli(
+        ["whatif", str(trace), "--capacity", "150,600", "--cache", "gpu", "-o", str(out), "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    frame, meta = read_sweep(out)
+    for row in frame.iter_rows(named=True):
+        spec = RunSpec(cache="gpu", eviction="lru", capacity_blocks=row["capacity_blocks"])
+        hits = simulate(requests, spec, compiled=False)["_hits"].tolist()
+        ratios = [max(h, 0) / n for h, n in zip(hits, requests.num_tokens, strict=True)]
+        for q in (50, 90, 99):
+            assert row[f"hit_ratio_p{q}"] == _lower_percentile(ratios, q)
+    own = replay_trace(trace, cache="gpu").results["hit_tokens"].sum()
+    ceiling = meta["ceiling"]
+    assert ceiling["hit_tokens"] == own and ceiling["evicted_blocks"] == 0
+    assert ceiling["hit_ratio"] >= max(frame["hit_ratio"])
+    assert meta["partial"] is False and meta["sample"] is None
+
+
+def test_sample_keeps_whole_sessions_deterministically_and_says_so(tmp_path: Path) -> None:
+    config = archetype_config("full", 16, 16, False)
+    rng = random.Random(5)
+    # Sessions: each a conversation extending its own turns behind one shared
+    # system prompt.
+    system = list(range(64))
+    rows, fresh = [], iter(range(10**6, 10**9))
+    sessions: dict[str, list[int]] = {}
+    for i in range(120):
+        name = f"s{rng.randrange(30)}"
+        # every turn adds a block or more: a session's first turn has a hash of its own
+        prompt = sessions.get(name, system) + [next(fresh) for _ in range(rng.randrange(16, 80))]
+        sessions[name] = prompt
+        rows.append(
+            {
+                "kind": "lookup",
+                "request_id": f"{name}-{i}",
+                "block_hashes": unit_hashes(prompt, 16),
+                "max_length": len(prompt) - 1,
+                "num_tokens": len(prompt),
+            }
+        )
+    trace = write_trace(tmp_path / "sessions.parquet", config, rows)
+    requests = load_requests(trace)
+    sub, info = requests.sample(0.5)
+    again, _ = requests.sample(0.5)
+    assert sub.request_id == again.request_id
+    kept = {r.split("-")[0] for r in sub.request_id}
+    # Whole sessions: every request of a kept session, none of the others.
+    assert sub.request_id == [r for r in requests.request_id if r.split("-")[0] in kept]
+    assert 0 < len(kept) < len(sessions) and info["sessions"] == len(kept)
+    assert info["sessions_total"] == len(sessions) and info["requests"] == len(sub)
+    out = tmp_path / "sampled.parquet"
+    args = ["whatif", str(trace), "--capacity", "400", "--cache", "gpu", "-q", "-o", str(out)]
+    assert run_cli([*args, "--sample", "0.5"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert (
+        meta["sample"]["requests"] == len(sub)
+        and "spatial sampling" in meta["sample"]["capacities"]
+    )
+    assert frame["capacity_blocks"].to_list() == [400]
+    want = simulate(sub, RunSpec(cache="gpu", eviction="lru", capacity_blocks=200))
+    assert frame["hit_tokens"].to_list() == [want["hit_tokens"]]
+    assert frame["lookups"].to_list() == [len(sub)]
+
+
+def test_a_signal_mid_sweep_keeps_the_finished_runs_and_stops_the_others(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=100 + k) for k in range(6)]
+    kept: dict[int, dict[str, Any]] = {}
+
+    def interrupt(done: int, total: int, runs: int, all_runs: int) -> None:
+        if runs >= 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(requests, specs, jobs=1, progress=interrupt, on_row=kept.__setitem__, poll=0.001)
+    assert 1 <= len(kept) < len(specs)
+    for k, row in kept.items():
+        assert row["hit_tokens"] == simulate(requests, specs[k])["hit_tokens"]
+
+
+def test_sigterm_exits_143_with_a_partial_sweep_or_none_and_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = archetype_config("full+mamba", 16, 16, True)
+    prompts = random_prompts(random.Random(9), 16, 3000)
+    trace = rules_trace(tmp_path / "big.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
+    out = tmp_path / "out" / "sweep.parquet"
+    out.parent.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replay", "whatif", str(trace), "--cache", "gpu", "--jobs", "1",
+         "--points", "200", "--min", "100", "--max", "100k", "-o", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    time.sleep(8)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.decode()
+    assert "interrupted by SIGTERM" in err.decode()
+    assert [p.name for p in out.parent.iterdir()] in ([], ["sweep.parquet"])
+    if out.exists():
+        frame, meta = read_sweep(out)
+        assert meta["partial"] is True and 0 < frame.height < 200
+        assert "partial" in err.decode()
