@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from replay.coordinator import POLICIES
+from replay.errors import ReplayError
 from replay.store_rules import StorePolicy
 from replay.trace import write_trace
 from replay.whatif import RunSpec, load_requests, simulate
@@ -26,7 +28,7 @@ def _trace(tmp: Path, rng: random.Random, count: int) -> tuple[Path, int]:
     config = random_archetype_config(rng)
     a = config.scheduler_block_size
     prompts = random_prompts(rng, a, count)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "kind": "lookup",
             "request_id": f"r{i}",
@@ -68,7 +70,7 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
                     retention_interval=spec.retention_interval,
                     max_num_batched_tokens=spec.max_num_batched_tokens,
                 )
-            except Exception:
+            except ReplayError:
                 continue
             mine = simulate(requests, spec)
             theirs = simulate(requests, spec, compiled=False)
