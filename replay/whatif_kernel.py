@@ -29,8 +29,8 @@ import numpy as np
 from numba import njit
 
 from replay.coordinator import Coordinator
-from replay.kernels import _key_meta, _span
 from replay.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
+from replay.kernels import _key_meta, _span
 from replay.spec import GroupKind, TraceConfig
 from replay.store_rules import StorePolicy, StoreRules
 
@@ -187,7 +187,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
     """The first request after ``now`` whose prompt holds hash ``key``."""
     lo, hi = use_starts[key], use_starts[key + 1]
@@ -207,196 +207,178 @@ def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
 _HEAD, _TAIL, _LEN, _STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3, 4, 5, 6
 
 
-@njit(cache=True, nogil=True)
-def _heap_less(hp: Any, hs: Any, hi: Any, a: int, b: int) -> bool:
-    if hp[a] != hp[b]:
-        return bool(hp[a] < hp[b])
-    if hs[a] != hs[b]:
-        return bool(hs[a] < hs[b])
-    return bool(hi[a] < hi[b])
+# Columns of ``blk`` (one row per block, its fields side by side).
+B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV, B_LPREV, B_LNEXT, B_INLIST = 0, 1, 2, 3, 4, 5, 6, 7
+B_LIVE_P, B_LIVE_S, B_BORN, B_USED = 8, 9, 10, 11
+B_COLS = 12
+# The helpers take the few 2-D arrays, not one view per field, and the ones
+# called per block are inlined (``inline="always"``): every array argument
+# of a call the compiler keeps costs two atomic reference counts, which
+# measured 60% of a run when a call per freed block passed fifteen.
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _heap_less(heap: Any, a: int, b: int) -> bool:
+    if heap[a, 0] != heap[b, 0]:
+        return bool(heap[a, 0] < heap[b, 0])
+    if heap[a, 1] != heap[b, 1]:
+        return bool(heap[a, 1] < heap[b, 1])
+    return bool(heap[a, 2] < heap[b, 2])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _heap_swap(heap: Any, a: int, b: int) -> None:
+    for c in range(3):
+        heap[a, c], heap[b, c] = heap[b, c], heap[a, c]
 
 
 @njit(cache=True, nogil=True)
-def _heap_swap(hp: Any, hs: Any, hi: Any, a: int, b: int) -> None:
-    hp[a], hp[b] = hp[b], hp[a]
-    hs[a], hs[b] = hs[b], hs[a]
-    hi[a], hi[b] = hi[b], hi[a]
-
-
-@njit(cache=True, nogil=True)
-def _heap_down(hp: Any, hs: Any, hi: Any, i: int, n: int) -> None:
+def _heap_down(heap: Any, i: int, n: int) -> None:
     while True:
         smallest = i
         left = 2 * i + 1
-        if left < n and _heap_less(hp, hs, hi, left, smallest):
+        if left < n and _heap_less(heap, left, smallest):
             smallest = left
         right = left + 1
-        if right < n and _heap_less(hp, hs, hi, right, smallest):
+        if right < n and _heap_less(heap, right, smallest):
             smallest = right
         if smallest == i:
             return
-        _heap_swap(hp, hs, hi, i, smallest)
+        _heap_swap(heap, i, smallest)
         i = smallest
 
 
-@njit(cache=True, nogil=True)
-def _heap_push(hp: Any, hs: Any, hi: Any, st: Any, prio: int, stamp: int, item: int) -> None:
+@njit(cache=True, nogil=True, inline="always")
+def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     i = st[_HSIZE]
-    hp[i], hs[i], hi[i] = prio, stamp, item
+    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
     st[_HSIZE] = i + 1
     while i > 0:
         parent = (i - 1) >> 1
-        if _heap_less(hp, hs, hi, i, parent):
-            _heap_swap(hp, hs, hi, i, parent)
+        if _heap_less(heap, i, parent):
+            _heap_swap(heap, i, parent)
             i = parent
         else:
             return
 
 
-@njit(cache=True, nogil=True)
-def _heap_pop(hp: Any, hs: Any, hi: Any, st: Any) -> tuple[int, int, int]:
+@njit(cache=True, nogil=True, inline="always")
+def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     n = st[_HSIZE] - 1
-    top = (hp[0], hs[0], hi[0])
-    hp[0], hs[0], hi[0] = hp[n], hs[n], hi[n]
+    top = (heap[0, 0], heap[0, 1], heap[0, 2])
+    heap[0, 0], heap[0, 1], heap[0, 2] = heap[n, 0], heap[n, 1], heap[n, 2]
     st[_HSIZE] = n
-    _heap_down(hp, hs, hi, 0, n)
+    _heap_down(heap, 0, n)
     return top
 
 
-class _Order:
-    """Namespace of the order's arrays (documentation only): ``lprev``,
-    ``lnext``, ``inlist`` (LRU), ``hp``, ``hs``, ``hi`` (heap),
-    ``live_p``, ``live_s`` (the live entry per item, stamp 0 = none),
-    ``born``, ``used`` (fifo, lfu)."""
-
-
 @njit(cache=True, nogil=True)
-def _priority(
-    ev: int, item: int, born: Any, nused: Any, key: Any, uses: Any, use_starts: Any, now: int
-) -> int:
+def _heap_compact(heap: Any, st: Any, blk: Any) -> None:
+    """Rebuild the heap from the live entries (the pop order is the same:
+    entries are totally ordered by (priority, stamp, item))."""
+    n = 0
+    for it in range(blk.shape[0]):
+        if blk[it, B_LIVE_S] != 0:
+            heap[n, 0], heap[n, 1], heap[n, 2] = blk[it, B_LIVE_P], blk[it, B_LIVE_S], it
+            n += 1
+    st[_HSIZE] = n
+    for i in range(n // 2 - 1, -1, -1):
+        _heap_down(heap, i, n)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _priority(ev: int, item: int, blk: Any, uses: Any, use_starts: Any, now: int) -> int:
     if ev == FIFO:
-        return int(born[item])
+        return int(blk[item, B_BORN])
     if ev == LFU:
-        return int(nused[item])
-    k = key[item]
+        return int(blk[item, B_USED])
+    k = blk[item, B_KEY]
     return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
+def _lru_append(st: Any, blk: Any, item: int) -> None:
+    if blk[item, B_INLIST]:
+        return
+    blk[item, B_INLIST] = 1
+    t = st[_TAIL]
+    blk[item, B_LPREV] = t
+    blk[item, B_LNEXT] = -1
+    if t >= 0:
+        blk[t, B_LNEXT] = item
+    else:
+        st[_HEAD] = item
+    st[_TAIL] = item
+    st[_LEN] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lru_unlink(st: Any, blk: Any, item: int) -> None:
+    if not blk[item, B_INLIST]:
+        return
+    blk[item, B_INLIST] = 0
+    p, n = blk[item, B_LPREV], blk[item, B_LNEXT]
+    if p >= 0:
+        blk[p, B_LNEXT] = n
+    else:
+        st[_HEAD] = n
+    if n >= 0:
+        blk[n, B_LPREV] = p
+    else:
+        st[_TAIL] = p
+    st[_LEN] -= 1
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _order_add(
-    ev: int,
-    item: int,
-    st: Any,
-    lprev: Any,
-    lnext: Any,
-    inlist: Any,
-    hp: Any,
-    hs: Any,
-    hi: Any,
-    live_p: Any,
-    live_s: Any,
-    born: Any,
-    nused: Any,
-    key: Any,
-    uses: Any,
-    use_starts: Any,
+    ev: int, item: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any
 ) -> None:
     if ev == LRU:
-        if inlist[item]:
-            return
-        inlist[item] = 1
-        t = st[_TAIL]
-        lprev[item] = t
-        lnext[item] = -1
-        if t >= 0:
-            lnext[t] = item
-        else:
-            st[_HEAD] = item
-        st[_TAIL] = item
-        st[_LEN] += 1
+        _lru_append(st, blk, item)
         return
     st[_STAMP] += 1
     stamp = st[_STAMP]
-    prio = _priority(ev, item, born, nused, key, uses, use_starts, st[_NOW])
-    if live_s[item] == 0:
+    prio = _priority(ev, item, blk, uses, use_starts, st[_NOW])
+    if blk[item, B_LIVE_S] == 0:
         st[_LIVE] += 1
-    live_p[item] = prio
-    live_s[item] = stamp
-    _heap_push(hp, hs, hi, st, prio, stamp, item)
+    blk[item, B_LIVE_P] = prio
+    blk[item, B_LIVE_S] = stamp
+    _heap_push(heap, st, prio, stamp, item)
     if st[_HSIZE] > 2 * st[_LIVE] + 4096:
-        # Rebuild from the live entries (the pop order is the same: entries
-        # are totally ordered by (priority, stamp, item)).
-        n = 0
-        for it in range(live_s.shape[0]):
-            if live_s[it] != 0:
-                hp[n], hs[n], hi[n] = live_p[it], live_s[it], it
-                n += 1
-        st[_HSIZE] = n
-        for i in range(n // 2 - 1, -1, -1):
-            _heap_down(hp, hs, hi, i, n)
+        _heap_compact(heap, st, blk)
 
 
-@njit(cache=True, nogil=True)
-def _order_discard(
-    ev: int, item: int, st: Any, lprev: Any, lnext: Any, inlist: Any, live_s: Any
-) -> None:
+@njit(cache=True, nogil=True, inline="always")
+def _order_discard(ev: int, item: int, st: Any, blk: Any) -> None:
     if ev == LRU:
-        if not inlist[item]:
-            return
-        inlist[item] = 0
-        p, n = lprev[item], lnext[item]
-        if p >= 0:
-            lnext[p] = n
-        else:
-            st[_HEAD] = n
-        if n >= 0:
-            lprev[n] = p
-        else:
-            st[_TAIL] = p
-        st[_LEN] -= 1
+        _lru_unlink(st, blk, item)
         return
-    if live_s[item] != 0:
-        live_s[item] = 0
+    if blk[item, B_LIVE_S] != 0:
+        blk[item, B_LIVE_S] = 0
         st[_LIVE] -= 1
 
 
-@njit(cache=True, nogil=True)
-def _order_pop(
-    ev: int,
-    st: Any,
-    lprev: Any,
-    lnext: Any,
-    inlist: Any,
-    hp: Any,
-    hs: Any,
-    hi: Any,
-    live_p: Any,
-    live_s: Any,
-    born: Any,
-    nused: Any,
-    key: Any,
-    uses: Any,
-    use_starts: Any,
-) -> int:
+@njit(cache=True, nogil=True, inline="always")
+def _order_pop(ev: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any) -> int:
     if ev == LRU:
         item = st[_HEAD]
-        _order_discard(ev, item, st, lprev, lnext, inlist, live_s)
+        _lru_unlink(st, blk, item)
         return int(item)
     while True:
-        prio, stamp, item = _heap_pop(hp, hs, hi, st)
-        if live_s[item] != stamp or live_p[item] != prio:
+        prio, stamp, item = _heap_pop(heap, st)
+        if blk[item, B_LIVE_S] != stamp or blk[item, B_LIVE_P] != prio:
             continue
         if ev == BELADY and -prio <= st[_NOW]:
             # Filed under a use that has come without touching it: re-file.
-            p = _priority(ev, item, born, nused, key, uses, use_starts, st[_NOW])
-            live_p[item] = p
-            _heap_push(hp, hs, hi, st, p, stamp, item)
+            p = _priority(ev, item, blk, uses, use_starts, st[_NOW])
+            blk[item, B_LIVE_P] = p
+            _heap_push(heap, st, p, stamp, item)
             continue
-        live_s[item] = 0
+        blk[item, B_LIVE_S] = 0
         st[_LIVE] -= 1
-        if ev == FIFO or ev == LFU:
-            born[item] = 0
-            nused[item] = 0
+        if ev in (FIFO, LFU):
+            blk[item, B_BORN] = 0
+            blk[item, B_USED] = 0
         return int(item)
 
 
@@ -592,10 +574,7 @@ def _flags(
         counts[_F_MISALIGNED] += 1
     for g in range(num_groups):
         bs = groups[g, 1]
-        if groups[g, 0] == MAMBA:
-            end = 0 if loaded[g] == 0 else mask[g] * bs
-        else:
-            end = hit
+        end = (0 if loaded[g] == 0 else mask[g] * bs) if groups[g, 0] == MAMBA else hit
         view = present[g]
         first, stop = mask[g] - loaded[g], mask[g]
         tail = end // bs if end % bs else -1
@@ -668,10 +647,7 @@ def _boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, 
 @njit(cache=True, nogil=True)
 def _chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     a, budget = params[P_A], params[P_BUDGET]
-    if params[P_ANY_EAGLE]:
-        last_cache = n // a * a - a
-    else:
-        last_cache = (n - 1) // a * a
+    last_cache = n // a * a - a if params[P_ANY_EAGLE] else (n - 1) // a * a
     last_cache = max(last_cache, 0)
     k = 0
     start = hit
@@ -821,13 +797,27 @@ def run_gpu(
         max_u = max(max_u, offsets[i + 1] - offsets[i])
         max_n = max(max_n, num_tokens[i])
     # --- the pool
-    key = np.full(nblocks, -1, dtype=np.int64)
-    kgroup = np.zeros(nblocks, dtype=np.int64)
-    ref = np.zeros(nblocks, dtype=np.int64)
-    head = np.full(num_groups * num_keys, -1, dtype=np.int64)
-    tailk = np.full(num_groups * num_keys, -1, dtype=np.int64)
-    hnext = np.full(nblocks, -1, dtype=np.int64)
-    hprev = np.full(nblocks, -1, dtype=np.int64)
+    # Per block, its fields side by side (the ``B_*`` columns).
+    blk = np.zeros((nblocks, B_COLS), dtype=np.int64)
+    key = blk[:, B_KEY]
+    kgroup = blk[:, B_GROUP]
+    ref = blk[:, B_REF]
+    hnext = blk[:, B_HNEXT]
+    hprev = blk[:, B_HPREV]
+    lprev = blk[:, B_LPREV]
+    lnext = blk[:, B_LNEXT]
+    live_s = blk[:, B_LIVE_S]
+    born = blk[:, B_BORN]
+    nused = blk[:, B_USED]
+    for b in range(nblocks):
+        key[b] = -1
+        hnext[b] = -1
+        hprev[b] = -1
+        lprev[b] = -1
+        lnext[b] = -1
+    # Per key and group: its first and last copy (-1: none); a hash's groups
+    # side by side, so one probe reads every group's.
+    kt = np.full(2 * num_keys * num_groups, -1, dtype=np.int64)
     # the unhashed deque, a ring
     ring = np.zeros(nblocks + 1, dtype=np.int64)
     rmod = nblocks + 1
@@ -840,17 +830,8 @@ def run_gpu(
     st = np.zeros(8, dtype=np.int64)
     st[_HEAD] = -1
     st[_TAIL] = -1
-    lprev = np.full(nblocks, -1, dtype=np.int64)
-    lnext = np.full(nblocks, -1, dtype=np.int64)
-    inlist = np.zeros(nblocks, dtype=np.int8)
     heap_cap = 2 * nblocks + 4096 + 8 if ev != LRU else 1
-    hp = np.zeros(heap_cap, dtype=np.int64)
-    hs = np.zeros(heap_cap, dtype=np.int64)
-    hi = np.zeros(heap_cap, dtype=np.int64)
-    live_p = np.zeros(nblocks if ev != LRU else 1, dtype=np.int64)
-    live_s = np.zeros(nblocks if ev != LRU else 1, dtype=np.int64)
-    born = np.zeros(nblocks if ev != LRU else 1, dtype=np.int64)
-    nused = np.zeros(nblocks if ev != LRU else 1, dtype=np.int64)
+    heap = np.zeros((heap_cap, 3), dtype=np.int64)
     evicted = 0
     # --- per-request scratch
     present = np.zeros((num_groups, max_u + 1), dtype=np.uint8)
@@ -868,7 +849,6 @@ def run_gpu(
     ends = np.zeros(max_n + 4, dtype=np.int64)
     bounds = np.zeros(4, dtype=np.int64)
     freed = np.zeros(num_groups * (max_u + 2), dtype=np.int64)
-    front = np.zeros(num_groups * (max_u + 2), dtype=np.int64)
 
     for i in range(requests):
         control[0] = i
@@ -881,9 +861,8 @@ def run_gpu(
         st[_NOW] = i
         # --- presence, merged per spec group
         for g in range(num_groups):
-            base = g * num_keys
             for x in range(u):
-                present[g, x] = 1 if head[base + ids[o + x]] >= 0 else 0
+                present[g, x] = 1 if kt[2 * (ids[o + x] * num_groups + g)] >= 0 else 0
         for s in range(num_specs):
             first = True
             for g in range(num_groups):
@@ -903,30 +882,12 @@ def run_gpu(
         _flags(params, groups, present, u, ml, hit, mask, loaded, flag_counts)
         if ev == BELADY:
             for g in range(num_groups):
-                base = g * num_keys
                 for x in range(u):
-                    b = head[base + ids[o + x]]
+                    b = kt[2 * (ids[o + x] * num_groups + g)]
                     while b >= 0:
                         if live_s[b] != 0:
-                            _order_discard(ev, b, st, lprev, lnext, inlist, live_s)
-                            _order_add(
-                                ev,
-                                b,
-                                st,
-                                lprev,
-                                lnext,
-                                inlist,
-                                hp,
-                                hs,
-                                hi,
-                                live_p,
-                                live_s,
-                                born,
-                                nused,
-                                key,
-                                uses,
-                                use_starts,
-                            )
+                            _order_discard(ev, b, st, blk)
+                            _order_add(ev, b, st, blk, heap, uses, use_starts)
                         b = hnext[b]
         # --- admission (get_num_blocks_to_allocate, whole prompt)
         need = 0
@@ -939,7 +900,7 @@ def run_gpu(
                 new = required - count
                 need += min(new, 1) if new > 0 else 0
                 for x in range(nulls, count):
-                    b = head[g * num_keys + ids[o + x]]
+                    b = kt[2 * (ids[o + x] * num_groups + g)]
                     if ref[b] == 0:
                         need += 1
                 continue
@@ -952,7 +913,7 @@ def run_gpu(
                 skipped = 0
             need += max(required - max(skipped, count), 0)
             for x in range(max(skipped, nulls), count):
-                b = head[g * num_keys + ids[o + x]]
+                b = kt[2 * (ids[o + x] * num_groups + g)]
                 if ref[b] == 0:
                     need += 1
         if need > rlen + (st[_LEN] if ev == LRU else st[_LIVE]):
@@ -994,66 +955,14 @@ def run_gpu(
                                     tables[g, x] = 0
                             tretired[g] = last
                     if nf:
-                        evicted += _free(
-                            freed,
-                            nf,
-                            ev,
-                            ref,
-                            key,
-                            ring,
-                            rmod,
-                            rhead,
-                            rlen,
-                            st,
-                            lprev,
-                            lnext,
-                            inlist,
-                            hp,
-                            hs,
-                            hi,
-                            live_p,
-                            live_s,
-                            born,
-                            nused,
-                            uses,
-                            use_starts,
-                            front,
-                        )
-                        rhead, rlen = _ring_after_free(
-                            ring, rmod, rhead, rlen, front, freed, nf, key
-                        )
+                        _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                        rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     idx = tlast[g]
                     if idx >= 0 and idx < _cdiv(start, bs) - 1 and tables[g, idx]:
                         freed[0] = tables[g, idx]
                         tables[g, idx] = 0
-                        _free(
-                            freed,
-                            1,
-                            ev,
-                            ref,
-                            key,
-                            ring,
-                            rmod,
-                            rhead,
-                            rlen,
-                            st,
-                            lprev,
-                            lnext,
-                            inlist,
-                            hp,
-                            hs,
-                            hi,
-                            live_p,
-                            live_s,
-                            born,
-                            nused,
-                            uses,
-                            use_starts,
-                            front,
-                        )
-                        rhead, rlen = _ring_after_free(
-                            ring, rmod, rhead, rlen, front, freed, 1, key
-                        )
+                        _free(freed, 1, ev, st, blk, heap, uses, use_starts)
+                        rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, 1)
                     continue
                 if skipped <= 0:
                     continue
@@ -1065,32 +974,8 @@ def run_gpu(
                     nf += 1
                     tables[g, x] = 0
                 if nf:
-                    _free(
-                        freed,
-                        nf,
-                        ev,
-                        ref,
-                        key,
-                        ring,
-                        rmod,
-                        rhead,
-                        rlen,
-                        st,
-                        lprev,
-                        lnext,
-                        inlist,
-                        hp,
-                        hs,
-                        hi,
-                        live_p,
-                        live_s,
-                        born,
-                        nused,
-                        uses,
-                        use_starts,
-                        front,
-                    )
-                    rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, front, freed, nf, key)
+                    _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                    rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
             num_free = rlen + (st[_LEN] if ev == LRU else st[_LIVE])
             if start != hit:
                 # _running_blocks
@@ -1105,34 +990,8 @@ def run_gpu(
                         for x in range(tlen[g] - 1, -1, -1):
                             freed[nf] = tables[g, x]
                             nf += 1
-                        _free(
-                            freed,
-                            nf,
-                            ev,
-                            ref,
-                            key,
-                            ring,
-                            rmod,
-                            rhead,
-                            rlen,
-                            st,
-                            lprev,
-                            lnext,
-                            inlist,
-                            hp,
-                            hs,
-                            hi,
-                            live_p,
-                            live_s,
-                            born,
-                            nused,
-                            uses,
-                            use_starts,
-                            front,
-                        )
-                        rhead, rlen = _ring_after_free(
-                            ring, rmod, rhead, rlen, front, freed, nf, key
-                        )
+                        _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                        rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     outcome = PREEMPTED
                     break
             if start == hit:
@@ -1148,18 +1007,18 @@ def run_gpu(
                     nulls = mask[g] - loaded[g]
                     # new_computed = [0]*nulls + copies; then [skipped:]
                     k = 0
-                    for x in range(skipped):
+                    for _x in range(skipped):
                         tables[g, k] = 0
                         k += 1
                     for x in range(max(skipped, 0), mask[g]):
-                        b = 0 if x < nulls else head[g * num_keys + ids[o + x]]
+                        b = 0 if x < nulls else kt[2 * (ids[o + x] * num_groups + g)]
                         tables[g, k] = b
                         k += 1
                         if b != 0:
                             if ref[b] == 0:
-                                _order_discard(ev, b, st, lprev, lnext, inlist, live_s)
+                                _order_discard(ev, b, st, blk)
                             ref[b] += 1
-                            if ev == FIFO or ev == LFU:
+                            if ev in (FIFO, LFU):
                                 nused[b] += 1
                     tlen[g] = k
                     tcached[g] = k
@@ -1185,37 +1044,21 @@ def run_gpu(
                         rhead = (rhead + 1) % rmod
                         rlen -= 1
                     else:
-                        b = _order_pop(
-                            ev,
-                            st,
-                            lprev,
-                            lnext,
-                            inlist,
-                            hp,
-                            hs,
-                            hi,
-                            live_p,
-                            live_s,
-                            born,
-                            nused,
-                            key,
-                            uses,
-                            use_starts,
-                        )
+                        b = _order_pop(ev, st, blk, heap, uses, use_starts)
                     if key[b] >= 0:
                         # _strip
-                        kk = kgroup[b] * num_keys + key[b]
+                        kk = 2 * (key[b] * num_groups + kgroup[b])
                         key[b] = -1
                         evicted += 1
                         p, nx = hprev[b], hnext[b]
                         if p >= 0:
                             hnext[p] = nx
                         else:
-                            head[kk] = nx
+                            kt[kk] = nx
                         if nx >= 0:
                             hprev[nx] = p
                         else:
-                            tailk[kk] = p
+                            kt[kk + 1] = p
                         hprev[b] = -1
                         hnext[b] = -1
                     ref[b] = 1
@@ -1231,18 +1074,18 @@ def run_gpu(
                     b = tables[g, x]
                     if b and stored[g, x] == stamp and key[b] < 0:
                         h = ids[o + x]
-                        kk = g * num_keys + h
+                        kk = 2 * (h * num_groups + g)
                         key[b] = h
                         kgroup[b] = g
-                        t = tailk[kk]
+                        t = kt[kk + 1]
                         hprev[b] = t
                         hnext[b] = -1
                         if t >= 0:
                             hnext[t] = b
                         else:
-                            head[kk] = b
-                        tailk[kk] = b
-                        if ev == FIFO or ev == LFU:
+                            kt[kk] = b
+                        kt[kk + 1] = b
+                        if ev in (FIFO, LFU):
                             st[_STAMP] += 1
                             born[b] = st[_STAMP]
                             nused[b] = 0
@@ -1256,32 +1099,8 @@ def run_gpu(
             for x in range(tlen[g] - 1, -1, -1):
                 freed[nf] = tables[g, x]
                 nf += 1
-            _free(
-                freed,
-                nf,
-                ev,
-                ref,
-                key,
-                ring,
-                rmod,
-                rhead,
-                rlen,
-                st,
-                lprev,
-                lnext,
-                inlist,
-                hp,
-                hs,
-                hi,
-                live_p,
-                live_s,
-                born,
-                nused,
-                uses,
-                use_starts,
-                front,
-            )
-            rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, front, freed, nf, key)
+            _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+            rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
         hits[i] = hit
     stats[0] = evicted
     control[0] = requests
@@ -1290,71 +1109,32 @@ def run_gpu(
 
 @njit(cache=True, nogil=True)
 def _free(
-    freed: Any,
-    nf: int,
-    ev: int,
-    ref: Any,
-    key: Any,
-    ring: Any,
-    rmod: int,
-    rhead: int,
-    rlen: int,
-    st: Any,
-    lprev: Any,
-    lnext: Any,
-    inlist: Any,
-    hp: Any,
-    hs: Any,
-    hi: Any,
-    live_p: Any,
-    live_s: Any,
-    born: Any,
-    nused: Any,
-    uses: Any,
-    use_starts: Any,
-    front: Any,
-) -> int:
-    """``BlockPool.free``: decrement; the blocks reaching zero go to the
-    order's tail (cached) or, marked in ``freed`` as -1, wait for
-    ``_ring_after_free`` to put them at the deque's front. Returns 0."""
+    freed: Any, nf: int, ev: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any
+) -> None:
+    """``BlockPool.free`` of ``freed[:nf]``, first-to-evict first: the blocks
+    reaching no reference go to the order's tail (cached) or, left in
+    ``freed`` as ``-b``, wait for ``_ring_after_free`` to put them at the
+    deque's front; the others are zeroed."""
     for j in range(nf):
         b = freed[j]
         if b == 0:
-            freed[j] = 0
             continue
-        ref[b] -= 1
-        if ref[b] == 0:
-            if key[b] < 0:
-                freed[j] = -b  # to the front, later
+        blk[b, B_REF] -= 1
+        if blk[b, B_REF] == 0:
+            if blk[b, B_KEY] < 0:
+                freed[j] = -b
             else:
                 freed[j] = 0
-                _order_add(
-                    ev,
-                    b,
-                    st,
-                    lprev,
-                    lnext,
-                    inlist,
-                    hp,
-                    hs,
-                    hi,
-                    live_p,
-                    live_s,
-                    born,
-                    nused,
-                    key,
-                    uses,
-                    use_starts,
-                )
+                if ev == LRU:
+                    _lru_append(st, blk, b)
+                else:
+                    _order_add(ev, b, st, blk, heap, uses, use_starts)
         else:
             freed[j] = 0
-    return 0
 
 
 @njit(cache=True, nogil=True)
-def _ring_after_free(
-    ring: Any, rmod: int, rhead: int, rlen: int, front: Any, freed: Any, nf: int, key: Any
-) -> Any:
+def _ring_after_free(ring: Any, rmod: int, rhead: int, rlen: int, freed: Any, nf: int) -> Any:
     """``unhashed.extendleft(reversed(front))``: the freed unhashed blocks
     (``-b`` in ``freed``) go to the front, the first of them first."""
     for j in range(nf - 1, -1, -1):
@@ -1400,7 +1180,7 @@ def _intern(
                 count += 1
                 break
             if metas[j] == meta:
-                s2, nw2, nb2 = _span(voff, base, stride, width, j)
+                s2, _nw2, nb2 = _span(voff, base, stride, width, j)
                 same = nb2 == nb
                 if same:
                     for k in range(nw):
