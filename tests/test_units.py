@@ -7,8 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from replay.errors import ReplayError
-from replay.units import (
+from replay.base.errors import ReplayError
+from replay.base.units import (
     Capacity,
     log_spaced,
     model_page_bytes,

@@ -36,10 +36,10 @@ pytest.importorskip(
     reason="vLLM not importable: run make test-vllm",
 )
 
-from replay.backends.vllm import VllmCoordinator
-from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.backends.vllm import VllmCoordinator
+from replay.rules.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
 from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
 
 pytestmark = pytest.mark.vllm

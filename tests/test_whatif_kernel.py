@@ -1,4 +1,4 @@
-"""The compiled gpu what-if (``replay.whatif_kernel``) against the Python
+"""The compiled gpu what-if (``replay.whatif.kernel``) against the Python
 block-pool model it ports (``replay.blockpool.GpuCache``, itself checked
 against vLLM's ``KVCacheManager`` in ``test_whatif_vllm.py``): random
 configurations, prompts, budgets, retention settings, policies, capacities
@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from replay.coordinator import POLICIES
-from replay.errors import ReplayError
-from replay.store_rules import StorePolicy
-from replay.trace import write_trace
-from replay.whatif import RunSpec, load_requests, simulate
-from replay.whatif_kernel import supported
+from replay.base.errors import ReplayError
+from replay.format.writer import write_trace
+from replay.rules.coordinator import POLICIES
+from replay.rules.store_rules import StorePolicy
+from replay.whatif.kernel import supported
+from replay.whatif.requests import load_requests
+from replay.whatif.sweep import RunSpec, simulate
 from tests.builders import random_archetype_config, random_prompts, unit_hashes
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")

@@ -135,9 +135,7 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
     ]
     ceiling = meta.get("ceiling")
     if ceiling:
-        rule = alt.Chart(
-            _data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}])
-        )
+        rule = alt.Chart(_data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}]))
         layers.append(rule.mark_rule(strokeDash=[6, 4], color="#444").encode(y="y:Q"))
         layers.append(
             rule.mark_text(align="left", dx=4, dy=-6, color="#444").encode(
