@@ -186,7 +186,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
     """The first request after ``now`` whose prompt holds hash ``key``."""
     lo, hi = use_starts[key], use_starts[key + 1]
@@ -210,13 +210,14 @@ _HEAD, _TAIL, _LEN, _STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3, 4, 5, 6
 B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV, B_LPREV, B_LNEXT, B_INLIST = 0, 1, 2, 3, 4, 5, 6, 7
 B_LIVE_P, B_LIVE_S, B_BORN, B_USED = 8, 9, 10, 11
 B_COLS = 12
-# The helpers take the few 2-D arrays, not one view per field, and the ones
-# called per block are inlined (``inline="always"``): every array argument
-# of a call the compiler keeps costs two atomic reference counts, which
-# measured 60% of a run when a call per freed block passed fifteen.
+# The helpers take the few 2-D arrays, not one view per field, and the LRU
+# queue's per-block steps are written out where they run: every array
+# argument of a call costs two atomic reference counts (numba's inlining
+# keeps them), which measured 60% of a run when a call per freed block
+# passed fifteen.
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _heap_less(heap: Any, a: int, b: int) -> bool:
     if heap[a, 0] != heap[b, 0]:
         return bool(heap[a, 0] < heap[b, 0])
@@ -225,7 +226,7 @@ def _heap_less(heap: Any, a: int, b: int) -> bool:
     return bool(heap[a, 2] < heap[b, 2])
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _heap_swap(heap: Any, a: int, b: int) -> None:
     for c in range(3):
         heap[a, c], heap[b, c] = heap[b, c], heap[a, c]
@@ -247,7 +248,7 @@ def _heap_down(heap: Any, i: int, n: int) -> None:
         i = smallest
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     i = st[_HSIZE]
     heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
@@ -261,7 +262,7 @@ def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
             return
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     n = st[_HSIZE] - 1
     top = (heap[0, 0], heap[0, 1], heap[0, 2])
@@ -285,7 +286,7 @@ def _heap_compact(heap: Any, st: Any, blk: Any) -> None:
         _heap_down(heap, i, n)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _priority(ev: int, item: int, blk: Any, uses: Any, use_starts: Any, now: int) -> int:
     if ev == FIFO:
         return int(blk[item, B_BORN])
@@ -295,7 +296,7 @@ def _priority(ev: int, item: int, blk: Any, uses: Any, use_starts: Any, now: int
     return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _lru_append(st: Any, blk: Any, item: int) -> None:
     if blk[item, B_INLIST]:
         return
@@ -311,7 +312,7 @@ def _lru_append(st: Any, blk: Any, item: int) -> None:
     st[_LEN] += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     if not blk[item, B_INLIST]:
         return
@@ -328,7 +329,7 @@ def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     st[_LEN] -= 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _order_add(
     ev: int, item: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any
 ) -> None:
@@ -347,7 +348,7 @@ def _order_add(
         _heap_compact(heap, st, blk)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _order_discard(ev: int, item: int, st: Any, blk: Any) -> None:
     if ev == LRU:
         _lru_unlink(st, blk, item)
@@ -357,7 +358,7 @@ def _order_discard(ev: int, item: int, st: Any, blk: Any) -> None:
         st[_LIVE] -= 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _order_pop(ev: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any) -> int:
     if ev == LRU:
         item = st[_HEAD]
@@ -1015,7 +1016,22 @@ def run_gpu(
                         k += 1
                         if b != 0:
                             if ref[b] == 0:
-                                _order_discard(ev, b, st, blk)
+                                if ev == LRU:
+                                    if blk[b, B_INLIST]:
+                                        # vLLM's free queue: unlink (written out: a call costs reference counts)
+                                        blk[b, B_INLIST] = 0
+                                        p_, n_ = blk[b, B_LPREV], blk[b, B_LNEXT]
+                                        if p_ >= 0:
+                                            blk[p_, B_LNEXT] = n_
+                                        else:
+                                            st[_HEAD] = n_
+                                        if n_ >= 0:
+                                            blk[n_, B_LPREV] = p_
+                                        else:
+                                            st[_TAIL] = p_
+                                        st[_LEN] -= 1
+                                else:
+                                    _order_discard(ev, b, st, blk)
                             ref[b] += 1
                             if ev in (FIFO, LFU):
                                 nused[b] += 1
@@ -1042,6 +1058,21 @@ def run_gpu(
                         b = ring[rhead]
                         rhead = (rhead + 1) % rmod
                         rlen -= 1
+                    elif ev == LRU:
+                        b = st[_HEAD]
+                        if blk[b, B_INLIST]:
+                            # vLLM's free queue: unlink (written out: a call costs reference counts)
+                            blk[b, B_INLIST] = 0
+                            p_, n_ = blk[b, B_LPREV], blk[b, B_LNEXT]
+                            if p_ >= 0:
+                                blk[p_, B_LNEXT] = n_
+                            else:
+                                st[_HEAD] = n_
+                            if n_ >= 0:
+                                blk[n_, B_LPREV] = p_
+                            else:
+                                st[_TAIL] = p_
+                            st[_LEN] -= 1
                     else:
                         b = _order_pop(ev, st, blk, heap, uses, use_starts)
                     if key[b] >= 0:
@@ -1125,7 +1156,18 @@ def _free(
             else:
                 freed[j] = 0
                 if ev == LRU:
-                    _lru_append(st, blk, b)
+                    # the free queue's tail (written out: see run_gpu)
+                    if not blk[b, B_INLIST]:
+                        blk[b, B_INLIST] = 1
+                        t = st[_TAIL]
+                        blk[b, B_LPREV] = t
+                        blk[b, B_LNEXT] = -1
+                        if t >= 0:
+                            blk[t, B_LNEXT] = b
+                        else:
+                            st[_HEAD] = b
+                        st[_TAIL] = b
+                        st[_LEN] += 1
                 else:
                     _order_add(ev, b, st, blk, heap, uses, use_starts)
         else:
