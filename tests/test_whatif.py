@@ -483,7 +483,7 @@ def test_sample_keeps_whole_sessions_deterministically_and_says_so(tmp_path: Pat
 def test_a_signal_mid_sweep_keeps_the_finished_runs_and_stops_the_others(tmp_path: Path) -> None:
     trace = _demo_trace(tmp_path)
     requests = load_requests(trace)
-    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=100 + k) for k in range(6)]
+    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=100 + k) for k in range(400)]
     kept: dict[int, dict[str, Any]] = {}
 
     def interrupt(done: int, total: int, runs: int, all_runs: int) -> None:
@@ -493,7 +493,7 @@ def test_a_signal_mid_sweep_keeps_the_finished_runs_and_stops_the_others(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         sweep(requests, specs, jobs=1, progress=interrupt, on_row=kept.__setitem__, poll=0.001)
     assert 1 <= len(kept) < len(specs)
-    for k, row in kept.items():
+    for k, row in list(kept.items())[:5]:
         assert row["hit_tokens"] == simulate(requests, specs[k])["hit_tokens"]
 
 

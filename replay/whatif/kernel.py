@@ -208,8 +208,10 @@ _HEAD, _TAIL, _LEN, _STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3, 4, 5, 6
 
 # Columns of ``blk`` (one row per block, its fields side by side).
 B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV, B_LPREV, B_LNEXT, B_INLIST = 0, 1, 2, 3, 4, 5, 6, 7
-B_LIVE_P, B_LIVE_S, B_BORN, B_USED = 8, 9, 10, 11
-B_COLS = 12
+B_COLS = 8
+# Columns of ``side`` (heap orders only, int64): the live heap entry's
+# priority and stamp (0: none), the arrival stamp and the use count.
+S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
 # The helpers take the few 2-D arrays, not one view per field, and the LRU
 # queue's per-block steps are written out where they run: every array
 # argument of a call costs two atomic reference counts (numba's inlining
@@ -273,13 +275,13 @@ def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
 
 
 @njit(cache=True, nogil=True)
-def _heap_compact(heap: Any, st: Any, blk: Any) -> None:
+def _heap_compact(heap: Any, st: Any, side: Any) -> None:
     """Rebuild the heap from the live entries (the pop order is the same:
     entries are totally ordered by (priority, stamp, item))."""
     n = 0
-    for it in range(blk.shape[0]):
-        if blk[it, B_LIVE_S] != 0:
-            heap[n, 0], heap[n, 1], heap[n, 2] = blk[it, B_LIVE_P], blk[it, B_LIVE_S], it
+    for it in range(side.shape[0]):
+        if side[it, S_LIVE_S] != 0:
+            heap[n, 0], heap[n, 1], heap[n, 2] = side[it, S_LIVE_P], side[it, S_LIVE_S], it
             n += 1
     st[_HSIZE] = n
     for i in range(n // 2 - 1, -1, -1):
@@ -287,11 +289,11 @@ def _heap_compact(heap: Any, st: Any, blk: Any) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _priority(ev: int, item: int, blk: Any, uses: Any, use_starts: Any, now: int) -> int:
+def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: Any, now: int) -> int:
     if ev == FIFO:
-        return int(blk[item, B_BORN])
+        return int(side[item, S_BORN])
     if ev == LFU:
-        return int(blk[item, B_USED])
+        return int(side[item, S_USED])
     k = blk[item, B_KEY]
     return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
 
@@ -331,54 +333,54 @@ def _lru_unlink(st: Any, blk: Any, item: int) -> None:
 
 @njit(cache=True, nogil=True)
 def _order_add(
-    ev: int, item: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any
+    ev: int, item: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any
 ) -> None:
     if ev == LRU:
         _lru_append(st, blk, item)
         return
     st[_STAMP] += 1
     stamp = st[_STAMP]
-    prio = _priority(ev, item, blk, uses, use_starts, st[_NOW])
-    if blk[item, B_LIVE_S] == 0:
+    prio = _priority(ev, item, blk, side, uses, use_starts, st[_NOW])
+    if side[item, S_LIVE_S] == 0:
         st[_LIVE] += 1
-    blk[item, B_LIVE_P] = prio
-    blk[item, B_LIVE_S] = stamp
+    side[item, S_LIVE_P] = prio
+    side[item, S_LIVE_S] = stamp
     _heap_push(heap, st, prio, stamp, item)
     if st[_HSIZE] > 2 * st[_LIVE] + 4096:
-        _heap_compact(heap, st, blk)
+        _heap_compact(heap, st, side)
 
 
 @njit(cache=True, nogil=True)
-def _order_discard(ev: int, item: int, st: Any, blk: Any) -> None:
+def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
     if ev == LRU:
         _lru_unlink(st, blk, item)
         return
-    if blk[item, B_LIVE_S] != 0:
-        blk[item, B_LIVE_S] = 0
+    if side[item, S_LIVE_S] != 0:
+        side[item, S_LIVE_S] = 0
         st[_LIVE] -= 1
 
 
 @njit(cache=True, nogil=True)
-def _order_pop(ev: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any) -> int:
+def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any) -> int:
     if ev == LRU:
         item = st[_HEAD]
         _lru_unlink(st, blk, item)
         return int(item)
     while True:
         prio, stamp, item = _heap_pop(heap, st)
-        if blk[item, B_LIVE_S] != stamp or blk[item, B_LIVE_P] != prio:
+        if side[item, S_LIVE_S] != stamp or side[item, S_LIVE_P] != prio:
             continue
         if ev == BELADY and -prio <= st[_NOW]:
             # Filed under a use that has come without touching it: re-file.
-            p = _priority(ev, item, blk, uses, use_starts, st[_NOW])
-            blk[item, B_LIVE_P] = p
+            p = _priority(ev, item, blk, side, uses, use_starts, st[_NOW])
+            side[item, S_LIVE_P] = p
             _heap_push(heap, st, p, stamp, item)
             continue
-        blk[item, B_LIVE_S] = 0
+        side[item, S_LIVE_S] = 0
         st[_LIVE] -= 1
         if ev in (FIFO, LFU):
-            blk[item, B_BORN] = 0
-            blk[item, B_USED] = 0
+            side[item, S_BORN] = 0
+            side[item, S_USED] = 0
         return int(item)
 
 
@@ -798,7 +800,7 @@ def run_gpu(
         max_n = max(max_n, num_tokens[i])
     # --- the pool
     # Per block, its fields side by side (the ``B_*`` columns).
-    blk = np.zeros((nblocks, B_COLS), dtype=np.int64)
+    blk = np.zeros((nblocks, B_COLS), dtype=np.int32)
     key = blk[:, B_KEY]
     kgroup = blk[:, B_GROUP]
     ref = blk[:, B_REF]
@@ -806,9 +808,10 @@ def run_gpu(
     hprev = blk[:, B_HPREV]
     lprev = blk[:, B_LPREV]
     lnext = blk[:, B_LNEXT]
-    live_s = blk[:, B_LIVE_S]
-    born = blk[:, B_BORN]
-    nused = blk[:, B_USED]
+    side = np.zeros((nblocks if ev != LRU else 1, 4), dtype=np.int64)
+    live_s = side[:, S_LIVE_S]
+    born = side[:, S_BORN]
+    nused = side[:, S_USED]
     for b in range(nblocks):
         key[b] = -1
         hnext[b] = -1
@@ -817,9 +820,9 @@ def run_gpu(
         lnext[b] = -1
     # Per key and group: its first and last copy (-1: none); a hash's groups
     # side by side, so one probe reads every group's.
-    kt = np.full(2 * num_keys * num_groups, -1, dtype=np.int64)
+    kt = np.full(2 * num_keys * num_groups, -1, dtype=np.int32)
     # the unhashed deque, a ring
-    ring = np.zeros(nblocks + 1, dtype=np.int64)
+    ring = np.zeros(nblocks + 1, dtype=np.int32)
     rmod = nblocks + 1
     rhead = 0
     rlen = 0
@@ -886,8 +889,8 @@ def run_gpu(
                     b = kt[2 * (ids[o + x] * num_groups + g)]
                     while b >= 0:
                         if live_s[b] != 0:
-                            _order_discard(ev, b, st, blk)
-                            _order_add(ev, b, st, blk, heap, uses, use_starts)
+                            _order_discard(ev, b, st, blk, side)
+                            _order_add(ev, b, st, blk, side, heap, uses, use_starts)
                         b = hnext[b]
         # --- admission (get_num_blocks_to_allocate, whole prompt)
         need = 0
@@ -955,13 +958,13 @@ def run_gpu(
                                     tables[g, x] = 0
                             tretired[g] = last
                     if nf:
-                        _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                        _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     idx = tlast[g]
                     if idx >= 0 and idx < _cdiv(start, bs) - 1 and tables[g, idx]:
                         freed[0] = tables[g, idx]
                         tables[g, idx] = 0
-                        _free(freed, 1, ev, st, blk, heap, uses, use_starts)
+                        _free(freed, 1, ev, st, blk, side, heap, uses, use_starts)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, 1)
                     continue
                 if skipped <= 0:
@@ -974,7 +977,7 @@ def run_gpu(
                     nf += 1
                     tables[g, x] = 0
                 if nf:
-                    _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                    _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
                     rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
             num_free = rlen + (st[_LEN] if ev == LRU else st[_LIVE])
             if start != hit:
@@ -990,7 +993,7 @@ def run_gpu(
                         for x in range(tlen[g] - 1, -1, -1):
                             freed[nf] = tables[g, x]
                             nf += 1
-                        _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+                        _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     outcome = PREEMPTED
                     break
@@ -1031,7 +1034,7 @@ def run_gpu(
                                             st[_TAIL] = p_
                                         st[_LEN] -= 1
                                 else:
-                                    _order_discard(ev, b, st, blk)
+                                    _order_discard(ev, b, st, blk, side)
                             ref[b] += 1
                             if ev in (FIFO, LFU):
                                 nused[b] += 1
@@ -1074,10 +1077,10 @@ def run_gpu(
                                 st[_TAIL] = p_
                             st[_LEN] -= 1
                     else:
-                        b = _order_pop(ev, st, blk, heap, uses, use_starts)
+                        b = _order_pop(ev, st, blk, side, heap, uses, use_starts)
                     if key[b] >= 0:
                         # _strip
-                        kk = 2 * (key[b] * num_groups + kgroup[b])
+                        kk = 2 * (np.int64(key[b]) * num_groups + kgroup[b])
                         key[b] = -1
                         evicted += 1
                         p, nx = hprev[b], hnext[b]
@@ -1129,7 +1132,7 @@ def run_gpu(
             for x in range(tlen[g] - 1, -1, -1):
                 freed[nf] = tables[g, x]
                 nf += 1
-            _free(freed, nf, ev, st, blk, heap, uses, use_starts)
+            _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
             rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
         hits[i] = hit
     stats[0] = evicted
@@ -1139,7 +1142,15 @@ def run_gpu(
 
 @njit(cache=True, nogil=True)
 def _free(
-    freed: Any, nf: int, ev: int, st: Any, blk: Any, heap: Any, uses: Any, use_starts: Any
+    freed: Any,
+    nf: int,
+    ev: int,
+    st: Any,
+    blk: Any,
+    side: Any,
+    heap: Any,
+    uses: Any,
+    use_starts: Any,
 ) -> None:
     """``BlockPool.free`` of ``freed[:nf]``, first-to-evict first: the blocks
     reaching no reference go to the order's tail (cached) or, left in
@@ -1169,7 +1180,7 @@ def _free(
                         st[_TAIL] = b
                         st[_LEN] += 1
                 else:
-                    _order_add(ev, b, st, blk, heap, uses, use_starts)
+                    _order_add(ev, b, st, blk, side, heap, uses, use_starts)
         else:
             freed[j] = 0
 
