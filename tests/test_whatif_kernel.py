@@ -7,6 +7,7 @@ must be equal."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 from typing import Any
@@ -82,3 +83,50 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             checked += 1
             evicted += theirs["evicted_blocks"]
     assert checked >= 10
+
+
+def _breaks(model: str, seeds: int, tmp: Path) -> tuple[int, int]:
+    from replay.sources.archetypes import archetype_config
+
+    broken = checked = 0
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        config = archetype_config(model, 16, 16, rng.random() < 0.5)
+        prompts = random_prompts(rng, 16, 80)
+        rows: list[dict[str, Any]] = [
+            {
+                "kind": "lookup",
+                "request_id": f"r{i}",
+                "block_hashes": unit_hashes(p, 16),
+                "max_length": len(p) - 1,
+                "num_tokens": len(p),
+            }
+            for i, p in enumerate(prompts)
+        ]
+        requests = load_requests(write_trace(tmp / f"{model}-{seed}.parquet", config, rows))
+        longest = max(len(p) for p in prompts) // 16 + 1
+        runs = [
+            simulate(requests, RunSpec(cache="gpu", eviction="lru", capacity_blocks=c))["_hits"]
+            for c in range(longest, longest * config.num_groups * 8, 3)
+        ]
+        checked += 1
+        broken += any(
+            bool(((small >= 0) & (big >= 0) & (big < small)).any())
+            for small, big in itertools.pairwise(runs)
+        )
+    return broken, checked
+
+
+def test_no_single_pass_over_capacities_can_be_exact_for_hybrid_models(tmp_path: Path) -> None:
+    """A stack algorithm (every capacity's hits from one pass of stack
+    distances) needs each request's hit to grow with the capacity. In a
+    hybrid pool it does not: a larger pool keeps other blocks, the fixed
+    point settles elsewhere, the request stores other states. So the sweep
+    runs every capacity (compiled); a single full-attention group keeps the
+    order on these streams, the necessary condition, but no single pass is
+    built for it (see the module docstring of ``replay.whatif.kernel``)."""
+    for model in ("full+mamba", "full+swa"):
+        broken, checked = _breaks(model, 8, tmp_path)
+        assert broken > 0, model
+    broken, checked = _breaks("full", 8, tmp_path)
+    assert broken == 0 and checked == 8
