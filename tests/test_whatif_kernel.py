@@ -2,7 +2,7 @@
 block-pool model it ports (``replay.blockpool.GpuCache``, itself checked
 against vLLM's ``KVCacheManager`` in ``test_whatif_vllm.py``): random
 configurations, prompts, budgets, retention settings, policies, capacities
-and evictions; every request's hit, every flag count and the evicted blocks
+and evictions; every request's hit, every lookup's facts and the evicted blocks
 must be equal."""
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             mine = simulate(requests, spec)
             theirs = simulate(requests, spec, compiled=False)
             assert mine["_hits"].tolist() == theirs["_hits"].tolist(), (config.to_json(), spec)
+            # Every lookup's facts (what the flags are judged from), column by column.
+            assert mine["facts"].equals(theirs["facts"]), (config.to_json(), spec)
             for column in theirs:
-                if column not in ("seconds", "_hits"):
+                if column not in ("seconds", "_hits", "facts"):
                     assert mine[column] == theirs[column], (column, config.to_json(), spec)
             checked += 1
             evicted += theirs["evicted_blocks"]

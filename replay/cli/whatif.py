@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from analysis.flags import sweep_flag_counts
 from replay.base.units import Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import count_option, output_option
@@ -315,7 +316,9 @@ def whatif(
     def keep(k: int, row: dict[str, Any]) -> None:
         if k < len(specs):
             n, b = given[k]
-            rows[k] = {**row, "capacity_blocks": n, "capacity_bytes": b}
+            # The run's facts judged: one count per flag kind.
+            counted = sweep_flag_counts([row], config)[0]
+            rows[k] = {**counted, "capacity_blocks": n, "capacity_bytes": b}
         else:
             meta["ceiling"] = {
                 c: row[c] for c in ("capacity_blocks", "hit_ratio", "hit_tokens", "evicted_blocks")

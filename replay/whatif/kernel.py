@@ -4,8 +4,8 @@ A port of ``replay.blockpool.GpuCache`` (the pool, its free queue and
 eviction orders), of the reference coordinator's fixed point
 (``replay.coordinator.hybrid.Coordinator.lookup_present`` with the finders
 of ``replay.coordinator.finders``), of the store rules
-(``replay.store_rules.StoreRules``, ``gpu`` cache) and of the flag checker
-(``analysis.flags.FlagChecker.check``), for the configurations the block
+(``replay.rules.store_rules.StoreRules``, ``gpu`` cache) and of the lookup
+facts (``replay.rules.facts.FactRules``), for the configurations the block
 pool covers: every group's block one hash unit, full attention, sliding
 window and Mamba (align) groups, with or without EAGLE, under every policy.
 The requests come as dense integer ids of their hashes
@@ -14,7 +14,7 @@ are flat arrays indexed by it.
 
 The Python model stays the specification: ``tests/test_whatif_kernel.py``
 runs both on random streams, configurations, budgets, retention settings,
-capacities and evictions and requires every request's hit, every flag
+capacities and evictions and requires every request's hit, every fact
 count and the evicted blocks to be equal; the vLLM differential tests run
 the compiled path against vLLM's own ``KVCacheManager``. What the kernel
 does not cover (``supported`` says why) runs the Python model.
@@ -54,9 +54,11 @@ NEVER = 1 << 62
 NOT_ADMITTED, PREEMPTED = -1, -2
 #: ``run_gpu``'s return when its ``control`` asked it to stop.
 STOPPED = -2
-#: Flag counts, in ``analysis.flags.FLAG_KINDS`` order.
-NUM_FLAGS = 7
-_F_OVERRUN, _F_STATE, _F_BEYOND, _F_MISALIGNED, _F_MISSING, _F_EAGLE = 0, 1, 2, 3, 4, 5
+#: Columns of the per-request facts (``run_gpu``'s ``facts``): the lookup's
+#: answer, the tokens the attention KV covers, then per group its mask
+#: blocks, resumed Mamba state, first absent loaded block and whether the
+#: EAGLE drop's unit is present (-1: None), as ``replay.rules.facts`` says.
+FACT_HIT, FACT_ATTENTION, FACT_GROUPS, FACT_WIDTH = 0, 1, 2, 4
 
 # Scalar parameters (``params``), by index.
 (
@@ -88,7 +90,7 @@ class KernelConfig:
 
     params: np.ndarray[Any, np.dtype[np.int64]]
     #: per group: kind, block size, engine window, extra retained tokens,
-    #: engine EAGLE (store rules), EAGLE attention (flags), spec group
+    #: engine EAGLE (store rules), EAGLE attention (facts), spec group
     groups: np.ndarray[Any, np.dtype[np.int64]]
     #: per spec group: kind, block size, window, eagle, margin
     specs: np.ndarray[Any, np.dtype[np.int64]]
@@ -534,7 +536,7 @@ def _lookup(
     return hit, longest
 
 
-# ---------------------------------------------------------------- flags
+# ---------------------------------------------------------------- facts
 
 
 @njit(cache=True, nogil=True)
@@ -548,47 +550,38 @@ def _first_absent(view: Any, u: int, lo: int, hi: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _flags(
+def _facts(
     params: Any,
     groups: Any,
     present: Any,
     u: int,
-    max_length: int,
     hit: int,
     mask: Any,
     loaded: Any,
-    counts: Any,
+    facts: Any,
+    i: int,
 ) -> None:
-    """``FlagChecker.check`` for one lookup (no observed hit), counted."""
+    """``replay.rules.facts.FactRules.facts`` for one lookup, into row ``i``
+    of ``facts`` (see ``FACT_*``; -1 where the fact is None)."""
     num_groups = groups.shape[0]
-    align = params[P_ALIGN]
     hbs = params[P_HBS]
-    has_mamba = False
     covered = -1
     for g in range(num_groups):
-        if groups[g, 0] == MAMBA:
-            has_mamba = True
-        else:
+        if groups[g, 0] != MAMBA:
             c = mask[g] * groups[g, 1]
             covered = c if covered < 0 else min(covered, c)
-    for g in range(num_groups):
-        if groups[g, 0] == MAMBA:
-            s = 0 if loaded[g] == 0 else mask[g] * groups[g, 1]
-            bound = hit if covered < 0 else min(hit, covered)
-            if s > bound:
-                counts[_F_OVERRUN] += 1
-    for g in range(num_groups):
-        if groups[g, 0] == MAMBA:
-            s = 0 if loaded[g] == 0 else mask[g] * groups[g, 1]
-            if s != hit:
-                counts[_F_STATE] += 1
-    if hit > max_length:
-        counts[_F_BEYOND] += 1
-    if hit % align:
-        counts[_F_MISALIGNED] += 1
+    facts[i, FACT_HIT] = hit
+    facts[i, FACT_ATTENTION] = covered
     for g in range(num_groups):
         bs = groups[g, 1]
-        end = (0 if loaded[g] == 0 else mask[g] * bs) if groups[g, 0] == MAMBA else hit
+        col = FACT_GROUPS + FACT_WIDTH * g
+        facts[i, col] = mask[g]
+        if groups[g, 0] == MAMBA:
+            end = 0 if loaded[g] == 0 else mask[g] * bs
+            facts[i, col + 1] = end
+        else:
+            end = hit
+            facts[i, col + 1] = -1
         view = present[g]
         first, stop = mask[g] - loaded[g], mask[g]
         tail = end // bs if end % bs else -1
@@ -604,21 +597,17 @@ def _flags(
                 if groups[g, 0] == MAMBA:
                     ok = lo < u and view[lo] == 1
                 else:
-                    for i in range(max(lo, 0), min(tail + 1, u)):
-                        if view[i] == 1:
+                    for x in range(max(lo, 0), min(tail + 1, u)):
+                        if view[x] == 1:
                             ok = True
                             break
                 missing = _first_absent(view, u, tail + 1, stop) if ok else tail
-        if missing < 0 and not has_mamba and mask[g] * bs < hit:
-            missing = mask[g]
-        if missing >= 0:
-            counts[_F_MISSING] += 1
-    if hit > 0:
-        for g in range(num_groups):
-            if groups[g, 5]:
-                unit = hit // groups[g, 1]
-                if unit >= u or not present[g, unit]:
-                    counts[_F_EAGLE] += 1
+        facts[i, col + 2] = missing
+        if groups[g, 5]:
+            unit = hit // bs
+            facts[i, col + 3] = 1 if unit < u and present[g, unit] else 0
+        else:
+            facts[i, col + 3] = -1
 
 
 # ---------------------------------------------------------------- store rules
@@ -785,7 +774,7 @@ def run_gpu(
     uses: Any,
     use_starts: Any,
     hits: Any,
-    flag_counts: Any,
+    facts: Any,
     stats: Any,
     control: Any,
 ) -> int:
@@ -894,7 +883,7 @@ def run_gpu(
             s = groups[g, 6]
             loaded[g] = res[s, 1]
             mask[g] = res[s, 0] + res[s, 1]
-        _flags(params, groups, present, u, ml, hit, mask, loaded, flag_counts)
+        _facts(params, groups, present, u, hit, mask, loaded, facts, i)
         if ev == BELADY:
             for g in range(num_groups):
                 for x in range(u):

@@ -48,14 +48,20 @@ import numpy.typing as npt
 import polars as pl
 import pyarrow as pa
 
-from analysis.flags import FLAG_KINDS, FlagChecker
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
 from replay.format.writer import TraceWriter
 from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
-from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
+from replay.rules.coordinator import (
+    DEFAULT_POLICY,
+    Coordinator,
+    LookupOutcome,
+    get_cache,
+    get_policy,
+)
 from replay.rules.coordinator.finders import block_view
+from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.whatif import kernel as whatif_kernel
@@ -78,11 +84,12 @@ def hit_ratio_percentiles(
 
 
 _RATIO_AT = SWEEP_BASE_COLUMNS.index("hit_ratio") + 1
+#: The columns the sweep writes itself; the face adds one count per flag,
+#: from each run's facts (``analysis.flags.sweep_flag_counts``).
 SWEEP_COLUMNS = (
     *SWEEP_BASE_COLUMNS[:_RATIO_AT],
     *PERCENTILE_COLUMNS,
     *SWEEP_BASE_COLUMNS[_RATIO_AT:],
-    *FLAG_KINDS,
 )
 
 
@@ -171,19 +178,22 @@ def simulate(
     compiled: bool = True,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``, and ``_hits``:
-    per request its hit tokens, -1 not admitted, -2 preempted); with
-    ``spec.emit``, the run written there as a trace. The gpu cache runs
-    compiled (``replay.whatif.kernel``) unless ``compiled`` is False, a
-    trace is emitted or the configuration is one it does not cover."""
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``), under
+    ``facts`` every lookup's answer and facts as results columns (the
+    analyses count the flags from them: the what-if never imports its
+    judge) and under ``_hits`` per request its hit tokens (-1 not admitted,
+    -2 preempted); with ``spec.emit``, the run written there as a trace.
+    The gpu cache runs compiled (``replay.whatif.kernel``) unless
+    ``compiled`` is False, a trace is emitted or the configuration is one
+    it does not cover."""
     started = time.perf_counter()
     config = requests.config
     if compiled and runs_compiled(requests, spec):
         return _simulate_compiled(requests, spec, started, control)
     log = _Log(requests) if spec.emit else None
     on_key = log.key if log is not None else None
-    checker = FlagChecker(config, spec.cache)
-    flags = dict.fromkeys(FLAG_KINDS, 0)
+    fact_rules = FactRules(config, spec.cache)
+    facts = _Facts()
     hit_tokens = prompt_tokens = not_admitted = preempted = 0
     hbs = config.hash_block_size
     per_request = np.zeros(len(requests), dtype=np.int64)
@@ -270,8 +280,7 @@ def simulate(
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
                 for j in blocks:
                     store.put(gid, view[int(j)])
-        for flag in checker.check_outcome(present, max_length, outcome, None):
-            flags[flag.flag] += 1
+        facts.add(max_length, outcome, fact_rules.outcome_facts(present, outcome))
 
     evicted = gpu.pool.evicted_blocks if gpu is not None else store.evicted  # type: ignore[union-attr]
     if log is not None and spec.emit is not None:
@@ -301,10 +310,59 @@ def simulate(
         "not_admitted": not_admitted,
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
-        **flags,
         **hit_ratio_percentiles(per_request, requests.arrays()[2]),
+        "facts": facts.frame(fact_rules.alignment),
         "_hits": per_request,
     }
+
+
+class _Facts:
+    """The answers and facts of a run's lookups, as results columns."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = {
+            name: []
+            for name in (
+                "max_length",
+                "hit_tokens",
+                "mask_blocks",
+                "group_state_tokens",
+                "attention_tokens",
+                "first_absent_block",
+                "eagle_unit_present",
+            )
+        }
+
+    def add(self, max_length: int, outcome: LookupOutcome, facts: LookupFacts) -> None:
+        c = self.columns
+        c["max_length"].append(max_length)
+        c["hit_tokens"].append(outcome.hit_tokens)
+        c["mask_blocks"].append([g.mask_blocks for g in outcome.groups])
+        c["group_state_tokens"].append(facts.state_tokens)
+        c["attention_tokens"].append(facts.attention_tokens)
+        c["first_absent_block"].append(facts.first_absent_block)
+        c["eagle_unit_present"].append(facts.eagle_unit_present)
+
+    def frame(self, alignment: int) -> pl.DataFrame:
+        n = len(self.columns["hit_tokens"])
+        return pl.DataFrame(
+            {
+                **self.columns,
+                "observed_hit_tokens": [None] * n,
+                "hit_alignment": [alignment] * n,
+            },
+            schema={
+                "max_length": pl.Int64,
+                "hit_tokens": pl.Int64,
+                "mask_blocks": pl.List(pl.Int32),
+                "group_state_tokens": pl.List(pl.Int64),
+                "attention_tokens": pl.Int64,
+                "first_absent_block": pl.List(pl.Int32),
+                "eagle_unit_present": pl.List(pl.Boolean),
+                "observed_hit_tokens": pl.Int64,
+                "hit_alignment": pl.Int64,
+            },
+        )
 
 
 class Stopped(Exception):
@@ -322,12 +380,13 @@ def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
 
 def run_hits(
     requests: Requests, spec: RunSpec, control: npt.NDArray[np.int64] | None = None
-) -> tuple[npt.NDArray[np.int64], list[int], int]:
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
     """The compiled gpu run: per request its hit tokens (or
-    ``whatif_kernel.NOT_ADMITTED`` / ``PREEMPTED``), the flag counts in
-    ``FLAG_KINDS`` order, and the evicted cached blocks."""
+    ``whatif_kernel.NOT_ADMITTED`` / ``PREEMPTED``), its facts (the
+    kernel's ``FACT_*`` columns) and the evicted cached blocks."""
+    config = requests.config
     k = whatif_kernel.compile_config(
-        requests.config,
+        config,
         spec.policy,
         spec.store_policy(),
         spec.eviction,
@@ -339,19 +398,57 @@ def run_hits(
     else:
         uses = starts = np.zeros(1, dtype=np.int64)
     hits = np.zeros(len(requests), dtype=np.int64)
-    flags = np.zeros(whatif_kernel.NUM_FLAGS, dtype=np.int64)
+    width = whatif_kernel.FACT_GROUPS + whatif_kernel.FACT_WIDTH * config.num_groups
+    facts = np.zeros((len(requests), width), dtype=np.int64)
     stats = np.zeros(2, dtype=np.int64)
     arrays = requests.arrays()
     if control is None:
         control = np.zeros(2, dtype=np.int64)
     bad = whatif_kernel.run_gpu(
-        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, flags, stats, control
+        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, facts, stats, control
     )
     if bad == whatif_kernel.STOPPED:
         raise Stopped
     if bad >= 0:
         raise ReplayError(f"cannot get the free blocks for seq {requests.seq[bad]}'s prefill")
-    return hits, flags.tolist(), int(stats[0])
+    return hits, facts, int(stats[0])
+
+
+def facts_frame(requests: Requests, facts: npt.NDArray[np.int64], alignment: int) -> pl.DataFrame:
+    """The kernel's facts as the results columns ``_Facts.frame`` writes."""
+    groups = requests.config.num_groups
+    n = len(requests)
+
+    def column(g: int, k: int, dtype: Any) -> pl.Expr:
+        values = facts[:, whatif_kernel.FACT_GROUPS + whatif_kernel.FACT_WIDTH * g + k]
+        s = pl.Series(f"g{g}_{k}", values)
+        return pl.when(s >= 0).then(s).otherwise(None).cast(dtype)
+
+    def per_group(k: int, dtype: Any) -> pl.Expr:
+        return pl.concat_list([column(g, k, dtype) for g in range(groups)])
+
+    attention = pl.Series(facts[:, whatif_kernel.FACT_ATTENTION])
+    base = pl.DataFrame(
+        {
+            "max_length": np.asarray(requests.max_length, dtype=np.int64),
+            "hit_tokens": facts[:, whatif_kernel.FACT_HIT],
+        }
+    )
+    return base.select(
+        "max_length",
+        "hit_tokens",
+        per_group(0, pl.Int32).alias("mask_blocks"),
+        per_group(1, pl.Int64).alias("group_state_tokens"),
+        pl.when(pl.lit(attention) >= 0)
+        .then(pl.lit(attention))
+        .otherwise(None)
+        .cast(pl.Int64)
+        .alias("attention_tokens"),
+        per_group(2, pl.Int32).alias("first_absent_block"),
+        per_group(3, pl.Int8).cast(pl.List(pl.Boolean)).alias("eagle_unit_present"),
+        pl.lit(None, dtype=pl.Int64).alias("observed_hit_tokens"),
+        pl.lit(alignment, dtype=pl.Int64).alias("hit_alignment"),
+    ).head(n)
 
 
 def _simulate_compiled(
@@ -360,10 +457,11 @@ def _simulate_compiled(
     started: float,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    hits, flag_counts, evicted = run_hits(requests, spec, control)
+    hits, facts, evicted = run_hits(requests, spec, control)
     served = hits >= 0
     prompt_tokens = int(requests.arrays()[2].sum())
     hit_tokens = int(hits[served].sum())
+    alignment = FactRules(requests.config, spec.cache).alignment
     return {
         "capacity_blocks": spec.capacity_blocks,
         "capacity_bytes": spec.capacity_bytes,
@@ -378,8 +476,8 @@ def _simulate_compiled(
         "not_admitted": int((hits == whatif_kernel.NOT_ADMITTED).sum()),
         "preempted": int((hits == whatif_kernel.PREEMPTED).sum()),
         "seconds": time.perf_counter() - started,
-        **dict(zip(FLAG_KINDS, flag_counts, strict=True)),
         **hit_ratio_percentiles(hits, requests.arrays()[2]),
+        "facts": facts_frame(requests, facts, alignment),
         "_hits": hits,
     }
 
@@ -508,6 +606,8 @@ def sweep(
 
 
 def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    """The runs as the sweep file's frame: ``SWEEP_COLUMNS``, then the
+    counts the face added (one per flag), in the rows' order."""
     schema: dict[str, Any] = {
         "capacity_blocks": pl.Int64,
         "capacity_bytes": pl.Int64,
@@ -525,9 +625,12 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "not_admitted": pl.Int64,
         "preempted": pl.Int64,
         "seconds": pl.Float64,
-        **dict.fromkeys(FLAG_KINDS, pl.Int64),
     }
-    return pl.DataFrame([{c: r[c] for c in SWEEP_COLUMNS} for r in rows], schema=schema)
+    counts = [
+        c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
+    ]
+    schema.update(dict.fromkeys(counts, pl.Int64))
+    return pl.DataFrame([{c: r[c] for c in schema} for r in rows], schema=schema)
 
 
 def write_sweep(
