@@ -18,8 +18,12 @@ in its own process (peak RSS from ``getrusage``):
   numba),
 
 then prints seconds, peak RSS and the ratios, and checks that every hit
-agrees; last, ``replay run`` on (a) rewritten as a single row group (the
-reader streams inside it). Exit status 1 when a hit differs.
+agrees; then ``replay run`` on (a) rewritten as a single row group (the
+reader streams inside it); then the what-if sweeps of issue 24 on (a), gpu
+cache, against a warm ``replay run`` in the same bench run: 10 LRU
+capacities 10k..2M blocks log-spaced (target 10x, under 2 GB) and 5
+capacities x lru, fifo, lfu, belady (target 40x), reported, not failed on
+(``BENCH_ONLY=whatif`` runs only those). Exit status 1 when a hit differs.
 """
 
 from __future__ import annotations
