@@ -233,49 +233,55 @@ S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
 # passed fifteen.
 
 
-@njit(cache=True, nogil=True)
-def _heap_less(heap: Any, a: int, b: int) -> bool:
-    if heap[a, 0] != heap[b, 0]:
-        return bool(heap[a, 0] < heap[b, 0])
-    if heap[a, 1] != heap[b, 1]:
-        return bool(heap[a, 1] < heap[b, 1])
-    return bool(heap[a, 2] < heap[b, 2])
-
-
-@njit(cache=True, nogil=True)
-def _heap_swap(heap: Any, a: int, b: int) -> None:
-    for c in range(3):
-        heap[a, c], heap[b, c] = heap[b, c], heap[a, c]
+# The heap's comparisons are written out (no call per level: see above).
+# Entries are unique (every add takes a new stamp), so the pop order is the
+# total order of (priority, stamp, item), whatever the layout.
 
 
 @njit(cache=True, nogil=True)
 def _heap_down(heap: Any, i: int, n: int) -> None:
+    p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
     while True:
-        smallest = i
-        left = 2 * i + 1
-        if left < n and _heap_less(heap, left, smallest):
-            smallest = left
-        right = left + 1
-        if right < n and _heap_less(heap, right, smallest):
-            smallest = right
-        if smallest == i:
-            return
-        _heap_swap(heap, i, smallest)
-        i = smallest
+        c = 2 * i + 1
+        if c >= n:
+            break
+        r = c + 1
+        if r < n and (
+            heap[r, 0] < heap[c, 0]
+            or (
+                heap[r, 0] == heap[c, 0]
+                and (
+                    heap[r, 1] < heap[c, 1]
+                    or (heap[r, 1] == heap[c, 1] and heap[r, 2] < heap[c, 2])
+                )
+            )
+        ):
+            c = r
+        if heap[c, 0] < p0 or (
+            heap[c, 0] == p0 and (heap[c, 1] < p1 or (heap[c, 1] == p1 and heap[c, 2] < p2))
+        ):
+            heap[i, 0], heap[i, 1], heap[i, 2] = heap[c, 0], heap[c, 1], heap[c, 2]
+            i = c
+        else:
+            break
+    heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
 
 
 @njit(cache=True, nogil=True)
 def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     i = st[_HSIZE]
-    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
     st[_HSIZE] = i + 1
     while i > 0:
-        parent = (i - 1) >> 1
-        if _heap_less(heap, i, parent):
-            _heap_swap(heap, i, parent)
-            i = parent
+        q = (i - 1) >> 1
+        if prio < heap[q, 0] or (
+            prio == heap[q, 0]
+            and (stamp < heap[q, 1] or (stamp == heap[q, 1] and item < heap[q, 2]))
+        ):
+            heap[i, 0], heap[i, 1], heap[i, 2] = heap[q, 0], heap[q, 1], heap[q, 2]
+            i = q
         else:
-            return
+            break
+    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
 
 
 @njit(cache=True, nogil=True)
