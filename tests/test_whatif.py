@@ -518,11 +518,13 @@ def test_sigterm_exits_143_with_a_partial_sweep_or_none_and_no_temporary_file(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
-    time.sleep(8)
+    time.sleep(15)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err.decode()
-    assert "interrupted by SIGTERM" in err.decode()
+    # On a loaded machine the signal may come while Python still imports:
+    # then it exits 143 before any command runs, silently, writing nothing.
+    assert "interrupted by SIGTERM" in err.decode() or (err == b"" and not out.exists())
     assert [p.name for p in out.parent.iterdir()] in ([], ["sweep.parquet"])
     if out.exists():
         frame, meta = read_sweep(out)
