@@ -432,6 +432,17 @@ def test_rows_carry_per_request_percentiles_and_the_sweep_its_ceiling(tmp_path: 
     assert ceiling["hit_tokens"] == own and ceiling["evicted_blocks"] == 0
     assert ceiling["hit_ratio"] >= max(frame["hit_ratio"])
     assert meta["partial"] is False and meta["sample"] is None
+    # What the operator reads: the percentiles per run and the ceiling.
+    shown = run_cli(
+        ["whatif", str(trace), "--capacity", "150", "--cache", "gpu", "-o", str(out)]
+    ).output.splitlines()
+    assert shown[1].split()[-3:] == ["p50", "p90", "p99"]
+    row = frame.row(0, named=True)
+    assert shown[2].split()[-3:] == [f"{row[f'hit_ratio_p{q}']:.1%}" for q in (50, 90, 99)]
+    assert shown[3] == (
+        f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, {ceiling['hit_tokens']:,} "
+        f"hit tokens (a cache of {ceiling['capacity_blocks']:,} blocks never evicts)"
+    )
 
 
 def test_sample_keeps_whole_sessions_deterministically_and_says_so(tmp_path: Path) -> None:
