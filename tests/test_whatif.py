@@ -508,36 +508,54 @@ def test_a_signal_mid_sweep_keeps_the_finished_runs_and_stops_the_others(tmp_pat
         assert row["hit_tokens"] == simulate(requests, specs[k])["hit_tokens"]
 
 
-def test_sigterm_exits_143_with_a_partial_sweep_or_none_and_no_temporary_file(
+def test_sigterm_mid_sweep_exits_143_with_the_finished_runs_and_no_temporary_file(
     tmp_path: Path,
 ) -> None:
+    """The sweep on a terminal: once the bar shows a finished run, SIGTERM.
+    The command exits 143 and the sweep file holds the finished runs,
+    marked partial; nothing else is left in the directory."""
     import os
     import signal
     import subprocess
     import sys
-    import time
+    import tty
 
     config = archetype_config("full+mamba", 16, 16, True)
-    prompts = random_prompts(random.Random(9), 16, 3000)
+    prompts = random_prompts(random.Random(9), 16, 1000)
     trace = rules_trace(tmp_path / "big.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
     out = tmp_path / "out" / "sweep.parquet"
     out.parent.mkdir()
     root = Path(__file__).resolve().parents[1]
+    master, slave = os.openpty()
+    tty.setraw(slave)
     proc = subprocess.Popen(
         [sys.executable, "-m", "replay", "whatif", str(trace), "--cache", "gpu", "--jobs", "1",
-         "--points", "200", "--min", "100", "--max", "100k", "-o", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root,
+         "--points", "2000", "--min", "100", "--max", "100k", "--eviction", "lru,belady",
+         "-o", str(out)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
-    time.sleep(15)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err.decode()
-    # On a loaded machine the signal may come while Python still imports:
-    # then it exits 143 before any command runs, silently, writing nothing.
-    assert "interrupted by SIGTERM" in err.decode() or (err == b"" and not out.exists())
-    assert [p.name for p in out.parent.iterdir()] in ([], ["sweep.parquet"])
-    if out.exists():
-        frame, meta = read_sweep(out)
-        assert meta["partial"] is True and 0 < frame.height < 200
-        assert "partial" in err.decode()
+    os.close(slave)
+    shown = b""
+    try:
+        while not re.search(rb"  ([1-9]\d*)/\d+ runs", shown):
+            chunk = os.read(master, 65536)
+            assert chunk, shown[-500:]
+            shown += chunk
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(master)
+    assert proc.returncode == 143, shown[-1000:]
+    assert b"interrupted by SIGTERM" in shown and b"partial" in shown
+    assert [p.name for p in out.parent.iterdir()] == ["sweep.parquet"]
+    frame, meta = read_sweep(out)
+    assert meta["partial"] is True and 0 < frame.height < 2 * 2000
