@@ -29,15 +29,10 @@ same hits."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import (
-    FIRST_COMPLETED,
-    ProcessPoolExecutor,
-    ThreadPoolExecutor,
-    as_completed,
-    wait,
-)
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -553,32 +548,58 @@ def sweep(
             on_row(k, row)
 
     if all(runs_compiled(requests, spec) for spec in specs):
+        # Plain threads and a sleeping main thread: a signal raised in the
+        # main thread never interrupts a lock that a worker needs next.
         controls = [np.zeros(2, dtype=np.int64) for _ in specs]
-        pool = ThreadPoolExecutor(max_workers=jobs)
+        todo = list(range(len(specs)))[::-1]
+        results: dict[int, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    k = todo.pop()
+                try:
+                    row = simulate(requests, specs[k], control=controls[k])
+                except Stopped:
+                    return
+                except BaseException as exc:  # handed to the main thread
+                    with lock:
+                        errors.append(exc)
+                    return
+                with lock:
+                    results[k] = row
+
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+        reported: set[int] = set()
         try:
-            futures = {
-                pool.submit(simulate, requests, spec, control=controls[k]): k
-                for k, spec in enumerate(specs)
-            }
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=poll, return_when=FIRST_COMPLETED)
-                for future in done:
-                    k = futures[future]
-                    finished(k, future.result())
+            for t in threads:
+                t.start()
+            while True:
+                alive = any(t.is_alive() for t in threads)
+                with lock:
+                    ready = [k for k in results if k not in reported]
+                for k in sorted(ready):
+                    reported.add(k)
+                    finished(k, results[k])
+                if errors:
+                    raise errors[0]
                 if progress is not None:
-                    progress(
-                        sum(int(c[0]) for c in controls),
-                        total,
-                        sum(r is not None for r in rows),
-                        len(specs),
-                    )
+                    progress(sum(int(c[0]) for c in controls), total, len(reported), len(specs))
+                if not alive:
+                    break
+                time.sleep(poll)
         except BaseException:
             for control in controls:
                 control[1] = 1
+            with lock:
+                todo.clear()
+            for t in threads:
+                t.join()
             raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
         return [r for r in rows if r is not None]
     if progress is not None:
         progress(0, total, 0, len(specs))
