@@ -4,6 +4,7 @@ the same hits, and the command line."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
+from replay.base.units import parse_bytes
 from replay.format.sweepfile import read_sweep
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
@@ -265,9 +267,15 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
     [
         (["--capacity-blocks", "10", "--capacity-bytes", "1GiB"], "exactly one of"),
         ([], "exactly one of"),
-        (["--capacity-blocks", "10,x"], "--capacity-blocks 'x': expected a whole number from 1"),
+        (["--capacity-blocks", "10,x"], "--capacity-blocks: 'x': expected a count such as"),
+        (["--capacity-blocks", "10,1.5"], "--capacity-blocks: '1.5': is not a whole number"),
+        (["--capacity", "10,10%"], "--capacity: '10%' is in percent, '10' in blocks"),
+        (["--capacity", "1GiB"], "bytes need the groups' page sizes"),
+        (["--points", "3", "--min", "10k"], "--points, --min and --max go together"),
+        (["--points", "3", "--min", "10k", "--max", "1GiB"], "are in different units"),
+        (["--capacity", "10", "--points", "3"], "exactly one of"),
         (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
-        (["--capacity-bytes", "1GiB"], "needs the groups' page sizes"),
+        (["--capacity-bytes", "1GiB"], "need the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),
         (["--capacity-blocks", "10", "--retention-interval", "x"], "--retention-interval"),
     ],
@@ -302,7 +310,13 @@ def test_report_charts_one_line_per_policy_and_writes_the_markdown_table(tmp_pat
     html_out, md_out = tmp_path / "sweep.html", tmp_path / "sweep.md"
     assert run_cli(["report", str(sweep_file), "-o", str(html_out)]).exit_code == 0
     page = html_out.read_text()
-    assert page.count("<polyline") == 2 and page.count('class="mark"') == 6
+    # The Altair chart, inlined as SVG (no script, nothing fetched): one line
+    # per eviction of the hit ratio, three percentile lines per eviction
+    # below it, the unbounded ceiling's rule.
+    assert page.count('<svg id="sweep-chart"') == 1
+    lines = re.findall(r'class="mark-line role-mark (concat_\d)[^"]*"', page)
+    assert lines.count("concat_0") == 2 and lines.count("concat_1") == 2 * 3
+    assert "unbounded ceiling" in page
     assert "<script" not in page and "http://" not in page.replace("http://www.w3.org", "")
     result = run_cli(["report", str(sweep_file), "-o", str(md_out)])
     assert result.exit_code == 0, result.output
@@ -364,3 +378,190 @@ def test_a_configuration_the_gpu_model_does_not_cover_is_one_line_naming_the_tra
     # The Mooncake store model takes it.
     ok = run_cli(["whatif", str(trace), "--capacity-blocks", "100", "--cache", "mooncake", "-o", str(out)])  # fmt: skip
     assert ok.exit_code == 0, ok.output
+
+
+def test_cli_capacity_in_percent_bytes_and_log_ranges(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    working_set = requests.working_set_blocks()
+    assert working_set == len(requests.digests) * 2
+    out = tmp_path / "pct.parquet"
+    args = ["whatif", str(trace), "--cache", "gpu", "-o", str(out), "-q"]
+    assert run_cli([*args, "--capacity", "10%,50%"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [working_set // 10, working_set // 2]
+    assert meta["capacity_unit"] == "percent" and meta["working_set_blocks"] == working_set
+    assert meta["capacities"] == ["10%", "50%"] and meta["page_bytes_source"] is None
+    assert run_cli([*args, "--points", "4", "--min", "1k", "--max", "8k"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [1000, 2000, 4000, 8000]
+    assert meta["capacity_unit"] == "blocks"
+    assert run_cli([*args, "--capacity", "8MiB,16MiB", "--page-bytes", "32KiB"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert frame["capacity_blocks"].to_list() == [256, 512]
+    assert frame["capacity_bytes"].to_list() == [8 * 2**20, 16 * 2**20]
+    assert meta["page_bytes_source"] == "--page-bytes" and meta["block_bytes"] == 32 * 1024
+    model = tmp_path / "config.json"
+    model.write_text(
+        '{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,'
+        ' "head_dim": 64, "torch_dtype": "float16"}'
+    )
+    assert run_cli([*args, "--capacity", "1MiB", "--model-config", str(model)]).exit_code == 0
+    frame, meta = read_sweep(out)
+    page = 2 * 4 * 2 * 64 * 16 * 2  # K+V, 4 layers, 2 heads, 64 dims, 16 tokens, 2 bytes
+    assert meta["block_bytes"] == page and meta["page_bytes_source"] == "--model-config config.json"
+    assert frame["capacity_blocks"].to_list() == [2**20 // page]
+
+
+def _lower_percentile(values: list[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[int(q / 100 * (len(ordered) - 1))]
+
+
+def test_rows_carry_per_request_percentiles_and_the_sweep_its_ceiling(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    out = tmp_path / "sweep.parquet"
+    result = run_cli(
+        ["whatif", str(trace), "--capacity", "150,600", "--cache", "gpu", "-o", str(out), "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    frame, meta = read_sweep(out)
+    for row in frame.iter_rows(named=True):
+        spec = RunSpec(cache="gpu", eviction="lru", capacity_blocks=row["capacity_blocks"])
+        hits = simulate(requests, spec, compiled=False)["_hits"].tolist()
+        ratios = [max(h, 0) / n for h, n in zip(hits, requests.num_tokens, strict=True)]
+        for q in (50, 90, 99):
+            assert row[f"hit_ratio_p{q}"] == _lower_percentile(ratios, q)
+    own = replay_trace(trace, cache="gpu").results["hit_tokens"].sum()
+    ceiling = meta["ceiling"]
+    assert ceiling["hit_tokens"] == own and ceiling["evicted_blocks"] == 0
+    assert ceiling["hit_ratio"] >= max(frame["hit_ratio"])
+    assert meta["partial"] is False and meta["sample"] is None
+    # What the operator reads: the percentiles per run and the ceiling.
+    shown = run_cli(
+        ["whatif", str(trace), "--capacity", "150", "--cache", "gpu", "-o", str(out)]
+    ).output.splitlines()
+    assert shown[1].split()[-3:] == ["p50", "p90", "p99"]
+    row = frame.row(0, named=True)
+    assert shown[2].split()[-3:] == [f"{row[f'hit_ratio_p{q}']:.1%}" for q in (50, 90, 99)]
+    assert shown[3] == (
+        f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, {ceiling['hit_tokens']:,} "
+        f"hit tokens (a cache of {ceiling['capacity_blocks']:,} blocks never evicts)"
+    )
+
+
+def test_sample_keeps_whole_sessions_deterministically_and_says_so(tmp_path: Path) -> None:
+    config = archetype_config("full", 16, 16, False)
+    rng = random.Random(5)
+    # Sessions: each a conversation extending its own turns behind one shared
+    # system prompt.
+    system = list(range(64))
+    rows, fresh = [], iter(range(10**6, 10**9))
+    sessions: dict[str, list[int]] = {}
+    for i in range(120):
+        name = f"s{rng.randrange(30)}"
+        # every turn adds a block or more: a session's first turn has a hash of its own
+        prompt = sessions.get(name, system) + [next(fresh) for _ in range(rng.randrange(16, 80))]
+        sessions[name] = prompt
+        rows.append(
+            {
+                "kind": "lookup",
+                "request_id": f"{name}-{i}",
+                "block_hashes": unit_hashes(prompt, 16),
+                "max_length": len(prompt) - 1,
+                "num_tokens": len(prompt),
+            }
+        )
+    trace = write_trace(tmp_path / "sessions.parquet", config, rows)
+    requests = load_requests(trace)
+    sub, info = requests.sample(0.5)
+    again, _ = requests.sample(0.5)
+    assert sub.request_id == again.request_id
+    kept = {r.split("-")[0] for r in sub.request_id}
+    # Whole sessions: every request of a kept session, none of the others.
+    assert sub.request_id == [r for r in requests.request_id if r.split("-")[0] in kept]
+    assert 0 < len(kept) < len(sessions) and info["sessions"] == len(kept)
+    assert info["sessions_total"] == len(sessions) and info["requests"] == len(sub)
+    out = tmp_path / "sampled.parquet"
+    args = ["whatif", str(trace), "--capacity", "400", "--cache", "gpu", "-q", "-o", str(out)]
+    assert run_cli([*args, "--sample", "0.5"]).exit_code == 0
+    frame, meta = read_sweep(out)
+    assert (
+        meta["sample"]["requests"] == len(sub)
+        and "spatial sampling" in meta["sample"]["capacities"]
+    )
+    assert frame["capacity_blocks"].to_list() == [400]
+    want = simulate(sub, RunSpec(cache="gpu", eviction="lru", capacity_blocks=200))
+    assert frame["hit_tokens"].to_list() == [want["hit_tokens"]]
+    assert frame["lookups"].to_list() == [len(sub)]
+
+
+def test_a_signal_mid_sweep_keeps_the_finished_runs_and_stops_the_others(tmp_path: Path) -> None:
+    trace = _demo_trace(tmp_path)
+    requests = load_requests(trace)
+    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=100 + k) for k in range(400)]
+    kept: dict[int, dict[str, Any]] = {}
+
+    def interrupt(done: int, total: int, runs: int, all_runs: int) -> None:
+        if runs >= 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(requests, specs, jobs=1, progress=interrupt, on_row=kept.__setitem__, poll=0.001)
+    assert 1 <= len(kept) < len(specs)
+    for k, row in list(kept.items())[:5]:
+        assert row["hit_tokens"] == simulate(requests, specs[k])["hit_tokens"]
+
+
+def test_sigterm_mid_sweep_exits_143_with_the_finished_runs_and_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    """The sweep on a terminal: once the bar shows a finished run, SIGTERM.
+    The command exits 143 and the sweep file holds the finished runs,
+    marked partial; nothing else is left in the directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tty
+
+    config = archetype_config("full+mamba", 16, 16, True)
+    prompts = random_prompts(random.Random(9), 16, 1000)
+    trace = rules_trace(tmp_path / "big.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
+    out = tmp_path / "out" / "sweep.parquet"
+    out.parent.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replay", "whatif", str(trace), "--cache", "gpu", "--jobs", "1",
+         "--points", "2000", "--min", "100", "--max", "100k", "--eviction", "lru,belady",
+         "-o", str(out)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    os.close(slave)
+    shown = b""
+    try:
+        while not re.search(rb"  ([1-9]\d*)/\d+ runs", shown):
+            chunk = os.read(master, 65536)
+            assert chunk, shown[-500:]
+            shown += chunk
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(master)
+    assert proc.returncode == 143, shown[-1000:]
+    assert b"interrupted by SIGTERM" in shown and b"partial" in shown
+    assert [p.name for p in out.parent.iterdir()] == ["sweep.parquet"]
+    frame, meta = read_sweep(out)
+    assert meta["partial"] is True and 0 < frame.height < 2 * 2000

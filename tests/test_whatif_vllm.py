@@ -36,6 +36,8 @@ from replay.format.writer import write_trace
 from replay.rules.blockpool import GpuCache
 from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
+from replay.whatif.kernel import NOT_ADMITTED, supported
+from replay.whatif.kernel import PREEMPTED as KERNEL_PREEMPTED
 from replay.whatif.requests import load_requests
 from replay.whatif.sweep import RunSpec, simulate
 from tests.builders import random_archetype_config, random_prompts
@@ -209,6 +211,45 @@ def whatif_hits(
     return observed, int(row["hit_tokens"])
 
 
+def compiled_hits(
+    tmp: Path,
+    config: TraceConfig,
+    capacity: int,
+    policy: StorePolicy,
+    prompts: list[list[int]],
+    hashes: list[list[bytes]],
+) -> list[int | None]:
+    """The same requests through the compiled what-if (``replay.whatif.kernel``,
+    what ``replay whatif --cache gpu`` runs): per request its hit, None when
+    not admitted, ``PREEMPTED``."""
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": units,
+            "max_length": len(tokens) - 1,
+            "num_tokens": len(tokens),
+        }
+        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
+    ]
+    trace = write_trace(tmp / "compiled.parquet", config, rows)
+    assert supported(config, "gpu") is None
+    row = simulate(
+        load_requests(trace),
+        RunSpec(
+            cache="gpu",
+            eviction="lru",
+            capacity_blocks=capacity,
+            retention_interval=policy.retention_interval,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+        ),
+    )
+    out: list[int | None] = []
+    for h in row["_hits"].tolist():
+        out.append(None if h == NOT_ADMITTED else PREEMPTED if h == KERNEL_PREEMPTED else h)
+    return out
+
+
 CONFIGS = {
     "full": lambda: archetype_config("full", 64, 64, False),
     "full+mamba eagle": lambda: archetype_config("full+mamba", 64, 64, True),
@@ -244,6 +285,8 @@ def test_block_pool_hits_match_vllm(
         # ``replay whatif --cache gpu --eviction lru`` itself: the same hit
         # for every request vLLM served, and the same total.
         observed, served = whatif_hits(tmp_path, config, capacity, policy, prompts, hashes)
+        # The compiled what-if: every request as vLLM served it (or not).
+        assert compiled_hits(tmp_path, config, capacity, policy, prompts, hashes) == theirs
         done = [(i, h) for i, h in enumerate(theirs) if h is not None and h != PREEMPTED]
         assert [observed[i] for i, _ in done] == [h for _, h in done]
         assert served == sum(h for _, h in done)
@@ -275,7 +318,9 @@ def test_block_pool_hits_match_vllm(
             )
 
 
-def test_block_pool_matches_vllm_on_random_sessions(capsys: pytest.CaptureFixture[str]) -> None:
+def test_block_pool_matches_vllm_on_random_sessions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Random hybrids, prompts, budgets, retention settings and capacities."""
     v = _vllm()
     rng = random.Random(16)
@@ -293,8 +338,11 @@ def test_block_pool_matches_vllm_on_random_sessions(capsys: pytest.CaptureFixtur
         prompts = random_prompts(rng, a, 40)
         longest = max(-(-len(p) // config.groups[0].block_size) for p in prompts)
         capacity = rng.randrange(longest * 2 // 3 + 1, longest * config.num_groups * 4)
-        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts)
+        hashes: list[list[bytes]] = []
+        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts, hashes)
         good = sum(x == y for x, y in zip(theirs, mine, strict=True))
+        compiled = compiled_hits(tmp_path, config, capacity, policy, prompts, hashes)
+        assert compiled == theirs, f"{config.to_json()} {policy} capacity {capacity} (compiled)"
         assert good == len(prompts), (
             f"{config.to_json()} {policy} capacity {capacity}: vLLM {theirs} model {mine}"
         )

@@ -23,7 +23,7 @@ from analysis.flags import SEVERITIES
 from analysis.report import charts
 from analysis.report.data import Example, ReportData
 from analysis.report.fmt import num, pct
-from analysis.report.sweep import sweep_context, sweep_table
+from analysis.report.sweep import sweep_chart_svg, sweep_context, sweep_table
 from replay import __version__
 from replay.tools.render import config_lines
 
@@ -222,7 +222,7 @@ def render_sweep_html(frame: pl.DataFrame, meta: dict[str, Any]) -> str:
         .render(
             title="What-if sweep",
             context=sweep_context(meta, frame),
-            chart=charts.sweep_svg(frame),
+            chart=sweep_chart_svg(frame, meta),
             runs=table(headers, rows),
         )
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
+from markupsafe import Markup
 
 from analysis.flags import FLAG_KINDS
 from analysis.report.fmt import pct
@@ -48,3 +49,138 @@ def sweep_context(meta: dict[str, Any], frame: pl.DataFrame) -> str:
         f"{meta.get('max_num_batched_tokens')}; one request at a time; "
         f"{frame.height} runs in {meta.get('seconds', 0):.1f} s"
     )
+
+
+# ---------------------------------------------------------------- the chart
+
+#: One colour per eviction, lru (vLLM's own order) first.
+EVICTION_COLOURS = {"lru": "#1f77b4", "fifo": "#ff7f0e", "lfu": "#2ca02c", "belady": "#9467bd"}
+
+
+def _axis(meta: dict[str, Any]) -> tuple[str, str, float]:
+    """The x field, its title and the factor from blocks: the unit the
+    capacities were given in."""
+    unit = meta.get("capacity_unit") or "blocks"
+    if unit == "bytes" and meta.get("block_bytes"):
+        return "capacity_gib", "capacity (GiB, log scale)", meta["block_bytes"] / 2**30
+    if unit == "percent" and meta.get("working_set_blocks"):
+        return (
+            "capacity_pct",
+            "capacity (% of the working set, log scale)",
+            (100 / meta["working_set_blocks"]),
+        )
+    return "capacity_blocks", "capacity (blocks, log scale)", 1.0
+
+
+def _own_capacity(meta: dict[str, Any]) -> int | None:
+    """The capacity the trace was recorded with (its ``source``), if it says."""
+    source = (meta.get("trace_config") or {}).get("source") or {}
+    value = source.get("capacity_blocks")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _data(values: list[dict[str, Any]]) -> Any:
+    import altair as alt
+
+    return alt.Data(values=values)  # type: ignore[no-untyped-call]
+
+
+def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Vega-Lite spec of the sweep chart: hit ratio against capacity on a
+    log axis in the capacities' own unit, one line per eviction, the
+    unbounded ceiling as a dashed rule, a marker at the trace's own capacity,
+    and below it the per-request hit-ratio percentiles (p50, p90, p99)."""
+    import altair as alt
+
+    field, title, factor = _axis(meta)
+    rows = frame.sort("capacity_blocks")
+
+    def x_of(r: dict[str, Any]) -> float:
+        if field == "capacity_gib" and r.get("capacity_bytes"):
+            return float(r["capacity_bytes"]) / 2**30
+        return float(r["capacity_blocks"]) * factor
+
+    data = [
+        {
+            "x": x_of(r),
+            "eviction": r["eviction"],
+            "hit_ratio": r["hit_ratio"],
+            "hit_tokens": r["hit_tokens"],
+            "evicted": r["evicted_blocks"],
+            "capacity_blocks": r["capacity_blocks"],
+            **{p: r.get(p) for p in ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")},
+        }
+        for r in rows.iter_rows(named=True)
+    ]
+    evictions = list(dict.fromkeys(r["eviction"] for r in data))
+    colour = alt.Color(
+        "eviction:N",
+        scale=alt.Scale(
+            domain=evictions, range=[EVICTION_COLOURS.get(e, "#7f7f7f") for e in evictions]
+        ),
+        legend=alt.Legend(title="eviction", orient="bottom"),
+    )
+    x = alt.X("x:Q", scale=alt.Scale(type="log"), title=title)
+    base = alt.Chart(_data(data))
+    tooltip = [
+        alt.Tooltip("eviction:N"),
+        alt.Tooltip("capacity_blocks:Q", title="blocks", format=","),
+        alt.Tooltip("hit_ratio:Q", format=".2%"),
+        alt.Tooltip("hit_tokens:Q", format=","),
+        alt.Tooltip("evicted:Q", title="evicted blocks", format=","),
+    ]
+    ratio = alt.Y("hit_ratio:Q", title="hit ratio", axis=alt.Axis(format="%"))
+    layers: list[Any] = [
+        base.mark_line(point=True).encode(x=x, y=ratio, color=colour, tooltip=tooltip)
+    ]
+    ceiling = meta.get("ceiling")
+    if ceiling:
+        rule = alt.Chart(_data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}]))
+        layers.append(rule.mark_rule(strokeDash=[6, 4], color="#444").encode(y="y:Q"))
+        layers.append(
+            rule.mark_text(align="left", dx=4, dy=-6, color="#444").encode(
+                y="y:Q", text="label:N", x=alt.value(4)
+            )
+        )
+    own = _own_capacity(meta)
+    if own is not None:
+        mark = alt.Chart(_data([{"x": own * factor, "label": "trace's capacity"}]))
+        layers.append(mark.mark_rule(color="#d62728").encode(x="x:Q"))
+        layers.append(
+            mark.mark_text(align="left", dx=4, y=8, color="#d62728").encode(x="x:Q", text="label:N")
+        )
+    top = alt.layer(*layers).properties(
+        width=640, height=300, title="Hit ratio against cache capacity"
+    )
+    percentiles = (
+        base.transform_fold(
+            ["hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99"], as_=["percentile", "value"]
+        )
+        .transform_calculate(percentile="replace(datum.percentile, 'hit_ratio_', '')")
+        .mark_line(point=True)
+        .encode(
+            x=x,
+            y=alt.Y("value:Q", title="per-request hit ratio", axis=alt.Axis(format="%")),
+            color=colour,
+            strokeDash=alt.StrokeDash("percentile:N", legend=alt.Legend(orient="bottom")),
+            tooltip=[
+                alt.Tooltip("eviction:N"),
+                alt.Tooltip("percentile:N"),
+                alt.Tooltip("value:Q", format=".2%"),
+            ],
+        )
+        .properties(width=640, height=200, title="Per-request hit ratio: p50, p90, p99")
+    )
+    chart = alt.vconcat(top, percentiles).resolve_scale(color="shared")
+    spec: dict[str, Any] = chart.to_dict()
+    return spec
+
+
+def sweep_chart_svg(frame: pl.DataFrame, meta: dict[str, Any]) -> Markup:
+    """The sweep chart as inline SVG, rendered offline by vl-convert."""
+    import json
+
+    import vl_convert
+
+    svg = vl_convert.vegalite_to_svg(json.dumps(sweep_chart_spec(frame, meta)))
+    return Markup(svg.replace("<svg ", '<svg id="sweep-chart" role="img" ', 1))

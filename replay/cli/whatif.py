@@ -8,43 +8,68 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
+from replay.base.units import Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
     SIZE_LIMIT,
     count_option,
     output_option,
-    parse_bytes,
-    parse_count,
-    parse_list,
 )
 from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
 
-#: The largest cache a what-if run simulates, in blocks (a capacity beyond
-#: what the trace's requests can fill is simulated at what they can fill).
-MAX_CAPACITY_BLOCKS = 1 << 40
 
-
-def _capacities(text: str) -> list[int]:
-    return parse_list(
-        text,
-        "--capacity-blocks",
-        lambda t, o: parse_count(t, o, least=1, most=MAX_CAPACITY_BLOCKS),
-    )
-
-
-def _byte_list(text: str, option: str) -> list[int]:
-    return parse_list(text, option, lambda t, o: parse_bytes(t, o))
+def _capacities(
+    capacity: str | None,
+    capacity_blocks: str | None,
+    capacity_bytes: str | None,
+    points: int | None,
+    low: str | None,
+    high: str | None,
+) -> list[Capacity]:
+    """The sizes asked for, in the one unit they were given in."""
+    ranged = points is not None or low is not None or high is not None
+    given = [capacity, capacity_blocks, capacity_bytes]
+    if sum(g is not None for g in given) + ranged != 1:
+        raise fail(
+            "give exactly one of --capacity, --capacity-blocks, --capacity-bytes and "
+            "--points/--min/--max"
+        )
+    if ranged:
+        if points is None or low is None or high is None:
+            raise fail("--points, --min and --max go together")
+        return log_spaced(parse_capacity(low, "--min"), parse_capacity(high, "--max"), points)
+    if capacity is not None:
+        return parse_capacities(capacity)
+    if capacity_blocks is not None:
+        out = parse_capacities(capacity_blocks, "--capacity-blocks")
+        unit = "blocks"
+    else:
+        assert capacity_bytes is not None
+        out = parse_capacities(
+            ",".join(
+                p if p.strip()[-1:] in "bB" else p.strip() + "B"
+                for p in capacity_bytes.split(",")
+                if p.strip()
+            ),
+            "--capacity-bytes",
+        )
+        unit = "bytes"
+    bad = next((c for c in out if c.unit != unit), None)
+    if bad is not None:
+        option = "--capacity-blocks" if unit == "blocks" else "--capacity-bytes"
+        raise fail(f"{option}: {bad.text!r} is not in {unit} (--capacity takes any unit)")
+    return out
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
     from replay.rules.blockpool import EVICTIONS
-
 
     out: list[str] = []
     for value in values:
@@ -59,9 +84,18 @@ def _names(values: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        bar.count(done, total, f"{done}/{total} runs  {bar.elapsed():,.1f} s")
+def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
+    """Requests done across the whole sweep, the runs finished, and the time
+    left at the rate so far."""
+
+    def show(done: int, total: int, runs: int, all_runs: int) -> None:
+        elapsed = bar.elapsed()
+        eta = f"ETA {elapsed * (total - done) / done:,.0f} s" if done else "ETA ?"
+        bar.count(
+            done,
+            total,
+            f"{done:,}/{total:,} requests  {runs}/{all_runs} runs  {elapsed:,.1f} s  {eta}",
+        )
 
     return show
 
@@ -72,21 +106,40 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
 )
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
-    "--capacity-blocks",
+    "--capacity",
+    "capacity",
     default=None,
-    help="Cache sizes to try, in blocks, comma-separated (gpu: vLLM's num_gpu_blocks "
-    "less its null block, shared by every group).",
+    help="Cache sizes to try, comma-separated, all in one unit: blocks (4096, 10k, 2M; gpu: "
+    "vLLM's num_gpu_blocks less its null block, shared by every group), bytes (8GiB, 500GB) "
+    "or a percentage of the trace's working set (10%,50%: of the distinct blocks its lookups "
+    "name).",
 )
 @click.option(
-    "--capacity-bytes",
-    default=None,
-    help="Cache sizes in bytes, comma-separated (64GiB, 500GB); needs --page-bytes.",
+    "--capacity-blocks", default=None, help="Cache sizes in blocks (--capacity in blocks)."
 )
+@click.option("--capacity-bytes", default=None, help="Cache sizes in bytes (--capacity in bytes).")
+@click.option(
+    "--points",
+    type=click.IntRange(min=2),
+    default=None,
+    help="With --min and --max: this many capacities, log-spaced, both ends included.",
+)
+@click.option(
+    "--min", "low", default=None, help="The smallest capacity of --points (10k, 1GiB, 1%)."
+)
+@click.option("--max", "high", default=None, help="The largest capacity of --points.")
 @click.option(
     "--page-bytes",
     default=None,
     help="Bytes of one block of each group (one size, or one per group, comma-separated); "
-    "default: the trace's source.page_bytes.",
+    "default: the trace's source.page_bytes (the vLLM plugin records them).",
+)
+@click.option(
+    "--model-config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A Hugging Face config.json to size one block from (K and V of every attention "
+    "layer), instead of --page-bytes.",
 )
 @click.option(
     "--eviction",
@@ -134,13 +187,26 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int], None]:
     help="Also write each run as a trace in this directory (replay run replays it to the "
     "same hits).",
 )
+@click.option(
+    "--sample",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="Replay this fraction of the sessions (a deterministic sample: a session is kept "
+    "by a digest of its first own hash) against the same fraction of each capacity; the "
+    "sweep file says so.",
+)
 @count_option("--jobs", least=1, most=1024, help="Runs in parallel (default: the number of cores).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no table.")
 def whatif(
     trace: Path,
+    capacity: str | None,
     capacity_blocks: str | None,
     capacity_bytes: str | None,
+    points: int | None,
+    low: str | None,
+    high: str | None,
     page_bytes: str | None,
+    model_config: Path | None,
     evictions: tuple[str, ...],
     cache: str | None,
     policy: str,
@@ -148,6 +214,7 @@ def whatif(
     max_num_batched_tokens: int,
     output: Path,
     emit_traces: Path | None,
+    sample: float | None,
     jobs: int | None,
     quiet: bool,
 ) -> None:
@@ -157,61 +224,87 @@ def whatif(
     hit from the simulated cache, then leaves behind the stores vLLM would
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
-    eviction) to OUTPUT; `replay report OUTPUT` charts it."""
+    eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
+    per-request hit-ratio percentiles, and the unbounded cache's ceiling in
+    its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    writes the runs that finished (marked partial)."""
+    from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache
     from replay.format.paths import check_outputs, staged_outputs
     from replay.whatif.requests import load_requests
-    from replay.whatif.sizes import blocks_for_bytes, page_sizes
-    from replay.whatif.sweep import RunSpec, emit_path, sweep, write_sweep
+    from replay.whatif.sizes import block_bytes, page_sizes
+    from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep
 
-    if (capacity_blocks is None) == (capacity_bytes is None):
-        raise fail("give exactly one of --capacity-blocks and --capacity-bytes")
+    # Every number is parsed and every output checked before any work.
+    capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
     check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
-    # Every number is parsed before any work: a typo costs no sweep.
-    blocks = _capacities(capacity_blocks) if capacity_blocks is not None else None
-    byte_sizes = (
-        _byte_list(capacity_bytes, "--capacity-bytes") if capacity_bytes is not None else None
-    )
-    given_pages = _byte_list(page_bytes, "--page-bytes") if page_bytes is not None else None
     names = _names(evictions)
     retention = parse_retention(retention_interval)
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)
+    found = page_sizes(config, page_bytes, None if model_config is None else str(model_config))
+    pages, page_source = found if found is not None else (None, None)
+    unit = capacities[0].unit
+    if unit == "bytes" and pages is None:
+        raise fail(
+            f"capacity {capacities[0].text!r}: bytes need the groups' page sizes, which the "
+            "trace does not record: give --page-bytes (e.g. 2MiB, or one per group: "
+            "2MiB,512KiB) or --model-config config.json"
+        )
+    working_set = requests.working_set_blocks()
+    cost = block_bytes(pages) if pages is not None else None
     sizes: list[tuple[int, int | None]] = []
-    pages: tuple[int, ...] | None = None
-    if byte_sizes is not None:
-        pages = page_sizes(config, given_pages)
-        sizes = [(blocks_for_bytes(b, pages), b) for b in byte_sizes]
-    elif blocks is not None:
-        sizes = [(n, None) for n in blocks]
+    for c in capacities:
+        n = c.blocks(block_bytes=cost, working_set=working_set)
+        if unit == "bytes" and cache_name == "mooncake":
+            sizes.append((n, c.bytes))
+        else:
+            sizes.append((n, c.bytes if c.bytes is not None else (n * cost if cost else None)))
     run = functools.partial(
         RunSpec,
         cache=cache_name,
         policy=policy,
         retention_interval=retention,
         max_num_batched_tokens=max_num_batched_tokens,
-        page_bytes=pages,
+        page_bytes=pages if unit == "bytes" else None,
     )
-    specs = [run(eviction=e, capacity_blocks=n, capacity_bytes=b) for n, b in sizes for e in names]
-    # The emitted traces and the sweep file appear together or not at all.
+    sample_info: dict[str, object] | None = None
+    scale = 1.0
+    if sample is not None:
+        requests, sample_info = requests.sample(sample)
+        scale = sample
+        sample_info["capacities"] = (
+            f"each run simulates {sample:g} x its capacity on the sampled sessions "
+            "(spatial sampling); rows give the full trace's capacity"
+        )
+
+    def simulated(n: int, b: int | None) -> tuple[int, int | None]:
+        if scale == 1.0:
+            return n, b
+        return max(1, round(n * scale)), None if b is None else max(1, round(b * scale))
+
+    specs = [
+        run(eviction=e, capacity_blocks=sim_n, capacity_bytes=sim_b)
+        for n, b in sizes
+        for e in names
+        for sim_n, sim_b in [simulated(n, b)]
+    ]
+    given = [(n, b) for n, b in sizes for _ in names]
+    # The emitted traces and the sweep file appear together or not at all
+    # (a signal mid-sweep still writes the finished runs, marked partial).
     with staged_outputs() as stage:
         if emit_traces is not None:
             staging = stage.directory(emit_traces, "--emit-traces")
             specs = [dataclasses.replace(spec, emit=emit_path(staging, spec)) for spec in specs]
+        # The unbounded ceiling: a cache that never evicts (checked below).
+        room = requests.working_set_blocks() + 2 * requests.max_request_blocks() + 64
+        ceiling_spec = run(
+            eviction="lru", capacity_blocks=room, capacity_bytes=None, page_bytes=None
+        )
         started = time.perf_counter()
-        with progress_bar(quiet) as bar:
-            rows = sweep(
-                requests,
-                specs,
-                jobs=jobs or os.cpu_count() or 1,
-                progress=None if bar is None else _sweep_progress(bar),
-            )
-        from analysis.flags import sweep_flag_counts
-
-        rows = sweep_flag_counts(rows, config)
-        seconds = time.perf_counter() - started
-        meta = {
+        rows: dict[int, dict[str, Any]] = {}
+        meta: dict[str, Any] = {
             "version": 1,
             "trace": trace.name,
             "trace_config": config.to_json(),
@@ -220,11 +313,59 @@ def whatif(
             "retention_interval": retention,
             "max_num_batched_tokens": max_num_batched_tokens,
             "page_bytes": list(pages) if pages else None,
-            "seconds": seconds,
+            "page_bytes_source": page_source,
+            "block_bytes": cost,
+            "capacity_unit": unit,
+            "capacities": [c.text for c in capacities],
+            "working_set_blocks": working_set,
+            "sample": sample_info,
+            "ceiling": None,
+            "partial": False,
         }
-        write_sweep(stage.file(output), rows, meta)
+
+        def keep(k: int, row: dict[str, Any]) -> None:
+            if k < len(specs):
+                n, b = given[k]
+                # The run's facts judged: one count per flag kind.
+                counted = sweep_flag_counts([row], config)[0]
+                rows[k] = {**counted, "capacity_blocks": n, "capacity_bytes": b}
+            else:
+                meta["ceiling"] = {
+                    c: row[c]
+                    for c in ("capacity_blocks", "hit_ratio", "hit_tokens", "evicted_blocks")
+                } | {p: row[p] for p in PERCENTILE_COLUMNS}
+
+        def finished_rows() -> list[dict[str, Any]]:
+            return [rows[k] for k in sorted(rows)]
+
+        try:
+            with progress_bar(quiet) as bar:
+                sweep(
+                    requests,
+                    [*specs, ceiling_spec],
+                    jobs=jobs or os.cpu_count() or 1,
+                    progress=None if bar is None else _sweep_progress(bar),
+                    on_row=keep,
+                )
+        except BaseException:
+            # A signal (or an error) mid-sweep: keep the runs that finished.
+            if rows:
+                meta["partial"] = True
+                meta["seconds"] = time.perf_counter() - started
+                write_sweep(output, finished_rows(), meta)
+                click.echo(
+                    f"wrote {output}: partial, {len(rows)} of {len(specs)} runs finished", err=True
+                )
+            raise
+        ceiling = meta["ceiling"]
+        if ceiling is not None and ceiling["evicted_blocks"]:
+            meta["ceiling"] = None  # not unbounded after all: say nothing rather than a bound
+        seconds = time.perf_counter() - started
+        meta["seconds"] = seconds
+        out_rows = finished_rows()
+        write_sweep(stage.file(output), out_rows, meta)
     if quiet:
         return
-    for line in sweep_lines(trace, len(requests), meta, rows):
+    for line in sweep_lines(trace, len(requests), meta, out_rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({len(rows)} runs in {seconds:.1f} s)")
+    click.echo(f"wrote {output} ({len(out_rows)} runs in {seconds:.1f} s)")

@@ -287,16 +287,41 @@ def minimize_lines(
 def sweep_lines(
     trace: Path, lookups: int, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """``replay whatif``: one row per run of the sweep whose metadata is ``meta``."""
+    """``replay whatif``: one row per run of the sweep whose metadata is
+    ``meta`` (with the per-request hit-ratio percentiles when the runs have
+    them), then the unbounded ceiling and the sample, when there are."""
     lines = [
         f"{trace}: {lookups} lookups, {meta['cache']} cache, policy {meta['policy']}",
-        f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}",
+        f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}"
+        f" {'p50':>6} {'p90':>6} {'p99':>6}",
     ]
+
+    def pct(r: Mapping[str, Any], key: str) -> str:
+        value = r.get(key)
+        return f"{value:>6.1%}" if value is not None else f"{'-':>6}"
+
     lines += [
         f"{r['capacity_blocks']:>12,} {r['eviction']:8} {percent(r['hit_ratio']):>9} "
-        f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,}"
+        f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,} "
+        f"{pct(r, 'hit_ratio_p50')} {pct(r, 'hit_ratio_p90')} {pct(r, 'hit_ratio_p99')}"
         for r in rows
     ]
+    ceiling = meta.get("ceiling")
+    if ceiling:
+        lines.append(
+            f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, "
+            f"{ceiling['hit_tokens']:,} hit tokens (a cache of "
+            f"{ceiling['capacity_blocks']:,} blocks never evicts)"
+        )
+    sample = meta.get("sample")
+    if sample:
+        lines.append(
+            f"sample: {sample['sessions']:,} of {sample['sessions_total']:,} sessions, "
+            f"{sample['requests']:,} of {sample['requests_total']:,} requests "
+            f"({sample['fraction']:g}); {sample['capacities']}"
+        )
+    if meta.get("partial"):
+        lines.append("partial: interrupted before every run finished")
     return lines
 
 

@@ -18,6 +18,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.tracedir import open_trace
 from replay.rules.blockpool import NEVER
+from replay.whatif import kernel as whatif_kernel
 
 
 @dataclass(slots=True, kw_only=True)
@@ -41,6 +42,17 @@ class Requests:
     _after: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _now: int = field(default=-1, repr=False)
     _soon: dict[int, int] = field(default_factory=dict, repr=False)
+    _arrays: (
+        tuple[
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+        ]
+        | None
+    ) = field(default=None, repr=False)
+    #: distinct hashes the lookups name (None: every id of ``digests``)
+    distinct: int | None = None
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -51,6 +63,99 @@ class Requests:
         capacity gives the same run (and is simulated at this size)."""
         sizes = [g.block_size for g in self.config.groups]
         return 1 + sum((n + b - 1) // b + 1 for n in self.num_tokens for b in sizes)
+
+    def arrays(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]
+    ]:
+        """The kernel's view: ids, offsets, num_tokens, max_length (int64)."""
+        if self._arrays is None:
+            self._arrays = (
+                np.ascontiguousarray(self.ids, dtype=np.int64),
+                np.ascontiguousarray(self.offsets, dtype=np.int64),
+                np.asarray(self.num_tokens, dtype=np.int64),
+                np.asarray(self.max_length, dtype=np.int64),
+            )
+        return self._arrays
+
+    def working_set_blocks(self) -> int:
+        """The blocks an unbounded cache could hold: every distinct hash the
+        lookups name, once per KV-cache group (what ``10%`` is a tenth of)."""
+        distinct = len(self.digests) if self.distinct is None else self.distinct
+        return distinct * self.config.num_groups
+
+    def max_request_blocks(self) -> int:
+        """The blocks the longest prompt needs in every group."""
+        tokens = int(self.arrays()[2].max()) if len(self) else 0
+        bs = min(g.block_size for g in self.config.groups)
+        return -(-tokens // bs) * self.config.num_groups
+
+    def sample(self, fraction: float) -> tuple[Requests, dict[str, Any]]:
+        """A deterministic sample of the sessions: a request's session is the
+        first hash past the prefix every lookup shares (a conversation's first
+        own block; its later turns extend it), kept when a digest of that
+        hash's bytes falls below ``fraction``: the same sessions on every run
+        and machine, whatever the trace's order. (Requests with no hash of
+        their own past that prefix share one session.) Returns the sample and what
+        it holds."""
+        import hashlib
+
+        ids, offsets = self.ids, self.offsets
+        lengths = np.diff(offsets)
+        first = ids[offsets[0] : offsets[1]] if len(self) else ids[:0]
+        common = int(first.size)
+        for i in range(len(self)):
+            u = int(lengths[i])
+            row = ids[offsets[i] : offsets[i] + min(u, common)]
+            differ = np.flatnonzero(row != first[: row.size])
+            if differ.size:
+                common = int(differ[0])
+        limit = int(fraction * 2**64)
+        keep: list[int] = []
+        sessions: dict[bytes, bool] = {}
+        for i in range(len(self)):
+            u = int(lengths[i])
+            if u == 0:
+                key = self.request_id[i].encode()
+            else:
+                key = self.digests[int(ids[offsets[i] + min(common, u - 1)])].as_py()
+            kept = sessions.get(key)
+            if kept is None:
+                digest = hashlib.blake2b(key, digest_size=8).digest()
+                kept = sessions[key] = int.from_bytes(digest, "big") < limit
+            if kept:
+                keep.append(i)
+        if not keep:
+            raise ReplayError(
+                f"--sample {fraction:g} keeps none of the {len(sessions):,} sessions: sample more"
+            )
+        idx = np.asarray(keep, dtype=np.int64)
+        parts = [ids[offsets[i] : offsets[i + 1]] for i in keep]
+        new_ids = np.concatenate(parts) if parts else ids[:0]
+        new_offsets = np.concatenate([[0], np.cumsum(lengths[idx])]).astype(np.int64)
+        sub = Requests(
+            config=self.config,
+            path=self.path,
+            seq=[self.seq[i] for i in keep],
+            request_id=[self.request_id[i] for i in keep],
+            max_length=[self.max_length[i] for i in keep],
+            num_tokens=[self.num_tokens[i] for i in keep],
+            ts=[self.ts[i] for i in keep],
+            offsets=new_offsets,
+            ids=new_ids,
+            digests=self.digests,
+            distinct=int(np.unique(new_ids).size),
+        )
+        info = {
+            "fraction": fraction,
+            "sessions": sum(sessions.values()),
+            "sessions_total": len(sessions),
+            "requests": len(keep),
+            "requests_total": len(self),
+            "session_key": f"the first hash past the {common} shared by every lookup",
+        }
+        return sub, info
 
     def unit_ids(self, i: int) -> list[int]:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
@@ -104,20 +209,13 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
     ).filter(pl.col("kind") == "lookup")
     if frame.height == 0:
         raise ReplayError(f"{path}: no lookup rows, nothing to simulate")
-    hashes = frame.get_column("block_hashes")
-    lengths = hashes.list.len().to_numpy().astype(np.int64)
+    hashes = frame.get_column("block_hashes").rechunk().to_arrow()
+    if isinstance(hashes, pa.ChunkedArray):
+        hashes = hashes.combine_chunks()
+    lengths = np.diff(np.asarray(hashes.offsets, dtype=np.int64))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat = hashes.explode().drop_nulls()
-    # Dense ids in order of first appearance, by the exact bytes.
-    uniq = pl.DataFrame({"h": flat}).unique("h", keep="first", maintain_order=True)
-    digests = uniq.get_column("h")
-    ids = (
-        pl.DataFrame({"h": flat})
-        .join(uniq.with_row_index("id"), on="h", how="left", maintain_order="left")
-        .get_column("id")
-        .to_numpy()
-        .astype(np.int64)
-    )
+    # Dense ids in order of first appearance, by the exact bytes (compiled).
+    ids, digests = whatif_kernel.intern_hashes(hashes)
     max_length = frame.get_column("max_length").to_list()
     num_tokens = [
         n if n is not None else m + 1
@@ -148,5 +246,5 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
         ts=frame.get_column("ts").to_list(),
         offsets=offsets,
         ids=ids,
-        digests=digests.to_arrow(),
+        digests=digests,
     )

@@ -1,48 +1,61 @@
-"""Sizes for the what-if: the groups' page sizes and the blocks a byte capacity
-holds (byte counts a user types are parsed by ``replay.cli.options``)."""
+"""Sizes for the what-if: the groups' page sizes (from the trace, ``--page-bytes``
+or a model's config.json) and the blocks a byte capacity holds. The units
+themselves (``64GiB``, ``10k``, ``10%``) are parsed by ``replay.base.units``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.base.units import model_page_bytes, parse_bytes
 
 #: The largest page a group's block may take (1 TiB): a size beyond it is a typo.
 MAX_PAGE_BYTES = 1 << 40
 
+__all__ = ["block_bytes", "blocks_for_bytes", "page_sizes", "parse_bytes"]
 
-def page_sizes(config: TraceConfig, page_bytes: Sequence[int] | None) -> tuple[int, ...]:
-    """Per group, the bytes of one block (all of its layers): ``--page-bytes``
-    (one size for every group, or one per group, parsed by the command
-    line), else the trace's ``source.page_bytes`` (an integer, or one per
-    group)."""
-    if page_bytes is None:
-        source = config.source or {}
-        given = source.get("page_bytes")
+
+def page_sizes(
+    config: TraceConfig, page_bytes: str | None, model_config: str | None = None
+) -> tuple[tuple[int, ...], str] | None:
+    """Per group, the bytes of one block (all of its layers), and where they
+    came from: ``--page-bytes`` (one size for every group, or one per group,
+    comma-separated), else ``--model-config`` (a Hugging Face config.json),
+    else the trace's ``source.page_bytes`` (the vLLM plugin records them);
+    None when none says."""
+    if page_bytes is not None and model_config is not None:
+        raise ReplayError("give at most one of --page-bytes and --model-config")
+    if page_bytes is not None:
+        parts, origin = [p for p in page_bytes.split(",") if p.strip()], "--page-bytes"
+    elif model_config is not None:
+        import json
+
+        try:
+            data = json.loads(Path(model_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ReplayError(f"--model-config {model_config}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ReplayError(f"--model-config {model_config}: expected a JSON object")
+        page = model_page_bytes(data, config.groups[0].block_size, f"--model-config {model_config}")
+        parts, origin = [str(page)], f"--model-config {os.path.basename(model_config)}"
+    else:
+        given = (config.source or {}).get("page_bytes")
         if given is None:
-            raise ReplayError(
-                "--capacity-bytes needs the groups' page sizes: give --page-bytes "
-                "(e.g. 2MiB, or one size per group: 2MiB,512KiB)"
-            )
-        parts = given if isinstance(given, list) else [given]
-        for part in parts:
-            if type(part) is not int or not 1 <= part <= MAX_PAGE_BYTES:
-                raise ReplayError(
-                    f"source.page_bytes {part!r}: expected a whole number of bytes from 1 "
-                    f"to {MAX_PAGE_BYTES} (or give --page-bytes)"
-                )
-        page_bytes = parts
-    sizes = list(page_bytes)
-    if any(not 1 <= size <= MAX_PAGE_BYTES for size in sizes):
-        raise ReplayError(f"--page-bytes: a page is at most {MAX_PAGE_BYTES} bytes (1TiB)")
+            return None
+        parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
+        origin = "trace"
+    option = "--page-bytes" if origin != "trace" else "source.page_bytes"
+    sizes = [parse_bytes(p, option) for p in parts]
+    if any(size > MAX_PAGE_BYTES for size in sizes):
+        raise ReplayError(f"{option}: a page is at most {MAX_PAGE_BYTES} bytes (1TiB)")
     if len(sizes) == 1:
         sizes *= config.num_groups
     if len(sizes) != config.num_groups:
-        raise ReplayError(
-            f"--page-bytes: {len(sizes)} sizes for {config.num_groups} KV-cache groups"
-        )
-    return tuple(sizes)
+        raise ReplayError(f"{option}: {len(sizes)} sizes for {config.num_groups} KV-cache groups")
+    return tuple(sizes), origin
 
 
 def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
@@ -53,3 +66,9 @@ def blocks_for_bytes(capacity_bytes: int, pages: Sequence[int]) -> int:
     if blocks < 1:
         raise ReplayError(f"{capacity_bytes} bytes hold no block of {max(pages)} bytes")
     return blocks
+
+
+def block_bytes(pages: Sequence[int]) -> int:
+    """What one block of a capacity costs: the largest page (the gpu pool
+    gives every group one page size)."""
+    return max(pages)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -39,6 +40,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import polars as pl
 import pyarrow as pa
 
@@ -58,11 +61,33 @@ from replay.rules.coordinator.finders import block_view
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.whatif import kernel as whatif_kernel
 from replay.whatif.requests import Requests
 
+PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
+
+
+def hit_ratio_percentiles(
+    hits: npt.NDArray[np.int64], num_tokens: npt.NDArray[np.int64]
+) -> dict[str, float]:
+    """Per request, hit tokens over prompt tokens (a request not admitted or
+    preempted hit nothing): its 50th, 90th and 99th percentiles (the lower
+    of two neighbours: a value some request had)."""
+    if hits.size == 0:
+        return dict.fromkeys(PERCENTILE_COLUMNS, 0.0)
+    ratios = np.where(hits > 0, hits, 0) / np.maximum(num_tokens, 1)
+    values = np.percentile(ratios, [50, 90, 99], method="lower")
+    return {c: float(v) for c, v in zip(PERCENTILE_COLUMNS, values, strict=True)}
+
+
+_RATIO_AT = SWEEP_BASE_COLUMNS.index("hit_ratio") + 1
 #: The columns the sweep writes itself; the face adds one count per flag,
 #: from each run's facts (``analysis.flags.sweep_flag_counts``).
-SWEEP_COLUMNS = SWEEP_BASE_COLUMNS
+SWEEP_COLUMNS = (
+    *SWEEP_BASE_COLUMNS[:_RATIO_AT],
+    *PERCENTILE_COLUMNS,
+    *SWEEP_BASE_COLUMNS[_RATIO_AT:],
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,19 +168,32 @@ class _Log:
                 writer.write_rows([{"seq": k + n, **row} for n, row in enumerate(chunk)])
 
 
-def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``) and, under
-    ``facts``, every lookup's answer and facts as results columns (the
+def simulate(
+    requests: Requests,
+    spec: RunSpec,
+    *,
+    compiled: bool = True,
+    control: npt.NDArray[np.int64] | None = None,
+) -> dict[str, Any]:
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``), under
+    ``facts`` every lookup's answer and facts as results columns (the
     analyses count the flags from them: the what-if never imports its
-    judge); with ``spec.emit``, the run written there as a trace."""
+    judge) and under ``_hits`` per request its hit tokens (-1 not admitted,
+    -2 preempted); with ``spec.emit``, the run written there as a trace.
+    The gpu cache runs compiled (``replay.whatif.kernel``) unless
+    ``compiled`` is False, a trace is emitted or the configuration is one
+    it does not cover."""
     started = time.perf_counter()
     config = requests.config
+    if compiled and runs_compiled(requests, spec):
+        return _simulate_compiled(requests, spec, started, control)
     log = _Log(requests) if spec.emit else None
     on_key = log.key if log is not None else None
     fact_rules = FactRules(config, spec.cache)
     facts = _Facts()
     hit_tokens = prompt_tokens = not_admitted = preempted = 0
     hbs = config.hash_block_size
+    per_request = np.zeros(len(requests), dtype=np.int64)
 
     def next_use(key: Hashable, now: int) -> int:
         return requests.next_use(key, now)
@@ -207,10 +245,13 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
                 log.lookup(i, outcome.hit_tokens)
             if not result.admitted:
                 not_admitted += 1
+                per_request[i] = whatif_kernel.NOT_ADMITTED
             elif not result.completed:
                 preempted += 1
+                per_request[i] = whatif_kernel.PREEMPTED
             else:
                 hit_tokens += result.hit_tokens
+                per_request[i] = result.hit_tokens
         else:
             assert store is not None
             store.order.now = i
@@ -225,6 +266,7 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
             if log is not None:
                 log.lookup(i, hit)
             hit_tokens += hit
+            per_request[i] = hit
             for gid, (g, go) in enumerate(zip(config.groups, outcome.groups, strict=True)):
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
                 for j in range(go.mask_blocks - go.loaded_blocks, go.mask_blocks):
@@ -265,7 +307,9 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
         "not_admitted": not_admitted,
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
+        **hit_ratio_percentiles(per_request, requests.arrays()[2]),
         "facts": facts.frame(fact_rules.alignment),
+        "_hits": per_request,
     }
 
 
@@ -318,6 +362,124 @@ class _Facts:
         )
 
 
+class Stopped(Exception):
+    """A compiled run was asked to stop before its last request."""
+
+
+def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
+    """Whether ``simulate`` runs ``spec`` compiled."""
+    return (
+        spec.emit is None
+        and spec.cache == "gpu"
+        and whatif_kernel.supported(requests.config, "gpu") is None
+    )
+
+
+def run_hits(
+    requests: Requests, spec: RunSpec, control: npt.NDArray[np.int64] | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+    """The compiled gpu run: per request its hit tokens (or
+    ``whatif_kernel.NOT_ADMITTED`` / ``PREEMPTED``), its facts (the
+    kernel's ``FACT_*`` columns) and the evicted cached blocks."""
+    config = requests.config
+    k = whatif_kernel.compile_config(
+        config,
+        spec.policy,
+        spec.store_policy(),
+        spec.eviction,
+        # A pool its requests cannot fill never evicts: simulated at what they fill.
+        min(spec.capacity_blocks, requests.useful_blocks()),
+        len(requests.digests),
+    )
+    if spec.eviction == "belady":
+        uses, starts = requests._future()
+    else:
+        uses = starts = np.zeros(1, dtype=np.int64)
+    hits = np.zeros(len(requests), dtype=np.int64)
+    width = whatif_kernel.FACT_GROUPS + whatif_kernel.FACT_WIDTH * config.num_groups
+    facts = np.zeros((len(requests), width), dtype=np.int64)
+    stats = np.zeros(2, dtype=np.int64)
+    arrays = requests.arrays()
+    if control is None:
+        control = np.zeros(2, dtype=np.int64)
+    bad = whatif_kernel.run_gpu(
+        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, facts, stats, control
+    )
+    if bad == whatif_kernel.STOPPED:
+        raise Stopped
+    if bad >= 0:
+        raise ReplayError(f"cannot get the free blocks for seq {requests.seq[bad]}'s prefill")
+    return hits, facts, int(stats[0])
+
+
+def facts_frame(requests: Requests, facts: npt.NDArray[np.int64], alignment: int) -> pl.DataFrame:
+    """The kernel's facts as the results columns ``_Facts.frame`` writes."""
+    groups = requests.config.num_groups
+    n = len(requests)
+
+    def column(g: int, k: int, dtype: Any) -> pl.Expr:
+        values = facts[:, whatif_kernel.FACT_GROUPS + whatif_kernel.FACT_WIDTH * g + k]
+        s = pl.Series(f"g{g}_{k}", values)
+        return pl.when(s >= 0).then(s).otherwise(None).cast(dtype)
+
+    def per_group(k: int, dtype: Any) -> pl.Expr:
+        return pl.concat_list([column(g, k, dtype) for g in range(groups)])
+
+    attention = pl.Series(facts[:, whatif_kernel.FACT_ATTENTION])
+    base = pl.DataFrame(
+        {
+            "max_length": np.asarray(requests.max_length, dtype=np.int64),
+            "hit_tokens": facts[:, whatif_kernel.FACT_HIT],
+        }
+    )
+    return base.select(
+        "max_length",
+        "hit_tokens",
+        per_group(0, pl.Int32).alias("mask_blocks"),
+        per_group(1, pl.Int64).alias("group_state_tokens"),
+        pl.when(pl.lit(attention) >= 0)
+        .then(pl.lit(attention))
+        .otherwise(None)
+        .cast(pl.Int64)
+        .alias("attention_tokens"),
+        per_group(2, pl.Int32).alias("first_absent_block"),
+        per_group(3, pl.Int8).cast(pl.List(pl.Boolean)).alias("eagle_unit_present"),
+        pl.lit(None, dtype=pl.Int64).alias("observed_hit_tokens"),
+        pl.lit(alignment, dtype=pl.Int64).alias("hit_alignment"),
+    ).head(n)
+
+
+def _simulate_compiled(
+    requests: Requests,
+    spec: RunSpec,
+    started: float,
+    control: npt.NDArray[np.int64] | None = None,
+) -> dict[str, Any]:
+    hits, facts, evicted = run_hits(requests, spec, control)
+    served = hits >= 0
+    prompt_tokens = int(requests.arrays()[2].sum())
+    hit_tokens = int(hits[served].sum())
+    alignment = FactRules(requests.config, spec.cache).alignment
+    return {
+        "capacity_blocks": spec.capacity_blocks,
+        "capacity_bytes": spec.capacity_bytes,
+        "eviction": spec.eviction,
+        "cache": spec.cache,
+        "policy": spec.policy,
+        "lookups": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "hit_ratio": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_blocks": evicted,
+        "not_admitted": int((hits == whatif_kernel.NOT_ADMITTED).sum()),
+        "preempted": int((hits == whatif_kernel.PREEMPTED).sum()),
+        "seconds": time.perf_counter() - started,
+        **hit_ratio_percentiles(hits, requests.arrays()[2]),
+        "facts": facts_frame(requests, facts, alignment),
+        "_hits": hits,
+    }
+
+
 #: A worker's copy of the sweep's requests, sent once when it starts.
 _LOADED: Requests | None = None
 
@@ -360,28 +522,101 @@ def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
             raise ReplayError(f"{requests.path}: {exc}") from None
 
 
+#: ``progress(requests_done, requests_total, runs_done, runs_total)``
+SweepProgress = Callable[[int, int, int, int], None]
+
+
 def sweep(
     requests: Requests,
     specs: Sequence[RunSpec],
     *,
     jobs: int = 1,
-    progress: Callable[[int, int], None] | None = None,
+    progress: SweepProgress | None = None,
+    on_row: Callable[[int, dict[str, Any]], None] | None = None,
+    poll: float = 0.2,
 ) -> list[dict[str, Any]]:
-    """Every run, in ``specs`` order; ``jobs`` > 1 runs them in worker
-    processes, each sent the requests once. Spawned, not forked: a fork of
-    a process whose Arrow or numba threads hold a lock can hang the child."""
+    """Every run, in ``specs`` order. Compiled runs go ``jobs`` at a time on
+    threads (the kernel holds no GIL), reporting each request done; the
+    others in ``jobs`` worker processes, each sent the requests once
+    (spawned, not forked: a fork of a process whose Arrow or numba threads
+    hold a lock can hang the child). ``on_row(k, row)`` hears of each run
+    as it finishes; on a signal (any ``BaseException``) the compiled runs
+    still going are stopped at their next request and the exception goes on,
+    so a caller can keep the runs ``on_row`` heard of."""
     check_specs(requests, specs)
     rows: list[dict[str, Any] | None] = [None] * len(specs)
-    done = 0
-    if progress is not None:
-        progress(0, len(specs))
     jobs = max(1, min(jobs, len(specs)))
+    n = len(requests)
+    total = n * len(specs)
+
+    def finished(k: int, row: dict[str, Any]) -> None:
+        rows[k] = row
+        if on_row is not None:
+            on_row(k, row)
+
+    if all(runs_compiled(requests, spec) for spec in specs):
+        # Plain threads and a sleeping main thread: a signal raised in the
+        # main thread never interrupts a lock that a worker needs next.
+        controls = [np.zeros(2, dtype=np.int64) for _ in specs]
+        todo = list(range(len(specs)))[::-1]
+        results: dict[int, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    k = todo.pop()
+                try:
+                    row = simulate(requests, specs[k], control=controls[k])
+                except Stopped:
+                    return
+                except BaseException as exc:  # handed to the main thread
+                    with lock:
+                        errors.append(exc)
+                    return
+                with lock:
+                    results[k] = row
+
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+        reported: set[int] = set()
+        try:
+            for t in threads:
+                t.start()
+            while True:
+                alive = any(t.is_alive() for t in threads)
+                with lock:
+                    ready = [k for k in results if k not in reported]
+                for k in sorted(ready):
+                    reported.add(k)
+                    finished(k, results[k])
+                if errors:
+                    raise errors[0]
+                if progress is not None:
+                    progress(sum(int(c[0]) for c in controls), total, len(reported), len(specs))
+                if not alive:
+                    break
+                time.sleep(poll)
+        except BaseException:
+            for control in controls:
+                control[1] = 1
+            with lock:
+                todo.clear()
+            for t in threads:
+                t.join()
+            raise
+        return [r for r in rows if r is not None]
+    if progress is not None:
+        progress(0, total, 0, len(specs))
+    done_runs = 0
     if jobs == 1:
         for k, spec in enumerate(specs):
-            rows[k] = simulate(requests, spec)
-            done += 1
+            finished(k, simulate(requests, spec))
+            done_runs += 1
             if progress is not None:
-                progress(done, len(specs))
+                progress(done_runs * n, total, done_runs, len(specs))
     else:
         pool = ProcessPoolExecutor(
             max_workers=jobs,
@@ -392,10 +627,10 @@ def sweep(
         try:
             futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
             for future in as_completed(futures):
-                rows[futures[future]] = future.result()
-                done += 1
+                finished(futures[future], future.result())
+                done_runs += 1
                 if progress is not None:
-                    progress(done, len(specs))
+                    progress(done_runs * n, total, done_runs, len(specs))
         except BaseException:
             # An error or a signal: the workers end now, quietly, before the
             # caller removes what they were writing.
@@ -429,12 +664,17 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "prompt_tokens": pl.Int64,
         "hit_tokens": pl.Int64,
         "hit_ratio": pl.Float64,
+        "hit_ratio_p50": pl.Float64,
+        "hit_ratio_p90": pl.Float64,
+        "hit_ratio_p99": pl.Float64,
         "evicted_blocks": pl.Int64,
         "not_admitted": pl.Int64,
         "preempted": pl.Int64,
         "seconds": pl.Float64,
     }
-    counts = [c for c in (rows[0] if rows else {}) if c not in schema and c != "facts"]
+    counts = [
+        c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
+    ]
     schema.update(dict.fromkeys(counts, pl.Int64))
     return pl.DataFrame([{c: r[c] for c in schema} for r in rows], schema=schema)
 
