@@ -14,6 +14,7 @@ from replay.spec import TraceConfig
 from replay.store import LookupEvent
 
 if TYPE_CHECKING:
+    from replay.expectations import Run, Verdict
     from replay.sources.stream import RecordSummary
 
 
@@ -339,3 +340,53 @@ def record_summary_text(s: RecordSummary) -> str:
     if s.skipped:
         parts.append(f"{s.skipped} malformed skipped")
     return ", ".join(parts)
+
+
+# --- replay test -------------------------------------------------------------
+
+
+def _verdict_word(v: Verdict) -> str:
+    return "skipped" if v.skipped is not None else ("FAILED" if v.failed else "ok")
+
+
+def test_progress_line(
+    done: int, total: int, path: Path, verdicts: Sequence[Verdict], seconds: float
+) -> str:
+    """``[3/12] issue-43559.parquet: vllm-0.33/gpu ok, ... (0.4 s)``."""
+    checked = [v for v in verdicts if v.skipped is None]
+    parts = [f"{v.policy}/{v.cache} {_verdict_word(v)}" for v in checked]
+    skipped = len(verdicts) - len(checked)
+    if skipped:
+        parts.append(f"{skipped} skipped")
+    return (
+        f"[{done}/{total}] {path.name}: {', '.join(parts) or 'nothing to check'} ({seconds:.1f} s)"
+    )
+
+
+def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
+    """Per failing expectation: the trace, policy and cache, what did not
+    hold, and the explain text of the first lookup that differs."""
+    out: list[str] = []
+    for v in failed:
+        out += [
+            f"FAILED {v.trace.name} under policy {v.policy} in the {v.cache} cache:",
+            *(f"  {p}" for p in v.problems),
+            *v.explained,
+            "",
+        ]
+    return out
+
+
+def test_summary_line(run: Run, coordinator: str) -> str:
+    checked = run.checked
+    skipped = [v for v in run.verdicts if v.skipped is not None]
+    traces = len({v.trace for v in run.verdicts})
+    text = (
+        f"{len(checked) - len(run.failed)} passed, {len(run.failed)} failed, "
+        f"{len(skipped)} skipped: {len(run.verdicts)} expectations of {traces} traces "
+        f"through the {coordinator} coordinator in {run.seconds:.1f} s"
+    )
+    reasons = sorted({v.skipped for v in skipped if v.skipped})
+    if reasons:
+        text += " (" + "; ".join(reasons) + ")"
+    return text

@@ -21,13 +21,14 @@ from __future__ import annotations
 import click
 
 from replay import __version__
-from replay.cli import analysis, inspect, run, scale, sources, synth, whatif
+from replay.cli import analysis, guard, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
 
 # The sections of `replay --help`, in the order a user meets them.
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
+    ("Guard vLLM", (guard.test,)),
     ("Compare and report", (analysis.diff, analysis.report, whatif.whatif)),
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),
