@@ -33,6 +33,7 @@ hybrid.Coordinator.lookup_present = _never
 
 
 def _entries() -> list[tuple[str, dict[str, Any]]]:
+    """Every expectation of the corpus, with its trace's name."""
     return [(t.name, e) for t in TRACES for e in read_expectations(t) or []]
 
 
@@ -46,14 +47,20 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
     pytester.makeconftest(NEVER_HITS)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-rA")
     nothing = [
-        (name, e["policy"])
+        (name, e["policy"], e["cache"])
         for name, e in _entries()
         if e["hit_tokens"] == 0 and not any(e["group_hit_tokens"])
     ]
-    assert nothing == [("archetype-swa-mamba.parquet", "pre-32802")]
+    assert sorted(nothing) == [
+        ("archetype-swa-mamba.parquet", "pre-32802", "gpu"),
+        ("archetype-swa-mamba.parquet", "pre-32802", "mooncake"),
+    ]
     result.assert_outcomes(failed=len(_entries()) - len(nothing), passed=len(nothing))
     result.stdout.fnmatch_lines(
-        ["PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802]"]
+        [
+            "PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802-gpu]",
+            "PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802-mooncake]",
+        ]
     )
 
 
@@ -62,7 +69,14 @@ def test_the_regression_corpus_passes(pytester: pytest.Pytester) -> None:
         shutil.copy(trace, pytester.path / trace.name)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=len(_entries()))
-    assert len(_entries()) == 35  # every trace pins two or three policies
+    # Every trace pins each of its policies in both caches.
+    for trace in TRACES:
+        entries = read_expectations(trace) or []
+        policies = {e["policy"] for e in entries}
+        assert len(policies) >= 2, trace.name
+        assert sorted((e["policy"], e["cache"]) for e in entries) == sorted(
+            (p, c) for p in policies for c in ("gpu", "mooncake")
+        ), trace.name
 
 
 def test_failure_output_names_what_moved_and_explains_it(

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from replay.coordinator import CACHES, check_config
+from replay.errors import ConfigError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 from replay.trace import TraceReader, TraceSource, write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows
@@ -175,7 +177,10 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     built = []
     cases = {name: (hand_made_config(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
-    for name, (config, rows, expect, what) in cases.items():
+    for name, (config, rows, by_hand, what) in cases.items():
+        # The hand-written truths hold in both of vLLM's caches: each entry
+        # is pinned for every cache the configuration is valid for.
+        expect = [{**e, "cache": c} for c in valid_caches(config) for e in by_hand]
         for entry in expect:
             # One lookup per request in these traces: the total is their sum.
             entry["hit_tokens"] = sum(entry["hits"].values())
@@ -186,9 +191,15 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
         # rows are replayed from memory; the file is written once.
         draft = io.BytesIO()
         write_trace(draft, config, rows)
-        replayed = replayed_results(TraceReader(draft), [e["policy"] for e in expect])
+        replayed = replayed_results(TraceReader(draft), config)
         for entry in expect:
-            entry["group_hit_tokens"] = _group_totals(replayed[entry["policy"]].results)
+            result = replayed[(entry["policy"], entry["cache"])]
+            got = dict(
+                zip(result.results["request_id"], result.results["hit_tokens"], strict=True)
+            )
+            if any(got[r] != h for r, h in entry["hits"].items()):
+                raise SystemExit(f"{name}: {entry} does not replay in the {entry['cache']} cache")
+            entry["group_hit_tokens"] = _group_totals(result.results)
         write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         built.append((path.name, what, expect))
     return built
@@ -246,28 +257,50 @@ def _group_totals(results: Any) -> list[int]:
     return [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
 
 
-def replayed_results(trace: TraceSource, policies: Sequence[str]) -> dict[str, Any]:
-    """Each policy's ``ReplayResult``, from one fold of ``trace``."""
-    from replay.shard import replay_sharded
+def valid_caches(config: TraceConfig) -> list[str]:
+    """The caches (of vLLM's two) that can answer this configuration."""
+    out = []
+    for cache in CACHES:
+        try:
+            check_config(config, cache)
+        except ConfigError:
+            continue
+        out.append(cache)
+    return out
 
-    results = replay_sharded(trace, policies=list(dict.fromkeys(policies)))
-    return {r.policy: r for r in results}
+
+def replayed_results(
+    trace: TraceSource, config: TraceConfig, policies: Sequence[str] | None = None
+) -> dict[tuple[str, str], Any]:
+    """Each (policy, cache)'s ``ReplayResult``, every valid cache, from one
+    fold of ``trace``."""
+    from replay.answers import Answers, Variant
+    from replay.coordinator import POLICIES
+    from replay.shard import replay_answers
+
+    variants = [
+        Variant(policy=p, cache=c, coordinator="reference")
+        for p in (policies or list(POLICIES))
+        for c in valid_caches(config)
+    ]
+    results = replay_answers(trace, Answers(config, variants))
+    return {(r.policy, r.cache): r for r in results}
 
 
-def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
-    """Pin what the replay gives now, per policy: flag counts, the total hit
+def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[str, Any]]:
+    """Pin what the replay gives now, per policy and cache: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts
-    from replay.coordinator import POLICIES
 
     out = []
-    for policy, result in replayed_results(trace, list(POLICIES)).items():
+    for (policy, cache), result in replayed_results(trace, config).items():
         res = result.results
         hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
         out.append(
             {
                 "policy": policy,
+                "cache": cache,
                 "flags": flag_counts(result.flags()),
                 "hit_tokens": int(res["hit_tokens"].sum()),
                 "group_hit_tokens": _group_totals(res),
@@ -291,7 +324,7 @@ def build_synth() -> list[tuple[str, str, list[dict[str, Any]]]]:
             raw = Path(tmp) / "raw.parquet"
             synth_trace(raw, **options)
             reader = TraceReader(raw)
-            expect = replayed_expectation(reader)
+            expect = replayed_expectation(reader, reader.config)
             write_trace(
                 path,
                 reader.config,
@@ -308,14 +341,29 @@ def _flags_text(entry: dict[str, Any]) -> str:
     return f"{text}; {entry['hit_tokens']} hit tokens"
 
 
+def _policy_cell(expect: list[dict[str, Any]], policy: str) -> str:
+    """One policy's pins: one text when both caches agree, else each cache's."""
+    texts = {e["cache"]: _flags_text(e) for e in expect if e["policy"] == policy}
+    if not texts:
+        return "(not pinned)"
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values())) + f" ({', '.join(sorted(texts))})"
+    return "; ".join(f"{c}: {t}" for c, t in sorted(texts.items()))
+
+
 def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
     lines = [
         "# Regression traces",
         "",
-        "Each trace here is a pytest test per policy (the `replay.pytest_plugin`",
-        "plugin): `pytest traces/`. Rebuild with `make traces`; the hand-made",
-        "expectations are written by hand in `build.py`, the synthetic ones pin the",
-        "replay at build time (review the diff of this table when they change).",
+        "Each trace here is a test per policy and cache: `replay test traces/` (or",
+        "`replay test` for the copy shipped in the package), `pytest traces/` (the",
+        "`replay.pytest_plugin` plugin); `--coordinator vllm` /",
+        "`--replay-coordinator vllm` checks the installed vLLM's answers instead.",
+        "Every trace pins both of vLLM's caches (`gpu`: the engine's prefix cache,",
+        "`mooncake`: the store's mirror) wherever its configuration is valid for",
+        "both. Rebuild with `make traces`; the hand-made expectations are written",
+        "by hand in `build.py` (and must replay in both caches), the synthetic ones",
+        "pin the replay at build time (review the diff of this table when they change).",
         "",
         "## The `expect` schema",
         "",
@@ -323,8 +371,9 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "",
         "```json",
         '{"expect": [',
-        '  {"policy": "vllm-0.33", "flags": {}},',
-        '  {"policy": "pre-49502", "flags": {"mamba_overrun": 1}, "hits": {"req-43559": 64}}',
+        '  {"policy": "vllm-0.33", "cache": "gpu", "flags": {}},',
+        '  {"policy": "pre-49502", "cache": "mooncake", "flags": {"mamba_overrun": 1},',
+        '   "hits": {"req-43559": 64}}',
         '], "pins": "what the trace is for"}',
         "```",
         "",
@@ -335,7 +384,8 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "  (tells a true zero hit from a coordinator that never hits).",
         "- `hits`: the replayed hit, in tokens, of each request (its last lookup); the",
         "  synthetic traces pin every request.",
-        "- `cache` (optional): the cache that answers; default the trace's `source.cache`.",
+        "- `cache`: the cache that answers (`gpu` or `mooncake`); when left out, the",
+        "  trace's `source.cache`.",
         "- Other keys (`pins`, `synth`, `minimized_from`) are notes for people.",
         "",
         "`replay minimize TRACE --request ID -o traces/NAME.parquet` writes a trace",
@@ -347,11 +397,7 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "|---|---|---|---|---|",
     ]
     for name, what, expect in built:
-        by = {e["policy"]: e for e in expect}
-        cells = [
-            _flags_text(by[p]) if p in by else "(not pinned)"
-            for p in ("vllm-0.33", "pre-49502", "pre-32802")
-        ]
+        cells = [_policy_cell(expect, p) for p in ("vllm-0.33", "pre-49502", "pre-32802")]
         lines.append(f"| `{name}` | {' | '.join(cells)} | {what} |")
     lines += [
         "",
