@@ -58,8 +58,8 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
     result.assert_outcomes(failed=len(_entries()) - len(nothing), passed=len(nothing))
     result.stdout.fnmatch_lines(
         [
-            "PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802-gpu]",
             "PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802-mooncake]",
+            "PASSED archetype-swa-mamba.parquet::archetype-swa-mamba[pre-32802-gpu]",
         ]
     )
 
