@@ -49,9 +49,9 @@ demo: $(STAMP)
 	@echo "open out/demo-report.html in a browser for the charts and every flagged request"
 
 lint: $(STAMP)
-	$(BIN)/ruff check replay analysis tests benchmarks traces
-	$(BIN)/ruff format --check replay analysis tests benchmarks traces
-	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
+	$(BIN)/ruff check replay analysis tests benchmarks traces mutants
+	$(BIN)/ruff format --check replay analysis tests benchmarks traces mutants
+	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks mutants
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -m "not vllm and not ray"
@@ -96,8 +96,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
 	touch $(VLLM_STAMP)
 
+# Then the regression corpus through the installed vLLM's own coordinators
+# (the pytest route, as a vLLM developer runs it on their branch).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/
 
 # The replay on a real two-node Ray cluster on this machine (the ray extra
 # goes into .venv; `make test` never needs it).

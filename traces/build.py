@@ -194,9 +194,7 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
         replayed = replayed_results(TraceReader(draft), config)
         for entry in expect:
             result = replayed[(entry["policy"], entry["cache"])]
-            got = dict(
-                zip(result.results["request_id"], result.results["hit_tokens"], strict=True)
-            )
+            got = dict(zip(result.results["request_id"], result.results["hit_tokens"], strict=True))
             if any(got[r] != h for r, h in entry["hits"].items()):
                 raise SystemExit(f"{name}: {entry} does not replay in the {entry['cache']} cache")
             entry["group_hit_tokens"] = _group_totals(result.results)
@@ -277,13 +275,14 @@ def replayed_results(
     from replay.answers import Answers, Variant
     from replay.coordinator import POLICIES
     from replay.shard import replay_answers
+    from replay.trace import open_trace
 
     variants = [
         Variant(policy=p, cache=c, coordinator="reference")
         for p in (policies or list(POLICIES))
         for c in valid_caches(config)
     ]
-    results = replay_answers(trace, Answers(config, variants))
+    results = replay_answers(open_trace(trace), Answers(config, variants))
     return {(r.policy, r.cache): r for r in results}
 
 
