@@ -347,6 +347,30 @@ class Run:
     def checked(self) -> list[Verdict]:
         return [v for v in self.verdicts if v.skipped is None]
 
+    def to_json(self, coordinator: str) -> dict[str, Any]:
+        """``replay test --json``: the counts and every expectation's outcome."""
+        skipped = len(self.verdicts) - len(self.checked)
+        return {
+            "coordinator": coordinator,
+            "passed": len(self.checked) - len(self.failed),
+            "failed": len(self.failed),
+            "skipped": skipped,
+            "seconds": round(self.seconds, 3),
+            "expectations": [
+                {
+                    "trace": str(v.trace),
+                    "policy": v.policy,
+                    "cache": v.cache,
+                    "status": "skipped"
+                    if v.skipped is not None
+                    else ("failed" if v.failed else "passed"),
+                    "problems": v.problems,
+                    "reason": v.skipped,
+                }
+                for v in self.verdicts
+            ],
+        }
+
 
 def run_traces(
     paths: Sequence[Path],

@@ -139,3 +139,94 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
             "request req-43559: expected hit 48, replayed 64",
         ]
     )
+
+
+# --- the installed vLLM, whatever it is: a moved API is one line, exit 2 ------
+
+MOVED = """
+import sys
+from mutants.loader import Mutant, install
+{setup}
+from replay.entry import main
+sys.argv = ["replay", "test", "--coordinator", "vllm", "--cache", {cache!r}, {trace!r}]
+main()
+"""
+
+RENAMED = """install(Mutant("moved", "vllm.v1.core.kv_cache_coordinator",
+    "def get_kv_cache_coordinator(", "def build_kv_cache_coordinator(", "renamed"))"""
+
+NEW_PARAMETER = """install(Mutant("param", "vllm.v1.core.kv_cache_coordinator",
+    "    allow_partial_hash_hits: bool = True,\\n) -> KVCacheCoordinator:",
+    "    allow_partial_hash_hits: bool = True,\\n    *,\\n    page_layout: str,\\n) -> KVCacheCoordinator:",
+    "a required parameter"))"""
+
+GONE_MODULE = """
+import importlib.abc
+class Gone(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Gone())
+"""
+
+
+def _moved(setup: str, cache: str) -> subprocess.CompletedProcess[str]:
+    script = MOVED.format(setup=setup, cache=cache, trace=str(ISSUE))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_a_moved_internal_api_is_one_line_naming_it() -> None:
+    from replay.backends.vllm import installed_vllm_version
+
+    version = installed_vllm_version()
+    cases = [
+        (
+            RENAMED,
+            "gpu",
+            f"error: --coordinator vllm: the installed vLLM {version} has no "
+            "`vllm.v1.core.kv_cache_coordinator.get_kv_cache_coordinator` "
+            "(its internal API moved; this backend needs it)",
+        ),
+        (
+            NEW_PARAMETER,
+            "gpu",
+            f"error: --coordinator vllm: the installed vLLM {version}'s "
+            "`vllm.v1.core.kv_cache_coordinator.get_kv_cache_coordinator` requires a "
+            "parameter `page_layout` this backend does not know (its internal API moved)",
+        ),
+        (
+            GONE_MODULE,
+            "mooncake",
+            f"error: --coordinator vllm: the installed vLLM {version} has no module "
+            "`vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator` "
+            "(its internal API moved; this backend needs "
+            "`vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator`)",
+        ),
+    ]
+    for setup, cache, message in cases:
+        got = _moved(setup, cache)
+        assert got.returncode == 2, got.stderr
+        assert got.stdout == ""
+        errors = [line for line in got.stderr.splitlines() if not line.startswith("[")]
+        assert errors == [message], got.stderr
+        assert "Traceback" not in got.stderr
+
+
+def test_the_installed_version_picks_the_policy() -> None:
+    from replay.backends.vllm import policy_for_vllm
+
+    assert policy_for_vllm("0.33.0") == "vllm-0.33"
+    assert policy_for_vllm("0.34.1.dev12+g1234abcd") == "vllm-0.33"  # an editable main
+    assert policy_for_vllm("1.0.0") == "vllm-0.33"
+    assert policy_for_vllm("0.32.2") is None
+    assert policy_for_vllm("0.26.0") is None
+    assert policy_for_vllm("unknown") is None

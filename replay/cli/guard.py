@@ -5,6 +5,7 @@ fails, 2 on bad input (or when nothing could be checked)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,7 +33,15 @@ from replay.coordinator import CACHES
     multiple=True,
     help="Check only the expectations of this cache (repeatable) [default: both].",
 )
-def test(paths: tuple[Path, ...], coordinator: str, caches: tuple[str, ...]) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object: every expectation's outcome and the counts.",
+)
+def test(
+    paths: tuple[Path, ...], coordinator: str, caches: tuple[str, ...], as_json: bool
+) -> None:
     """Check every expectation of the regression traces at PATH (files or
     directories; default: the corpus shipped with this package).
 
@@ -52,9 +61,12 @@ def test(paths: tuple[Path, ...], coordinator: str, caches: tuple[str, ...]) -> 
         click.echo(test_progress_line(done[0], total, path, verdicts, seconds), err=True)
 
     run = run_traces(traces, coordinator, caches or None, on_trace=progress)
-    for line in test_failure_lines(run.failed):
-        click.echo(line)
-    click.echo(test_summary_line(run, coordinator))
+    if as_json:
+        click.echo(json.dumps(run.to_json(coordinator)))
+    else:
+        for line in test_failure_lines(run.failed):
+            click.echo(line)
+        click.echo(test_summary_line(run, coordinator))
     if not run.checked:
         raise fail(
             "no expectation was checked: "
