@@ -72,7 +72,10 @@ LOOKUP_FUNCTIONS: dict[str, tuple[str, ...]] = {
 def _worker(
     mutant: str | None, out: Path, corpus: list[str], scenarios: int, coverage: Path | None
 ) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("REPLAY_MUTANT", None)
     if mutant:
         env["REPLAY_MUTANT"] = mutant
@@ -107,11 +110,7 @@ def _run_all(
 
 def _killed_traces(corpus: dict[str, Any]) -> list[str]:
     return sorted(
-        {
-            Path(e["trace"]).name
-            for e in corpus.get("expectations", [])
-            if e["status"] == "failed"
-        }
+        {Path(e["trace"]).name for e in corpus.get("expectations", []) if e["status"] == "failed"}
     )
 
 
@@ -141,9 +140,7 @@ def main() -> None:
     corpus = args.corpus or [str(ROOT / "traces")]
 
     started = time.perf_counter()
-    mutants: list[Mutant] = [
-        m for m in load_mutants() if args.only is None or m.name in args.only
-    ]
+    mutants: list[Mutant] = [m for m in load_mutants() if args.only is None or m.name in args.only]
     try:
         for m in mutants:
             check_applies(m)
@@ -183,16 +180,32 @@ def main() -> None:
         if m.equivalent:
             status = "equivalent"
             if differ or killed:
-                problems.append(f"{m.name}: listed as equivalent, yet {differ} random answers differ and it kills {killed}")
+                problems.append(
+                    f"{m.name}: listed as equivalent, yet {differ} random answers differ and it kills {killed}"
+                )
         elif killed:
             status = "killed"
         elif differ > 0:
             status = "SURVIVED"
-            problems.append(f"{m.name}: survives the corpus, yet changes {differ} random answers ({m.breaks})")
+            problems.append(
+                f"{m.name}: survives the corpus, yet changes {differ} random answers ({m.breaks})"
+            )
         else:
             status = "UNDETECTED"
-            problems.append(f"{m.name}: no random answer differs: list it as equivalent with the reason, or widen the generator")
-        rows.append({"name": m.name, "status": status, "killed_by": killed, "random_differ": differ, "note": note, "breaks": m.breaks, "equivalent": m.equivalent})
+            problems.append(
+                f"{m.name}: no random answer differs: list it as equivalent with the reason, or widen the generator"
+            )
+        rows.append(
+            {
+                "name": m.name,
+                "status": status,
+                "killed_by": killed,
+                "random_differ": differ,
+                "note": note,
+                "breaks": m.breaks,
+                "equivalent": m.equivalent,
+            }
+        )
 
     # The kill matrix: a column per trace, X where the trace kills the mutant.
     width = max(len(m.name) for m in mutants) if mutants else 10
@@ -206,7 +219,10 @@ def main() -> None:
         if row["killed_by"] and row["killed_by"][0].startswith("("):
             cells = row["killed_by"][0]
         print(f"{row['name']:<{width}}  {cells}  {row['random_differ']:>13}  {row['status']}")
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("killed", "equivalent", "SURVIVED", "UNDETECTED")}
+    counts = {
+        s: sum(r["status"] == s for r in rows)
+        for s in ("killed", "equivalent", "SURVIVED", "UNDETECTED")
+    }
     print()
     print(
         f"mutants: {len(rows)} in all, {counts['killed']} killed, {counts['equivalent']} equivalent, "
@@ -232,10 +248,22 @@ def main() -> None:
         if total:
             print(f"  {'all':<62} {covered:>3}/{total:<3} {100.0 * covered / total:5.1f}%")
     seconds = time.perf_counter() - started
-    print(f"\nmake mutants took {seconds:.0f} s; corpus run unmutated {base.get('corpus_seconds')} s (under coverage, vLLM import included)")
+    print(
+        f"\nmake mutants took {seconds:.0f} s; corpus run unmutated {base.get('corpus_seconds')} s (under coverage, vLLM import included)"
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"mutants": rows, "traces": traces, "seconds": seconds, "coverage": coverage and _coverage_rows(coverage)}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "mutants": rows,
+                    "traces": traces,
+                    "seconds": seconds,
+                    "coverage": coverage and _coverage_rows(coverage),
+                },
+                indent=1,
+            )
+        )
     for p in problems:
         print(f"problem: {p}", file=sys.stderr)
     sys.exit(1 if problems else 0)

@@ -56,9 +56,9 @@ def _random_answers(scenarios: int, seed: int) -> list[str]:
     coordinators, default policy, on seeded random configurations and
     stores; an exception is an answer too. The random stream never depends
     on an answer, so every run sees the same lookups."""
-    from replay.backends.vllm import VllmCoordinator
-    from replay.coordinator import check_config
-    from replay.errors import ConfigError
+    from replay.base.errors import ConfigError
+    from replay.format.backends.vllm import VllmCoordinator
+    from replay.rules.coordinator import check_config
     from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
 
     rng = random.Random(seed)

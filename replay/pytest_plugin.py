@@ -1,6 +1,6 @@
 """pytest plugin: every trace with an expectation becomes a test, per
 expectation (a policy and a cache). The schema and the checking live in
-``replay.expectations`` (``replay test`` runs the same checks).
+``analysis.expectations`` (``replay test`` runs the same checks).
 
 ``pytest traces/`` checks the expectations against this project's
 coordinator; ``pytest --replay-coordinator vllm traces/`` (or
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from replay.expectations import entry_label, entry_policy, read_expectations
+from analysis.expectations import entry_label, entry_policy, read_expectations
 
 __all__ = ["read_expectations"]
 
@@ -64,7 +64,7 @@ class TraceFile(pytest.File):
         match: str | None = None
         reason = ""
         if coordinator == "vllm":
-            from replay.backends.vllm import installed_policy
+            from replay.format.backends.vllm import installed_policy
 
             match, reason = installed_policy()
         for entry in read_expectations(self.path) or []:
@@ -93,7 +93,7 @@ class TraceItem(pytest.Item):
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from replay.expectations import check_trace
+        from analysis.expectations import check_trace
 
         verdicts = check_trace(self.path, self.coordinator, explained=EXPLAINED, only=self.entry)
         (verdict,) = verdicts

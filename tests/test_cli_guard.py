@@ -8,8 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from replay.expectations import corpus_dir, read_expectations
-from replay.trace import write_trace
+from analysis.expectations import corpus_dir, read_expectations
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 

@@ -19,14 +19,11 @@ Runs only where vLLM imports: ``make test-vllm``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -36,11 +33,12 @@ pytest.importorskip(
     reason="vLLM not importable: run make test-vllm",
 )
 
-from replay.backends.vllm import VllmCoordinator
-from replay.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.backends.vllm import VllmCoordinator
+from replay.rules.coordinator import Coordinator, LookupOutcome, build_spec_groups, check_config
 from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
+from tests.contracts.coordinator import CoordinatorContract
 
 pytestmark = pytest.mark.vllm
 
@@ -390,26 +388,13 @@ def test_vllm_coordinator_refuses_out_of_range_max_length() -> None:
     assert coord.lookup(hashes, 47, [set(hashes).__contains__]).hit_tokens == 32
 
 
-# --- the unit tests' exact expectations, through vLLM ------------------------
+# --- the coordinators' contract, through vLLM ------------------------------
 
 
-def _unit_tests() -> ModuleType:
-    path = Path(__file__).with_name("test_coordinator.py")
-    spec = importlib.util.spec_from_file_location("_coordinator_rules", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class TestVllmCoordinator(CoordinatorContract):
+    """Every outcome rule of the coordinators' contract, with vLLM's own
+    coordinator in place of the reference: the expectations there are
+    vLLM 0.33.0's answers."""
 
-
-UNIT = _unit_tests()
-
-
-@pytest.mark.parametrize("rule", UNIT.VLLM_CHECKED, ids=lambda t: t.__name__)
-def test_unit_expectations_hold_for_vllm(
-    rule: Callable[[], None], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every outcome-only rule test of test_coordinator.py, with vLLM's
-    coordinator in place of the reference."""
-    monkeypatch.setattr(UNIT, "BACKEND", VllmCoordinator)
-    rule()
+    def make(self, cfg: TraceConfig, policy: str) -> VllmCoordinator:
+        return VllmCoordinator(cfg, policy)

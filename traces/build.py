@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replay.coordinator import CACHES, check_config
-from replay.errors import ConfigError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import TraceReader, TraceSource, write_trace
+from replay.base.errors import ConfigError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.trace import TraceReader
+from replay.format.tracedir import TraceSource
+from replay.format.writer import write_trace
+from replay.rules.coordinator import CACHES, check_config
 from tests.builders import chain, full_mamba, issue_43559_rows
 
 HERE = Path(__file__).parent
@@ -272,25 +274,20 @@ def replayed_results(
 ) -> dict[tuple[str, str], Any]:
     """Each (policy, cache)'s ``ReplayResult``, every valid cache, from one
     fold of ``trace``."""
-    from replay.answers import Answers, Variant
-    from replay.coordinator import POLICIES
-    from replay.shard import replay_answers
-    from replay.trace import open_trace
+    from replay.engine.run import ReplayOptions, replay
+    from replay.rules.coordinator import POLICIES
 
-    variants = [
-        Variant(policy=p, cache=c, coordinator="reference")
-        for p in (policies or list(POLICIES))
-        for c in valid_caches(config)
-    ]
-    results = replay_answers(open_trace(trace), Answers(config, variants))
-    return {(r.policy, r.cache): r for r in results}
+    options = ReplayOptions(
+        policies=tuple(policies or POLICIES), caches=tuple(valid_caches(config))
+    )
+    return {(r.policy, r.cache): r for r in replay(trace, options)}
 
 
 def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[str, Any]]:
     """Pin what the replay gives now, per policy and cache: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
-    from analysis.flags import flag_counts
+    from analysis.flags import flag_counts, result_flags
 
     out = []
     for (policy, cache), result in replayed_results(trace, config).items():
@@ -300,7 +297,7 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
             {
                 "policy": policy,
                 "cache": cache,
-                "flags": flag_counts(result.flags()),
+                "flags": flag_counts(result_flags(result)),
                 "hit_tokens": int(res["hit_tokens"].sum()),
                 "group_hit_tokens": _group_totals(res),
                 "hits": hits,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from replay.answers import COORDINATORS
 from replay.cli.common import command, fail
-from replay.coordinator import CACHES
+from replay.engine.answers import COORDINATORS
+from replay.rules.coordinator import CACHES
 
 
 @command("test")
@@ -39,9 +39,7 @@ from replay.coordinator import CACHES
     is_flag=True,
     help="Print one JSON object: every expectation's outcome and the counts.",
 )
-def test(
-    paths: tuple[Path, ...], coordinator: str, caches: tuple[str, ...], as_json: bool
-) -> None:
+def test(paths: tuple[Path, ...], coordinator: str, caches: tuple[str, ...], as_json: bool) -> None:
     """Check every expectation of the regression traces at PATH (files or
     directories; default: the corpus shipped with this package).
 
@@ -49,8 +47,15 @@ def test(
     and the explain table of the first lookup that differs. One progress
     line per trace goes to stderr.
     """
-    from replay.expectations import Verdict, corpus_dir, expectation_traces, run_traces
-    from replay.render import test_failure_lines, test_progress_line, test_summary_line
+    from analysis.expectations import (
+        Verdict,
+        corpus_dir,
+        expectation_traces,
+        run_traces,
+        test_failure_lines,
+        test_progress_line,
+        test_summary_line,
+    )
 
     traces = expectation_traces(list(paths) or [corpus_dir()])
     total = len(traces)

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import click
 
-from analysis.flags import FLAG_KINDS, flag_lines
-from replay.answers import COORDINATORS, Progress, resolve_cache
+from analysis.flags import FLAG_KINDS, flag_lines, lookup_flags
+from analysis.summary import run_summary
 from replay.cli.common import command
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
-from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
-from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
-from replay.engine import explain_lookups, save_results
-from replay.render import (
+from replay.cli.scale import RAY, WORKERS, results_paths
+from replay.engine.answers import COORDINATORS, Progress, resolve_cache
+from replay.engine.replay import explain_lookups
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.tools.render import (
     check_lines,
     config_lines,
     explain_header,
@@ -27,7 +28,6 @@ from replay.render import (
     minimize_lines,
     run_summary_lines,
 )
-from replay.summary import run_summary
 
 
 def _given(name: str) -> bool:
@@ -131,16 +131,16 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import flag_counts, flag_examples
-    from replay.paths import check_outputs
+    from analysis.flags import flag_counts, flag_examples, flag_results, flags_table, save_results
+    from replay.engine.run import ReplayOptions, replay
+    from replay.format.paths import check_outputs
 
     policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
     with progress_bar(quiet or as_json) as bar:
-        results = replay_for_run(
-            trace,
+        options = ReplayOptions(
             policies=policies,
             caches=used,
             coordinator=coordinator,
@@ -149,9 +149,10 @@ def run(
             ray_address=ray_address,
             progress=None if bar is None else _replay_progress(bar),
         )
+        results = flag_results(replay(trace, options))
     summaries = []
     for result, out in zip(results, outs, strict=True):
-        flags = result.flags()
+        flags = flags_table(result.results)
         save_results(result, out)
         summary = run_summary(result, flag_counts(flags))
         summary["results"] = str(out)
@@ -186,16 +187,19 @@ def explain(
 ) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags."""
-    from replay.lookup_choice import choose_lookup
+    from replay.tools.lookup_choice import choose_lookup
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
     )
     chosen = choose_lookup(trace, request_id, [lk.seq for lk, _, _ in found], seq)
     used = resolve_cache(config, cache)
-    for lookup, outcome, flags in found:
+    for lookup, outcome, facts in found:
         if lookup.seq != chosen:
             continue
+        flags = lookup_flags(
+            config, used, outcome, facts, lookup.max_length, lookup.observed_hit_tokens
+        )
         click.echo(explain_header(config, lookup, policy, used))
         for line in config_lines(config, used):
             click.echo(line)
@@ -226,7 +230,8 @@ def check(
     PATH is a trace (replayed now, under --policy) or a results file of
     `replay run` (checked as it is, against its trace).
     """
-    from analysis.flags import check_path, flag_counts, flag_examples
+    from analysis.check import check_path
+    from analysis.flags import flag_counts, flag_examples
 
     flags, policy_used = check_path(
         path,
@@ -283,10 +288,13 @@ def minimize(
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
-    from replay.minimize import minimize as run_minimize
-    from replay.paths import check_outputs
+    from analysis.flags import add_flags
+    from replay.format.paths import check_outputs
+    from replay.tools.minimize import minimize as run_minimize
 
     check_outputs({"-o": output}, [trace])
-    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)
+    info = run_minimize(
+        trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq, judge=add_flags
+    )
     for line in minimize_lines(trace, output, info, request_id):
         click.echo(line)
