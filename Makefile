@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 SHARED ?= ../shared
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test lint pytest smoke test-vllm test-ray bench traces clean
+.PHONY: install demo test lint pytest smoke test-vllm test-ray bench traces clean mutants
 
 install: $(STAMP)
 
@@ -102,6 +102,13 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
 	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/
+
+# The kill matrix of the corpus against one-line mutants of the installed
+# vLLM's lookup path (mutants/vllm-0.33.toml), and its branch coverage of
+# that path; slow (vLLM loads once, a forked process per mutant), not in CI.
+mutants: $(VLLM_STAMP)
+	@mkdir -p out
+	$(VLLM_VENV)/bin/python -m mutants.matrix --json out/mutants.json
 
 # The replay on a real two-node Ray cluster on this machine (the ray extra
 # goes into .venv; `make test` never needs it).

@@ -69,43 +69,22 @@ LOOKUP_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _worker(
-    mutant: str | None, out: Path, corpus: list[str], scenarios: int, coverage: Path | None
-) -> subprocess.Popen[bytes]:
+def _run_worker(
+    mutants: list[str], outdir: Path, corpus: list[str], scenarios: int, jobs: int
+) -> None:
+    """One process imports vLLM once and forks a child per mutant."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("REPLAY_MUTANT", None)
-    if mutant:
-        env["REPLAY_MUTANT"] = mutant
-    cmd = [sys.executable, "-m", "mutants.worker", "--out", str(out), "--random", str(scenarios)]
+    cmd = [sys.executable, "-m", "mutants.worker", "--outdir", str(outdir)]
+    cmd += ["--random", str(scenarios), "--jobs", str(jobs)]
     for path in corpus:
         cmd += ["--corpus", path]
-    if coverage is not None:
-        cmd += ["--coverage", str(coverage)]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
-
-
-def _run_all(
-    jobs: list[tuple[str | None, Path, Path | None]],
-    corpus: list[str],
-    scenarios: int,
-    parallel: int,
-) -> None:
-    pending = list(jobs)
-    running: list[tuple[str | None, subprocess.Popen[bytes]]] = []
-    done = 0
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, out, cov = pending.pop(0)
-            running.append((name, _worker(name, out, corpus, scenarios, cov)))
-        time.sleep(0.2)
-        for entry in list(running):
-            if entry[1].poll() is not None:
-                running.remove(entry)
-                done += 1
-                print(f"[{done}/{len(jobs)}] {entry[0] or '(unmutated)'}", file=sys.stderr)
+    for name in mutants:
+        cmd += ["--mutant", name]
+    subprocess.run(cmd, env=env, cwd=ROOT, check=False)
 
 
 def _killed_traces(corpus: dict[str, Any]) -> list[str]:
@@ -133,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", action="append", default=None)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--random", type=int, default=2000, help="random configurations")
+    parser.add_argument("--random", type=int, default=1000, help="random scenarios")
     parser.add_argument("--only", action="append", default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the whole report here")
     args = parser.parse_args()
@@ -150,11 +129,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         tmpdir = Path(tmp)
-        jobs: list[tuple[str | None, Path, Path | None]] = [
-            (None, tmpdir / "base.json", tmpdir / "coverage.json")
-        ]
-        jobs += [(m.name, tmpdir / f"{m.name}.json", None) for m in mutants]
-        _run_all(jobs, corpus, args.random, max(1, args.jobs))
+        _run_worker([m.name for m in mutants], tmpdir, corpus, args.random, args.jobs)
         base = json.loads((tmpdir / "base.json").read_text())
         cov_path = tmpdir / "coverage.json"
         coverage = json.loads(cov_path.read_text()) if cov_path.exists() else None
@@ -169,14 +144,21 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for m in mutants:
         r = results[m.name]
+        scenarios: list[int] = []
         if r.get("error"):
             killed, differ, note = ["(vLLM fails to import)"], -1, r["error"]
         else:
             killed = _killed_traces(r["corpus"])
             if r["corpus"].get("exit") not in (0, 1):
                 killed = ["(replay test exit 2)"]
-            differ = sum(a != b for a, b in zip(base["random"], r["random"], strict=True))
+            differing = [
+                base["scenario"][i]
+                for i, (a, b) in enumerate(zip(base["random"], r["random"], strict=True))
+                if a != b
+            ]
+            differ = len(differing)
             note = ""
+            scenarios = sorted(set(differing))[:5]
         if m.equivalent:
             status = "equivalent"
             if differ or killed:
@@ -188,7 +170,8 @@ def main() -> None:
         elif differ > 0:
             status = "SURVIVED"
             problems.append(
-                f"{m.name}: survives the corpus, yet changes {differ} random answers ({m.breaks})"
+                f"{m.name}: survives the corpus, yet changes {differ} random answers "
+                f"(scenarios {scenarios}): {m.breaks}"
             )
         else:
             status = "UNDETECTED"
@@ -201,6 +184,7 @@ def main() -> None:
                 "status": status,
                 "killed_by": killed,
                 "random_differ": differ,
+                "scenarios": scenarios,
                 "note": note,
                 "breaks": m.breaks,
                 "equivalent": m.equivalent,

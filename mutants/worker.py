@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import os
-import random
 import sys
 import time
 import traceback
@@ -51,55 +50,33 @@ def _corpus(paths: list[str]) -> dict[str, Any]:
     return result
 
 
-def _random_answers(scenarios: int, seed: int) -> list[str]:
+def _random_answers(scenarios: int, seed: int) -> tuple[list[str], list[int]]:
     """Every answer (hit, masks, per-group hits, Mamba positions) of vLLM's
-    coordinators, default policy, on seeded random configurations and
-    stores; an exception is an answer too. The random stream never depends
-    on an answer, so every run sees the same lookups."""
-    from replay.base.errors import ConfigError
+    coordinators, default policy, on the seeded random scenarios
+    (``tests.builders.random_scenarios``), with the scenario of each; an
+    exception is an answer too."""
     from replay.format.backends.vllm import VllmCoordinator
-    from replay.rules.coordinator import check_config
-    from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
+    from tests.builders import random_scenarios
 
-    rng = random.Random(seed)
     answers: list[str] = []
-    done = 0
-    while done < scenarios:
-        try:
-            config = random_hybrid_config(rng)
-        except ConfigError:
-            continue
-        chain = random_chain(rng, config, 48)
-        valid = []
-        for cache in ("gpu", "mooncake"):
-            try:
-                check_config(config, cache)
-                valid.append(cache)
-            except ConfigError:
-                pass
-        if not valid:
-            continue
-        done += 1
+    where: list[int] = []
+    for scenario in random_scenarios(seed, scenarios):
         coords: dict[str, Any] = {}
-        for cache in valid:
+        for cache in scenario.caches:
             try:
-                coords[cache] = VllmCoordinator(config, "vllm-0.33", cache)
+                coords[cache] = VllmCoordinator(scenario.config, "vllm-0.33", cache)
             except Exception as exc:
                 coords[cache] = f"raise {type(exc).__name__}"
-        store: list[set[bytes]] = [set() for _ in config.groups]
-        for _ in range(LOOKUPS_PER_SCENARIO):
-            for _ in range(rng.randint(1, 3)):
-                mutate_store(rng, store, chain)
-            hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, len(chain))]
-            max_length = random_max_length(rng, config, len(hashes))
+        for store, hashes, max_length in scenario.steps:
             contains: list[Callable[[Hashable], bool]] = [s.__contains__ for s in store]
-            for cache in valid:
+            for cache in scenario.caches:
                 coord = coords[cache]
+                where.append(scenario.index)
                 if isinstance(coord, str):
                     answers.append(coord)
                     continue
                 try:
-                    o = coord.lookup(hashes, max_length, contains)
+                    o = coord.lookup(list(hashes), max_length, contains)
                     answers.append(
                         repr(
                             (
@@ -112,23 +89,23 @@ def _random_answers(scenarios: int, seed: int) -> list[str]:
                     )
                 except Exception as exc:
                     answers.append(f"raise {type(exc).__name__}")
-    return answers
+    return answers, where
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--corpus", action="append", default=[])
-    parser.add_argument("--random", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0x49502)
-    parser.add_argument("--coverage", type=Path, default=None)
-    args = parser.parse_args()
+#: What a child process drops before applying its mutant: vLLM's lookup
+#: modules (and the packages' modules that import them), imported afresh.
+PURGED = ("vllm.v1.core", "vllm.distributed.kv_transfer.kv_connector.v1.mooncake")
 
-    from mutants.loader import MutantError, install_from_env
 
-    report: dict[str, Any] = {"mutant": os.environ.get("REPLAY_MUTANT") or None}
+def _one(mutant: str | None, out: Path, args: argparse.Namespace, coverage_to: Path | None) -> None:
+    """In a forked child: forget the lookup modules, apply the mutant, run."""
+    from mutants.loader import MutantError, get_mutant, install
+
+    for name in [m for m in sys.modules if m.startswith(PURGED)]:
+        del sys.modules[name]
+    report: dict[str, Any] = {"mutant": mutant}
     cov = None
-    if args.coverage is not None:
+    if coverage_to is not None:
         import coverage
 
         cov = coverage.Coverage(
@@ -136,16 +113,17 @@ def main() -> None:
         )
         cov.start()
     try:
-        install_from_env()
+        if mutant:
+            install(get_mutant(mutant))
         t0 = time.perf_counter()
         report["corpus"] = _corpus(args.corpus)
         report["corpus_seconds"] = round(time.perf_counter() - t0, 2)
         if cov is not None:
             cov.stop()
-            cov.json_report(outfile=str(args.coverage), pretty_print=False)
+            cov.json_report(outfile=str(coverage_to), pretty_print=False)
             cov = None
         t0 = time.perf_counter()
-        report["random"] = _random_answers(args.random, args.seed)
+        report["random"], report["scenario"] = _random_answers(args.random, args.seed)
         report["random_seconds"] = round(time.perf_counter() - t0, 2)
     except MutantError as exc:
         report["error"] = str(exc)
@@ -154,8 +132,47 @@ def main() -> None:
     finally:
         if cov is not None:
             cov.stop()
-    args.out.write_text(json.dumps(report))
-    sys.exit(0)
+    out.write_text(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--outdir", required=True, type=Path)
+    parser.add_argument("--mutant", action="append", default=[])
+    parser.add_argument("--corpus", action="append", default=[])
+    parser.add_argument("--random", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0x49502)
+    parser.add_argument("--jobs", type=int, default=1)
+    args = parser.parse_args()
+
+    # vLLM and torch load once, here; each mutant runs in a forked child
+    # that re-imports only the lookup modules, mutated.
+    from replay.format.backends.vllm import VllmCoordinator
+    from tests.builders import random_scenarios
+
+    for scenario in random_scenarios(args.seed, 2):
+        for cache in scenario.caches:
+            VllmCoordinator(scenario.config, "vllm-0.33", cache)
+    _corpus(args.corpus)  # the compiled fold, warm before the first fork
+
+    jobs: list[tuple[str | None, Path, Path | None]] = [
+        (None, args.outdir / "base.json", args.outdir / "coverage.json")
+    ] + [(m, args.outdir / f"{m}.json", None) for m in args.mutant]
+    running: dict[int, str] = {}
+    done = 0
+    while jobs or running:
+        while jobs and len(running) < max(1, args.jobs):
+            name, out, cov = jobs.pop(0)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _one(name, out, args, cov)
+                finally:
+                    os._exit(0)
+            running[pid] = name or "(unmutated)"
+        pid, _status = os.wait()
+        done += 1
+        print(f"[{done}/{len(args.mutant) + 1}] {running.pop(pid)}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.format.writer import write_trace
 from replay.rules.coordinator import CACHES, check_config
-from tests.builders import chain, full_mamba, issue_43559_rows
+from tests.builders import Scenario, chain, full_mamba, issue_43559_rows, scenario_rows
 
 HERE = Path(__file__).parent
 
@@ -405,8 +406,107 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
     (HERE / "README.md").write_text("\n".join(lines))
 
 
+# Random scenarios of the mutants' judge (tests.builders.random_scenarios):
+# the engine-only shapes, chosen by what they hold, and the scenarios
+# `make mutants` found to tell a mutant apart that the corpus had missed.
+RANDOM_SEED = 0x49502
+
+
+def _partial(sc: Scenario) -> bool:
+    from replay.rules.coordinator import engine_derives_partial_hits
+
+    return "gpu" in sc.caches and engine_derives_partial_hits(sc.config)
+
+
+def _spec_groups(sc: Scenario) -> bool:
+    from replay.rules.coordinator import build_spec_groups
+
+    return "gpu" in sc.caches and len(build_spec_groups(sc.config, "gpu")) >= 3
+
+
+def _draft(sc: Scenario) -> bool:
+    return "gpu" in sc.caches and any((g.name or "").startswith("draft") for g in sc.config.groups)
+
+
+def _evictions(sc: Scenario) -> bool:
+    rows = scenario_rows(sc)
+    first = next(i for i, r in enumerate(rows) if r["kind"] == "lookup")
+    removes = sum(r["kind"] == "remove" for r in rows[first:])
+    hits = "gpu" in sc.caches and len(sc.config.groups) >= 2
+    return hits and removes >= 3
+
+
+ENGINE_SHAPES: dict[str, tuple[Any, str]] = {
+    "engine-partial-hits": (
+        _partial,
+        "the engine derives hash-unit partial hits (a Mamba block above the hash unit): hits "
+        "inside a block, the fine-grained EAGLE margin",
+    ),
+    "engine-spec-groups": (
+        _spec_groups,
+        "three or more spec groups: the fixed point's later passes",
+    ),
+    "engine-draft-shares-target": (
+        _draft,
+        "an EAGLE draft group with the target's full-attention spec: one spec group, the drop "
+        "decided for both",
+    ),
+    "engine-evictions-between-lookups": (
+        _evictions,
+        "blocks removed between lookups of one request's prefix: hits shrink and regrow",
+    ),
+}
+
+#: name -> (scenario index, what it pins): scenarios that tell a mutant apart.
+RANDOM: dict[str, tuple[int, str]] = {}
+
+
+def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
+    import io
+
+    from tests.builders import random_scenarios
+
+    wanted = {name: index for name, (index, _) in RANDOM.items()}
+    shapes = dict(ENGINE_SHAPES)
+    chosen: dict[str, Scenario] = {}
+    last = max(wanted.values(), default=0)
+    for sc in random_scenarios(RANDOM_SEED, 100_000):
+        for name, index in wanted.items():
+            if sc.index == index:
+                chosen[name] = sc
+        for name, (pick, _) in list(shapes.items()):
+            if pick(sc) and all(c.index != sc.index for c in chosen.values()):
+                chosen[name] = sc
+                del shapes[name]
+        if not shapes and sc.index >= last:
+            break
+    built = []
+    notes = {name: what for name, (_, what) in ENGINE_SHAPES.items()}
+    notes.update({name: what for name, (_, what) in RANDOM.items()})
+    for name in [*ENGINE_SHAPES, *RANDOM]:
+        sc = chosen[name]
+        rows = scenario_rows(sc)
+        config = replace(sc.config, source={"tool": "traces/build.py", "kind": "random"})
+        draft = io.BytesIO()
+        write_trace(draft, config, rows)
+        expect = replayed_expectation(TraceReader(draft), config)
+        what = notes[name]
+        write_trace(
+            HERE / f"{name}.parquet",
+            config,
+            rows,
+            expect={
+                "expect": expect,
+                "pins": what,
+                "random": {"seed": RANDOM_SEED, "scenario": sc.index},
+            },
+        )
+        built.append((f"{name}.parquet", what, expect))
+    return built
+
+
 def main() -> None:
-    built = build_hand_made() + build_synth()
+    built = build_hand_made() + build_synth() + build_random()
     for name, what, _ in built:
         print(f"wrote traces/{name}: {what}")
     write_readme(built)
