@@ -412,6 +412,24 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
 RANDOM_SEED = 0x49502
 
 
+def _hits_everywhere(sc: Scenario) -> bool:
+    """Every policy in every cache hits somewhere, in every group: a trace
+    whose answers are all zero cannot tell a coordinator that never hits."""
+    from replay.rules.coordinator import POLICIES, Coordinator
+
+    for cache in sc.caches:
+        for policy in POLICIES:
+            coord = Coordinator(sc.config, policy, cache)
+            per_group = [0] * len(sc.config.groups)
+            for store, hashes, max_length in sc.steps:
+                out = coord.lookup(list(hashes), max_length, [s.__contains__ for s in store])
+                for g in out.groups:
+                    per_group[g.group_id] += g.hit_tokens
+            if not all(per_group):
+                return False
+    return True
+
+
 def _partial(sc: Scenario) -> bool:
     from replay.rules.coordinator import engine_derives_partial_hits
 
@@ -475,7 +493,11 @@ def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
             if sc.index == index:
                 chosen[name] = sc
         for name, (pick, _) in list(shapes.items()):
-            if pick(sc) and all(c.index != sc.index for c in chosen.values()):
+            if (
+                pick(sc)
+                and all(c.index != sc.index for c in chosen.values())
+                and _hits_everywhere(sc)
+            ):
                 chosen[name] = sc
                 del shapes[name]
         if not shapes and sc.index >= last:
