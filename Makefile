@@ -72,7 +72,7 @@ smoke:
 	@# The files git would ship (committed or not, never ignored ones): a
 	@# stale build/ in the checkout cannot put a deleted module in the wheel.
 	git ls-files -z --cached --others --exclude-standard \
-	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp --parents "$$f" $(SMOKE)/src; done' sh
+	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(SMOKE)/src; done' sh
 	$(PYTHON) -m venv $(SMOKE)/venv
 	$(SMOKE_BIN)/pip install -q --upgrade pip
 	$(SMOKE_BIN)/pip install -q --only-binary=:all: $(SMOKE)/src
@@ -82,6 +82,8 @@ smoke:
 	cd $(SMOKE) && venv/bin/replay --version
 	cd $(SMOKE) && venv/bin/replay run $(CURDIR)/$(DEMO_TRACE) -o demo.results.parquet
 	cd $(SMOKE) && venv/bin/replay check demo.results.parquet
+	@# The regression corpus is package data: `replay test` with no path runs it.
+	cd $(SMOKE) && venv/bin/replay test 2>/dev/null | tail -1 | grep -q "passed, 0 failed, 0 skipped"
 	cd $(SMOKE) && venv/bin/python -c "from replay.format.results import read_results; from replay.format.tracedir import open_trace; \
 	  frame, info = read_results('demo.results.parquet'); \
 	  trace = open_trace('$(CURDIR)/$(DEMO_TRACE)').read_frame(['kind']); \

@@ -146,14 +146,18 @@ def main() -> None:
     args = parser.parse_args()
 
     # vLLM and torch load once, here; each mutant runs in a forked child
-    # that re-imports only the lookup modules, mutated.
-    from replay.format.backends.vllm import VllmCoordinator
-    from tests.builders import random_scenarios
+    # that re-imports only the lookup modules, mutated. Nothing runs here
+    # before the forks: a thread pool started in this process (polars,
+    # torch) would be dead in every child.
+    import importlib
 
-    for scenario in random_scenarios(args.seed, 2):
-        for cache in scenario.caches:
-            VllmCoordinator(scenario.config, "vllm-0.33", cache)
-    _corpus(args.corpus)  # the compiled fold, warm before the first fork
+    for name in (
+        "torch",
+        "vllm.v1.kv_cache_interface",
+        "vllm.v1.core.kv_cache_coordinator",
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator",
+    ):
+        importlib.import_module(name)
 
     jobs: list[tuple[str | None, Path, Path | None]] = [
         (None, args.outdir / "base.json", args.outdir / "coverage.json")

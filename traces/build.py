@@ -176,10 +176,58 @@ def spiral_32802() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     )
 
 
+def reverified_after_shrink() -> tuple[
+    TraceConfig, list[dict[str, Any]], list[dict[str, Any]], str
+]:
+    """A flagged sliding window (a draft's) beside an unflagged Mamba group,
+    EAGLE on. r1: the window drops at 96 and keeps 80; Mamba, without the
+    drop, shrinks the candidate to its state at 32, which clears the
+    window's verification; re-checked at 32 with the drop (margin 16, the
+    block at 32 absent) the window keeps only 16, and Mamba has no state at
+    16: no hit. A coordinator that keeps the verification across the
+    shrink re-checks the window at 32 without the drop and answers 32. r2:
+    everything stored, both agree on Mamba's state at 64."""
+    config = TraceConfig(
+        groups=(
+            GroupSpec(
+                kind=GroupKind.SLIDING_WINDOW,
+                block_size=16,
+                sliding_window=17,
+                is_eagle_group=True,
+                name="draft.swa",
+            ),
+            GroupSpec(kind=GroupKind.MAMBA, block_size=16, mamba_cache_mode="align", name="mamba"),
+        ),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+        source={"tool": "hand-made"},
+    )
+    hs = chain(6, "reverify")
+    rows: list[dict[str, Any]] = [
+        {"kind": "store", "group_id": 0, "block_hashes": [hs[i] for i in (0, 1, 4, 5)]},
+        {"kind": "store", "group_id": 1, "block_hashes": [hs[1]]},
+        {"kind": "lookup", "request_id": "r1", "block_hashes": hs, "max_length": 96},
+        {"kind": "store", "group_id": 0, "block_hashes": [hs[2], hs[3]]},
+        {"kind": "store", "group_id": 1, "block_hashes": [hs[3]]},
+        {"kind": "lookup", "request_id": "r2", "block_hashes": hs, "max_length": 96},
+    ]
+    expect = [
+        clean({"r1": 0, "r2": 64}),
+        {"policy": "pre-49502", "flags": {}, "hits": {"r1": 0, "r2": 64}},
+    ]
+    what = (
+        "an EAGLE verification is cleared when an unflagged group shrinks the candidate: the "
+        "flagged window is re-checked with the drop (r1: no hit, not 32)"
+    )
+    return config, rows, expect, what
+
+
 def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     built = []
     cases = {name: (hand_made_config(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
+    cases["eagle-reverified-after-shrink"] = reverified_after_shrink()
     for name, (config, rows, by_hand, what) in cases.items():
         # The hand-written truths hold in both of vLLM's caches: each entry
         # is pinned for every cache the configuration is valid for.
