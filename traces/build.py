@@ -526,6 +526,11 @@ ENGINE_SHAPES: dict[str, tuple[Any, str]] = {
 #: name -> (scenario index, what it pins): scenarios that tell a mutant apart.
 RANDOM: dict[str, tuple[int, str]] = {}
 
+#: Beside them, the first scenarios of the stream that hit in every group
+#: under every policy and cache, as they come: the mutants' random judge in
+#: small (each a few kilobytes, a fraction of a second through vLLM).
+RANDOM_BATCH = 24
+
 
 def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
     import io
@@ -536,7 +541,10 @@ def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
     shapes = dict(ENGINE_SHAPES)
     chosen: dict[str, Scenario] = {}
     last = max(wanted.values(), default=0)
+    batch: list[Scenario] = []
     for sc in random_scenarios(RANDOM_SEED, 100_000):
+        if len(batch) < RANDOM_BATCH and _hits_everywhere(sc):
+            batch.append(sc)
         for name, index in wanted.items():
             if sc.index == index:
                 chosen[name] = sc
@@ -548,12 +556,16 @@ def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
             ):
                 chosen[name] = sc
                 del shapes[name]
-        if not shapes and sc.index >= last:
+        if not shapes and sc.index >= last and len(batch) >= RANDOM_BATCH:
             break
     built = []
     notes = {name: what for name, (_, what) in ENGINE_SHAPES.items()}
     notes.update({name: what for name, (_, what) in RANDOM.items()})
-    for name in [*ENGINE_SHAPES, *RANDOM]:
+    for sc in batch:
+        name = f"random-{sc.index:04d}"
+        chosen.setdefault(name, sc)
+        notes[name] = f"random scenario {sc.index} of the mutants' judge (seed {RANDOM_SEED:#x})"
+    for name in [*ENGINE_SHAPES, *RANDOM, *(f"random-{sc.index:04d}" for sc in batch)]:
         sc = chosen[name]
         rows = scenario_rows(sc)
         config = replace(sc.config, source={"tool": "traces/build.py", "kind": "random"})
