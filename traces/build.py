@@ -524,7 +524,32 @@ ENGINE_SHAPES: dict[str, tuple[Any, str]] = {
 }
 
 #: name -> (scenario index, what it pins): scenarios that tell a mutant apart.
-RANDOM: dict[str, tuple[int, str]] = {}
+RANDOM: dict[str, tuple[int, str]] = {
+    "mutant-alignment": (
+        50,
+        "tells apart hits aligned to the scheduler block with partial hits on",
+    ),
+    "mutant-drop-every-call": (81, "tells apart the engine's EAGLE drop on every finder call"),
+    "mutant-merged-eagle-bit": (
+        25,
+        "tells apart a merged spec group that drops only when its first member is flagged",
+    ),
+    "mutant-final-trim": (1, "tells apart full-attention blocks loaded past the converged hit"),
+    "mutant-fine-grained-margin": (
+        412,
+        "tells apart a whole-block EAGLE margin under partial hits; a partial tail block trimmed by floor",
+    ),
+    "mutant-simple-hybrid-pass": (459, "tells apart a second pass of a simple hybrid"),
+    "mutant-mirror-drop-every-call": (
+        41,
+        "tells apart the mirror's EAGLE drop on every finder call",
+    ),
+    "mutant-window-widening": (
+        12,
+        "tells apart the mirror's window not widened by extra_retained_tokens",
+    ),
+    "mutant-trim-floor": (54, "tells apart full attention trimmed to floor(hit / block)"),
+}
 
 #: Beside them, the first scenarios of the stream that hit in every group
 #: under every policy and cache, as they come: the mutants' random judge in
