@@ -51,10 +51,12 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
         for name, e in _entries()
         if e["hit_tokens"] == 0 and not any(e["group_hit_tokens"])
     ]
-    assert sorted(nothing) == [
+    # Beside that one, only scenarios kept because a mutant gives a hit
+    # where the truth is none (traces/build.py RANDOM).
+    assert {n for n in nothing if not n[0].startswith("mutant-")} == {
         ("archetype-swa-mamba.parquet", "pre-32802", "gpu"),
         ("archetype-swa-mamba.parquet", "pre-32802", "mooncake"),
-    ]
+    }
     result.assert_outcomes(failed=len(_entries()) - len(nothing), passed=len(nothing))
     result.stdout.fnmatch_lines(
         [
