@@ -151,13 +151,13 @@ def main() -> None:
     # torch) would be dead in every child.
     import importlib
 
-    for name in (
+    for module in (
         "torch",
         "vllm.v1.kv_cache_interface",
         "vllm.v1.core.kv_cache_coordinator",
         "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator",
     ):
-        importlib.import_module(name)
+        importlib.import_module(module)
 
     jobs: list[tuple[str | None, Path, Path | None]] = [
         (None, args.outdir / "base.json", args.outdir / "coverage.json")
