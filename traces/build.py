@@ -549,6 +549,9 @@ RANDOM: dict[str, tuple[int, str]] = {
         "tells apart the mirror's window not widened by extra_retained_tokens",
     ),
     "mutant-trim-floor": (54, "tells apart full attention trimmed to floor(hit / block)"),
+    "mutant-chunk-start": (27, "tells apart short chunked-local lookups starting their chunk at 0"),
+    "mutant-mamba-alignment": (144, "tells apart a Mamba state whose end is not aligned"),
+    "mutant-window-blocks": (17, "tells apart a window that needs ceil(window / block) blocks"),
 }
 
 #: Beside them, the first scenarios of the stream that hit in every group
