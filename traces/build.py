@@ -552,6 +552,10 @@ RANDOM: dict[str, tuple[int, str]] = {
     "mutant-chunk-start": (27, "tells apart short chunked-local lookups starting their chunk at 0"),
     "mutant-mamba-alignment": (144, "tells apart a Mamba state whose end is not aligned"),
     "mutant-window-blocks": (17, "tells apart a window that needs ceil(window / block) blocks"),
+    "mutant-partial-hits-switch": (
+        71,
+        "tells apart partial hits turned on by a Mamba block equal to the hash unit",
+    ),
 }
 
 #: Beside them, the first scenarios of the stream that hit in every group
