@@ -12,7 +12,8 @@ A trace opts in with an Arrow metadata key ``replay.expect`` (JSON)::
 ``flags`` is the exact count of flagged lookups per flag kind (``{}``: clean);
 ``hit_tokens`` the total hit over every lookup; ``group_hit_tokens`` per
 group the total of that group's own finder hit; ``hits`` pins the replayed hit
-of named requests (the last lookup of each); ``cache`` picks the cache that
+of named requests (the last lookup of each); ``masks`` their load masks, per
+group ``[mask blocks, loaded blocks]``; ``cache`` picks the cache that
 answers (default: the trace's own). Any may be left out.
 
 One engine for both faces, ``replay test`` and the pytest plugin: every
@@ -148,6 +149,25 @@ def compare(entry: dict[str, Any], result: Any) -> tuple[list[str], list[str]]:
                 f"request {request_id}: expected hit {want_hit}, replayed {last[request_id]}"
             )
             differ.append(str(request_id))
+    masks = entry.get("masks") or {}
+    if masks:
+        got_masks = {
+            rid: [[m, n] for m, n in zip(mb, lb, strict=True)]
+            for rid, mb, lb in zip(
+                request_ids,
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                strict=True,
+            )
+        }
+        for request_id, want_masks in masks.items():
+            got_mask = got_masks.get(request_id)
+            if got_mask is not None and got_mask != want_masks:
+                wrong.append(
+                    f"request {request_id}: expected [mask, loaded] blocks per group "
+                    f"{want_masks}, replayed {got_mask}"
+                )
+                differ.append(str(request_id))
     flagged: list[str] = []
     if "flags" in entry:
         want = {k: int(v) for k, v in entry["flags"].items() if v}

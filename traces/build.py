@@ -342,6 +342,15 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
     for (policy, cache), result in replayed_results(trace, config).items():
         res = result.results
         hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
+        masks = {
+            rid: [[m, n] for m, n in zip(mb, lb, strict=True)]
+            for rid, mb, lb in zip(
+                res["request_id"].to_list(),
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                strict=True,
+            )
+        }
         out.append(
             {
                 "policy": policy,
@@ -350,6 +359,7 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
                 "hit_tokens": int(res["hit_tokens"].sum()),
                 "group_hit_tokens": _group_totals(res),
                 "hits": hits,
+                "masks": masks,
             }
         )
     return out
@@ -429,6 +439,8 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "  (tells a true zero hit from a coordinator that never hits).",
         "- `hits`: the replayed hit, in tokens, of each request (its last lookup); the",
         "  synthetic traces pin every request.",
+        "- `masks`: per request, each group's `[mask blocks, loaded blocks]` (the load",
+        "  mask a coordinator returns: a wrong mask loads the wrong KV at the right hit).",
         "- `cache`: the cache that answers (`gpu` or `mooncake`); when left out, the",
         "  trace's `source.cache`.",
         "- Other keys (`pins`, `synth`, `minimized_from`) are notes for people.",
