@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 SHARED ?= ../shared
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test test-slow lint pytest smoke test-vllm test-ray bench traces clean
+.PHONY: install demo test test-slow lint pytest smoke test-vllm test-ray bench traces clean mutants
 
 install: $(STAMP)
 
@@ -49,9 +49,9 @@ demo: $(STAMP)
 	@echo "open out/demo-report.html in a browser for the charts and every flagged request"
 
 lint: $(STAMP)
-	$(BIN)/ruff check replay analysis tests benchmarks traces
-	$(BIN)/ruff format --check replay analysis tests benchmarks traces
-	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
+	$(BIN)/ruff check replay analysis tests benchmarks traces mutants
+	$(BIN)/ruff format --check replay analysis tests benchmarks traces mutants
+	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks mutants
 	$(BIN)/lint-imports
 
 # `make test` is the quick loop (under 2 minutes on a 2-core machine): the
@@ -83,7 +83,7 @@ smoke:
 	@# The files git would ship (committed or not, never ignored ones): a
 	@# stale build/ in the checkout cannot put a deleted module in the wheel.
 	git ls-files -z --cached --others --exclude-standard \
-	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp --parents "$$f" $(SMOKE)/src; done' sh
+	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(SMOKE)/src; done' sh
 	$(PYTHON) -m venv $(SMOKE)/venv
 	$(SMOKE_BIN)/pip install -q --upgrade pip
 	$(SMOKE_BIN)/pip install -q --only-binary=:all: $(SMOKE)/src
@@ -93,6 +93,8 @@ smoke:
 	cd $(SMOKE) && venv/bin/replay --version
 	cd $(SMOKE) && venv/bin/replay run $(CURDIR)/$(DEMO_TRACE) -o demo.results.parquet
 	cd $(SMOKE) && venv/bin/replay check demo.results.parquet
+	@# The regression corpus is package data: `replay test` with no path runs it.
+	cd $(SMOKE) && venv/bin/replay test 2>/dev/null | tail -1 | grep -q "passed, 0 failed, 0 skipped"
 	cd $(SMOKE) && venv/bin/python -c "from replay.format.results import read_results; from replay.format.tracedir import open_trace; \
 	  frame, info = read_results('demo.results.parquet'); \
 	  trace = open_trace('$(CURDIR)/$(DEMO_TRACE)').read_frame(['kind']); \
@@ -108,8 +110,18 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
 	touch $(VLLM_STAMP)
 
+# Then the regression corpus through the installed vLLM's own coordinators
+# (the pytest route, as a vLLM developer runs it on their branch).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/
+
+# The kill matrix of the corpus against one-line mutants of the installed
+# vLLM's lookup path (mutants/vllm-0.33.toml), and its branch coverage of
+# that path; slow (vLLM loads once, a forked process per mutant), not in CI.
+mutants: $(VLLM_STAMP)
+	@mkdir -p out
+	$(VLLM_VENV)/bin/python -m mutants.matrix --json out/mutants.json
 
 # The replay on a real two-node Ray cluster on this machine (the ray extra
 # goes into .venv; `make test` never needs it).

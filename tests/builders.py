@@ -9,7 +9,7 @@ import hashlib
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -585,3 +585,77 @@ def replay_sharded(
         shards=shards,
     )
     return flag_results(replay(trace, options))
+
+
+# --- random lookup scenarios (the mutants' judge and the corpus's source) ----
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One random configuration and its lookups: before each, the store as
+    it stands (one set of present hash units per group); both of vLLM's
+    caches that accept the configuration answer every lookup."""
+
+    index: int
+    config: TraceConfig
+    caches: tuple[str, ...]
+    steps: tuple[tuple[tuple[frozenset[bytes], ...], tuple[bytes, ...], int], ...]
+
+
+def random_scenarios(seed: int, count: int, lookups: int = 8) -> Iterator[Scenario]:
+    """``count`` seeded scenarios, the differential tests' generator: random
+    hybrid configurations and, every other one, configurations with equal
+    specs flagged differently for EAGLE; stores, removes and clears between
+    lookups. The stream never depends on an answer, so scenario ``k`` of a
+    seed is always the same."""
+    rng = random.Random(seed)
+    index = 0
+    while index < count:
+        try:
+            config = random_hybrid_config(rng) if index % 2 == 0 else random_eagle_config(rng)
+        except ConfigError:
+            continue
+        caches = []
+        for cache in ("gpu", "mooncake"):
+            try:
+                check_config(config, cache)
+                caches.append(cache)
+            except ConfigError:
+                pass
+        if not caches:
+            continue
+        chain = random_chain(rng, config, 48)
+        store: list[set[bytes]] = [set() for _ in config.groups]
+        steps = []
+        for _ in range(lookups):
+            for _ in range(rng.randint(1, 3)):
+                mutate_store(rng, store, chain)
+            hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, len(chain))]
+            max_length = random_max_length(rng, config, len(hashes))
+            steps.append((tuple(frozenset(s) for s in store), tuple(hashes), max_length))
+        yield Scenario(index, config, tuple(caches), tuple(steps))
+        index += 1
+
+
+def scenario_rows(scenario: Scenario) -> list[dict[str, Any]]:
+    """The scenario as trace rows: before each lookup, the removes and stores
+    that turn the previous store into the one the lookup sees."""
+    rows: list[dict[str, Any]] = []
+    before: list[frozenset[bytes]] = [frozenset() for _ in scenario.config.groups]
+    for n, (store, hashes, max_length) in enumerate(scenario.steps):
+        for gid, (old, new) in enumerate(zip(before, store, strict=True)):
+            if old - new:
+                rows.append({"kind": "remove", "group_id": gid, "block_hashes": sorted(old - new)})
+            if new - old:
+                rows.append({"kind": "store", "group_id": gid, "block_hashes": sorted(new - old)})
+        rows.append(
+            {
+                "kind": "lookup",
+                "request_id": f"s{scenario.index}-l{n}",
+                "block_hashes": list(hashes),
+                "max_length": max_length,
+                "num_tokens": max_length + 1,
+            }
+        )
+        before = list(store)
+    return rows

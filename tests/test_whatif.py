@@ -13,7 +13,6 @@ import pytest
 
 from analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
-from replay.base.units import parse_bytes
 from replay.format.sweepfile import read_sweep
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.format.writer import write_trace
-from tests.builders import chain, full_mamba, issue_43559_rows
+from replay.rules.coordinator import CACHES, check_config
+from tests.builders import Scenario, chain, full_mamba, issue_43559_rows, scenario_rows
 
 HERE = Path(__file__).parent
 
@@ -173,11 +176,62 @@ def spiral_32802() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     )
 
 
+def reverified_after_shrink() -> tuple[
+    TraceConfig, list[dict[str, Any]], list[dict[str, Any]], str
+]:
+    """A flagged sliding window (a draft's) beside an unflagged Mamba group,
+    EAGLE on. r1: the window drops at 96 and keeps 80; Mamba, without the
+    drop, shrinks the candidate to its state at 32, which clears the
+    window's verification; re-checked at 32 with the drop (margin 16, the
+    block at 32 absent) the window keeps only 16, and Mamba has no state at
+    16: no hit. A coordinator that keeps the verification across the
+    shrink re-checks the window at 32 without the drop and answers 32. r2:
+    everything stored, both agree on Mamba's state at 64."""
+    config = TraceConfig(
+        groups=(
+            GroupSpec(
+                kind=GroupKind.SLIDING_WINDOW,
+                block_size=16,
+                sliding_window=17,
+                is_eagle_group=True,
+                name="draft.swa",
+            ),
+            GroupSpec(kind=GroupKind.MAMBA, block_size=16, mamba_cache_mode="align", name="mamba"),
+        ),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+        source={"tool": "hand-made"},
+    )
+    hs = chain(6, "reverify")
+    rows: list[dict[str, Any]] = [
+        {"kind": "store", "group_id": 0, "block_hashes": [hs[i] for i in (0, 1, 4, 5)]},
+        {"kind": "store", "group_id": 1, "block_hashes": [hs[1]]},
+        {"kind": "lookup", "request_id": "r1", "block_hashes": hs, "max_length": 96},
+        {"kind": "store", "group_id": 0, "block_hashes": [hs[2], hs[3]]},
+        {"kind": "store", "group_id": 1, "block_hashes": [hs[3]]},
+        {"kind": "lookup", "request_id": "r2", "block_hashes": hs, "max_length": 96},
+    ]
+    expect = [
+        clean({"r1": 0, "r2": 64}),
+        {"policy": "pre-49502", "flags": {}, "hits": {"r1": 0, "r2": 64}},
+    ]
+    what = (
+        "an EAGLE verification is cleared when an unflagged group shrinks the candidate: the "
+        "flagged window is re-checked with the drop (r1: no hit, not 32)"
+    )
+    return config, rows, expect, what
+
+
 def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     built = []
     cases = {name: (hand_made_config(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
-    for name, (config, rows, expect, what) in cases.items():
+    cases["eagle-reverified-after-shrink"] = reverified_after_shrink()
+    for name, (config, rows, by_hand, what) in cases.items():
+        # The hand-written truths hold in both of vLLM's caches: each entry
+        # is pinned for every cache the configuration is valid for.
+        expect = [{**e, "cache": c} for c in valid_caches(config) for e in by_hand]
         for entry in expect:
             # One lookup per request in these traces: the total is their sum.
             entry["hit_tokens"] = sum(entry["hits"].values())
@@ -188,9 +242,13 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
         # rows are replayed from memory; the file is written once.
         draft = io.BytesIO()
         write_trace(draft, config, rows)
-        replayed = replayed_results(TraceReader(draft), [e["policy"] for e in expect])
+        replayed = replayed_results(TraceReader(draft), config)
         for entry in expect:
-            entry["group_hit_tokens"] = _group_totals(replayed[entry["policy"]].results)
+            result = replayed[(entry["policy"], entry["cache"])]
+            got = dict(zip(result.results["request_id"], result.results["hit_tokens"], strict=True))
+            if any(got[r] != h for r, h in entry["hits"].items()):
+                raise SystemExit(f"{name}: {entry} does not replay in the {entry['cache']} cache")
+            entry["group_hit_tokens"] = _group_totals(result.results)
         write_trace(path, config, rows, expect={"expect": expect, "pins": what})
         built.append((path.name, what, expect))
     return built
@@ -248,32 +306,60 @@ def _group_totals(results: Any) -> list[int]:
     return [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
 
 
-def replayed_results(trace: TraceSource, policies: Sequence[str]) -> dict[str, Any]:
-    """Each policy's ``ReplayResult``, from one fold of ``trace``."""
+def valid_caches(config: TraceConfig) -> list[str]:
+    """The caches (of vLLM's two) that can answer this configuration."""
+    out = []
+    for cache in CACHES:
+        try:
+            check_config(config, cache)
+        except ConfigError:
+            continue
+        out.append(cache)
+    return out
+
+
+def replayed_results(
+    trace: TraceSource, config: TraceConfig, policies: Sequence[str] | None = None
+) -> dict[tuple[str, str], Any]:
+    """Each (policy, cache)'s ``ReplayResult``, every valid cache, from one
+    fold of ``trace``."""
     from replay.engine.run import ReplayOptions, replay
+    from replay.rules.coordinator import POLICIES
 
-    results = replay(trace, ReplayOptions(policies=tuple(dict.fromkeys(policies))))
-    return {r.policy: r for r in results}
+    options = ReplayOptions(
+        policies=tuple(policies or POLICIES), caches=tuple(valid_caches(config))
+    )
+    return {(r.policy, r.cache): r for r in replay(trace, options)}
 
 
-def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
-    """Pin what the replay gives now, per policy: flag counts, the total hit
+def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[str, Any]]:
+    """Pin what the replay gives now, per policy and cache: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts, result_flags
-    from replay.rules.coordinator import POLICIES
 
     out = []
-    for policy, result in replayed_results(trace, list(POLICIES)).items():
+    for (policy, cache), result in replayed_results(trace, config).items():
         res = result.results
         hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
+        masks = {
+            rid: [[m, n] for m, n in zip(mb, lb, strict=True)]
+            for rid, mb, lb in zip(
+                res["request_id"].to_list(),
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                strict=True,
+            )
+        }
         out.append(
             {
                 "policy": policy,
+                "cache": cache,
                 "flags": flag_counts(result_flags(result)),
                 "hit_tokens": int(res["hit_tokens"].sum()),
                 "group_hit_tokens": _group_totals(res),
                 "hits": hits,
+                "masks": masks,
             }
         )
     return out
@@ -293,7 +379,7 @@ def build_synth() -> list[tuple[str, str, list[dict[str, Any]]]]:
             raw = Path(tmp) / "raw.parquet"
             synth_trace(raw, **options)
             reader = TraceReader(raw)
-            expect = replayed_expectation(reader)
+            expect = replayed_expectation(reader, reader.config)
             write_trace(
                 path,
                 reader.config,
@@ -310,14 +396,29 @@ def _flags_text(entry: dict[str, Any]) -> str:
     return f"{text}; {entry['hit_tokens']} hit tokens"
 
 
+def _policy_cell(expect: list[dict[str, Any]], policy: str) -> str:
+    """One policy's pins: one text when both caches agree, else each cache's."""
+    texts = {e["cache"]: _flags_text(e) for e in expect if e["policy"] == policy}
+    if not texts:
+        return "(not pinned)"
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values())) + f" ({', '.join(sorted(texts))})"
+    return "; ".join(f"{c}: {t}" for c, t in sorted(texts.items()))
+
+
 def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
     lines = [
         "# Regression traces",
         "",
-        "Each trace here is a pytest test per policy (the `replay.pytest_plugin`",
-        "plugin): `pytest traces/`. Rebuild with `make traces`; the hand-made",
-        "expectations are written by hand in `build.py`, the synthetic ones pin the",
-        "replay at build time (review the diff of this table when they change).",
+        "Each trace here is a test per policy and cache: `replay test traces/` (or",
+        "`replay test` for the copy shipped in the package), `pytest traces/` (the",
+        "`replay.pytest_plugin` plugin); `--coordinator vllm` /",
+        "`--replay-coordinator vllm` checks the installed vLLM's answers instead.",
+        "Every trace pins both of vLLM's caches (`gpu`: the engine's prefix cache,",
+        "`mooncake`: the store's mirror) wherever its configuration is valid for",
+        "both. Rebuild with `make traces`; the hand-made expectations are written",
+        "by hand in `build.py` (and must replay in both caches), the synthetic ones",
+        "pin the replay at build time (review the diff of this table when they change).",
         "",
         "## The `expect` schema",
         "",
@@ -325,8 +426,9 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "",
         "```json",
         '{"expect": [',
-        '  {"policy": "vllm-0.33", "flags": {}},',
-        '  {"policy": "pre-49502", "flags": {"mamba_overrun": 1}, "hits": {"req-43559": 64}}',
+        '  {"policy": "vllm-0.33", "cache": "gpu", "flags": {}},',
+        '  {"policy": "pre-49502", "cache": "mooncake", "flags": {"mamba_overrun": 1},',
+        '   "hits": {"req-43559": 64}}',
         '], "pins": "what the trace is for"}',
         "```",
         "",
@@ -337,7 +439,10 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "  (tells a true zero hit from a coordinator that never hits).",
         "- `hits`: the replayed hit, in tokens, of each request (its last lookup); the",
         "  synthetic traces pin every request.",
-        "- `cache` (optional): the cache that answers; default the trace's `source.cache`.",
+        "- `masks`: per request, each group's `[mask blocks, loaded blocks]` (the load",
+        "  mask a coordinator returns: a wrong mask loads the wrong KV at the right hit).",
+        "- `cache`: the cache that answers (`gpu` or `mooncake`); when left out, the",
+        "  trace's `source.cache`.",
         "- Other keys (`pins`, `synth`, `minimized_from`) are notes for people.",
         "",
         "`replay minimize TRACE --request ID -o traces/NAME.parquet` writes a trace",
@@ -349,11 +454,7 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "|---|---|---|---|---|",
     ]
     for name, what, expect in built:
-        by = {e["policy"]: e for e in expect}
-        cells = [
-            _flags_text(by[p]) if p in by else "(not pinned)"
-            for p in ("vllm-0.33", "pre-49502", "pre-32802")
-        ]
+        cells = [_policy_cell(expect, p) for p in ("vllm-0.33", "pre-49502", "pre-32802")]
         lines.append(f"| `{name}` | {' | '.join(cells)} | {what} |")
     lines += [
         "",
@@ -365,8 +466,173 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
     (HERE / "README.md").write_text("\n".join(lines))
 
 
+# Random scenarios of the mutants' judge (tests.builders.random_scenarios):
+# the engine-only shapes, chosen by what they hold, and the scenarios
+# `make mutants` found to tell a mutant apart that the corpus had missed.
+RANDOM_SEED = 0x49502
+
+
+def _hits_everywhere(sc: Scenario) -> bool:
+    """Every policy in every cache hits somewhere, in every group: a trace
+    whose answers are all zero cannot tell a coordinator that never hits."""
+    from replay.rules.coordinator import POLICIES, Coordinator
+
+    for cache in sc.caches:
+        for policy in POLICIES:
+            coord = Coordinator(sc.config, policy, cache)
+            per_group = [0] * len(sc.config.groups)
+            for store, hashes, max_length in sc.steps:
+                out = coord.lookup(list(hashes), max_length, [s.__contains__ for s in store])
+                for g in out.groups:
+                    per_group[g.group_id] += g.hit_tokens
+            if not all(per_group):
+                return False
+    return True
+
+
+def _partial(sc: Scenario) -> bool:
+    from replay.rules.coordinator import engine_derives_partial_hits
+
+    return "gpu" in sc.caches and engine_derives_partial_hits(sc.config)
+
+
+def _spec_groups(sc: Scenario) -> bool:
+    from replay.rules.coordinator import build_spec_groups
+
+    return "gpu" in sc.caches and len(build_spec_groups(sc.config, "gpu")) >= 3
+
+
+def _draft(sc: Scenario) -> bool:
+    return "gpu" in sc.caches and any((g.name or "").startswith("draft") for g in sc.config.groups)
+
+
+def _evictions(sc: Scenario) -> bool:
+    rows = scenario_rows(sc)
+    first = next(i for i, r in enumerate(rows) if r["kind"] == "lookup")
+    removes = sum(r["kind"] == "remove" for r in rows[first:])
+    hits = "gpu" in sc.caches and len(sc.config.groups) >= 2
+    return hits and removes >= 3
+
+
+ENGINE_SHAPES: dict[str, tuple[Any, str]] = {
+    "engine-partial-hits": (
+        _partial,
+        "the engine derives hash-unit partial hits (a Mamba block above the hash unit): hits "
+        "inside a block, the fine-grained EAGLE margin",
+    ),
+    "engine-spec-groups": (
+        _spec_groups,
+        "three or more spec groups: the fixed point's later passes",
+    ),
+    "engine-draft-shares-target": (
+        _draft,
+        "an EAGLE draft group with the target's full-attention spec: one spec group, the drop "
+        "decided for both",
+    ),
+    "engine-evictions-between-lookups": (
+        _evictions,
+        "blocks removed between lookups of one request's prefix: hits shrink and regrow",
+    ),
+}
+
+#: name -> (scenario index, what it pins): scenarios that tell a mutant apart.
+RANDOM: dict[str, tuple[int, str]] = {
+    "mutant-alignment": (
+        50,
+        "tells apart hits aligned to the scheduler block with partial hits on",
+    ),
+    "mutant-drop-every-call": (81, "tells apart the engine's EAGLE drop on every finder call"),
+    "mutant-merged-eagle-bit": (
+        25,
+        "tells apart a merged spec group that drops only when its first member is flagged",
+    ),
+    "mutant-final-trim": (1, "tells apart full-attention blocks loaded past the converged hit"),
+    "mutant-fine-grained-margin": (
+        412,
+        "tells apart a whole-block EAGLE margin under partial hits; a partial tail block trimmed by floor",
+    ),
+    "mutant-simple-hybrid-pass": (459, "tells apart a second pass of a simple hybrid"),
+    "mutant-mirror-drop-every-call": (
+        41,
+        "tells apart the mirror's EAGLE drop on every finder call",
+    ),
+    "mutant-window-widening": (
+        12,
+        "tells apart the mirror's window not widened by extra_retained_tokens",
+    ),
+    "mutant-trim-floor": (54, "tells apart full attention trimmed to floor(hit / block)"),
+    "mutant-chunk-start": (27, "tells apart short chunked-local lookups starting their chunk at 0"),
+    "mutant-mamba-alignment": (144, "tells apart a Mamba state whose end is not aligned"),
+    "mutant-window-blocks": (17, "tells apart a window that needs ceil(window / block) blocks"),
+    "mutant-partial-hits-switch": (
+        71,
+        "tells apart partial hits turned on by a Mamba block equal to the hash unit",
+    ),
+}
+
+#: Beside them, the first scenarios of the stream that hit in every group
+#: under every policy and cache, as they come: the mutants' random judge in
+#: small (each a few kilobytes, a fraction of a second through vLLM).
+RANDOM_BATCH = 24
+
+
+def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
+    import io
+
+    from tests.builders import random_scenarios
+
+    wanted = {name: index for name, (index, _) in RANDOM.items()}
+    shapes = dict(ENGINE_SHAPES)
+    chosen: dict[str, Scenario] = {}
+    last = max(wanted.values(), default=0)
+    batch: list[Scenario] = []
+    for sc in random_scenarios(RANDOM_SEED, 100_000):
+        if len(batch) < RANDOM_BATCH and _hits_everywhere(sc):
+            batch.append(sc)
+        for name, index in wanted.items():
+            if sc.index == index:
+                chosen[name] = sc
+        for name, (pick, _) in list(shapes.items()):
+            if (
+                pick(sc)
+                and all(c.index != sc.index for c in chosen.values())
+                and _hits_everywhere(sc)
+            ):
+                chosen[name] = sc
+                del shapes[name]
+        if not shapes and sc.index >= last and len(batch) >= RANDOM_BATCH:
+            break
+    built = []
+    notes = {name: what for name, (_, what) in ENGINE_SHAPES.items()}
+    notes.update({name: what for name, (_, what) in RANDOM.items()})
+    for sc in batch:
+        name = f"random-{sc.index:04d}"
+        chosen.setdefault(name, sc)
+        notes[name] = f"random scenario {sc.index} of the mutants' judge (seed {RANDOM_SEED:#x})"
+    for name in [*ENGINE_SHAPES, *RANDOM, *(f"random-{sc.index:04d}" for sc in batch)]:
+        sc = chosen[name]
+        rows = scenario_rows(sc)
+        config = replace(sc.config, source={"tool": "traces/build.py", "kind": "random"})
+        draft = io.BytesIO()
+        write_trace(draft, config, rows)
+        expect = replayed_expectation(TraceReader(draft), config)
+        what = notes[name]
+        write_trace(
+            HERE / f"{name}.parquet",
+            config,
+            rows,
+            expect={
+                "expect": expect,
+                "pins": what,
+                "random": {"seed": RANDOM_SEED, "scenario": sc.index},
+            },
+        )
+        built.append((f"{name}.parquet", what, expect))
+    return built
+
+
 def main() -> None:
-    built = build_hand_made() + build_synth()
+    built = build_hand_made() + build_synth() + build_random()
     for name, what, _ in built:
         print(f"wrote traces/{name}: {what}")
     write_readme(built)

@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
-from replay.cli import analysis, inspect, run, scale, sources, synth, whatif
+from replay.cli import analysis, guard, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
 from replay.cli.options import INT64_MAX, count_type
 
@@ -33,6 +33,7 @@ from replay.cli.options import INT64_MAX, count_type
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
+    ("Guard vLLM", (guard.test,)),
     ("Compare and report", (analysis.diff, analysis.report, whatif.whatif)),
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),

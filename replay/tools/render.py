@@ -124,24 +124,29 @@ def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
                 s.candidate_after,
             ]
         )
-    out = [
-        table(
-            [
-                "pass",
-                "spec group [groups]",
-                "kind",
-                "bound",
-                "margin",
-                "matched",
-                "drop",
-                "group hit",
-                "candidate",
-            ],
-            rows,
-        ),
-        "",
-        f"hit: {outcome.hit_tokens} tokens (attention-verified {outcome.verified_tokens})",
-    ]
+    # vLLM's own coordinator exposes no steps: its answer alone.
+    out = (
+        []
+        if not rows
+        else [
+            table(
+                [
+                    "pass",
+                    "spec group [groups]",
+                    "kind",
+                    "bound",
+                    "margin",
+                    "matched",
+                    "drop",
+                    "group hit",
+                    "candidate",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )
+    out.append(f"hit: {outcome.hit_tokens} tokens (attention-verified {outcome.verified_tokens})")
     mask_rows = []
     for g in outcome.groups:
         mask = "".join("#" if m else "." for m in g.mask())

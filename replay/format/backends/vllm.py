@@ -48,6 +48,12 @@ from replay.rules.coordinator.hybrid import (
 )
 
 
+class VllmUnavailable(ReplayError):
+    """The installed vLLM cannot answer: it does not import, or its internal
+    API moved (a module, class, function or parameter this backend needs is
+    gone). One line naming what is missing; exit status 2."""
+
+
 def _missing_vllm(exc: ImportError) -> str:
     import os
     import sys
@@ -58,10 +64,99 @@ def _missing_vllm(exc: ImportError) -> str:
     )
     return (
         f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
-        "run the tool inside the Python that has vLLM 0.33, e.g. "
+        "run the tool inside the Python that has vLLM, e.g. "
         f"`PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
         "(or install vLLM here: `pip install 'cache-trace-replay[vllm]'`)"
     )
+
+
+def installed_vllm_version() -> str:
+    """The version of the vLLM distribution in this Python (a release, or a
+    development build of vLLM's main branch installed editable), read from
+    its metadata without importing vLLM."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        try:
+            module = importlib.import_module("vllm")
+        except ImportError as exc:
+            raise VllmUnavailable(_missing_vllm(exc)) from None
+        return str(getattr(module, "__version__", "unknown"))
+
+
+def policy_for_vllm(version: str) -> str | None:
+    """The project's policy that models vLLM ``version``; ``None`` when none
+    does. The one place an installed version becomes a policy: 0.33.0 and
+    anything later (a development build of main included) answer as
+    ``vllm-0.33`` until a release changes the lookup and gets its policy.
+    Releases 0.26 to 0.32 differ from every policy here in a few rules
+    (``docs`` of the release map); older ones differ in the Mooncake mirror."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        return None
+    major, minor = int(found.group(1)), int(found.group(2))
+    if (major, minor) >= (0, 33):
+        return "vllm-0.33"
+    return None
+
+
+def installed_policy() -> tuple[str | None, str]:
+    """The policy that models the installed vLLM, and the reason (a template
+    with ``{policy}``) to give for skipping an expectation of another one."""
+    version = installed_vllm_version()
+    policy = policy_for_vllm(version)
+    if policy is None:
+        return None, (
+            f"policy {{policy}} is not checked: no policy of this project models "
+            f"the installed vLLM {version}"
+        )
+    return policy, (
+        f"policy {{policy}} is not checked: the installed vLLM {version} is modelled by "
+        f"policy {policy}"
+    )
+
+
+def _require(owner: Any, name: str, where: str) -> Any:
+    """``owner.name``, or the one-line error naming what the installed vLLM lacks."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise VllmUnavailable(
+            f"--coordinator vllm: the installed vLLM {installed_vllm_version()} has no "
+            f"`{where}.{name}` (its internal API moved; this backend needs it)"
+        ) from None
+
+
+def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``function`` with the keyword arguments its signature takes;
+    a required parameter this backend does not know is the API having moved."""
+    import inspect
+
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return function(*args, **kwargs)
+    positional = list(params.values())[: len(args)]
+    rest = [p for p in params.values() if p not in positional]
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
+    for p in rest:
+        required = p.default is inspect.Parameter.empty and p.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+        if required and p.name not in kwargs:
+            raise VllmUnavailable(
+                f"--coordinator vllm: the installed vLLM {installed_vllm_version()}'s "
+                f"`{where}` requires a parameter `{p.name}` this backend does not know "
+                "(its internal API moved)"
+            )
+    if not accepts_any:
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return function(*args, **kwargs)
 
 
 _COORDINATOR_MODULES = {
@@ -173,6 +268,44 @@ def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     ]
 
 
+def _vllm_module(name: str) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise VllmUnavailable(
+                f"--coordinator vllm: the installed vLLM {installed_vllm_version()} has no "
+                f"module `{exc.name}` (its internal API moved; this backend needs `{name}`)"
+            ) from None
+        raise VllmUnavailable(_missing_vllm(exc)) from None
+    except ImportError as exc:
+        raise VllmUnavailable(_missing_vllm(exc)) from None
+
+
+def _probe(iface: Any, module: Any, utils: Any, cache: str) -> None:
+    """Every name of vLLM's internal API this backend uses, checked before
+    the first lookup: a moved one is one line naming it, not a traceback."""
+    for name in (
+        "KVCacheGroupSpec",
+        "FullAttentionSpec",
+        "SlidingWindowSpec",
+        "ChunkedLocalAttentionSpec",
+        "MambaSpec",
+        "KVCacheConfig",
+    ):
+        _require(iface, name, "vllm.v1.kv_cache_interface")
+    where = _COORDINATOR_MODULES[cache]
+    if cache == "gpu":
+        _require(module, "get_kv_cache_coordinator", where)
+        _require(utils, "KVCacheBlock", "vllm.v1.core.kv_cache_utils")
+        _require(utils, "make_block_hash_with_group_id", "vllm.v1.core.kv_cache_utils")
+    else:
+        _require(module, "MooncakeStoreCoordinator", where)
+        _require(module, "ExternalCachedBlockPool", where)
+
+
 class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
@@ -186,18 +319,27 @@ class VllmCoordinator(LookupCoordinator):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 torch = importlib.import_module("torch")
-                iface = importlib.import_module("vllm.v1.kv_cache_interface")
-                module = importlib.import_module(_COORDINATOR_MODULES[self.cache.name])
-                utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+                importlib.import_module("vllm")
         except ImportError as exc:
-            raise ReplayError(_missing_vllm(exc)) from None
+            raise VllmUnavailable(_missing_vllm(exc)) from None
+        iface, module, utils = (
+            _vllm_module(name)
+            for name in (
+                "vllm.v1.kv_cache_interface",
+                _COORDINATOR_MODULES[self.cache.name],
+                "vllm.v1.core.kv_cache_utils",
+            )
+        )
+        _probe(iface, module, utils, self.cache.name)
         self._module: Any = module
         self._utils: Any = utils
         groups = vllm_groups(config, iface, torch)
         self._force = [False]
         try:
             if self.cache.name == "gpu":
-                coordinator = module.get_kv_cache_coordinator(
+                coordinator = _call_known(
+                    module.get_kv_cache_coordinator,
+                    f"{_COORDINATOR_MODULES['gpu']}.get_kv_cache_coordinator",
                     iface.KVCacheConfig(
                         num_blocks=_POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
                     ),
@@ -214,7 +356,9 @@ class VllmCoordinator(LookupCoordinator):
                     allow_partial_hash_hits=config.enable_partial_hash_hits,
                 )
             else:
-                coordinator = module.MooncakeStoreCoordinator(
+                coordinator = _call_known(
+                    module.MooncakeStoreCoordinator,
+                    f"{_COORDINATOR_MODULES['mooncake']}.MooncakeStoreCoordinator",
                     groups,
                     config.scheduler_block_size,
                     config.hash_block_size,
@@ -223,7 +367,17 @@ class VllmCoordinator(LookupCoordinator):
                 )
         except AssertionError as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
+        if self.cache.name == "gpu":
+            pool = _require(coordinator, "block_pool", "the engine coordinator")
+            _require(pool, "null_block", "BlockPool")
+            cached = _require(pool, "cached_block_hash_to_block", "BlockPool")
+            _require(cached, "insert", "BlockPool.cached_block_hash_to_block")
+            _require(cached, "_cache", "BlockPool.cached_block_hash_to_block")
         self._unitary = not hasattr(coordinator, "attention_groups")
+        if not self._unitary:
+            for group in coordinator.attention_groups:
+                for field in ("_replace", "manager_cls", "group_ids", "use_eagle"):
+                    _require(group, field, f"{type(coordinator).__name__}.attention_groups[i]")
         self._spec_group_of = [0] * config.num_groups
         self._hits: list[int] = [0]
         if not self._unitary:
@@ -299,9 +453,8 @@ class VllmCoordinator(LookupCoordinator):
                     if has(h):
                         cached.insert(key_of(h, gid), block_cls(block_id=next_id))
                         next_id += 1
-            blocks, hit, _uncached = self._coordinator.find_longest_cache_hit(
-                block_hashes, max_length
-            )
+            # 0.33 also returns the uncached common prefix; earlier ones did not.
+            blocks, hit = self._coordinator.find_longest_cache_hit(block_hashes, max_length)[:2]
         finally:
             cached._cache.clear()
         return blocks, hit
@@ -309,11 +462,12 @@ class VllmCoordinator(LookupCoordinator):
     @contextlib.contextmanager
     def _policy_patches(self) -> Iterator[None]:
         saved: dict[str, Any] = {}
+        where = _COORDINATOR_MODULES[self.cache.name]
         if self.policy.mamba_peek_margin:
-            saved["MambaSpec"] = self._module.MambaSpec
+            saved["MambaSpec"] = _require(self._module, "MambaSpec", where)
             self._module.MambaSpec = _NotMamba
         if not self.policy.verify_eagle_once:
-            saved["eagle_proof_margin"] = self._module.eagle_proof_margin
+            saved["eagle_proof_margin"] = _require(self._module, "eagle_proof_margin", where)
             self._module.eagle_proof_margin = _no_margin
             self._force[0] = True
         try:

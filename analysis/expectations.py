@@ -1,0 +1,487 @@
+"""Regression traces: the expectations a trace carries, and checking them
+against a replay through the reference coordinator or the installed vLLM.
+
+A trace opts in with an Arrow metadata key ``replay.expect`` (JSON)::
+
+    {"expect": [
+        {"policy": "vllm-0.33", "cache": "gpu", "flags": {}},
+        {"policy": "pre-49502", "cache": "mooncake", "flags": {"mamba_overrun": 1},
+         "hits": {"req-43559": 64}}
+    ]}
+
+``flags`` is the exact count of flagged lookups per flag kind (``{}``: clean);
+``hit_tokens`` the total hit over every lookup; ``group_hit_tokens`` per
+group the total of that group's own finder hit; ``hits`` pins the replayed hit
+of named requests (the last lookup of each); ``masks`` their load masks, per
+group ``[mask blocks, loaded blocks]``; ``cache`` picks the cache that
+answers (default: the trace's own). Any may be left out.
+
+One engine for both faces, ``replay test`` and the pytest plugin: every
+expectation of a trace is checked from one fold of its store. Under the
+``vllm`` coordinator only the expectations of the policy that models the
+installed vLLM are checked (``replay.format.backends.vllm.installed_policy``); the
+others are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from replay.base.errors import ReplayError
+from replay.format.schema import EXPECT_META_KEY
+from replay.format.trace import TraceReader
+
+#: How many wrong requests a failure lists.
+SHOWN = 10
+
+
+def corpus_dir() -> Path:
+    """The regression corpus shipped inside the package (``traces/`` in a
+    checkout, ``replay/corpus`` once installed)."""
+    return Path(str(resources.files("replay") / "corpus"))
+
+
+def read_expectations(path: Path) -> list[dict[str, Any]] | None:
+    """The trace's expectation entries; ``None`` when it carries none (or is
+    not a Parquet file). A malformed entry list raises ``ReplayError``."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(str(path)).metadata or {}
+    except Exception:  # not a Parquet file: carries no expectation
+        return None
+    raw = meta.get(EXPECT_META_KEY)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ReplayError(f"{path}: replay.expect is not JSON ({exc})") from None
+    entries = data.get("expect") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ReplayError(f"{path}: replay.expect must be an object with an 'expect' list")
+    return entries
+
+
+def expectation_traces(paths: Sequence[Path]) -> list[Path]:
+    """Every trace file with expectations among ``paths`` (files, or
+    directories searched recursively; results files are never traces). A
+    named file without expectations, or a directory without any, is an
+    error."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            inside = [
+                p
+                for p in sorted(path.rglob("*.parquet"))
+                if not p.name.endswith(".results.parquet") and read_expectations(p) is not None
+            ]
+            if not inside:
+                raise ReplayError(f"{path}: no trace with a replay.expect entry in this directory")
+            found += inside
+        elif path.exists():
+            if read_expectations(path) is None:
+                raise ReplayError(
+                    f"{path}: not a trace with expectations (no replay.expect metadata entry)"
+                )
+            found.append(path)
+        else:
+            raise ReplayError(f"{path}: no such file or directory")
+    return list(dict.fromkeys(found))
+
+
+def entry_policy(entry: dict[str, Any]) -> str:
+    return str(entry.get("policy", "vllm-0.33"))
+
+
+def entry_label(entry: dict[str, Any]) -> str:
+    label = entry_policy(entry)
+    if entry.get("cache"):
+        label += f"-{entry['cache']}"
+    return label
+
+
+@dataclass
+class Verdict:
+    """One expectation of one trace, checked (or skipped)."""
+
+    trace: Path
+    entry: dict[str, Any]
+    policy: str
+    #: the cache that answered (the entry's, else the trace's own)
+    cache: str
+    #: what did not hold, one line each; empty when it holds
+    problems: list[str] = field(default_factory=list)
+    #: the explain text of the first lookups that differ
+    explained: list[str] = field(default_factory=list)
+    #: why it was not checked
+    skipped: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.problems)
+
+
+def compare(
+    entry: dict[str, Any],
+    result: Any,
+    fail_on: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """What of ``entry`` the replay ``result`` does not give, and the
+    request ids of the lookups that differ, first first. ``ignore`` leaves
+    flags out of the comparison on both sides; an entry without ``flags``
+    fails when a flag ``fail_on`` selects fires (``replay check``'s choices,
+    default: corruption)."""
+    from analysis.flags import counts_text, flag_counts, result_flags
+    from analysis.selection import failing, select_flags, selection_text
+
+    flags = result_flags(result)
+    problems: list[str] = []
+    res = result.results
+    request_ids = res["request_id"].to_list()
+    last = dict(zip(request_ids, res["hit_tokens"].to_list(), strict=True))
+    wrong: list[str] = []
+    differ: list[str] = []
+    pinned = entry.get("hits") or {}
+    for request_id, want_hit in pinned.items():
+        if request_id not in last:
+            wrong.append(f"request {request_id}: not in the trace")
+        elif int(last[request_id]) != int(want_hit):
+            wrong.append(
+                f"request {request_id}: expected hit {want_hit}, replayed {last[request_id]}"
+            )
+            differ.append(str(request_id))
+    masks = entry.get("masks") or {}
+    if masks:
+        got_masks = {
+            rid: [[m, n] for m, n in zip(mb, lb, strict=True)]
+            for rid, mb, lb in zip(
+                request_ids,
+                res["mask_blocks"].to_list(),
+                res["loaded_blocks"].to_list(),
+                strict=True,
+            )
+        }
+        for request_id, want_masks in masks.items():
+            got_mask = got_masks.get(request_id)
+            if got_mask is not None and got_mask != want_masks:
+                wrong.append(
+                    f"request {request_id}: expected [mask, loaded] blocks per group "
+                    f"{want_masks}, replayed {got_mask}"
+                )
+                differ.append(str(request_id))
+    flagged: list[str] = []
+    got = flag_counts(flags)
+    if "flags" in entry:
+        compared = select_flags("all", ignore)
+        want = {k: int(v) for k, v in entry["flags"].items() if v and k in compared}
+        got = {k: n for k, n in got.items() if k in compared}
+        if got != want:
+            problems.append(f"flags: expected {want or 'none'}, replayed {got or 'none'}")
+            flagged = [str(r) for r in flags["request_id"].unique(maintain_order=True).to_list()]
+    else:
+        fails = failing(got, select_flags(fail_on, ignore))
+        if fails:
+            problems.append(f"flags: {counts_text(fails)} ({selection_text(fail_on, ignore)})")
+            chosen = flags.filter(flags["flag"].is_in(list(fails)))
+            flagged = [str(r) for r in chosen["request_id"].unique(maintain_order=True).to_list()]
+    if "hit_tokens" in entry:
+        got_total = int(res["hit_tokens"].sum() or 0)
+        if got_total != int(entry["hit_tokens"]):
+            problems.append(
+                f"hit tokens: expected {entry['hit_tokens']} in all, replayed {got_total}"
+            )
+    if "group_hit_tokens" in entry:
+        per_lookup = res["group_hit_tokens"].to_list()
+        got_groups = [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
+        if got_groups != [int(v) for v in entry["group_hit_tokens"]]:
+            problems.append(
+                f"group hit tokens: expected {entry['group_hit_tokens']} per group, "
+                f"replayed {got_groups}"
+            )
+    problems += wrong[:SHOWN]
+    if len(wrong) > SHOWN:
+        problems.append(f"... and {len(wrong) - SHOWN} more requests with another hit")
+    # The first lookup that differs: a pinned request with another hit, in
+    # trace order; else (only flags or totals moved) the first flagged one.
+    order = {rid: i for i, rid in reversed(list(enumerate(request_ids)))}
+    differ.sort(key=lambda rid: order.get(rid, len(order)))
+    return problems, list(dict.fromkeys(differ + flagged))
+
+
+def explain_text(
+    reader: TraceReader,
+    name: str,
+    policy: str,
+    cache: str,
+    coordinator: str,
+    request_ids: Sequence[str],
+    *,
+    cache_named: bool = True,
+) -> list[str]:
+    """``replay explain`` of each request (its last lookup). Under vLLM the
+    reference's fixed point, step by step, comes first (vLLM exposes no
+    steps), then vLLM's own answer: hit and every group's mask."""
+    from replay.engine.replay import explain_lookups
+    from replay.tools.render import explain_table
+
+    wanted = set(request_ids)
+    coordinators = ["reference"] + (["vllm"] if coordinator == "vllm" else [])
+    outcomes: dict[str, dict[str, Any]] = {}
+    config = reader.config
+    for coord in coordinators:
+        config, found = explain_lookups(
+            reader, lambda e: e.request_id in wanted, policy, coord, cache=cache
+        )
+        outcomes[coord] = {lookup.request_id: outcome for lookup, outcome, _ in found}
+    out: list[str] = []
+    for rid in dict.fromkeys(request_ids):
+        if rid not in outcomes["reference"]:
+            continue
+        command = f"replay explain {name} --request {rid} --policy {policy}"
+        if cache_named:
+            command += f" --cache {cache}"
+        if coordinator == "vllm":
+            out += ["", f"{command} (what policy {policy} computes, step by step):"]
+            out.append(explain_table(config, outcomes["reference"][rid]))
+            if rid in outcomes["vllm"]:
+                out += ["", f"{command} --coordinator vllm (what the installed vLLM answered):"]
+                out.append(explain_table(config, outcomes["vllm"][rid]))
+        else:
+            out += ["", f"{command}:"]
+            out.append(explain_table(config, outcomes["reference"][rid]))
+    return out
+
+
+def _vllm_raised(exc: Exception) -> str:
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if "/vllm/" in filename:
+            where = f" ({filename.split('/vllm/', 1)[1]}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"vLLM raised {type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+def check_trace(
+    path: Path,
+    coordinator: str = "reference",
+    caches: Iterable[str] | None = None,
+    *,
+    explained: int = 1,
+    name: str | None = None,
+    only: dict[str, Any] | None = None,
+    fail_on: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+) -> list[Verdict]:
+    """Check every expectation of the trace at ``path`` whose cache is in
+    ``caches`` (all when ``None``), from one fold of its store. Under
+    ``vllm``, an expectation of another policy than the installed vLLM's is
+    skipped, and vLLM raising during a replay fails the expectations it
+    answers (the exception is the finding, not bad input). ``only``: check
+    that one entry alone (the pytest plugin's item)."""
+    from replay.engine.answers import Variant, resolve_cache
+    from replay.engine.run import ReplayOptions, replay
+    from replay.format.tracedir import open_trace
+    from replay.rules.coordinator import POLICIES
+
+    entries = read_expectations(path)
+    if entries is None:
+        raise ReplayError(
+            f"{path}: not a trace with expectations (no replay.expect metadata entry)"
+        )
+    reader = open_trace(path)
+    config = reader.config
+    wanted_caches = None if caches is None else set(caches)
+    match: str | None = None
+    skip_reason = ""
+    if coordinator == "vllm":
+        from replay.format.backends.vllm import installed_policy
+
+        match, skip_reason = installed_policy()
+    verdicts: list[Verdict] = []
+    for entry in entries if only is None else [only]:
+        policy = entry_policy(entry)
+        if policy not in POLICIES:
+            raise ReplayError(
+                f"{path}: replay.expect names policy {policy!r}; known: {', '.join(POLICIES)}"
+            )
+        try:
+            cache = resolve_cache(config, entry.get("cache"))
+        except ReplayError as exc:
+            raise ReplayError(f"{path}: replay.expect: {exc}") from None
+        if wanted_caches is not None and cache not in wanted_caches:
+            continue
+        verdict = Verdict(path, entry, policy, cache)
+        if coordinator == "vllm" and policy != match:
+            verdict.skipped = skip_reason.format(policy=policy)
+        verdicts.append(verdict)
+    todo = [v for v in verdicts if v.skipped is None]
+    variants = list(
+        dict.fromkeys(
+            Variant(policy=v.policy, cache=v.cache, coordinator=coordinator) for v in todo
+        )
+    )
+    if not variants:
+        return verdicts
+    try:
+        results = replay(
+            reader,
+            ReplayOptions(variants=tuple((v.policy, v.cache, coordinator) for v in variants)),
+        )
+    except Exception as exc:
+        if coordinator != "vllm" or _is_setup_error(exc):
+            raise
+        for v in todo:
+            v.problems = [_vllm_raised(exc)]
+        return verdicts
+    by_variant = dict(zip(variants, results, strict=True))
+    shown = name or path.name
+    for v in todo:
+        result = by_variant[Variant(policy=v.policy, cache=v.cache, coordinator=coordinator)]
+        v.problems, differ = compare(v.entry, result, fail_on, ignore)
+        if v.problems and differ and explained:
+            try:
+                v.explained = explain_text(
+                    reader,
+                    shown,
+                    v.policy,
+                    v.cache,
+                    coordinator,
+                    differ[:explained],
+                    cache_named=bool(v.entry.get("cache")),
+                )
+            except Exception as exc:
+                if coordinator != "vllm" or _is_setup_error(exc):
+                    raise
+                v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
+    return verdicts
+
+
+def _is_setup_error(exc: Exception) -> bool:
+    """The vLLM backend could not start (vLLM missing or its API moved): the
+    environment's problem, reported as such, not a finding about vLLM."""
+    from replay.format.backends.vllm import VllmUnavailable
+
+    return isinstance(exc, VllmUnavailable)
+
+
+@dataclass
+class Run:
+    """A ``replay test`` run: every verdict, and its time."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.failed]
+
+    @property
+    def checked(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.skipped is None]
+
+    def to_json(self, coordinator: str) -> dict[str, Any]:
+        """``replay test --json``: the counts and every expectation's outcome."""
+        skipped = len(self.verdicts) - len(self.checked)
+        return {
+            "coordinator": coordinator,
+            "passed": len(self.checked) - len(self.failed),
+            "failed": len(self.failed),
+            "skipped": skipped,
+            "seconds": round(self.seconds, 3),
+            "expectations": [
+                {
+                    "trace": str(v.trace),
+                    "policy": v.policy,
+                    "cache": v.cache,
+                    "status": "skipped"
+                    if v.skipped is not None
+                    else ("failed" if v.failed else "passed"),
+                    "problems": v.problems,
+                    "reason": v.skipped,
+                }
+                for v in self.verdicts
+            ],
+        }
+
+
+def run_traces(
+    paths: Sequence[Path],
+    coordinator: str,
+    caches: Iterable[str] | None,
+    on_trace: Any = None,
+    fail_on: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+) -> Run:
+    """Check every trace; ``on_trace(path, verdicts, seconds)`` after each."""
+    run = Run()
+    start = time.perf_counter()
+    cache_list = None if caches is None else list(caches)
+    for path in paths:
+        t0 = time.perf_counter()
+        verdicts = check_trace(path, coordinator, cache_list, fail_on=fail_on, ignore=ignore)
+        run.verdicts += verdicts
+        if on_trace is not None:
+            on_trace(path, verdicts, time.perf_counter() - t0)
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+# --- the text of replay test -------------------------------------------------------------
+
+
+def _verdict_word(v: Verdict) -> str:
+    return "skipped" if v.skipped is not None else ("FAILED" if v.failed else "ok")
+
+
+def test_progress_line(
+    done: int, total: int, path: Path, verdicts: Sequence[Verdict], seconds: float
+) -> str:
+    """``[3/12] issue-43559.parquet: vllm-0.33/gpu ok, ... (0.4 s)``."""
+    checked = [v for v in verdicts if v.skipped is None]
+    parts = [f"{v.policy}/{v.cache} {_verdict_word(v)}" for v in checked]
+    skipped = len(verdicts) - len(checked)
+    if skipped:
+        parts.append(f"{skipped} skipped")
+    return (
+        f"[{done}/{total}] {path.name}: {', '.join(parts) or 'nothing to check'} ({seconds:.1f} s)"
+    )
+
+
+def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
+    """Per failing expectation: the trace, policy and cache, what did not
+    hold, and the explain text of the first lookup that differs."""
+    out: list[str] = []
+    for v in failed:
+        out += [
+            f"FAILED {v.trace.name} under policy {v.policy} in the {v.cache} cache:",
+            *(f"  {p}" for p in v.problems),
+            *v.explained,
+            "",
+        ]
+    return out
+
+
+def test_summary_line(run: Run, coordinator: str) -> str:
+    checked = run.checked
+    skipped = [v for v in run.verdicts if v.skipped is not None]
+    traces = len({v.trace for v in run.verdicts})
+    text = (
+        f"{len(checked) - len(run.failed)} passed, {len(run.failed)} failed, "
+        f"{len(skipped)} skipped: {len(run.verdicts)} expectations of {traces} traces "
+        f"through the {coordinator} coordinator in {run.seconds:.1f} s"
+    )
+    reasons = sorted({v.skipped for v in skipped if v.skipped})
+    if reasons:
+        text += " (" + "; ".join(reasons) + ")"
+    return text
