@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own coordinators behind the reference ``Coordinator``'s interface.
+"""The installed vLLM's own coordinators behind the reference ``Coordinator``'s interface.
 
 ``VllmCoordinator`` builds real vLLM spec objects for a trace's groups and,
 per cache, vLLM's own coordinator over them:
@@ -21,20 +21,22 @@ results format can hold) and each spec group's hit on its last finder call
 (recorded by a pass-through wrapper around the group's manager class), which
 gives ``GroupOutcome.hit_tokens`` and, for Mamba, ``state_tokens``.
 
-Lookups run one at a time (a process-wide lock): the older policies swap
-module globals of vLLM's coordinator during the call, and the recorded hits
-live on the instance. ``pre-49502`` hides ``MambaSpec`` from the margin gate;
-``pre-32802`` makes ``eagle_proof_margin`` zero and forces the drop on every
-finder call of an EAGLE spec group, as the loop did before #32802.
+Nothing of vLLM's is patched: the installed release answers as itself, so
+the backend answers only for the policy that models that release
+(``policy_for_version``), or an alias with the same rules for the cache. The
+API differences between releases (argument names, tuple shapes of the spec
+groups, spec fields, finder return values) are found by feature detection.
+Lookups run one at a time (a process-wide lock): the recorded hits live on
+the instance.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import inspect
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from replay.coordinator.hybrid import (
@@ -44,6 +46,7 @@ from replay.coordinator.hybrid import (
     LookupCoordinator,
     LookupOutcome,
 )
+from replay.coordinator.policy import policy_for_version
 from replay.errors import ReplayError
 from replay.spec import GroupKind, GroupSpec, TraceConfig
 
@@ -76,14 +79,21 @@ _NUM_KV_HEADS = 8
 _HEAD_SIZE = 128
 _MAMBA_SHAPES = ((3, 4096), (32, 64, 128))
 
-# Policy ``pre-49502`` patches a module global of vLLM's coordinator, so
-# lookups (of either policy) run one at a time.
-_GATE_LOCK = threading.Lock()
+# The recorded finder hits live on the coordinator: lookups run one at a time.
+_LOOKUP_LOCK = threading.Lock()
 
 
-class _NotMamba:
-    """Stands in for ``MambaSpec`` in vLLM's EAGLE-margin gate: nothing is an
-    instance of it, so Mamba gets the peek margin as before #49502 (#43559)."""
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes, of ``kwargs`` (releases add and
+    rename them; what a release does not take it does not model)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _fields(cls: Any) -> set[str]:
+    return set(getattr(cls, "__dataclass_fields__", {}))
 
 
 class _KeyView:
@@ -104,33 +114,42 @@ class _KeyView:
 class _RecordingManager:
     """Pass-through to a vLLM manager class that records the hit length of
     each ``find_longest_cache_hit`` call for its spec group; the coordinator
-    keeps these to itself (``_find_hit_blocks`` returns only the masks)."""
+    keeps these to itself (``_find_hit_blocks`` returns only the masks).
+    Releases before 0.26 return the blocks alone: the hit is then the
+    blocks' length in tokens."""
 
-    def __init__(
-        self, manager_cls: Any, index: int, sink: list[int], eagle: bool, force: list[bool]
-    ) -> None:
+    def __init__(self, manager_cls: Any, index: int, sink: list[int]) -> None:
         self._manager_cls = manager_cls
         self._index = index
         self._sink = sink
-        self._eagle = eagle
-        self._force = force
-        self.supports_fine_grained_hash_lookup = manager_cls.supports_fine_grained_hash_lookup
+        self.supports_fine_grained_hash_lookup = getattr(
+            manager_cls, "supports_fine_grained_hash_lookup", False
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager_cls, name)
 
     def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
-        if self._force[0] and self._eagle:
-            # pre-32802: the drop on every call, not once per candidate.
-            kwargs["drop_eagle_block"] = True
-        blocks, hit_length = self._manager_cls.find_longest_cache_hit(*args, **kwargs)
-        self._sink[self._index] = hit_length
-        return blocks, hit_length
+        result = self._manager_cls.find_longest_cache_hit(*args, **kwargs)
+        if len(result) == 2 and isinstance(result[1], int):
+            self._sink[self._index] = result[1]
+        else:
+            spec = kwargs["kv_cache_spec"]
+            self._sink[self._index] = len(result[0]) * spec.block_size
+        return result
 
 
-def _no_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
-    """``eagle_proof_margin`` before #32802: the bound was the candidate."""
-    return 0
+def _with_manager(group: Any, manager: Any) -> Any:
+    """A spec group (a named tuple from 0.27, a plain tuple before) with its
+    manager class replaced."""
+    if hasattr(group, "_replace"):
+        return group._replace(manager_cls=manager)
+    return (group[0], group[1], manager, *group[3:])
 
 
 def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
+    """A vLLM spec for a trace group; a field the release lacks is refused
+    when the trace uses it."""
     common: dict[str, Any] = {
         "block_size": group.block_size,
         "num_kv_heads": _NUM_KV_HEADS,
@@ -140,11 +159,15 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
     if group.kind is GroupKind.FULL_ATTENTION:
         return iface.FullAttentionSpec(**common)
     if group.kind is GroupKind.SLIDING_WINDOW:
-        return iface.SlidingWindowSpec(
-            **common,
-            sliding_window=group.sliding_window,
-            extra_retained_tokens=group.extra_retained_tokens,
-        )
+        window: dict[str, Any] = {"sliding_window": group.sliding_window}
+        if "extra_retained_tokens" in _fields(iface.SlidingWindowSpec):
+            window["extra_retained_tokens"] = group.extra_retained_tokens
+        elif group.extra_retained_tokens:
+            raise ReplayError(
+                "this vLLM's SlidingWindowSpec has no extra_retained_tokens (from 0.28.0): "
+                "it cannot express this trace's sliding window"
+            )
+        return iface.SlidingWindowSpec(**common, **window)
     if group.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
         return iface.ChunkedLocalAttentionSpec(
             **common, attention_chunk_size=group.attention_chunk_size
@@ -160,14 +183,25 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
 def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     """vLLM ``KVCacheGroupSpec`` objects for a trace's groups, in group order
     (equal trace specs give equal vLLM specs, so groups merge as in vLLM)."""
+    # Per-group EAGLE flags exist from 0.20.0; before, use_eagle drops for all.
+    flags = "is_eagle_group" in _fields(iface.KVCacheGroupSpec)
     return [
         iface.KVCacheGroupSpec(
             layer_names=[g.name or f"model.layers.{gid}"],
             kv_cache_spec=_vllm_spec(g, iface, torch.bfloat16),
-            is_eagle_group=g.is_eagle_group,
+            **({"is_eagle_group": g.is_eagle_group} if flags else {}),
         )
         for gid, g in enumerate(config.groups)
     ]
+
+
+def installed_version() -> str:
+    """The installed vLLM's version, or a one-line error when it does not import."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as exc:
+        raise ReplayError(_missing_vllm(exc)) from None
+    return str(vllm.__version__)
 
 
 class VllmCoordinator(LookupCoordinator):
@@ -188,37 +222,61 @@ class VllmCoordinator(LookupCoordinator):
                 utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         except ImportError as exc:
             raise ReplayError(_missing_vllm(exc)) from None
+        version = installed_version()
+        installed = policy_for_version(version)
+        if installed.rules(self.cache.name) != self.cache:
+            raise ReplayError(
+                f"--coordinator vllm answers as the installed vLLM {version} (policy "
+                f"{installed.name}); policy {self.policy.name} models vLLM "
+                f"{self.policy.releases} in the {self.cache.name} cache: run it in that "
+                f"release's environment (make test-vllm VLLM={self.policy.last})"
+            )
         self._module: Any = module
         self._utils: Any = utils
+        self.version = version
         groups = vllm_groups(config, iface, torch)
-        self._force = [False]
         try:
             if self.cache.name == "gpu":
-                coordinator = module.get_kv_cache_coordinator(
+                build = module.get_kv_cache_coordinator
+                coordinator = build(
                     iface.KVCacheConfig(
                         num_blocks=_POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
                     ),
-                    max_model_len=_MAX_MODEL_LEN,
-                    max_in_flight_tokens=_MAX_IN_FLIGHT_TOKENS,
-                    use_eagle=config.use_eagle,
-                    enable_caching=True,
-                    enable_kv_cache_events=False,
-                    dcp_world_size=1,
-                    pcp_world_size=1,
-                    scheduler_block_size=config.scheduler_block_size,
-                    hash_block_size=config.hash_block_size,
-                    # The trace's flag can only turn partial hits off.
-                    allow_partial_hash_hits=config.enable_partial_hash_hits,
+                    **_accepted(
+                        build,
+                        {
+                            "max_model_len": _MAX_MODEL_LEN,
+                            "max_in_flight_tokens": _MAX_IN_FLIGHT_TOKENS,
+                            "max_num_batched_tokens": _MAX_IN_FLIGHT_TOKENS,
+                            "use_eagle": config.use_eagle,
+                            "enable_caching": True,
+                            "enable_kv_cache_events": False,
+                            "dcp_world_size": 1,
+                            "pcp_world_size": 1,
+                            "scheduler_block_size": config.scheduler_block_size,
+                            "hash_block_size": config.hash_block_size,
+                            # The trace's flag can only turn partial hits off
+                            # (from 0.30.0; before, the release ignores it).
+                            "allow_partial_hash_hits": config.enable_partial_hash_hits,
+                        },
+                    ),
                 )
             else:
-                coordinator = module.MooncakeStoreCoordinator(
+                cls = module.MooncakeStoreCoordinator
+                coordinator = cls(
                     groups,
                     config.scheduler_block_size,
                     config.hash_block_size,
-                    use_eagle=config.use_eagle,
-                    enable_partial_hash_hits=config.enable_partial_hash_hits,
+                    **_accepted(
+                        cls.__init__,
+                        {
+                            "use_eagle": config.use_eagle,
+                            # From 0.32.0 the mirror takes the flag as given.
+                            "enable_partial_hash_hits": config.enable_partial_hash_hits,
+                        },
+                    ),
                 )
-        except AssertionError as exc:
+        except (AssertionError, ValueError) as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         self._unitary = not hasattr(coordinator, "attention_groups")
         self._spec_group_of = [0] * config.num_groups
@@ -227,15 +285,11 @@ class VllmCoordinator(LookupCoordinator):
             # Record each spec group's last finder hit; the answers are unchanged.
             self._hits = [0] * len(coordinator.attention_groups)
             coordinator.attention_groups = [
-                group._replace(
-                    manager_cls=_RecordingManager(
-                        group.manager_cls, i, self._hits, bool(group.use_eagle), self._force
-                    )
-                )
+                _with_manager(group, _RecordingManager(group[2], i, self._hits))
                 for i, group in enumerate(coordinator.attention_groups)
             ]
             for i, group in enumerate(coordinator.attention_groups):
-                for gid in group.group_ids:
+                for gid in group[1]:
                     self._spec_group_of[gid] = i
         self._coordinator: Any = coordinator
 
@@ -258,21 +312,24 @@ class VllmCoordinator(LookupCoordinator):
             # vLLM keys its pool by bytes(hash); fingerprints would all collide.
             raise ReplayError("the vllm coordinator needs the raw bytes block hashes (exact keys)")
         block_hashes = list(hashes)
-        # Every lookup holds the lock: a default-policy lookup must never run
-        # while another thread has a gate swapped out.
-        with _GATE_LOCK:
+        with _LOOKUP_LOCK:
             for i in range(len(self._hits)):
                 self._hits[i] = 0
-            with self._policy_patches():
-                if self.cache.name == "gpu":
-                    blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
-                    null = self._coordinator.block_pool.null_block
-                    masks = [[b is not null for b in blks] for blks in blocks]
-                else:
-                    pool = self._module.ExternalCachedBlockPool(hbs, exists=_KeyView(contains))
-                    masks, hit = self._coordinator.find_longest_cache_hit(
-                        block_hashes, max_length, pool
+            if self.cache.name == "gpu":
+                blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
+                null = self._coordinator.block_pool.null_block
+                masks = [[b is not null for b in blks] for blks in blocks]
+            else:
+                pool_cls = self._module.ExternalCachedBlockPool
+                pool = pool_cls(
+                    **_accepted(
+                        pool_cls.__init__,
+                        {"hash_block_size": hbs, "exists": _KeyView(contains)},
                     )
+                )
+                masks, hit = self._coordinator.find_longest_cache_hit(
+                    block_hashes, max_length, pool
+                )
             if self._unitary:
                 self._hits[0] = hit
             return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
@@ -296,29 +353,11 @@ class VllmCoordinator(LookupCoordinator):
                     if has(h):
                         cached.insert(key_of(h, gid), block_cls(block_id=next_id))
                         next_id += 1
-            blocks, hit, _uncached = self._coordinator.find_longest_cache_hit(
-                block_hashes, max_length
-            )
+            # (blocks, hit) before 0.26.0, (blocks, hit, uncached prefix) after.
+            found = self._coordinator.find_longest_cache_hit(block_hashes, max_length)
         finally:
             cached._cache.clear()
-        return blocks, hit
-
-    @contextlib.contextmanager
-    def _policy_patches(self) -> Iterator[None]:
-        saved: dict[str, Any] = {}
-        if self.policy.mamba_peek_margin:
-            saved["MambaSpec"] = self._module.MambaSpec
-            self._module.MambaSpec = _NotMamba
-        if not self.policy.verify_eagle_once:
-            saved["eagle_proof_margin"] = self._module.eagle_proof_margin
-            self._module.eagle_proof_margin = _no_margin
-            self._force[0] = True
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(self._module, name, value)
-            self._force[0] = False
+        return found[0], found[1]
 
     def _groups(self, masks: Sequence[list[bool]]) -> tuple[GroupOutcome, ...]:
         out = []

@@ -1,4 +1,4 @@
-"""The reference coordinator: vLLM 0.33.0's hybrid cache-hit semantics."""
+"""The reference coordinator: vLLM's hybrid cache-hit semantics, per release."""
 
 from replay.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
 from replay.coordinator.finders import FINDERS, FinderResult, block_view
@@ -17,14 +17,25 @@ from replay.coordinator.hybrid import (
     lookup_spec,
     partial_hits,
 )
-from replay.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
+from replay.coordinator.policy import (
+    ALIASES,
+    DEFAULT_POLICY,
+    POLICIES,
+    RELEASES,
+    Policy,
+    get_policy,
+    policy_for_version,
+    policy_rules,
+)
 
 __all__ = [
+    "ALIASES",
     "CACHES",
     "DEFAULT_CACHE",
     "DEFAULT_POLICY",
     "FINDERS",
     "POLICIES",
+    "RELEASES",
     "Cache",
     "Coordinator",
     "FinderResult",
@@ -44,5 +55,7 @@ __all__ = [
     "hit_alignment",
     "lookup_spec",
     "partial_hits",
+    "policy_for_version",
+    "policy_rules",
     "trace_cache",
 ]
