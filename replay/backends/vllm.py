@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -234,6 +235,21 @@ class VllmCoordinator(LookupCoordinator):
         self._module: Any = module
         self._utils: Any = utils
         self.version = version
+        # Feature detection: how this release keys a block larger than the
+        # hash unit (its last unit from 0.23; its units joined before).
+        convert = getattr(utils, "BlockHashListWithBlockSize", None)
+        self._joins_units = convert is not None and convert([b"a", b"b"], 1, 2)[0] == b"ab"
+        if (
+            self.cache.name == "gpu"
+            and "scheduler_block_size"
+            not in inspect.signature(module.get_kv_cache_coordinator).parameters
+            and config.num_groups > 1
+            and config.scheduler_block_size != math.lcm(*(g.block_size for g in config.groups))
+        ):
+            raise ReplayError(
+                f"vLLM {version} aligns hybrid hits to the lcm of the block sizes: it cannot "
+                f"express the trace's scheduler_block_size {config.scheduler_block_size}"
+            )
         groups = vllm_groups(config, iface, torch)
         try:
             if self.cache.name == "gpu":
@@ -334,6 +350,19 @@ class VllmCoordinator(LookupCoordinator):
                 self._hits[0] = hit
             return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
 
+    def _joined_keys(self, block_hashes: list[Hashable], gid: int) -> list[tuple[int, Hashable]]:
+        """``(last unit index, key)`` of each whole block of group ``gid`` when
+        this release keys blocks by their joined hash units, else nothing."""
+        if not self._joins_units:
+            return []
+        k = self.config.groups[gid].block_size // self.config.hash_block_size
+        if k == 1:
+            return []
+        return [
+            (i * k + k - 1, b"".join(block_hashes[i * k : i * k + k]))  # type: ignore[arg-type]
+            for i in range(len(block_hashes) // k)
+        ]
+
     def _engine_lookup(
         self,
         block_hashes: list[Hashable],
@@ -352,6 +381,12 @@ class VllmCoordinator(LookupCoordinator):
                 for h in dict.fromkeys(block_hashes):
                     if has(h):
                         cached.insert(key_of(h, gid), block_cls(block_id=next_id))
+                        next_id += 1
+                # Before 0.23 a block larger than the hash unit is keyed by its
+                # units joined: present when its last unit is (the trace's key).
+                for i, key in self._joined_keys(block_hashes, gid):
+                    if has(block_hashes[i]):
+                        cached.insert(key_of(key, gid), block_cls(block_id=next_id))
                         next_id += 1
             # (blocks, hit) before 0.26.0, (blocks, hit, uncached prefix) after.
             found = self._coordinator.find_longest_cache_hit(block_hashes, max_length)
