@@ -13,12 +13,20 @@ import click
 
 from analysis.flags import FLAG_KINDS, flag_lines
 from replay.answers import COORDINATORS, Progress, resolve_cache
-from replay.cli.common import command
+from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
-from replay.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.coordinator import (
+    CACHES,
+    DEFAULT_POLICY,
+    POLICIES,
+    get_policy,
+    policy_for_version,
+    trace_policy,
+)
 from replay.engine import explain_lookups, save_results
+from replay.errors import ReplayError
 from replay.render import (
     check_lines,
     config_lines,
@@ -101,6 +109,14 @@ def _replay_progress(bar: Bar) -> Callable[[Progress], None]:
     "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
     "repeat it for one results file per cache from the same fold.",
 )
+@click.option(
+    "--vllm",
+    "vllm_version",
+    metavar="VERSION",
+    default=None,
+    help="Answer as this vLLM release (e.g. 0.26.0): its policy. Default: the trace's "
+    f"source.vllm_version (recorded by the vLLM plugin), else {DEFAULT_POLICY}.",
+)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -118,6 +134,7 @@ def run(
     output: Path | None,
     policies: tuple[str, ...],
     caches: tuple[str, ...],
+    vllm_version: str | None,
     coordinator: str,
     workers: int | None,
     ray_address: str | None,
@@ -134,7 +151,7 @@ def run(
     from analysis.flags import flag_counts, flag_examples
     from replay.paths import check_outputs
 
-    policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
+    policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
@@ -167,6 +184,35 @@ def run(
     for summary in summaries:
         for line in run_summary_lines(summary):
             click.echo(line)
+
+
+def _run_policies(
+    trace: Path, given: tuple[str, ...], vllm_version: str | None, quiet: bool
+) -> tuple[str, ...]:
+    """The policies to answer with: ``--policy``, else ``--vllm``'s release,
+    else the trace's recorded release, else the default. What is inferred,
+    and what an emulation stands for, is said on stderr."""
+    from replay.trace import open_trace
+
+    notes: list[str] = []
+    if vllm_version is not None:
+        if given:
+            raise fail("--vllm and --policy both choose the policy: give one")
+        try:
+            policy = policy_for_version(vllm_version)
+        except ReplayError as exc:
+            raise fail(f"--vllm: {exc}") from None
+        given = (policy.name,)
+        notes.append(f"policy {policy.name}: vLLM {vllm_version} (vLLM {policy.releases})")
+    elif not given:
+        recorded = trace_policy(open_trace(trace).config.source)
+        given = (recorded[0],) if recorded else (DEFAULT_POLICY,)
+        notes.extend(recorded[1:] if recorded else ())
+    notes.extend(get_policy(p).alias_note for p in given if get_policy(p).alias_note)
+    if not quiet:
+        for note in notes:
+            click.echo(note, err=True)
+    return given
 
 
 @command()

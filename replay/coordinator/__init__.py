@@ -26,6 +26,7 @@ from replay.coordinator.policy import (
     get_policy,
     policy_for_version,
     policy_rules,
+    trace_policy,
 )
 
 __all__ = [
@@ -58,4 +59,5 @@ __all__ = [
     "policy_for_version",
     "policy_rules",
     "trace_cache",
+    "trace_policy",
 ]

@@ -14,7 +14,9 @@ with one rule turned back); they stay, and say which releases they stand for.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from replay.coordinator.cache import ENGINE, MIRROR, Cache, get_cache
 from replay.errors import ConfigError, Entry, ReplayError, by_name, named
@@ -248,6 +250,19 @@ def _version_key(version: str) -> tuple[int, int, int]:
 def policy_rules(policy: str | Policy, cache: str | Cache) -> Cache:
     """A policy's rules for a cache; refused when the cache did not exist."""
     return get_policy(policy).rules(cache)
+
+
+def trace_policy(source: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """The policy of the vLLM release a trace was recorded from
+    (``source.vllm_version``) and a line saying so, or None."""
+    version = None if source is None else source.get("vllm_version")
+    if not isinstance(version, str):
+        return None
+    policy = policy_for_version(version)
+    return policy.name, (
+        f"policy {policy.name}: the trace's vLLM {version} (source.vllm_version, vLLM "
+        f"{policy.releases}); --policy or --vllm overrides"
+    )
 
 
 def policy_for_version(version: str) -> Policy:
