@@ -3,6 +3,7 @@ every release and cache, and `replay run` answering as the trace's release."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def test_the_43559_lookup_in_every_release(policy: str, cache: str) -> None:
 def test_each_release_departs_from_the_next_in_some_rule() -> None:
     """Every boundary is a real change: a release's rules differ from the
     next release's in at least one cache."""
-    for older, newer in zip(RELEASES, RELEASES[1:], strict=False):
+    for older, newer in itertools.pairwise(RELEASES):
         assert (older.gpu, older.mooncake) != (newer.gpu, newer.mooncake), older.name
     assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
     assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
