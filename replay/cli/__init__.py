@@ -28,7 +28,7 @@ from replay.cli.common import Group, run_main
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
-    ("Compare and report", (analysis.diff, analysis.report, whatif.whatif)),
+    ("Compare and report", (analysis.diff, analysis.bisect, analysis.report, whatif.whatif)),
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),
 )

@@ -240,7 +240,7 @@ def get_policy(name: str | Policy) -> Policy:
     return name if isinstance(name, Policy) else named(POLICIES, name, "policy")
 
 
-def _version_key(version: str) -> tuple[int, int, int]:
+def version_key(version: str) -> tuple[int, int, int]:
     m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
     if m is None:
         raise ReplayError(f"vLLM version {version!r}: expected MAJOR.MINOR[.PATCH]")
@@ -269,14 +269,14 @@ def policy_for_version(version: str) -> Policy:
     """The release policy that models an installed vLLM version (``0.26.0``,
     ``0.30.1.dev3+g...``); a version past the newest modelled one gets the
     newest policy, one before the oldest is refused."""
-    key = _version_key(version)
-    if key < _version_key(RELEASES[0].first):
+    key = version_key(version)
+    if key < version_key(RELEASES[0].first):
         raise ReplayError(
             f"vLLM {version} is older than the oldest modelled release "
             f"{RELEASES[0].first}: no policy models it"
         )
     found = RELEASES[0]
     for policy in RELEASES:
-        if _version_key(policy.first) <= key:
+        if version_key(policy.first) <= key:
             found = policy
     return found
