@@ -56,6 +56,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check replay analysis tests benchmarks traces
 	$(BIN)/ruff format --check replay analysis tests benchmarks traces
 	$(BIN)/mypy --strict replay analysis tests traces/build.py benchmarks
+	$(BIN)/lint-imports
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -m "not vllm and not ray"
@@ -85,7 +86,7 @@ smoke:
 	cd $(SMOKE) && venv/bin/replay --version
 	cd $(SMOKE) && venv/bin/replay run $(CURDIR)/$(DEMO_TRACE) -o demo.results.parquet
 	cd $(SMOKE) && venv/bin/replay check demo.results.parquet
-	cd $(SMOKE) && venv/bin/python -c "from replay.trace import open_trace, read_results; \
+	cd $(SMOKE) && venv/bin/python -c "from replay.format.results import read_results; from replay.format.tracedir import open_trace; \
 	  frame, info = read_results('demo.results.parquet'); \
 	  trace = open_trace('$(CURDIR)/$(DEMO_TRACE)').read_frame(['kind']); \
 	  lookups = trace.filter(trace['kind'] == 'lookup').height; \
@@ -133,4 +134,4 @@ traces: $(STAMP)
 	$(BIN)/python -m traces.build
 
 clean:
-	rm -rf out bench-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf out bench-data .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

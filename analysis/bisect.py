@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay.answers import Answers, Variant
-from replay.coordinator import RELEASES, Coordinator, Policy
-from replay.coordinator.policy import version_key
-from replay.errors import ConfigError, ReplayError
-from replay.shard import replay_answers
-from replay.trace import open_trace
+from replay.base.errors import ConfigError, ReplayError
+from replay.engine.answers import Answers, Variant
+from replay.engine.shard import replay_answers
+from replay.format.tracedir import open_trace
+from replay.rules.coordinator import RELEASES, Coordinator, Policy
+from replay.rules.coordinator.policy import version_key
 
 
 def releases_between(first: str | None, last: str | None) -> list[Policy]:

@@ -20,7 +20,7 @@ one explanation:
 
 When the two sides are two caches (``--cache mooncake --cache gpu``), each
 changed lookup also names the cache rule behind it (``rule``): the rule of
-``replay.coordinator.cache`` that treats the explaining group differently
+``replay.rules.coordinator.cache`` that treats the explaining group differently
 in this configuration (a widened window, a flag honoured without
 ``use_eagle``, a different merge), else the configuration-wide one (the
 single-spec shortcut, the unitary coordinator, derived partial hits).
@@ -41,8 +41,14 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
-from replay.answers import Answers, Variant, resolve_cache
-from replay.coordinator import (
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, TraceConfig
+from replay.engine.answers import Answers, Variant, resolve_cache
+from replay.engine.shard import replay_answers
+from replay.format.results import is_results_file, read_results, results_cache, results_config
+from replay.format.tracedir import open_trace
+from replay.format.writer import atomic_path
+from replay.rules.coordinator import (
     DEFAULT_POLICY,
     build_spec_groups,
     eagle_group_ids,
@@ -50,18 +56,7 @@ from replay.coordinator import (
     hit_alignment,
     lookup_spec,
 )
-from replay.errors import ReplayError
-from replay.render import group_label
-from replay.shard import replay_answers
-from replay.spec import GroupKind, TraceConfig
-from replay.trace import (
-    atomic_path,
-    is_results_file,
-    open_trace,
-    read_results,
-    results_cache,
-    results_config,
-)
+from replay.tools.render import group_label
 
 DIFF_META_KEY = b"replay.diff"
 _FLAG_ORDER = {name: i for i, name in enumerate(FLAG_KINDS)}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from analysis.diff import DiffResult
-from replay.render import table
+from replay.tools.render import table
 
 
 def _signed(n: int) -> str:

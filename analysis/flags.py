@@ -38,14 +38,15 @@ least ``mask_blocks x block_size`` over the non-Mamba groups):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
-from replay.coordinator import (
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, TraceConfig
+from replay.rules.coordinator import (
     DEFAULT_CACHE,
     Cache,
     LookupOutcome,
@@ -54,8 +55,6 @@ from replay.coordinator import (
     hit_alignment,
     partial_hits,
 )
-from replay.errors import ReplayError
-from replay.spec import GroupKind, TraceConfig
 
 FLAG_KINDS = (
     "mamba_overrun",
@@ -459,42 +458,3 @@ def results_flags(
             for name, dtype in FLAGS_SCHEMA.items()
         )
     )
-
-
-def check_path(
-    path: str | os.PathLike[str],
-    *,
-    policy: str | None,
-    coordinator: str = "reference",
-    cache: str | None = None,
-) -> tuple[pl.DataFrame, str]:
-    """Flags of a trace (replayed now, under ``policy`` or the default) or of a
-    results file (as written; a ``policy`` other than its own is an error).
-    Returns the flags and the policy they were computed under. A trace or
-    results file without lookups has nothing to check: an error."""
-    from replay.coordinator import DEFAULT_POLICY
-    from replay.engine import replay_trace
-    from replay.trace import is_results_file, read_results, results_cache, results_config
-
-    if is_results_file(path):
-        frame, info = read_results(path)
-        made_under = str(info.get("policy", "?"))
-        if policy is not None and policy != made_under:
-            raise ReplayError(
-                f"{path}: these results were made under policy {made_under}, not --policy "
-                f"{policy} (check the trace to replay it under {policy}, or drop --policy)"
-            )
-        made_in = results_cache(info)
-        if cache is not None and cache != made_in:
-            raise ReplayError(
-                f"{path}: these results were replayed in the {made_in} cache, not {cache} "
-                f"(replay the trace with --cache {cache}, or drop --cache)"
-            )
-        if frame.height == 0:
-            raise ReplayError(f"{path}: no lookups, nothing to check")
-        return results_flags(frame, results_config(info, path), made_in), made_under
-    used = policy or DEFAULT_POLICY
-    result = replay_trace(path, policy=used, coordinator=coordinator, cache=cache)
-    if result.results.height == 0:
-        raise ReplayError(f"{path}: the trace has no lookups, nothing to check")
-    return result.flags(), used

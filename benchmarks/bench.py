@@ -73,7 +73,7 @@ done(secs, pl.read_parquet({out!r}, columns=["hit_tokens"])["hit_tokens"].to_lis
 """
 
 ENGINE = """
-from replay.engine import replay_trace
+from replay.engine.replay import replay_trace
 t = time.perf_counter()
 r = replay_trace({path!r}, unit_present=False)
 done(time.perf_counter() - t, r.results["hit_tokens"].to_list())
@@ -81,13 +81,13 @@ done(time.perf_counter() - t, r.results["hit_tokens"].to_list())
 
 NAIVE = """
 import pyarrow.parquet as pq
-from replay.trace import open_trace
+from replay.format.tracedir import open_trace
 t = time.perf_counter()
 config = open_trace({path!r}).config
 if {backend!r} == "vllm":
-    from replay.backends.vllm import VllmCoordinator as C
+    from replay.format.backends.vllm import VllmCoordinator as C
 else:
-    from replay.coordinator import Coordinator as C
+    from replay.rules.coordinator import Coordinator as C
 coord = C(config, "vllm-0.33")
 keys = set()
 hits = []
@@ -236,8 +236,8 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
 atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
-from replay.cluster import replay_on_ray
-from replay.engine import save_results
+from replay.engine.cluster import replay_on_ray
+from replay.engine.replay import save_results
 stats = {{}}
 r = replay_on_ray({path!r}, policies=["vllm-0.33"], workers={workers}, stats=stats)[0]
 save_results(r, {out!r})
@@ -245,8 +245,8 @@ done(time.perf_counter() - t, replayed=r.seconds, **stats)
 """
 
 TABLES = """
-from replay.shard import ShardFold, scatter
-from replay.trace import open_trace
+from replay.engine.shard import ShardFold, scatter
+from replay.format.tracedir import open_trace
 reader = open_trace({path!r})
 folds = [ShardFold(reader.config.num_groups) for _ in range({shards})]
 t = time.perf_counter()
@@ -269,7 +269,7 @@ def scale_out(path: Path) -> bool:
     hash entry, and the store's bytes per present key, whole and per shard."""
     import polars as pl
 
-    from replay.tracedir import split_trace
+    from replay.format.tracedir import split_trace
 
     parts = DATA / f"{path.stem}-{SCALE_FILES}files"
     if not parts.exists():

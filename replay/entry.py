@@ -5,14 +5,9 @@ have been written yet, so there is nothing to clean up either."""
 
 from __future__ import annotations
 
-import os
 import signal
-from types import FrameType
 
-
-def exit_now(signum: int, frame: FrameType | None) -> None:
-    """A signal handler for when there is nothing to clean up."""
-    os._exit(128 + signum)
+from replay.base.signals import exit_now
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from replay.trace import EXPECT_META_KEY, TraceReader
+from replay.format.schema import EXPECT_META_KEY
+from replay.format.trace import TraceReader
 
 
 def read_expectations(path: Path) -> list[dict[str, Any]] | None:
@@ -81,8 +82,8 @@ class TraceItem(pytest.Item):
 
     def runtest(self) -> None:
         from analysis.flags import flag_counts
-        from replay.engine import replay_trace
-        from replay.trace import open_trace
+        from replay.engine.replay import replay_trace
+        from replay.format.tracedir import open_trace
 
         reader = open_trace(self.path)  # once: replayed, then explained on a failure
         result = replay_trace(reader, policy=self.policy, cache=self.cache)
@@ -128,8 +129,8 @@ class TraceItem(pytest.Item):
             raise ExpectationMismatch("\n".join(problems + self._explain(reader, explain_ids)))
 
     def _explain(self, reader: TraceReader, request_ids: list[str]) -> list[str]:
-        from replay.engine import explain_lookups
-        from replay.render import explain_table
+        from replay.engine.replay import explain_lookups
+        from replay.tools.render import explain_table
 
         wanted = set(request_ids)
         config, found = explain_lookups(

@@ -14,12 +14,12 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from replay.coordinator import check_config
-from replay.coordinator.hybrid import Contains
-from replay.errors import ConfigError
+from replay.base.errors import ConfigError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.trace import TraceReader
+from replay.rules.coordinator import check_config
+from replay.rules.coordinator.hybrid import Contains
 from replay.sources.archetypes import archetype_config
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import TraceReader
 
 FULL = FA = GroupKind.FULL_ATTENTION
 SWA = SW = GroupKind.SLIDING_WINDOW

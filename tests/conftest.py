@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 from hypothesis import settings
 
 from replay.cli import cli
-from replay.trace import write_trace
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 
 pytest_plugins = ("pytester",)
@@ -34,9 +34,9 @@ def trace_43559(tmp_path: Path) -> Path:
 @pytest.fixture
 def inputs(tmp_path: Path) -> dict[str, Path]:
     """One of each input a command reads, in one folder."""
-    from replay.engine import replay_trace, save_results
+    from replay.engine.replay import replay_trace, save_results
+    from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
-    from replay.trace import write_trace
     from tests.kvpayloads import T0, payload, stored
 
     d = tmp_path / "in"
@@ -70,8 +70,8 @@ def run_cli(args: Sequence[str | os.PathLike[str]]) -> Result:
 def check_store_options(command: Any, args: list[str], out: Path, budget: int) -> None:
     """Run a trace source with dense retention, ``budget``-token steps and the
     GPU cache; check its summary line and the trace's ``source`` name them."""
-    from replay.store_rules import StorePolicy
-    from replay.trace import open_trace
+    from replay.format.tracedir import open_trace
+    from replay.rules.store_rules import StorePolicy
 
     args = [*args, "--retention-interval", "none", "--max-num-batched-tokens", str(budget)]
     result = CliRunner().invoke(command, [*args, "--cache", "gpu"])

@@ -8,8 +8,8 @@ from typing import Any
 
 import polars as pl
 
-from replay.coordinator import build_spec_groups, hit_alignment, partial_hits
-from replay.spec import GroupKind, TraceConfig
+from replay.base.spec import GroupKind, TraceConfig
+from replay.rules.coordinator import build_spec_groups, hit_alignment, partial_hits
 from tests.builders import hand_fold
 
 FULL = GroupKind.FULL_ATTENTION

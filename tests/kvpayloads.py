@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 from click.testing import CliRunner, Result
 
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli.sources import ingest
 from replay.sources.dump import DumpWriter
 from replay.sources.kv_config import load_config
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 Hash = bytes | int
 #: A wire event: the map form, or the legacy array form.

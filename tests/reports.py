@@ -10,7 +10,7 @@ from pathlib import Path
 from click.testing import CliRunner, Result
 
 from replay.cli.analysis import report
-from replay.engine import replay_trace, save_results
+from replay.engine.replay import replay_trace, save_results
 
 #: The Mamba row of the #43559 lookup's explain table.
 MAMBA_ROW = (

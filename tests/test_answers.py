@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from replay.answers import Answers, Variant
-from replay.engine import replay_trace
-from replay.shard import replay_answers
-from replay.trace import open_trace, write_trace
+from replay.engine.answers import Answers, Variant
+from replay.engine.replay import replay_trace
+from replay.engine.shard import replay_answers
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows
 
 VARIANTS = [

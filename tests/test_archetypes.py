@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind
 from replay.sources.archetypes import ARCHETYPES, archetype_config
-from replay.spec import GroupKind
 
 F, S, C, M = (
     GroupKind.FULL_ATTENTION,

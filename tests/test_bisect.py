@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from analysis.bisect import releases_between
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 from tests.conftest import run_cli
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"

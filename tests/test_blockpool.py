@@ -7,10 +7,10 @@ import hashlib
 
 import pytest
 
-from replay.blockpool import BlockPool, EvictionOrder, GpuCache
-from replay.errors import ConfigError, ReplayError
+from replay.base.errors import ConfigError, ReplayError
+from replay.rules.blockpool import BlockPool, EvictionOrder, GpuCache
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
-from replay.store_rules import StorePolicy
 
 
 def pool(capacity: int, eviction: str = "lru") -> BlockPool:

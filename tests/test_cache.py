@@ -10,17 +10,17 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.coordinator import (
+from replay.base.errors import ConfigError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.writer import write_trace
+from replay.rules.coordinator import (
     Coordinator,
     build_spec_groups,
     check_config,
     eagle_group_ids,
     hit_alignment,
 )
-from replay.engine import replay_trace
-from replay.errors import ConfigError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import write_trace
 from tests import builders
 from tests.builders import chain, full_mamba, mb, sw
 from tests.conftest import run_cli

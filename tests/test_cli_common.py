@@ -12,9 +12,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from replay.base.errors import Interrupted, ReplayError
 from replay.cli import cli
 from replay.cli.common import Command, command, fail
-from replay.errors import Interrupted, ReplayError
 
 
 def _leaves(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from replay.trace import write_trace
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba
 from tests.conftest import run_cli
 

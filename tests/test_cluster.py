@@ -20,10 +20,10 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.engine import replay_trace
+from replay.engine.replay import replay_trace
+from replay.format.tracedir import open_trace, split_trace
+from replay.format.writer import TraceWriter
 from replay.sources.synth import synth_trace
-from replay.trace import TraceWriter, open_trace
-from replay.tracedir import split_trace
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.ray
@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from replay.cluster import NAMESPACE, ClusterError, ShardPool, replay_on_ray  # noqa: E402
+from replay.engine.cluster import NAMESPACE, ClusterError, ShardPool, replay_on_ray  # noqa: E402
 
 POLICIES = ("vllm-0.33", "pre-49502")
 STORE_MB = 200

@@ -22,15 +22,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.coordinator import (
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.rules.coordinator import (
     Coordinator,
     LookupOutcome,
     build_spec_groups,
     hit_alignment,
 )
-from replay.coordinator.finders import block_view, cdiv
-from replay.errors import ReplayError
-from replay.spec import TraceConfig
+from replay.rules.coordinator.finders import block_view, cdiv
 from tests.builders import CL, FA, MB, SW, cl, config, fa, mb, scenarios, sw
 
 #: What ``lookup`` builds; the vLLM differential swaps in ``VllmCoordinator``.
@@ -480,7 +480,7 @@ def test_full_attention_keeps_the_partial_tail_block_of_the_converged_hit() -> N
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_vllm_backend_without_vllm_names_the_fix() -> None:
-    from replay.backends.vllm import VllmCoordinator
+    from replay.format.backends.vllm import VllmCoordinator
 
     with pytest.raises(ReplayError) as info:
         VllmCoordinator(config(fa()))

@@ -24,11 +24,13 @@ import pytest
 from click.testing import CliRunner, Result
 
 from analysis.diff import DIFF_META_KEY, diff_inputs
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli import cli
 from replay.cli.analysis import diff
-from replay.engine import replay_trace, save_results
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import RESULTS_SCHEMA, read_results, write_results, write_trace
+from replay.engine.replay import replay_trace, save_results
+from replay.format.results import read_results, write_results
+from replay.format.schema import RESULTS_SCHEMA
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 
 BLOCK = 16

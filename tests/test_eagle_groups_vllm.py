@@ -1,4 +1,4 @@
-"""The EAGLE group rule (``replay.coordinator.build_spec_groups``) against
+"""The EAGLE group rule (``replay.rules.coordinator.build_spec_groups``) against
 vLLM 0.33.0's own classes, where equal specs carry different
 ``is_eagle_group`` flags: the case issue 14 found the project's three
 encodings disagreeing on (two equal sliding-window groups, one flagged).
@@ -16,7 +16,7 @@ kinds. For each, in both caches:
 * the coordinator answers random lookups over random stores exactly as
   vLLM's does, under all three policies (hit, masks, group hits, Mamba
   position);
-* the store rules the generators use (``replay.store_rules``, behind
+* the store rules the generators use (``replay.rules.store_rules``, behind
   ``replay synth`` and the importers) store per request what a real
   ``KVCacheManager`` and ``MooncakeStoreCoordinator`` store, and the
   generators' writer emits the engine's ``BlockStored`` keys.
@@ -37,11 +37,11 @@ pytest.importorskip(
     reason="vLLM not importable: run make test-vllm",
 )
 
-from replay.backends.vllm import VllmCoordinator
-from replay.coordinator import Coordinator, build_spec_groups, check_config
-from replay.errors import ConfigError, ReplayError
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy, StoreRules
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.backends.vllm import VllmCoordinator
+from replay.rules.coordinator import Coordinator, build_spec_groups, check_config
+from replay.rules.store_rules import StorePolicy, StoreRules
 from tests.builders import (
     MB,
     SW,

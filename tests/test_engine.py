@@ -10,11 +10,12 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.coordinator import Coordinator
-from replay.engine import replay_trace, save_results
-from replay.spec import TraceConfig
-from replay.store import ClearEvent, RemoveEvent, StoreEvent
-from replay.trace import read_results, write_trace
+from replay.base.spec import TraceConfig
+from replay.engine.replay import replay_trace, save_results
+from replay.format.results import read_results
+from replay.format.writer import write_trace
+from replay.rules.coordinator import Coordinator
+from replay.rules.store import ClearEvent, RemoveEvent, StoreEvent
 from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
 
 
@@ -105,8 +106,8 @@ def test_deterministic_row_for_row(tmp_path: Path) -> None:
 
 
 def test_store_fold_events_and_order() -> None:
-    from replay.errors import TraceError
-    from replay.store import Store
+    from replay.base.errors import TraceError
+    from replay.rules.store import Store
 
     s: Store[bytes] = Store(2)
     s.apply(StoreEvent(seq=1, group_id=0, hashes=[b"a", b"b"]))
@@ -125,7 +126,7 @@ def test_store_fold_events_and_order() -> None:
 def test_one_row_group_per_event_streams_through_the_prefetcher(tmp_path: Path, seed: int) -> None:
     """Every event its own row group: state carries across every batch the
     prefetching reader hands over (clears and removes included)."""
-    from replay.trace import TraceWriter
+    from replay.format.writer import TraceWriter
 
     rng = random.Random(300 + seed)
     config = random_config(rng)
@@ -154,8 +155,8 @@ def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Pa
 
 
 def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) -> None:
-    from replay.engine import explain_lookups
-    from replay.trace import open_trace
+    from replay.engine.replay import explain_lookups
+    from replay.format.tracedir import open_trace
 
     rng = random.Random(41)
     config = random_config(rng)

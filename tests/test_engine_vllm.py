@@ -11,8 +11,9 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from replay.engine import replay_trace
-from replay.trace import read_results, write_trace
+from replay.engine.replay import replay_trace
+from replay.format.results import read_results
+from replay.format.writer import write_trace
 from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
 from tests.flagdefs import plain_flags
@@ -102,10 +103,10 @@ def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) 
     --coordinator vllm` runs them): vLLM asks by hash, answered from the
     same presence bytes, and agrees with the reference on every column but
     the coordinator's name; explain answers by hash too."""
-    from replay.answers import Answers, Variant
-    from replay.engine import explain_lookups
-    from replay.shard import replay_answers
-    from replay.trace import open_trace
+    from replay.engine.answers import Answers, Variant
+    from replay.engine.replay import explain_lookups
+    from replay.engine.shard import replay_answers
+    from replay.format.tracedir import open_trace
 
     rng = random.Random(9500 + seed)
     config = random_config(rng)

@@ -12,9 +12,9 @@ import polars as pl
 import pytest
 
 from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags
-from replay.engine import replay_trace
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import write_trace
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.writer import write_trace
 from tests import builders
 from tests.builders import (
     MAMBA,

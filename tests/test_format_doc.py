@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.engine import replay_trace
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import RESULTS_SCHEMA, TRACE_SCHEMA, UNIT_PRESENT_FIELD
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.schema import RESULTS_SCHEMA, TRACE_SCHEMA, UNIT_PRESENT_FIELD
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
 

@@ -38,9 +38,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.cli import cli
-from replay.engine import replay_trace, save_results
+from replay.engine.replay import replay_trace, save_results
+from replay.format.results import read_results
+from replay.format.schema import TRACE_META_KEY
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.sources.dump import DumpWriter
-from replay.trace import TRACE_META_KEY, open_trace, read_results, write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows
 
 FUZZ = settings(

@@ -15,15 +15,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace
-from replay.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
-from replay.shard import fold_rows
-from replay.spec import TraceConfig
-from replay.trace import (
+from replay.base.spec import TraceConfig
+from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
+from replay.engine.replay import replay_trace
+from replay.engine.shard import fold_rows
+from replay.format.hashwords import hash_words
+from replay.format.tracedir import open_trace
+from replay.format.writer import (
     ROW_GROUP_ROWS,
     TraceWriter,
-    hash_words,
-    open_trace,
     trace_schema,
     write_bounded,
     write_trace,
@@ -295,7 +295,7 @@ def test_many_keys_grow_the_table_in_a_replay(tmp_path: Path) -> None:
     rows = [{"seq": i, **r} for i, r in enumerate(rows)]
     _check(tmp_path, config, rows, "vllm-0.33")
     path = tmp_path / "t.parquet"
-    from replay.summary import trace_info
+    from analysis.summary import trace_info
 
     assert trace_info(path)["distinct_keys_per_group"] == [20_000, len(keys[::3])]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from replay.errors import ConfigError
+from replay.base.errors import ConfigError
+from replay.format.writer import write_trace
 from replay.sources.kv_config import load_config
-from replay.trace import write_trace
 from tests.kvpayloads import two_groups
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from replay.errors import ReplayError, TraceError
+from replay.base.errors import ReplayError, TraceError
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
-from replay.trace import open_trace, write_trace
 from tests.kvpayloads import T0, at, one_group, run_ingest, u64
 
 

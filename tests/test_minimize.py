@@ -8,8 +8,9 @@ from pathlib import Path
 
 import polars as pl
 
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
-from replay.trace import open_trace, write_trace
 from tests.builders import chain, full_mamba
 from tests.conftest import run_cli
 
@@ -127,7 +128,7 @@ def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> N
     output directory holds the output alone afterwards."""
     import io
 
-    from replay.minimize import minimize
+    from replay.tools.minimize import minimize
 
     big = _noisy_trace(tmp_path / "big.parquet")
     out_dir = tmp_path / "out"

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from replay.base.errors import ReplayError
 from replay.cli.sources import bailian, mooncake
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
-from replay.render import ingest_summary_text
+from replay.format.tracedir import open_trace
+from replay.rules.coordinator import Coordinator
 from replay.sources.mooncake import ingest_bailian, ingest_mooncake
 from replay.sources.prefix_reuse import count_reuse
-from replay.trace import open_trace
+from replay.tools.render import ingest_summary_text
 from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
 

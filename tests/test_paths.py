@@ -1,4 +1,4 @@
-"""replay.paths: where a command may read and write. An output that is an
+"""replay.format.paths: where a command may read and write. An output that is an
 input is refused before anything is written, ``/dev/null`` discards,
 ``-`` is standard output, a missing directory is an error, a FIFO never
 blocks, and a failed write leaves nothing behind (through the CLI, as a

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
-from replay.trace import write_trace
 from tests.builders import chain, full_mamba
 
 TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
 
 NEVER_HITS = """
-from replay.coordinator import hybrid
+from replay.rules.coordinator import hybrid
 
 def _never(self, present, max_length, *, explain=False):
     groups = tuple(

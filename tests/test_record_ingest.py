@@ -7,8 +7,8 @@ from pathlib import Path
 
 import msgspec
 
+from replay.format.tracedir import open_trace
 from replay.sources.dump import DUMP_MAGIC
-from replay.trace import open_trace
 from tests.kvpayloads import (
     T0,
     at,

@@ -1,7 +1,7 @@
 """Lookups from the vLLM plugin: exact placement, the plugin's file, the live stream.
 
 The records here are written in the plugin's documented format
-(``replay/vllm_plugin.py``); ``tests/test_record_scheduler.py`` produces
+(``replay/base/vllm_plugin.py``); ``tests/test_record_scheduler.py`` produces
 them with vLLM's real scheduler. The live test sends them through the
 plugin's own ZMQ sink (no vLLM needed for it).
 """
@@ -19,11 +19,11 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from replay import vllm_plugin
+from replay.base import vllm_plugin
 from replay.cli.sources import ingest, record
+from replay.format.tracedir import open_trace
 from replay.sources.record import ingest_dumps
 from replay.sources.zmq_client import binds
-from replay.trace import open_trace
 from tests.kvpayloads import (
     T0,
     frames,

@@ -37,13 +37,13 @@ from typing import Any
 
 import pytest
 
-from replay.engine import replay_trace
+from replay.base.spec import GroupKind, TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.tracedir import open_trace
 from replay.sources.dump import read_dump
 from replay.sources.kv_wire import AllBlocksCleared, BlockStored, decode_batch
 from replay.sources.record import ingest_dumps, record
 from replay.sources.stream import RecordSummary
-from replay.spec import GroupKind, TraceConfig
-from replay.trace import open_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +76,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from replay import vllm_plugin  # noqa: E402
+from replay.base import vllm_plugin  # noqa: E402
 
 VOCAB = 1000
 MAX_MODEL_LEN = 2048

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.tracedir import open_trace
 from replay.sources.record import record
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import open_trace
 
 pytestmark = pytest.mark.vllm
 

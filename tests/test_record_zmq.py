@@ -25,9 +25,9 @@ import zmq
 from click.testing import CliRunner
 
 from replay.cli.sources import ingest, record
+from replay.format.tracedir import open_trace
 from replay.sources.record import record as record_stream
 from replay.sources.zmq_client import END_SEQ
-from replay.trace import open_trace
 from tests.kvpayloads import (
     T0,
     at,

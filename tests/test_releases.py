@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from replay.coordinator import (
+from replay.base.errors import ConfigError, ReplayError
+from replay.format.results import read_results
+from replay.format.writer import write_trace
+from replay.rules.coordinator import (
     POLICIES,
     RELEASES,
     Coordinator,
@@ -17,8 +20,6 @@ from replay.coordinator import (
     policy_for_version,
     policy_rules,
 )
-from replay.errors import ConfigError, ReplayError
-from replay.trace import read_results, write_trace
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 

@@ -1,11 +1,11 @@
-"""replay.render: the words of every summary a command prints."""
+"""replay.tools.render: the words of every summary a command prints."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from replay.render import record_summary_text
 from replay.sources.stream import RecordSummary
+from replay.tools.render import record_summary_text
 
 
 def test_a_clean_recording_is_its_batches_and_rows() -> None:

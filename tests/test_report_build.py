@@ -10,8 +10,10 @@ from pathlib import Path
 
 from analysis.report import build_report
 from analysis.report.build import explain_examples
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import TraceReader, open_trace, write_trace
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.trace import TraceReader
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from tests.builders import issue_43559_rows
 from tests.reports import MAMBA_ROW, report_error, results_of
 from tests.test_diff import write_workload

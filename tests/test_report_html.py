@@ -10,8 +10,8 @@ from pathlib import Path
 
 from analysis.report import build_report, render_html
 from replay import __version__
-from replay.spec import TraceConfig
-from replay.trace import write_trace
+from replay.base.spec import TraceConfig
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 from tests.reports import MAMBA_ROW, invoke_report, marks, results_of
 from tests.test_diff import write_workload

@@ -13,11 +13,11 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
+from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
-from replay.engine import replay_trace
-from replay.errors import ReplayError
-from replay.shard import replay_sharded, shard_of
-from replay.trace import TraceWriter, write_trace
+from replay.engine.replay import replay_trace
+from replay.engine.shard import replay_sharded, shard_of
+from replay.format.writer import TraceWriter, write_trace
 from tests.builders import random_config, random_rows
 from tests.conftest import run_cli
 

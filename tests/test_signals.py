@@ -22,9 +22,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from replay.paths import PAUSE_ENV
+from replay.format.paths import PAUSE_ENV
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
 from replay.sources.dump import DUMP_MAGIC, DumpWriter
-from replay.trace import open_trace, write_trace
 from tests.builders import full_mamba, issue_43559_rows
 from tests.kvpayloads import T0, payload, stored
 from tests.test_record_zmq import TIMEOUT, Publisher, Step

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from replay.coordinator import check_config, hit_alignment
-from replay.errors import ConfigError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.errors import ConfigError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator import check_config, hit_alignment
 
 CHUNKED = GroupSpec(kind=GroupKind.CHUNKED_LOCAL_ATTENTION, block_size=16, attention_chunk_size=64)
 

@@ -1,4 +1,4 @@
-"""The store rules (replay.store_rules) on hand-checked cases.
+"""The store rules (replay.rules.store_rules) on hand-checked cases.
 
 Block size, hash block and scheduler block are 16 tokens unless a case says
 otherwise, so block ``i`` ends at token ``16 * (i + 1)``. The broad check
@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from replay.errors import ReplayError
-from replay.sources.archetypes import archetype_config
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.store_rules import (
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.store_rules import (
     StorePolicy,
     StoreRules,
     checkpoint_position,
     replay_boundaries,
     request_stores,
 )
+from replay.sources.archetypes import archetype_config
 
 
 def stores(

@@ -1,4 +1,4 @@
-"""The store rules (``replay.store_rules``) against vLLM 0.33.0 itself.
+"""The store rules (``replay.rules.store_rules``) against vLLM 0.33.0 itself.
 
 Per request and per group, the blocks the rules say a prefill leaves behind
 are compared with what vLLM's own code leaves behind for the same prompt
@@ -36,12 +36,12 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
-from replay.backends.vllm import vllm_groups
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, TraceConfig
+from replay.format.backends.vllm import vllm_groups
+from replay.rules.coordinator import Coordinator
+from replay.rules.store_rules import StorePolicy, StoreRules
 from replay.sources.archetypes import ARCHETYPES, archetype_config
-from replay.spec import GroupKind, TraceConfig
-from replay.store_rules import StorePolicy, StoreRules
 from tests.vllm_modules import split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
@@ -471,8 +471,8 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
     full attention, the Mamba hand-offs)."""
     import json
 
+    from replay.format.tracedir import open_trace
     from replay.sources.mooncake import ingest
-    from replay.trace import open_trace
 
     rows = mooncake_rows(random.Random(300), 300)
     src = tmp_path / "mooncake.jsonl"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from replay.summary import trace_info
-from replay.trace import TraceReader, write_trace
+from analysis.summary import trace_info
+from replay.format.trace import TraceReader
+from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows
 
 

@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind
 from replay.cli.synth import synth
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
-from replay.render import synth_summary_text
+from replay.format.tracedir import open_trace
+from replay.rules.coordinator import Coordinator
 from replay.sources.archetypes import archetype_config
 from replay.sources.synth import synth_trace
-from replay.spec import GroupKind
-from replay.trace import open_trace
+from replay.tools.render import synth_summary_text
 from tests.builders import hand_folded_lookups
 from tests.conftest import check_store_options
 

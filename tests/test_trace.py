@@ -14,19 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace, save_results
-from replay.errors import ReplayError, TraceError
-from replay.trace import (
-    TableReader,
-    TraceReader,
-    TraceWriter,
-    events_table,
-    open_trace,
-    read_results,
-    trace_schema,
-    write_results,
-    write_trace,
-)
+from replay.base.errors import ReplayError, TraceError
+from replay.engine.replay import replay_trace, save_results
+from replay.format.results import read_results, write_results
+from replay.format.trace import TableReader, TraceReader
+from replay.format.tracedir import open_trace
+from replay.format.writer import TraceWriter, events_table, trace_schema, write_trace
 from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
 
 

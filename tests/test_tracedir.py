@@ -13,9 +13,10 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine import replay_trace
-from replay.trace import TRACE_META_KEY, events_table, open_trace, write_trace
-from replay.tracedir import TraceDir
+from replay.engine.replay import replay_trace
+from replay.format.schema import TRACE_META_KEY
+from replay.format.tracedir import TraceDir, open_trace
+from replay.format.writer import events_table, write_trace
 from tests.builders import full_mamba, random_config, random_rows
 from tests.conftest import run_cli
 

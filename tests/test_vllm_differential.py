@@ -41,11 +41,11 @@ pytest.importorskip(
 
 import contextlib
 
-from replay.backends.vllm import VllmCoordinator, installed_version
-from replay.coordinator import (
-    POLICIES as ALL_POLICIES,
-)
-from replay.coordinator import (
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.backends.vllm import VllmCoordinator, installed_version
+from replay.rules.coordinator import POLICIES as ALL_POLICIES
+from replay.rules.coordinator import (
     RELEASES,
     Coordinator,
     LookupOutcome,
@@ -54,8 +54,6 @@ from replay.coordinator import (
     policy_for_version,
     policy_rules,
 )
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
 
 pytestmark = pytest.mark.vllm

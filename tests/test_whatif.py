@@ -10,21 +10,17 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.coordinator import Coordinator
-from replay.engine import replay_trace
+from replay.base.spec import TraceConfig
+from replay.engine.replay import replay_trace
+from replay.format.sweepfile import read_sweep
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
+from replay.rules.coordinator import Coordinator
+from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.sources.archetypes import archetype_config
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy, StoreRules, junction_tokens
-from replay.trace import open_trace, write_trace
-from replay.whatif import (
-    SWEEP_COLUMNS,
-    RunSpec,
-    load_requests,
-    parse_bytes,
-    read_sweep,
-    simulate,
-    sweep,
-)
+from replay.whatif.requests import load_requests
+from replay.whatif.sizes import parse_bytes
+from replay.whatif.sweep import SWEEP_COLUMNS, RunSpec, simulate, sweep
 from tests.builders import random_archetype_config, random_prompts, unit_hashes
 from tests.conftest import run_cli
 

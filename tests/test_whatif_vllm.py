@@ -1,4 +1,4 @@
-"""The GPU block-pool model (``replay.blockpool``) against vLLM 0.33.0's own
+"""The GPU block-pool model (``replay.rules.blockpool``) against vLLM 0.33.0's own
 ``KVCacheManager`` (real ``BlockPool``, prefix caching on).
 
 The requests are the first rows of the Mooncake conversation trace, their
@@ -29,13 +29,15 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
-from replay.backends.vllm import vllm_groups
-from replay.blockpool import GpuCache
+from replay.base.spec import GroupKind, TraceConfig
+from replay.format.backends.vllm import vllm_groups
+from replay.format.tracedir import open_trace
+from replay.format.writer import write_trace
+from replay.rules.blockpool import GpuCache
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
-from replay.spec import GroupKind, TraceConfig
-from replay.store_rules import StorePolicy
-from replay.trace import open_trace, write_trace
-from replay.whatif import RunSpec, load_requests, simulate
+from replay.whatif.requests import load_requests
+from replay.whatif.sweep import RunSpec, simulate
 from tests.builders import random_archetype_config, random_prompts
 from tests.vllm_modules import split_state, vllm_modules
 

@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from replay.base.spec import TraceConfig
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
 from replay.sources.workload import WorkloadWriter
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy
 
 Row = tuple[str, int | None, str | None, list[int]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from replay.spec import TraceConfig
+from replay.base.spec import TraceConfig
 
 
 def vllm_modules() -> SimpleNamespace:

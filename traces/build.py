@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replay.spec import GroupKind, GroupSpec, TraceConfig
-from replay.trace import TraceReader, TraceSource, write_trace
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.trace import TraceReader
+from replay.format.tracedir import TraceSource
+from replay.format.writer import write_trace
 from tests.builders import chain, full_mamba, issue_43559_rows
 
 HERE = Path(__file__).parent
@@ -248,7 +250,7 @@ def _group_totals(results: Any) -> list[int]:
 
 def replayed_results(trace: TraceSource, policies: Sequence[str]) -> dict[str, Any]:
     """Each policy's ``ReplayResult``, from one fold of ``trace``."""
-    from replay.shard import replay_sharded
+    from replay.engine.shard import replay_sharded
 
     results = replay_sharded(trace, policies=list(dict.fromkeys(policies)))
     return {r.policy: r for r in results}
@@ -259,7 +261,7 @@ def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts
-    from replay.coordinator import POLICIES
+    from replay.rules.coordinator import POLICIES
 
     out = []
     for policy, result in replayed_results(trace, list(POLICIES)).items():

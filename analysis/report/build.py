@@ -11,11 +11,13 @@ from analysis.flags import results_flags
 from analysis.report import data
 from analysis.report.data import ReportData
 from analysis.report.inputs import lookup_mismatch, read_report_results, resolve_trace
-from replay.coordinator import POLICIES, hit_alignment
-from replay.engine import explain_lookups
-from replay.errors import ReplayError
-from replay.render import explain_header, explain_table
-from replay.trace import TraceReader, TraceSource, results_cache, results_config
+from replay.base.errors import ReplayError
+from replay.engine.replay import explain_lookups
+from replay.format.results import results_cache, results_config
+from replay.format.trace import TraceReader
+from replay.format.tracedir import TraceSource
+from replay.rules.coordinator import POLICIES, hit_alignment
+from replay.tools.render import explain_header, explain_table
 
 
 def build_report(

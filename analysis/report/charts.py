@@ -19,7 +19,7 @@ from markupsafe import Markup, escape
 
 from analysis.report.data import Bin, Point
 from analysis.report.fmt import fmt_time, num
-from replay.spec import GroupKind
+from replay.base.spec import GroupKind
 
 _W, _H = 760, 300
 _BLUE, _GREY, _MUTED, _GRID = "#2563eb", "#94a3b8", "#64748b", "#e2e8f0"

@@ -15,9 +15,9 @@ import polars as pl
 
 from analysis.flags import FLAG_KINDS
 from analysis.report.fmt import fmt_time
-from replay.render import group_label
-from replay.spec import TraceConfig
-from replay.summary import hit_figures, prompt_tokens_expr
+from analysis.summary import hit_figures, prompt_tokens_expr
+from replay.base.spec import TraceConfig
+from replay.tools.render import group_label
 
 TIMELINE_BINS = 40
 HISTOGRAM_BINS = 30

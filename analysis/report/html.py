@@ -24,7 +24,7 @@ from analysis.report.data import Example, ReportData
 from analysis.report.fmt import num, pct
 from analysis.report.sweep import sweep_context, sweep_table
 from replay import __version__
-from replay.render import config_lines
+from replay.tools.render import config_lines
 
 _BINNED_BY = {
     "time": "lookup timestamps (ts)",

@@ -9,9 +9,11 @@ from typing import Any
 
 import polars as pl
 
-from replay.errors import ReplayError
-from replay.spec import TraceConfig
-from replay.trace import TraceReader, TraceSource, open_trace, read_results
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.results import read_results
+from replay.format.trace import TraceReader
+from replay.format.tracedir import TraceSource, open_trace
 
 
 def read_report_results(path: Path) -> tuple[pl.DataFrame, dict[str, Any]]:

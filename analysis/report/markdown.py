@@ -13,7 +13,7 @@ import polars as pl
 from analysis.report.data import ReportData
 from analysis.report.fmt import num, pct
 from analysis.report.sweep import sweep_context, sweep_table
-from replay.render import config_lines
+from replay.tools.render import config_lines
 
 
 def _cell(v: object) -> str:

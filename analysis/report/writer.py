@@ -9,9 +9,9 @@ from pathlib import Path
 from analysis.report.data import ReportData
 from analysis.report.html import render_html, render_sweep_html
 from analysis.report.markdown import render_markdown, render_sweep_markdown
-from replay.errors import ReplayError
-from replay.paths import OutputTarget, check_outputs, write_text
-from replay.whatif import read_sweep
+from replay.base.errors import ReplayError
+from replay.format.paths import OutputTarget, check_outputs, write_text
+from replay.format.sweepfile import read_sweep
 
 FORMATS = ("html", "md")
 

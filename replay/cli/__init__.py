@@ -1,5 +1,5 @@
 """The ``replay`` command line: click only. Each command parses options,
-calls the library and prints what ``replay.render`` words; library errors
+calls the library and prints what ``replay.tools.render`` words; library errors
 become one line on stderr and exit status 2 (``replay.cli.common``).
 
 One module per command group:

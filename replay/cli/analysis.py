@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
-from replay.answers import COORDINATORS
 from replay.cli.common import command
 from replay.cli.options import count_option, output_option, repeated_choice
-from replay.coordinator import CACHES, POLICIES
+from replay.engine.answers import COORDINATORS
+from replay.rules.coordinator import CACHES, POLICIES
 
 
 @command("diff")
@@ -62,7 +62,7 @@ def diff(
     """
     from analysis.diff import diff_inputs, write_diff
     from analysis.diff_text import render_text
-    from replay.paths import check_outputs
+    from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, list(inputs))
     result = diff_inputs(list(inputs), policies, coordinators, caches)
@@ -155,8 +155,8 @@ def report(
     SWEEP file (replay whatif): hit ratio against capacity per eviction
     policy, and the table (-o x.md: Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
-    from replay.paths import check_outputs
-    from replay.whatif import is_sweep_file
+    from replay.format.paths import check_outputs
+    from replay.format.sweepfile import is_sweep_file
 
     if fmt is None:
         fmt = (

@@ -21,8 +21,8 @@ from typing import IO, Any
 
 import click
 
-from replay.errors import Interrupted, ReplayError
-from replay.paths import EXIT_SIGNALS, note_signal
+from replay.base.errors import Interrupted, ReplayError
+from replay.format.paths import EXIT_SIGNALS, note_signal
 
 
 class UserError(click.ClickException):
@@ -90,7 +90,7 @@ def run_main(command: click.Command, prog_name: str) -> None:
     # once, with the status a signal gives.
     sys.stdout.flush()
     sys.stderr.flush()
-    from replay.entry import exit_now
+    from replay.base.signals import exit_now
 
     for sig in EXIT_SIGNALS:
         signal.signal(sig, exit_now)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import click
 
-from replay.answers import resolve_cache
+from analysis.summary import trace_info
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine import state_at
-from replay.render import group_label, info_lines, validate_line
-from replay.summary import trace_info
+from replay.engine.answers import resolve_cache
+from replay.engine.replay import state_at
+from replay.tools.render import group_label, info_lines, validate_line
 
 
 @command()
@@ -32,7 +32,7 @@ def info(trace: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
-    from replay.spec import TraceConfig
+    from replay.base.spec import TraceConfig
 
     config = TraceConfig.from_json(data["config"])
     # The cache the trace's events describe, which replays answer by default.
@@ -54,7 +54,7 @@ def info(trace: Path, as_json: bool) -> None:
 @count_option("--show", default=5, help="Keys to print per group.")
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
-    from replay.paths import check_outputs
+    from replay.format.paths import check_outputs
 
     check_outputs({"-o": output}, [trace])
     config, store = state_at(trace, at)
@@ -71,7 +71,7 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
         if len(keys) > show:
             click.echo(f"  … {len(keys) - show} more")
     if output is not None:
-        from replay.trace import write_keys
+        from replay.format.writer import write_keys
 
         n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
         click.echo(f"wrote {n} keys to {output}")

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from replay.cli.common import fail
-from replay.coordinator import CACHES
+from replay.rules.coordinator import CACHES
 from replay.sources.archetypes import ARCHETYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,7 +86,7 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 
 
 def store_options(fn: F) -> F:
-    """The store rules' options of a trace source (``replay.store_rules.StorePolicy``)."""
+    """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
     for decorator in reversed(
         [
             click.option(

@@ -12,12 +12,15 @@ from pathlib import Path
 import click
 
 from analysis.flags import FLAG_KINDS, flag_lines
-from replay.answers import COORDINATORS, Progress, resolve_cache
+from analysis.summary import run_summary
+from replay.base.errors import ReplayError
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
-from replay.coordinator import (
+from replay.engine.answers import COORDINATORS, Progress, resolve_cache
+from replay.engine.replay import explain_lookups, save_results
+from replay.rules.coordinator import (
     CACHES,
     DEFAULT_POLICY,
     POLICIES,
@@ -25,9 +28,7 @@ from replay.coordinator import (
     policy_for_version,
     trace_policy,
 )
-from replay.engine import explain_lookups, save_results
-from replay.errors import ReplayError
-from replay.render import (
+from replay.tools.render import (
     check_lines,
     config_lines,
     explain_header,
@@ -35,7 +36,6 @@ from replay.render import (
     minimize_lines,
     run_summary_lines,
 )
-from replay.summary import run_summary
 
 
 def _given(name: str) -> bool:
@@ -149,7 +149,7 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import flag_counts, flag_examples
-    from replay.paths import check_outputs
+    from replay.format.paths import check_outputs
 
     policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
@@ -192,7 +192,7 @@ def _run_policies(
     """The policies to answer with: ``--policy``, else ``--vllm``'s release,
     else the trace's recorded release, else the default. What is inferred,
     and what an emulation stands for, is said on stderr."""
-    from replay.trace import open_trace
+    from replay.format.tracedir import open_trace
 
     notes: list[str] = []
     if vllm_version is not None:
@@ -232,7 +232,7 @@ def explain(
 ) -> None:
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags."""
-    from replay.lookup_choice import choose_lookup
+    from replay.tools.lookup_choice import choose_lookup
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -272,7 +272,8 @@ def check(
     PATH is a trace (replayed now, under --policy) or a results file of
     `replay run` (checked as it is, against its trace).
     """
-    from analysis.flags import check_path, flag_counts, flag_examples
+    from analysis.check import check_path
+    from analysis.flags import flag_counts, flag_examples
 
     flags, policy_used = check_path(
         path,
@@ -329,8 +330,8 @@ def minimize(
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
-    from replay.minimize import minimize as run_minimize
-    from replay.paths import check_outputs
+    from replay.format.paths import check_outputs
+    from replay.tools.minimize import minimize as run_minimize
 
     check_outputs({"-o": output}, [trace])
     info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)

@@ -1,7 +1,7 @@
 """Commands and options for traces beyond one file and one process:
 ``replay split`` / ``replay cat`` convert between a trace file and a trace
 directory, and ``replay run --workers N`` / ``--ray ADDRESS`` replay on Ray
-with the store sharded by key (``replay.shard``, ``replay.cluster``)."""
+with the store sharded by key (``replay.engine.shard``, ``replay.engine.cluster``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from replay.answers import Progress, ReplayResult
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine import default_results_path
+from replay.engine.answers import Progress, ReplayResult
+from replay.engine.replay import default_results_path
 
 
 @command()
@@ -27,7 +27,7 @@ from replay.engine import default_results_path
 )
 def split(trace: Path, output: Path, files: int) -> None:
     """Write TRACE as a trace directory of FILES files, in seq order."""
-    from replay.tracedir import split_trace
+    from replay.format.tracedir import split_trace
 
     n = split_trace(trace, output, files)
     click.echo(f"{trace} -> {output}: {n} files")
@@ -38,7 +38,7 @@ def split(trace: Path, output: Path, files: int) -> None:
 @output_option("The one trace file to write.", required=True)
 def cat(trace: Path, output: Path) -> None:
     """Write every event of a trace directory (or file) TRACE into one file."""
-    from replay.tracedir import cat_trace
+    from replay.format.tracedir import cat_trace
 
     n = cat_trace(trace, output)
     click.echo(f"{trace} -> {output}: {n} events")
@@ -105,7 +105,7 @@ def replay_for_run(
             raise fail("--coordinator vllm runs in one process: drop --workers/--ray to use it")
         if unit_present:
             raise fail("--unit-present runs in one process: drop --workers/--ray")
-        from replay.cluster import import_ray, replay_on_ray
+        from replay.engine.cluster import import_ray, replay_on_ray
 
         import_ray()  # a missing extra is said before any reading
         return replay_on_ray(
@@ -116,7 +116,7 @@ def replay_for_run(
             address=ray_address,
             progress=progress,
         )
-    from replay.shard import replay_sharded
+    from replay.engine.shard import replay_sharded
 
     return replay_sharded(
         trace,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
+from replay.base.spec import TraceConfig
 from replay.cli.common import command, exit_on_signal, fail, group
 from replay.cli.options import (
     CAPACITY_BLOCKS,
@@ -21,11 +22,10 @@ from replay.cli.options import (
     store_options,
 )
 from replay.cli.progress import progress_bar
-from replay.paths import check_outputs
-from replay.render import ingest_summary_text, record_summary_text
+from replay.format.paths import check_outputs
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import ARCHETYPES
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy
+from replay.tools.render import ingest_summary_text, record_summary_text
 
 F = TypeVar("F", bound=Callable[..., Any])
 

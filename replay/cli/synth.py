@@ -16,10 +16,10 @@ from replay.cli.options import (
     store_options,
 )
 from replay.cli.progress import progress_bar
-from replay.paths import check_outputs
-from replay.render import synth_summary_text
+from replay.format.paths import check_outputs
 from replay.sources.archetypes import ARCHETYPES
 from replay.sources.synth import synth_trace
+from replay.tools.render import synth_summary_text
 
 
 @command("synth")

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from replay.coordinator import CACHES, check_config
-from replay.errors import ConfigError, ReplayError
-from replay.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator import CACHES, check_config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 from replay.sources.hashing import Keys
 
 EMPTY_KEYS: Keys = np.zeros(0, dtype=np.int64)

@@ -22,8 +22,8 @@ from typing import Self
 
 import msgspec
 
-from replay.errors import ReplayError
-from replay.paths import check_input, output_target, signals_held
+from replay.base.errors import ReplayError
+from replay.format.paths import check_input, output_target, signals_held
 from replay.sources.values import Report, to_stderr
 
 DUMP_MAGIC = b"RKVDUMP1"

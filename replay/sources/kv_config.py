@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from replay.errors import ConfigError, ReplayError
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.sources.values import parse_json
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 
 class GroupMismatch(ConfigError):
@@ -23,8 +23,9 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
     if path is not None and block_size is not None:
         raise ConfigError("pass either --config or --block-size, not both")
     if path is not None:
-        from replay.paths import check_input
-        from replay.trace import TraceReader, check_config_limits
+        from replay.format.paths import check_input
+        from replay.format.schema import check_config_limits
+        from replay.format.trace import TraceReader
 
         try:
             p = check_input(path, "a KV-cache config JSON")

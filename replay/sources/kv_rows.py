@@ -21,10 +21,10 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
 from replay.sources.values import Row
-from replay.spec import GroupKind, GroupSpec, TraceConfig
 
 DEFAULT_MEDIUM = "GPU"
 

@@ -38,7 +38,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 from replay.sources.values import hash_bytes, is_int, msgpack_type, one_line
 
 

@@ -18,7 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from replay.errors import ReplayError, TraceError
+from replay.base.errors import ReplayError, TraceError
+from replay.base.spec import TraceConfig
 from replay.sources.values import (
     Row,
     hash_bytes,
@@ -28,7 +29,6 @@ from replay.sources.values import (
     one_line,
     parse_json,
 )
-from replay.spec import TraceConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, order=True)
@@ -93,7 +93,7 @@ def _lookup_hash(value: object) -> bytes:
 
 
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
-    from replay.trace import TOKEN_LIMIT
+    from replay.format.validate import TOKEN_LIMIT
 
     value = obj.get(name)
     if value is None:
@@ -166,7 +166,7 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
 
 def read_lookup_log(path: str | os.PathLike[str], config: TraceConfig) -> list[LookupRecord]:
     """A JSONL lookup log, sorted by time (file order among equal times)."""
-    from replay.paths import check_input
+    from replay.format.paths import check_input
 
     p = check_input(path, "a JSONL lookup log")
     out: list[LookupRecord] = []
@@ -244,7 +244,8 @@ def merge_lookups(
     batch_rows: int = 65_536,
 ) -> MergeSummary:
     """Write ``out_path``: the trace's rows with the lookup log merged in by time."""
-    from replay.trace import TraceWriter, open_trace
+    from replay.format.tracedir import open_trace
+    from replay.format.writer import TraceWriter
 
     reader = open_trace(trace_path)
     config = reader.config

@@ -5,7 +5,7 @@ Each row becomes, in file order, a ``lookup`` (``request_id`` = the
 ``chat_id``, or ``line-N`` for Mooncake; ``max_length = input_length - 1``)
 followed by the stores its prefill leaves behind for the chosen archetype,
 through the same store logic as the generator (``replay.sources.workload``,
-``replay.store_rules``).
+``replay.rules.store_rules``).
 Timestamps are kept relative: the trace's time zero is written as the Unix
 epoch.
 
@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from replay.format.writer import TraceWriter
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import (
     Digests,
@@ -47,8 +49,6 @@ from replay.sources.hashing import (
 from replay.sources.mooncake_jsonl import FORMATS, SourceRow, granularity, read_rows
 from replay.sources.prefix_reuse import ReuseCounter
 from replay.sources.workload import WorkloadWriter
-from replay.store_rules import StorePolicy
-from replay.trace import TraceWriter
 
 
 class _KeyMap:

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.errors import ReplayError
-from replay.paths import check_input
+from replay.base.errors import ReplayError
+from replay.format.paths import check_input
+from replay.format.validate import TOKEN_LIMIT
 from replay.sources.values import JSON_TYPES, is_text, type_name
-from replay.trace import TOKEN_LIMIT
 
 #: Timestamps are kept relative to the epoch; the last one a trace can hold.
 _MAX_TS_US = 253_402_300_799 * 1_000_000

@@ -1,4 +1,4 @@
-"""The vLLM plugin's lookup log (``replay.vllm_plugin``), and the placer that
+"""The vLLM plugin's lookup log (``replay.base.vllm_plugin``), and the placer that
 puts each of its lookups at its exact place among the KV events."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay.errors import ConfigError, ReplayError
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import TraceConfig
 from replay.sources.lookup_log import LookupRecord, parse_lookup
 from replay.sources.values import Report, Row, msgpack_type
-from replay.spec import TraceConfig
 
 PLUGIN_RECORD_TYPES = ("engine", "lookup")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlacedLookup:
-    """A lookup the vLLM plugin (``replay.vllm_plugin``) recorded, with its
+    """A lookup the vLLM plugin (``replay.base.vllm_plugin``) recorded, with its
     exact place: before the ``position``-th event of KV-event batch ``batch``
     of the engine ``instance``."""
 

@@ -30,7 +30,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.writer import TraceWriter
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
 from replay.sources.plugin_log import (
     LookupPlacer,
@@ -42,8 +44,6 @@ from replay.sources.plugin_log import (
     read_plugin_log,
 )
 from replay.sources.values import Report, Row, is_text, to_stderr
-from replay.spec import TraceConfig
-from replay.trace import TraceWriter
 
 if TYPE_CHECKING:
     from replay.sources.stream import RecordSummary, StreamProcessor

@@ -42,12 +42,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from replay.base.spec import TraceConfig
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_rows import EventConverter, medium_key
 from replay.sources.kv_wire import KVBatch, MalformedBatch, decode_batch
 from replay.sources.plugin_log import LookupPlacer
 from replay.sources.values import Report, Row, to_stderr
-from replay.spec import TraceConfig
 
 #: The gap reason when the replay endpoint was silent: the gap's batches
 #: may still arrive late, so later ones are held for a while.

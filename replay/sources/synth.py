@@ -19,7 +19,7 @@ on average, prompts up to 32k tokens: a mean prompt of about 2.7k tokens,
 p99 about 10k. Request ids are ``s{session}-t{turn}``; time starts at
 2025-01-01T00:00:00Z. Each request's rows (lookup, evictions, stores) come
 from ``replay.sources.workload``; which blocks each kind of group stores,
-and why, is ``replay.store_rules`` (vLLM 0.33.0's rules for the chosen
+and why, is ``replay.rules.store_rules`` (vLLM 0.33.0's rules for the chosen
 cache, retention interval and token budget).
 
 Hashes: vLLM chains ``hash(parent, token block)``; here every generated
@@ -58,14 +58,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, TraceConfig
+from replay.format.writer import TraceWriter
+from replay.rules.coordinator import Coordinator
+from replay.rules.store_rules import StorePolicy
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import Digests, DigestTable, Keys, digest_keys, lane_salts
 from replay.sources.workload import WorkloadWriter
-from replay.spec import GroupKind, TraceConfig
-from replay.store_rules import StorePolicy
-from replay.trace import TraceWriter
 
 #: 2025-01-01T00:00:00Z in microseconds: where synthetic time starts.
 BASE_TS_US = 1_735_689_600_000_000
@@ -264,7 +264,7 @@ def synth_trace(
     two more lookups. ``capacity_blocks`` bounds the store (None: unbounded),
     ``clear_every`` emits a ``clear`` row before every that-many-th request.
     ``retention_interval``, ``max_num_batched_tokens`` and ``cache`` choose
-    the store rules (``replay.store_rules.StorePolicy``). ``progress`` is
+    the store rules (``replay.rules.store_rules.StorePolicy``). ``progress`` is
     called with the number of requests done since its last call."""
     if requests < 0:
         raise ReplayError(f"requests must be >= 0, got {requests}")

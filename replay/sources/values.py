@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
 
 Row = dict[str, Any]
 #: Where a reader's one-line reports (a skipped message, a gap) go.

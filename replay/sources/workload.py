@@ -24,7 +24,7 @@ shows for it, in this order:
    present are refreshed in the LRU but not re-stored, as vLLM's
    ``BlockStored`` events only name newly cached blocks.
 
-Which keys a request stores is decided by ``replay.store_rules`` (vLLM
+Which keys a request stores is decided by ``replay.rules.store_rules`` (vLLM
 0.33.0's rules for the chosen cache, retention interval and token budget),
 from the hit the request's own lookup gets against the store as it stands
 (the reference coordinator) and the shared-prefix junction that lookup finds.
@@ -54,13 +54,14 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from replay.coordinator import Coordinator
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.schema import EVENT_KINDS
+from replay.format.writer import trace_schema
+from replay.rules.coordinator import Coordinator
+from replay.rules.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
 from replay.sources.dense_store import EMPTY_KEYS, DenseStore
 from replay.sources.hashing import Digester, Keys
-from replay.spec import TraceConfig
-from replay.store_rules import StorePolicy, StoreRules, group_block_keys, junction_tokens
-from replay.trace import EVENT_KINDS, trace_schema
 
 Sink = Callable[[pa.Table], None]
 
@@ -246,7 +247,7 @@ class WorkloadWriter:
         extra_blocks: Mapping[int, Sequence[int]] | None = None,
     ) -> list[npt.NDArray[np.int64]]:
         """Per group, the block indices the request's prefill stores (the store
-        rules, ``replay.store_rules``), plus any ``extra_blocks``, ascending."""
+        rules, ``replay.rules.store_rules``), plus any ``extra_blocks``, ascending."""
         chosen = self.rules.stores(
             num_tokens=num_tokens, hit_tokens=hit_tokens, junction_tokens=junction_tokens
         )

@@ -11,11 +11,11 @@ from typing import Any
 
 import zmq
 
-from replay.errors import ReplayError
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
 from replay.sources.plugin_log import PlacedLookup, parse_plugin_lookup
 from replay.sources.stream import NO_ANSWER
 from replay.sources.values import Report
-from replay.spec import TraceConfig
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -100,11 +100,11 @@ def binds(endpoint: str) -> bool:
 
 
 class LookupSubscriber:
-    """The SUB side of the vLLM plugin's lookup stream (``replay.vllm_plugin``):
+    """The SUB side of the vLLM plugin's lookup stream (``replay.base.vllm_plugin``):
     engine facts, lookups and watermarks, with lost messages reported."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, report: Report) -> None:
-        from replay.vllm_plugin import TOPIC
+        from replay.base.vllm_plugin import TOPIC
 
         self.endpoint = endpoint
         self.report = report

@@ -1,0 +1,444 @@
+"""Answering: each lookup's presence bytes through a coordinator, flagged in
+the same step, collected as results.
+
+This is the one place a lookup is answered during a replay, whoever folded
+the store: the serial replay (``replay.engine.replay``, the one-shard case of
+``replay.engine.shard``), the sharded one and the Ray workers (``replay.engine.cluster``)
+all hand ``Answers.add`` a batch's lookups with their presence bytes
+(``present[g][u]``: group ``g`` held the key of hash unit ``u`` at that
+seq). The reference coordinator consumes those bytes unchanged
+(``Coordinator.lookup_present``); vLLM's asks membership per hash, answered
+from the same bytes. Every answer is flagged right away
+(``analysis.flags.FlagChecker``), so results always carry their flags.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
+from replay.base.errors import ConfigError, ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.schema import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.rules.coordinator import (
+    Coordinator,
+    LookupCoordinator,
+    LookupOutcome,
+    get_cache,
+    get_policy,
+    trace_cache,
+)
+from replay.rules.store import LookupEvent
+
+COORDINATORS = ("reference", "vllm")
+
+
+def resolve_cache(config: TraceConfig, cache: str | None) -> str:
+    """The cache that answers: the one asked for, else the one the trace's
+    events describe (``source.cache``), else the Mooncake store."""
+    return get_cache(cache).name if cache is not None else trace_cache(config.source)
+
+
+def make_coordinator(
+    config: TraceConfig,
+    policy: str,
+    coordinator: str,
+    cache: str | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+) -> LookupCoordinator:
+    get_policy(policy)  # unknown names fail the same way for both backends
+    cache = resolve_cache(config, cache)
+    if coordinator == "reference":
+        try:
+            return Coordinator(config, policy, cache)
+        except ConfigError as exc:
+            # A trace valid for one cache may not be for the other.
+            where = f"{path}: " if path is not None else ""
+            raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
+    if coordinator == "vllm":
+        from replay.format.backends.vllm import VllmCoordinator
+
+        return VllmCoordinator(config, policy, cache)
+    raise ReplayError(
+        f"unknown coordinator {coordinator!r}, expected one of {', '.join(COORDINATORS)}"
+    )
+
+
+@dataclass(slots=True)
+class Progress:
+    """Events and lookups done so far; the CLI renders it."""
+
+    total_events: int
+    events: int = 0
+    lookups: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """One way to answer the lookups: a policy in a cache, by a coordinator."""
+
+    policy: str
+    cache: str
+    coordinator: str = "reference"
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplayResult:
+    config: TraceConfig
+    #: how the lookups were answered: the policy, the cache, the coordinator
+    variant: Variant
+    results: pl.DataFrame
+    events: int
+    events_by_kind: dict[str, int]
+    seconds: float
+    trace_path: str
+
+    @property
+    def policy(self) -> str:
+        return self.variant.policy
+
+    @property
+    def cache(self) -> str:
+        return self.variant.cache
+
+    @property
+    def coordinator(self) -> str:
+        return self.variant.coordinator
+
+    def flags(self) -> pl.DataFrame:
+        """One row per (lookup, flag), with the numbers that prove it."""
+        return flags_table(self.results)
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "coordinator": self.coordinator,
+            "policy": self.policy,
+            "policy_description": get_policy(self.policy).description,
+            "cache": self.cache,
+            "cache_description": get_cache(self.cache).description,
+            "kv_cache_groups": [g.to_json() for g in self.config.groups],
+            "trace_config": self.config.to_json(),
+            "trace": os.path.basename(self.trace_path),
+            "keys": "exact",
+        }
+
+
+#: The columns of a lookup row the results carry as they are.
+LOOKUP_COLUMNS = ("seq", "request_id", "max_length", "num_tokens", "observed_hit_tokens", "ts")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupBatch:
+    """What a batch's lookups need once their presence is known."""
+
+    rows: pl.DataFrame
+    #: Hash units of each lookup.
+    units: np.ndarray[Any, np.dtype[np.int64]]
+    #: The shard of each lookup unit (lookups in order); None for one shard.
+    shards: np.ndarray[Any, np.dtype[np.uint16]] | None
+    events: int
+    counts: dict[str, int]
+    first_seq: int | None
+    last_seq: int | None
+    hash_entries: int
+    #: The lookups' own hashes, for a coordinator that asks by hash (vLLM's).
+    hashes: pa.Array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        size = int(self.rows.estimated_size() + self.units.nbytes)
+        size += int(self.hashes.nbytes) if self.hashes is not None else 0
+        return size + (int(self.shards.nbytes) if self.shards is not None else 0)
+
+
+class Outcomes:
+    """The coordinator's answers, one entry per lookup, as flat typed arrays
+    (8 bytes a number, no Python object kept per lookup)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.hit = array("q")
+        self.verified = array("q")
+        self.state = array("q")
+        self.has_state = array("b")
+        self.mask = array("i")
+        self.loaded = array("i")
+        self.group_hit = array("q")
+        # Most lookups carry no flag: only the flagged ones are kept, by index.
+        self.flagged: list[tuple[int, list[str], list[dict[str, Any]]]] = []
+
+    def add(self, res: LookupOutcome, flags: Sequence[Flag]) -> None:
+        if flags:
+            self.flagged.append((len(self.hit), flag_names(flags), flag_rows(flags)))
+        self.hit.append(res.hit_tokens)
+        self.verified.append(res.verified_tokens)
+        state = res.mamba_state_tokens
+        self.state.append(0 if state is None else state)
+        self.has_state.append(state is not None)
+        for g in res.groups:
+            self.mask.append(g.mask_blocks)
+            self.loaded.append(g.loaded_blocks)
+            self.group_hit.append(g.hit_tokens)
+
+    def per_group(self, values: array[int], dtype: Any) -> pa.Array:
+        n = len(self.hit)
+        offsets = np.arange(0, n * self.num_groups + 1, self.num_groups, dtype=np.int32)
+        return pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype))
+        )
+
+    def flag_columns(self, names_type: pa.DataType, rows_type: pa.DataType) -> list[pa.Array]:
+        """``flags`` and ``flag_details``: empty lists but for flagged lookups."""
+        n = len(self.hit)
+        columns = []
+        parts: list[tuple[list[tuple[int, list[Any]]], pa.DataType]] = [
+            ([(i, names) for i, names, _ in self.flagged], names_type),
+            ([(i, rows) for i, _, rows in self.flagged], rows_type),
+        ]
+        for entries, typ in parts:
+            lengths = np.zeros(n, dtype=np.int32)
+            values: list[Any] = []
+            for i, items in entries:
+                lengths[i] = len(items)
+                values.extend(items)
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            columns.append(
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ.value_type))
+            )
+        return columns
+
+
+#: One coordinator's answer to one lookup: presence bytes, max_length, (for
+#: a coordinator that asks by hash) the lookup's hashes, and whether to
+#: record its steps (``replay explain``).
+#: A lookup explained: the event, the coordinator's answer with its steps,
+#: and the answer's flags.
+Explained = tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]
+
+
+class Answers:
+    """The fixed point and the flags of every lookup, for each variant, from
+    the same presence bytes. ``unit_present`` keeps those bytes for the
+    results column of that name (the store state each lookup saw).
+
+    With ``explain``, only the lookups it selects are answered, with the
+    coordinator's steps, and kept in ``explained`` instead of the results."""
+
+    def __init__(
+        self,
+        config: TraceConfig,
+        variants: Sequence[Variant],
+        *,
+        unit_present: bool = False,
+        where: str | os.PathLike[str] | None = None,
+        explain: Callable[[LookupEvent[bytes]], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.variants = list(variants)
+        self.coordinators = [
+            make_coordinator(config, v.policy, v.coordinator, v.cache, path=where)
+            for v in self.variants
+        ]
+        self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
+        self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
+        self.explain = explain
+        self.explained: list[Explained] = []
+        self.needs_hashes = explain is not None or any(c.asks_by_hash for c in self.coordinators)
+        self.unit_present = unit_present
+        self._present: list[np.ndarray[Any, Any]] = []
+        self._units: list[np.ndarray[Any, Any]] = []
+        self.rows: list[pl.DataFrame] = []
+        self.events = 0
+        self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
+
+    def add(self, lookups: LookupBatch, present: np.ndarray[Any, Any]) -> None:
+        """Answer and flag one batch's lookups; ``present`` in the fold's
+        layout (per lookup, per group, its units)."""
+        num_groups = self.config.num_groups
+        buf = present.tobytes()
+        sizes = lookups.units.tolist()
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(lookups.units * num_groups, out=offsets[1:])
+        max_lengths = lookups.rows["max_length"].fill_null(0).to_list()
+        observed = lookups.rows["observed_hit_tokens"].to_list()
+        hashes: list[Any] = (
+            lookups.hashes.to_pylist()
+            if self.needs_hashes and lookups.hashes is not None
+            else [None] * len(sizes)
+        )
+        variants = list(zip(self.coordinators, self.checkers, self.outcomes, strict=True))
+        explaining = self.explain is not None
+        events = (
+            _selected(lookups, hashes, self.explain)
+            if self.explain is not None
+            else [None] * len(sizes)
+        )
+        for o, n, max_length, seen, hs, event in zip(
+            offsets[:-1].tolist(), sizes, max_lengths, observed, hashes, events, strict=True
+        ):
+            if explaining and event is None:
+                continue
+            present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
+            for coordinator, checker, outcomes in variants:
+                res = coordinator.answer(present_g, max_length, hs, explain=explaining)
+                flags = checker.check_outcome(present_g, max_length, res, seen)
+                if event is None:
+                    outcomes.add(res, flags)
+                else:
+                    self.explained.append((event, res, flags))
+        if not explaining and lookups.rows.height:
+            self.rows.append(lookups.rows)
+            if self.unit_present:
+                self._present.append(present)
+                self._units.append(np.repeat(lookups.units, num_groups))
+        self.events += lookups.events
+        for name, count in lookups.counts.items():
+            self.counts[name] += count
+
+    def frames(self) -> list[pl.DataFrame]:
+        """The results of each variant, one row per lookup in seq order."""
+        frames = [
+            results_frame(self.rows, outcomes, v.policy, v.coordinator, v.cache)
+            for v, outcomes in zip(self.variants, self.outcomes, strict=True)
+        ]
+        if not self.unit_present:
+            return frames
+        column = pl.Series(UNIT_PRESENT_FIELD.name, self._unit_present())
+        return [f.with_columns(column) for f in frames]
+
+    def results(self, *, seconds: float, trace_path: str | os.PathLike[str]) -> list[ReplayResult]:
+        """Each variant's ``ReplayResult``."""
+        return results_of(
+            self.config,
+            self.variants,
+            self.frames(),
+            events=self.events,
+            counts=self.counts,
+            seconds=seconds,
+            trace_path=trace_path,
+        )
+
+    def _unit_present(self) -> pa.Array:
+        """list<list<bool>>: per lookup, per group_id, whether the group held
+        a key for each of the lookup's hash units at that seq."""
+        chunks, counts_list = self._present, self._units
+        values = pa.array(
+            np.concatenate(chunks).view(np.bool_) if chunks else np.zeros(0, np.bool_)
+        )
+        counts = np.concatenate(counts_list) if counts_list else np.zeros(0, np.int64)
+        inner_offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=inner_offsets[1:])
+        inner = pa.ListArray.from_arrays(pa.array(inner_offsets), values)
+        outer_offsets = np.arange(0, len(counts) + 1, self.config.num_groups, dtype=np.int32)
+        return pa.ListArray.from_arrays(pa.array(outer_offsets), inner)
+
+
+def _selected(
+    lookups: LookupBatch,
+    hashes: list[Any],
+    select: Callable[[LookupEvent[bytes]], bool],
+) -> list[LookupEvent[bytes] | None]:
+    """Each lookup as an event when ``select`` picks it, else None."""
+    out: list[LookupEvent[bytes] | None] = []
+    for row, hs in zip(lookups.rows.iter_rows(named=True), hashes, strict=True):
+        event = LookupEvent(
+            seq=row["seq"],
+            request_id=row["request_id"],
+            hashes=hs,
+            max_length=row["max_length"],
+            num_tokens=row["num_tokens"],
+            observed_hit_tokens=row["observed_hit_tokens"],
+        )
+        out.append(event if select(event) else None)
+    return out
+
+
+def results_of(
+    config: TraceConfig,
+    variants: Sequence[Variant],
+    frames: Sequence[pl.DataFrame],
+    *,
+    events: int,
+    counts: dict[str, int],
+    seconds: float,
+    trace_path: str | os.PathLike[str],
+) -> list[ReplayResult]:
+    """One result per variant, all of the same run (one fold, one pass)."""
+    of_run = partial(
+        ReplayResult,
+        config=config,
+        events=events,
+        seconds=seconds,
+        trace_path=str(trace_path),
+    )
+    return [
+        of_run(variant=v, results=frame, events_by_kind=dict(counts))
+        for v, frame in zip(variants, frames, strict=True)
+    ]
+
+
+def _dictionary(n: int, value: str) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([value]))
+
+
+def results_frame(
+    lookup_rows: list[pl.DataFrame],
+    outcomes: Outcomes,
+    policy: str,
+    coordinator: str,
+    cache: str,
+) -> pl.DataFrame:
+    schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
+    if lookup_rows:
+        rows = pl.concat(lookup_rows, rechunk=True).to_arrow()
+    else:
+        rows = pa.table({n: pa.array([], schema[n]) for n in LOOKUP_COLUMNS})
+    n = rows.num_rows
+    hit = pa.array(np.frombuffer(outcomes.hit, dtype=np.int64))
+    observed = rows.column("observed_hit_tokens")
+    has_state = np.frombuffer(outcomes.has_state, dtype=np.bool_)
+    columns: dict[str, Any] = {
+        "seq": rows.column("seq"),
+        "request_id": rows.column("request_id"),
+        "max_length": rows.column("max_length"),
+        "hit_tokens": hit,
+        "mask_blocks": outcomes.per_group(outcomes.mask, np.int32),
+        "loaded_blocks": outcomes.per_group(outcomes.loaded, np.int32),
+        "num_tokens": rows.column("num_tokens"),
+        "group_hit_tokens": outcomes.per_group(outcomes.group_hit, np.int64),
+        "verified_tokens": pa.array(np.frombuffer(outcomes.verified, dtype=np.int64)),
+        "mamba_state_tokens": pa.array(
+            np.frombuffer(outcomes.state, dtype=np.int64), mask=~has_state
+        ),
+        "observed_hit_tokens": observed,
+        "observed_match": pc.equal(observed, hit),
+        "ts": rows.column("ts"),
+        "policy": _dictionary(n, policy),
+        "coordinator": _dictionary(n, coordinator),
+        "cache": _dictionary(n, cache),
+    }
+    columns["flags"], columns["flag_details"] = outcomes.flag_columns(
+        schema["flags"], schema["flag_details"]
+    )
+    table = pa.table(
+        {name: columns[name].cast(schema[name]) for name in RESULTS_SCHEMA.names},
+        schema=RESULTS_SCHEMA,
+    )
+    results = pl.from_arrow(table)
+    assert isinstance(results, pl.DataFrame)
+    return results

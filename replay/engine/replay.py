@@ -1,0 +1,129 @@
+"""Replay: stream a trace in ``seq`` order, fold the store, run every lookup
+through a coordinator against the state at that point, flag each answer and
+collect the results.
+
+Keys are always the whole hash bytes. The fold runs in compiled code
+(``replay.engine.kernels``, through ``replay.engine.shard``): each batch's
+``block_hashes`` are viewed as words in place (``replay.format.hashwords.hash_words``),
+stores, removes and clears update one open-addressing table, and every
+lookup gets its presence bytes per group. ``replay_trace`` is the serial
+replay: ``replay.engine.shard``'s pipeline with one shard, answered and flagged by
+``replay.engine.answers``, the one loop every replay shares. No Python object is
+made per stored hash.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from analysis.flags import Flag
+from replay.base.spec import TraceConfig
+from replay.engine.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
+from replay.engine.shard import replay_answers
+from replay.format.results import write_results
+from replay.format.tracedir import TraceSource, open_trace
+from replay.rules.coordinator import DEFAULT_POLICY, LookupOutcome
+from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
+
+Event = StoreEvent[bytes] | RemoveEvent[bytes] | ClearEvent | LookupEvent[bytes]
+
+
+def iter_events(trace: TraceSource) -> Iterator[tuple[Event, dict[str, Any]]]:
+    """Typed events of a trace in seq order, hashes as bytes (with the raw row
+    for extra fields). One Python object per hash: for explain, state and
+    minimize, never the replay's hot path."""
+    reader = open_trace(trace)
+    for batch in reader.iter_batches():
+        offsets = batch.hashes.offsets.to_numpy()
+        offsets = (offsets - offsets[0]).tolist()
+        keys = batch.hashes.flatten().to_pylist()
+        rows = batch.frame.to_dicts()
+        for i, row in enumerate(rows):
+            yield _event(row, keys[offsets[i] : offsets[i + 1]]), row
+
+
+def _event(row: dict[str, Any], hashes: list[Any]) -> Event:
+    kind, seq = row["kind"], row["seq"]
+    if kind == "store":
+        return StoreEvent(seq=seq, group_id=row["group_id"], hashes=hashes)
+    if kind == "remove":
+        return RemoveEvent(seq=seq, group_id=row["group_id"], hashes=hashes)
+    if kind == "clear":
+        return ClearEvent(seq=seq, group_id=row["group_id"])
+    return LookupEvent(
+        seq=seq,
+        request_id=row["request_id"],
+        hashes=hashes,
+        max_length=row["max_length"],
+        num_tokens=row["num_tokens"],
+        observed_hit_tokens=row["observed_hit_tokens"],
+    )
+
+
+def replay_trace(
+    path: TraceSource,
+    *,
+    policy: str = DEFAULT_POLICY,
+    coordinator: str = "reference",
+    cache: str | None = None,
+    unit_present: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+) -> ReplayResult:
+    """Replay every lookup of the trace and flag each answer in the same
+    pass (``analysis/flags.py``, from the presence bytes the lookup saw).
+    ``path``: a trace file or directory, a binary file object, or an open
+    ``TraceReader``. ``cache`` picks which of vLLM's caches answers
+    (``resolve_cache``); ``unit_present`` adds the store state each lookup
+    saw as a column."""
+    reader = open_trace(path)
+    config = reader.config
+    variant = Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coordinator)
+    answers = Answers(config, [variant], unit_present=unit_present, where=reader.name)
+    (result,) = replay_answers(reader, answers, progress=progress, progress_every=progress_every)
+    return result
+
+
+def default_results_path(trace: str | os.PathLike[str]) -> Path:
+    p = Path(trace)
+    name = p.name.removesuffix(".parquet")
+    return p.with_name(f"{name}.results.parquet")
+
+
+def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
+    return write_results(out, result.results.to_arrow(), result.metadata())
+
+
+def state_at(trace: TraceSource, before_seq: int | None) -> tuple[TraceConfig, Store[bytes]]:
+    """The store as a lookup at ``before_seq`` sees it: every cache event with a
+    smaller seq folded in, keyed by the exact hash bytes."""
+    reader = open_trace(trace)
+    events = (event for event, _ in iter_events(reader))
+    return reader.config, fold(reader.config.num_groups, events, before=before_seq)
+
+
+def explain_lookups(
+    path: TraceSource,
+    select: Callable[[LookupEvent[bytes]], bool],
+    policy: str,
+    coordinator: str = "reference",
+    *,
+    cache: str | None = None,
+    until_seq: int | None = None,
+) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]]]:
+    """Every selected lookup with the coordinator's steps and its flags, in
+    one pass: the store is folded once and each lookup explained where it
+    stands."""
+    reader = open_trace(path)
+    config = reader.config
+    variant = Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coordinator)
+
+    def wanted(event: LookupEvent[bytes]) -> bool:
+        return (until_seq is None or event.seq <= until_seq) and select(event)
+
+    answers = Answers(config, [variant], where=reader.name, explain=wanted)
+    replay_answers(reader, answers, until_seq=until_seq)
+    return config, answers.explained

@@ -1,0 +1,363 @@
+"""Key-sharded presence: the replay split by key, not by time (issue 13).
+
+Which hash units of a lookup are present depends only on the events before
+it that touch those units' keys, so the store can be split by key into K
+shards that never need each other: shard ``k`` folds the stores and removes
+of its keys (a clear goes to every shard) and answers its keys' probes of
+every lookup. The presence bytes then come back to the lookup, which runs
+the coordinator's fixed point and the flags (``replay.engine.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
+presence does not depend on the policy or the cache, each extra variant
+costs only its fixed point.
+
+A key's shard is a mix of its **whole** hash (the Mooncake importer's 16-byte
+hashes share their first 8 bytes, so a prefix would put them all in one
+shard). Every group's key of one hash lands in the same shard: the compiled
+table keeps one slot per hash with a bit per group, so a shard's probe of a
+unit answers every group at once. One shard is the serial replay
+(``replay.engine.replay.replay_trace``): its piece is the batch itself and
+gathering is the identity.
+
+The stages (``scatter``, ``ShardFold.fold``, ``gather``, ``Answers.add``)
+are the same whether they run here, one batch after another
+(``replay_answers``), or as Ray tasks and actors over a directory's files
+(``replay.engine.cluster``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+from numba import njit
+
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.engine.answers import (
+    LOOKUP_COLUMNS,
+    Answers,
+    LookupBatch,
+    Progress,
+    ReplayResult,
+    Variant,
+    resolve_cache,
+)
+from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
+from replay.format.hashwords import HashWords, hash_words
+from replay.format.schema import TraceBatch
+from replay.format.trace import TraceReader, prefetched
+from replay.format.tracedir import TraceSource, open_trace
+
+KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
+
+#: Decorrelates the shard from the table slot, which uses the same key
+#: meta's high bits: without it a shard's keys would crowd 1/K of its table.
+_SHARD_SEED = np.uint64(0x5851F42D4C957F2D)
+MAX_SHARDS = 4096
+
+
+@njit(nogil=True, cache=True)
+def _shard_ids(words: Any, woff: Any, nbytes: Any, shards: Any, out: Any) -> None:
+    for h in range(nbytes.shape[0]):
+        meta = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
+        z = _mix(meta ^ _SHARD_SEED) >> np.uint64(32)
+        out[h] = (z * shards) >> np.uint64(32)
+
+
+def shard_of(hashes: pa.Array, shards: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
+    """The shard of each hash of ``hashes`` (a list array), flattened in order."""
+    return _shards_of_words(hash_words(hashes), shards)
+
+
+def _shards_of_words(words: HashWords, shards: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
+    out = np.zeros(words.nbytes.shape[0], dtype=np.uint16)
+    _shard_ids(words.words, words.word_offsets, words.nbytes, np.uint64(shards), out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _group_by_shard(
+    row_off: Any, sid: Any, start: Any, order: Any, offsets: Any, grid: Any, data: Any
+) -> None:
+    """``order``: the flat hash positions grouped by shard, each shard's in
+    trace order (shard ``k``'s from ``start[k]``); ``offsets[k]``: the list
+    offsets of shard ``k``'s piece, row by row; ``data``: the rows of
+    ``grid`` (hashes as rows of words, when they have one width) in that
+    order. One pass, no sort."""
+    shards = start.shape[0] - 1
+    w = grid.shape[1]
+    cursor = start[:-1].copy()
+    for r in range(row_off.shape[0] - 1):
+        for h in range(row_off[r], row_off[r + 1]):
+            k = sid[h]
+            c = cursor[k]
+            order[c] = h
+            for j in range(w):
+                data[c, j] = grid[h, j]
+            cursor[k] = c + 1
+        for k in range(shards):
+            offsets[k, r + 1] = cursor[k] - start[k]
+
+
+def _split(
+    hashes: pa.Array, words: HashWords, sid: np.ndarray[Any, Any], shards: int
+) -> list[pa.Array]:
+    """Each shard's rows of ``hashes``, keeping only that shard's hashes.
+    Hashes of one width that fills whole words (vLLM's digests, the
+    importers' ids) go as fixed-size binary: no offset per hash, and a numpy
+    gather of whole rows instead of Arrow's take."""
+    rows = words.row_offsets.shape[0] - 1
+    start = np.zeros(shards + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sid, minlength=shards), out=start[1:])
+    order = np.empty(sid.shape[0], dtype=np.int64)
+    offsets = np.zeros((shards, rows + 1), dtype=np.int32)
+    widths = words.nbytes
+    fixed = bool(widths.size and widths[0] % 8 == 0 and (widths == widths[0]).all())
+    w = int(widths[0]) // 8 if fixed else 0
+    grid = words.words[: widths.size * w].reshape(-1, w) if fixed else np.zeros((0, 0), np.uint64)
+    data = np.empty((widths.size, w) if fixed else (0, 0), dtype=np.uint64)
+    _group_by_shard(words.row_offsets, sid, start, order, offsets, grid, data)
+    if fixed:
+        typ = pa.binary(int(widths[0]))
+        values = [
+            pa.Array.from_buffers(typ, int(hi - lo), [None, pa.py_buffer(data[lo:hi])])
+            for lo, hi in zip(start[:-1].tolist(), start[1:].tolist(), strict=True)
+        ]
+    else:
+        flat = hashes.flatten()
+        # Each shard's values in their own buffers: a slice would ship its parent.
+        values = [
+            flat.take(pa.array(order[lo:hi]))
+            for lo, hi in zip(start[:-1].tolist(), start[1:].tolist(), strict=True)
+        ]
+    return [pa.ListArray.from_arrays(pa.array(offsets[k]), values[k]) for k in range(shards)]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPiece:
+    """One batch as one shard sees it: every row, with only its keys' hashes."""
+
+    kinds: np.ndarray[Any, np.dtype[np.int8]]
+    group_ids: np.ndarray[Any, np.dtype[np.int32]]
+    hashes: pa.Array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kinds.nbytes + self.group_ids.nbytes + self.hashes.nbytes)
+
+
+def scatter(
+    batch: TraceBatch, shards: int, *, lookup_hashes: bool = False
+) -> tuple[list[ShardPiece], LookupBatch]:
+    """Split one validated batch into its shards' pieces and its lookups
+    (with their hashes when ``lookup_hashes``: a coordinator that asks by
+    hash needs them)."""
+    frame = batch.frame
+    kinds = frame["kind"].replace_strict(KIND_CODES, return_dtype=pl.Int8).to_numpy()
+    gids = frame["group_id"].fill_null(-1).to_numpy().astype(np.int32)
+    is_lookup = kinds == LOOKUP
+    n_hashes = frame["n_hashes"].fill_null(0).to_numpy().astype(np.int64)
+    counts = {name: int(n) for name, n in frame.group_by("kind").len().iter_rows()}
+    seq = frame["seq"]
+    lookups_rows = frame.filter(pl.Series(is_lookup)).select(LOOKUP_COLUMNS)
+    units = n_hashes[is_lookup]
+    if shards == 1:
+        pieces = [ShardPiece(kinds=kinds, group_ids=gids, hashes=batch.hashes)]
+        lookup_shards = None
+    else:
+        words = hash_words(batch.hashes)
+        sid = _shards_of_words(words, shards)
+        lookup_shards = sid[np.repeat(is_lookup, n_hashes)]
+        pieces = [
+            ShardPiece(kinds=kinds, group_ids=gids, hashes=h)
+            for h in _split(batch.hashes, words, sid, shards)
+        ]
+    lookups = LookupBatch(
+        rows=lookups_rows,
+        units=units,
+        shards=lookup_shards,
+        events=frame.height,
+        counts=counts,
+        first_seq=int(seq[0]) if frame.height else None,
+        last_seq=int(seq[-1]) if frame.height else None,
+        hash_entries=int(n_hashes.sum()),
+        hashes=batch.hashes.take(pa.array(np.flatnonzero(is_lookup))) if lookup_hashes else None,
+    )
+    return pieces, lookups
+
+
+class ShardFold:
+    """One shard's store: the compiled table of its keys."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.table = KeyTable(num_groups)
+
+    def fold(self, piece: ShardPiece) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Fold a piece in; the presence bytes of its lookup rows, in the
+        kernel's layout (per lookup, per group, its units in this shard)."""
+        out, _, _ = fold_rows(self.table, piece.group_ids, piece.hashes, piece.kinds)
+        return out
+
+
+def fold_rows(
+    table: KeyTable,
+    group_ids: np.ndarray[Any, Any],
+    hashes: pa.Array,
+    kinds: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Fold one validated batch into ``table`` (``kinds`` as kernel codes,
+    ``group_ids`` -1 where a row has none). Returns the lookups' presence
+    bytes, each row's offset into them (lookup rows: ``num_groups`` runs of
+    the row's unit count) and the unit counts."""
+    words = hash_words(hashes)
+    n_units = np.diff(words.row_offsets)
+    out_offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.where(kinds == LOOKUP, n_units * table.num_groups, 0), out=out_offsets[1:])
+    out = np.zeros(int(out_offsets[-1]), dtype=np.uint8)
+    table.fold(
+        _readonly(kinds),
+        _readonly(group_ids.astype(np.int32, copy=False)),
+        words,
+        out,
+        out_offsets,
+    )
+    return out, out_offsets, n_units
+
+
+class StoredKeys:
+    """The distinct stored ``(group, hash)`` keys of a trace, exact: every
+    store folded into one table by the compiled fold, removes and clears
+    skipped (``replay info``'s count; analysis.summary calls it batch by
+    batch, in the same pass as its other figures)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self._table = KeyTable(num_groups)
+
+    def add(self, batch: TraceBatch) -> None:
+        frame = batch.frame
+        kinds = np.where((frame["kind"] == "store").to_numpy(), STORE, SKIP).astype(np.int8)
+        gids = frame["group_id"].fill_null(-1).to_numpy()
+        fold_rows(self._table, gids, batch.hashes, kinds)
+
+    def group_counts(self) -> list[int]:
+        """Keys each group stored."""
+        return self._table.group_counts()
+
+
+def _readonly(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # One array type for the kernel (numba compiles read-only and writable
+    # arrays separately), whatever the producer handed over.
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+def gather(
+    lookups: LookupBatch, presences: Sequence[np.ndarray[Any, Any]], num_groups: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Every shard's presence bytes put back where the serial fold writes them
+    (per lookup, per group, all its units)."""
+    if lookups.shards is None:
+        return presences[0]
+    n = lookups.units
+    starts = np.zeros(n.size + 1, dtype=np.int64)
+    np.cumsum(n, out=starts[1:])
+    full = np.zeros(int(starts[-1]) * num_groups, dtype=np.uint8)
+    lookup_of = np.repeat(np.arange(n.size), n)
+    for k, present in enumerate(presences):
+        mine = np.flatnonzero(lookups.shards == k)
+        if mine.size == 0:
+            continue
+        j = lookup_of[mine]
+        n_k = np.bincount(j, minlength=n.size)
+        k_starts = np.zeros(n.size + 1, dtype=np.int64)
+        np.cumsum(n_k, out=k_starts[1:])
+        src = num_groups * k_starts[j] + np.arange(mine.size) - k_starts[j]
+        dst = num_groups * starts[j] + mine - starts[j]
+        for g in range(num_groups):
+            full[dst + g * n[j]] = present[src + g * n_k[j]]
+    return full
+
+
+def variants_for(
+    config: TraceConfig,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
+) -> list[Variant]:
+    """Every policy in every cache, policy by policy; each cache resolved as
+    the serial run does (None: the trace's)."""
+    if not policies or not caches:
+        raise ReplayError("no policy or cache to replay under")
+    used = [resolve_cache(config, c) for c in caches]
+    pairs = dict.fromkeys((p, c) for p in policies for c in used)
+    return [Variant(policy=p, cache=c, coordinator=coordinator) for p, c in pairs]
+
+
+def replay_sharded(
+    trace: TraceSource,
+    *,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
+    unit_present: bool = False,
+    shards: int = 1,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+) -> list[ReplayResult]:
+    """Replay in this process with the store split into ``shards`` shards,
+    under each policy in each cache from one fold (``variants_for``): the
+    results are those of ``replay_trace`` for every shard count. ``trace``:
+    a path, a binary file object or an open ``TraceReader``."""
+    reader = open_trace(trace)
+    variants = variants_for(reader.config, policies, caches, coordinator)
+    answers = Answers(reader.config, variants, unit_present=unit_present, where=reader.name)
+    return replay_answers(
+        reader, answers, shards=shards, progress=progress, progress_every=progress_every
+    )
+
+
+def replay_answers(
+    reader: TraceReader,
+    answers: Answers,
+    *,
+    shards: int = 1,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every: float = 0.2,
+    until_seq: int | None = None,
+) -> list[ReplayResult]:
+    """Every lookup of ``reader`` answered and flagged by ``answers``, with
+    the store split into ``shards`` key shards (one: the serial replay);
+    ``until_seq`` stops reading after the batch that reaches it. Three
+    stages on their own threads: read and validate, fold (compiled, no
+    GIL), and here the coordinators, so a batch folds while the one before
+    it is being looked up."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
+    num_groups = reader.config.num_groups
+    folds = [ShardFold(num_groups) for _ in range(shards)]
+    state = Progress(total_events=reader.num_rows)
+    started = last = time.perf_counter()
+
+    def folded() -> Iterator[tuple[LookupBatch, np.ndarray[Any, Any]]]:
+        for batch in reader.iter_batches(prefetch=True):
+            pieces, lookups = scatter(batch, shards, lookup_hashes=answers.needs_hashes)
+            presences = [f.fold(p) for f, p in zip(folds, pieces, strict=True)]
+            yield lookups, gather(lookups, presences, num_groups)
+            last = lookups.last_seq
+            if until_seq is not None and last is not None and last >= until_seq:
+                return
+
+    for lookups, present in prefetched(folded()):
+        answers.add(lookups, present)
+        state.events, state.lookups = answers.events, answers.counts["lookup"]
+        if progress is not None and time.perf_counter() - last >= progress_every:
+            progress(state)
+            last = time.perf_counter()
+    if progress is not None:
+        progress(state)
+    return answers.results(seconds=time.perf_counter() - started, trace_path=reader.name)

@@ -1,0 +1,257 @@
+"""The results format (v1): the schema, the writer and the checked reader of a
+results file."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay.base.errors import ConfigError, ReplayError, TraceError
+from replay.base.spec import TraceConfig
+from replay.format.schema import (
+    RESULTS_META_KEY,
+    RESULTS_SCHEMA,
+    SIZE_LIMIT,
+    UNIT_PRESENT_FIELD,
+    _int_ok,
+    _json_metadata,
+    _one_line,
+    _string_ok,
+    check_config_limits,
+)
+from replay.format.trace import _open_parquet
+from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars
+from replay.format.writer import atomic_path
+from replay.rules.coordinator import CACHES, DEFAULT_CACHE
+
+
+def results_schema(metadata: Mapping[str, Any]) -> pa.Schema:
+    return RESULTS_SCHEMA.with_metadata(
+        {RESULTS_META_KEY: json.dumps(metadata, sort_keys=True).encode()}
+    )
+
+
+def write_results(
+    path: str | os.PathLike[str], table: pa.Table, metadata: Mapping[str, Any]
+) -> Path:
+    # A results file written through the library carries each lookup's flags
+    # (issue 14): ``replay check``, ``diff`` and ``report`` read them as they are.
+    for name in ("flags", "flag_details"):
+        if name not in table.column_names:
+            raise ReplayError(
+                f"{path}: results without their {name!r} column (replay with "
+                "replay.engine.replay.replay_trace, which flags every lookup)"
+            )
+        if table.column(name).null_count:
+            raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
+    schema = results_schema(metadata)
+    extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
+    table = table.select(list(RESULTS_SCHEMA.names) + extra)
+    fields = list(schema) + [table.schema.field(n) for n in extra]
+    table = table.cast(pa.schema(fields, metadata=schema.metadata))
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp), compression="zstd")
+    return Path(path)
+
+
+def is_results_file(path: str | os.PathLike[str]) -> bool:
+    if Path(path).is_dir():
+        return False  # a trace directory (replay.format.tracedir)
+    pf = _open_parquet(path)
+    return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
+
+
+_RESULTS_REQUIRED = (
+    "seq",
+    "request_id",
+    "max_length",
+    "hit_tokens",
+    "mask_blocks",
+    "loaded_blocks",
+)
+
+
+_RESULTS_INTS: tuple[str, ...] = ("seq", "max_length", "hit_tokens", "num_tokens")
+
+
+_RESULTS_INTS += ("verified_tokens", "mamba_state_tokens", "observed_hit_tokens")
+
+
+_RESULTS_INT_LISTS = ("mask_blocks", "loaded_blocks", "group_hit_tokens")
+
+
+_RESULTS_OPTIONAL: dict[str, Any] = {
+    **{n: pl.Int64 for n in _RESULTS_INTS},
+    "group_hit_tokens": pl.List(pl.Int64),
+    "observed_match": pl.Boolean,
+    "ts": pl.Datetime("us", "UTC"),
+    "policy": pl.String,
+    "coordinator": pl.String,
+}
+
+
+def _results_type_ok(name: str, typ: pa.DataType) -> bool:
+    def is_list(t: pa.DataType) -> bool:
+        return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
+
+    if name in _RESULTS_INTS:
+        return _int_ok(typ)
+    if name in _RESULTS_INT_LISTS:
+        return is_list(typ) and (_int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
+    if name in ("request_id", "policy", "coordinator"):
+        return _string_ok(typ)
+    if name == "ts":
+        return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
+    if name == "observed_match":
+        return bool(pa.types.is_boolean(typ) or pa.types.is_null(typ))
+    if name == "flags":
+        return is_list(typ) and _string_ok(typ.value_type)
+    if name == "unit_present":
+        return (
+            is_list(typ)
+            and is_list(typ.value_type)
+            and (pa.types.is_boolean(typ.value_type.value_type))
+        )
+    return True
+
+
+def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFrame:
+    """The results rows as a frame in the contract's types, after the checks
+    a trace gets: types, nulls, ``seq`` order, one entry per group."""
+    for name in table.column_names:
+        _check_utf8(path, table, name)
+    _check_ts(path, table)
+    frame = _to_polars(table)
+    casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
+    casts += [pl.col(n).cast(pl.List(pl.Int64)) for n in _RESULTS_INT_LISTS if n in frame.columns]
+    for name in ("policy", "coordinator", "request_id"):
+        if name in frame.columns:
+            casts.append(pl.col(name).cast(pl.String))
+    if "ts" in frame.columns:
+        casts.append(pl.col("ts").cast(pl.Datetime("us", "UTC")))
+    frame = frame.with_columns(casts)
+    # Absent optional columns read as nulls, as a trace's do; ``flags`` and
+    # ``unit_present`` stay absent (their absence means an older writer).
+    absent = [(n, d) for n, d in _RESULTS_OPTIONAL.items() if n not in frame.columns]
+    frame = frame.with_columns(pl.lit(None, dtype=d).alias(n) for n, d in absent)
+    if frame.height == 0:
+        return frame
+    seq = frame["seq"]
+    if seq.null_count():
+        raise TraceError(f"{path}: column 'seq': null value (every row needs a seq)")
+    bad = (seq <= seq.shift(1)).fill_null(False)
+    if bad.any():
+        i = int(bad.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: seq not strictly increasing (comes after seq "
+            f"{int(seq[i - 1])})"
+        )
+    n = config.num_groups
+    checks: list[tuple[pl.Expr, str]] = [
+        (pl.col("request_id").is_null(), "request_id is null"),
+    ]
+    for name in ("max_length", "hit_tokens"):
+        checks.append((pl.col(name).is_null(), f"{name} is null"))
+    for name in _RESULTS_INTS[1:]:
+        checks.append((pl.col(name) < 0, f"{name} is negative"))
+        checks.append((pl.col(name) > TOKEN_LIMIT, f"{name} is above 2**48 tokens"))
+    for name in _RESULTS_INT_LISTS:
+        col = pl.col(name)
+        if name != "group_hit_tokens":
+            checks.append((col.is_null(), f"{name} is null (expected one entry per group)"))
+        checks.append((col.list.len() != n, f"{name} needs one entry per KV-cache group ({n})"))
+        checks.append((col.list.eval(pl.element().is_null()).list.any(), f"{name} holds a null"))
+        checks.append((col.list.min() < 0, f"{name} holds a negative number"))
+        limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
+        checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
+    if "unit_present" in frame.columns:
+        up = pl.col("unit_present")
+        checks.append((up.is_null(), "unit_present is null (expected one list per group)"))
+        checks.append((up.list.len() != n, f"unit_present needs one list per KV-cache group ({n})"))
+        lens = up.list.eval(pl.element().list.len())
+        checks.append(
+            (lens.list.max() != lens.list.min(), "unit_present lists differ in length by group")
+        )
+        checks.append(
+            (
+                up.list.eval(pl.element().list.eval(pl.element().is_null()).list.any()).list.any(),
+                "unit_present holds a null",
+            )
+        )
+    exprs = [mask.fill_null(False).alias(f"c{i}") for i, (mask, _) in enumerate(checks)]
+    found = frame.select(exprs)
+    for i, (_, message) in enumerate(checks):
+        hit = found[f"c{i}"]
+        if hit.any():
+            row = int(hit.arg_true()[0])
+            raise TraceError(f"{path}: seq {int(seq[row])}: {message}")
+    over = frame.select(
+        pl.any_horizontal(
+            pl.col("loaded_blocks").list.get(g) > pl.col("mask_blocks").list.get(g)
+            for g in range(n)
+        )
+    ).to_series()
+    if over.any():
+        row = int(over.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[row])}: loaded_blocks exceeds mask_blocks "
+            "(a group loads at most the blocks of its mask)"
+        )
+    return frame.with_columns(
+        pl.col("mask_blocks", "loaded_blocks").cast(pl.List(pl.Int32)),
+    )
+
+
+def read_results(
+    path: str | os.PathLike[str], *, not_results: str | None = None
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """A results file, validated like a trace (see ``_check_results``), in
+    one opening. ``not_results``: the error for a Parquet file that is not a
+    results file (the caller says what the user should have given)."""
+    pf = _open_parquet(path)
+    if not_results is not None and RESULTS_META_KEY not in (pf.schema_arrow.metadata or {}):
+        raise ReplayError(not_results)
+    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    if not isinstance(info, dict):
+        raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
+    schema = pf.schema_arrow
+    missing = [n for n in _RESULTS_REQUIRED if n not in schema.names]
+    if missing:
+        raise TraceError(f"{path}: missing column {missing[0]!r} (not a results file v1)")
+    for name in schema.names:
+        if schema.get_field_index(name) < 0:
+            raise TraceError(f"{path}: column {name!r} appears more than once")
+        typ = schema.field(name).type
+        if not _results_type_ok(name, typ):
+            expected = str(UNIT_PRESENT_FIELD.type) if name == "unit_present" else None
+            if expected is None:
+                expected = str(RESULTS_SCHEMA.field(name).type)
+            raise TraceError(f"{path}: column {name!r} has type {typ}, expected {expected}")
+    config = results_config(info, path)
+    try:
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: unreadable Parquet data ({_one_line(exc)})") from None
+    return _check_results(str(path), table, config), info
+
+
+def results_config(info: Mapping[str, Any], path: str | os.PathLike[str]) -> TraceConfig:
+    try:
+        config = TraceConfig.from_json(info.get("trace_config"))
+    except ConfigError as exc:
+        raise TraceError(f"{path}: replay.results metadata: trace_config: {exc}") from None
+    return check_config_limits(config, f"{path}: replay.results metadata: trace_config")
+
+
+def results_cache(info: Mapping[str, Any]) -> str:
+    """The cache whose coordinator answered; results written before caches
+    were named came from the Mooncake mirror."""
+    named = info.get("cache")
+    return named if isinstance(named, str) and named in CACHES else DEFAULT_CACHE

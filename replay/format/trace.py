@@ -1,0 +1,261 @@
+"""The trace reader (format v1, ``docs/format.md``): a path, a file object or
+an in-memory table; the metadata and the schema are checked up front and every
+row batch as it streams (replay.format.validate), so a trace larger than memory
+can be read and a bad row is reported by its ``seq``. The batches are
+prefetched on a thread while the caller works on the previous one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay.base.errors import ConfigError, ReplayError, TraceError
+from replay.base.spec import TraceConfig
+from replay.format.paths import check_input
+from replay.format.schema import (
+    _EMPTY_POLARS,
+    TRACE_COLUMNS,
+    TraceBatch,
+    TraceFile,
+    _one_line,
+    check_config_limits,
+    check_schema,
+    read_config,
+)
+from replay.format.validate import validate_rows
+from replay.format.writer import _conform, stream_name, trace_schema
+from replay.rules.coordinator import check_config, trace_cache
+
+
+def _ends(fh: BinaryIO) -> tuple[int, bytes, bytes]:
+    """A seekable file's size and its first and last four bytes."""
+    size = fh.seek(0, os.SEEK_END)
+    fh.seek(0)
+    head = fh.read(4)
+    fh.seek(max(0, size - 4))
+    tail = fh.read(4)
+    fh.seek(0)
+    return size, head, tail
+
+
+def _open_parquet(path: TraceFile) -> pq.ParquetFile:
+    source: str | BinaryIO
+    if isinstance(path, str | os.PathLike):
+        try:
+            p = str(check_input(path, "a Parquet file"))
+        except ReplayError as exc:
+            raise TraceError(str(exc)) from None
+        source = p
+        with open(p, "rb") as fh:
+            size, head, tail = _ends(fh)
+    else:
+        source = path
+        p = stream_name(path)
+        try:
+            size, head, tail = _ends(path)
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            raise TraceError(
+                f"{p}: cannot read it as a seekable binary file ({_one_line(exc)})"
+            ) from None
+    if size == 0:
+        raise TraceError(f"{p}: empty file, expected a Parquet file")
+    if head != b"PAR1":
+        raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
+    if tail != b"PAR1":
+        raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    try:
+        pf = pq.ParquetFile(source)
+        # The footer is decoded lazily: a column name or a metadata key that
+        # is not UTF-8 (a damaged footer) fails here, not in a later reader.
+        pf.schema_arrow  # noqa: B018
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
+    return pf
+
+
+T = TypeVar("T")
+
+
+def prefetched(batches: Iterator[T]) -> Iterator[T]:
+    """Run ``batches`` one step ahead on a thread; errors surface in order.
+    Stages chain: each runs on its own thread while the caller works."""
+    import queue
+    import threading
+
+    q: queue.Queue[tuple[T | None, BaseException | None]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    return
+                q.put((batch, None))
+            q.put((None, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            q.put((None, exc))
+
+    worker = threading.Thread(target=produce, name="trace-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            try:
+                # Short waits: a signal the kernel gave a worker thread is
+                # handled only once the main thread runs Python again.
+                batch, exc = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if exc is not None:
+                raise exc
+            if batch is None:
+                return
+            yield batch
+    finally:
+        stop.set()
+        while worker.is_alive():
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                worker.join(timeout=0.05)
+
+
+class TraceReader:
+    """A validated, streaming view of a trace file: a path, or a seekable
+    binary file object (``io.BytesIO``, an open file), which the reader then
+    reads from until it is done with it. Open once and pass it down: every
+    replay, explain and report function takes a reader where it takes a path."""
+
+    def __init__(self, path: TraceFile) -> None:
+        #: The file (None for a file object) and how errors name it.
+        self.path: Path | None = None
+        if isinstance(path, str | os.PathLike):
+            self.path = Path(path)
+            self.name = str(self.path)
+        else:
+            self.name = stream_name(path)
+        self._pf = _open_parquet(path)
+        self.config = read_config(self._pf, self.name)
+        self.columns = check_schema(self.name, self._pf.schema_arrow)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._pf.metadata.num_rows)
+
+    def iter_batches(
+        self, batch_size: int = 65_536, *, prefetch: bool = False
+    ) -> Iterator[TraceBatch]:
+        """Validated row batches: every column but ``block_hashes`` as a polars
+        frame (absent optional columns as nulls, plus ``n_hashes``), and the
+        hashes as the Arrow list array they were read as (no copy). With
+        ``prefetch`` the next batch is read, decoded and validated on a
+        thread while the caller works on this one (Parquet decoding and
+        polars release the GIL)."""
+        batches = self._validated(batch_size)
+        if not prefetch:
+            yield from batches
+            return
+        yield from prefetched(batches)
+
+    def _validated(self, batch_size: int) -> Iterator[TraceBatch]:
+        last_seq: int | None = None
+        try:
+            for raw in self._batches(batch_size):
+                batch, last_seq = validate_rows(self.name, self.config, raw, last_seq)
+                yield batch
+        except (pa.ArrowException, OSError) as exc:
+            raise self._unreadable(exc) from None
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(
+            f"{self.name}: {_unreadable_column(self._pf, self.columns)}"
+            f"unreadable Parquet data ({_one_line(exc)})"
+        )
+
+    def iter_frames(
+        self, columns: Sequence[str] | None = None, batch_size: int = 65_536
+    ) -> Iterator[pl.DataFrame]:
+        """Validated row batches as polars frames with every column of the
+        format; ``columns`` narrows the output, never the validation."""
+        wanted = list(columns) if columns is not None else list(TRACE_COLUMNS)
+        for batch in self.iter_batches(batch_size):
+            frame = batch.frame.drop("n_hashes")
+            if "block_hashes" in wanted:
+                # Converting every hash costs: only done when asked for.
+                hashes = pl.Series("block_hashes", batch.hashes).cast(pl.List(pl.Binary))
+                frame = frame.with_columns(hashes)
+            yield frame.select(wanted)
+
+    #: Batches hold about this many bytes (uncompressed, all columns):
+    #: small enough that the prefetch thread overlaps the caller's work and
+    #: memory stays bounded whatever the row groups' size, large enough that
+    #: per-batch costs vanish.
+    BATCH_BYTES = 16 << 20
+
+    def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        cols = list(self.columns)
+        meta = self._pf.metadata
+        for i in range(meta.num_row_groups):
+            rg = meta.row_group(i)
+            if rg.num_rows == 0:
+                continue
+            # Parquet streams within a row group, so one huge row group costs
+            # a batch's memory, not the row group's.
+            rows = rg.num_rows * self.BATCH_BYTES // max(1, rg.total_byte_size)
+            rows = max(1, min(batch_size, rows))
+            yield from self._pf.iter_batches(batch_size=rows, row_groups=[i], columns=cols)
+
+    def read_frame(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
+        frames = list(self.iter_frames(columns))
+        if not frames:
+            cols = list(columns) if columns is not None else list(TRACE_COLUMNS)
+            return pl.DataFrame(schema={c: _EMPTY_POLARS[c] for c in cols})
+        return pl.concat(frames, rechunk=False)
+
+
+class TableReader(TraceReader):
+    """A trace held in memory as an Arrow table (rows a tool is shrinking or
+    building), read exactly as a file would be: conformed to the format's
+    types and validated batch by batch as it streams, with no Parquet in
+    between. Errors name it ``name``."""
+
+    def __init__(self, table: pa.Table, config: TraceConfig, *, name: str = "<memory>") -> None:
+        self.path = None
+        self.name = name
+        try:
+            check_config(config, trace_cache(config.source))
+        except ConfigError as exc:
+            raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
+        self.config = check_config_limits(config, f"{name}: replay.trace metadata")
+        self._table = _conform(name, table, trace_schema(config))
+        self.columns = list(TRACE_COLUMNS)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._table.num_rows)
+
+    def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        yield from self._table.to_batches(max_chunksize=batch_size)
+
+    def _unreadable(self, exc: Exception) -> TraceError:
+        return TraceError(f"{self.name}: invalid rows ({_one_line(exc)})")
+
+
+def _unreadable_column(pf: pq.ParquetFile, columns: Sequence[str]) -> str:
+    """Which column a read failed on (``"column 'x': "``), found by reading
+    each alone: the error path only. Arrow checks UTF-8 itself when it
+    decodes a dictionary-encoded string column."""
+    for i in range(pf.metadata.num_row_groups):
+        for name in columns:
+            try:
+                pf.read_row_group(i, columns=[name])
+            except (pa.ArrowException, OSError) as exc:
+                if "utf8" in str(exc).lower().replace("-", ""):
+                    return f"column {name!r} is not valid UTF-8 text: "
+                return f"column {name!r}: "
+    return ""

@@ -1,0 +1,265 @@
+"""A trace as a directory of v1 Parquet files (issue 13).
+
+A day of a fleet's KV events does not fit one file, and files are how a
+cluster's tasks divide the reading. The directory's ``*.parquet`` files, in
+file-name order, are one event log: their seq ranges are disjoint and
+increasing, and each carries the same ``replay.trace`` config. Both are
+checked from the footers (the config, and the seq column's row-group
+statistics) before any data is read, so a mismatched file fails at once with
+a one-line error naming it, not after an hour of replay. Files whose
+statistics are missing are checked again as their rows stream.
+
+``TraceDir`` is a ``TraceReader``: ``open_trace`` returns one for a
+directory, so every command that reads a trace accepts a directory
+unchanged. Hidden files (an interrupted writer's temporary files start with
+a dot) and other names are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+from replay.base.errors import ReplayError, TraceError
+from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
+from replay.format.trace import TraceReader
+from replay.format.writer import TraceWriter
+from replay.rules.coordinator import trace_cache
+
+#: How ``replay split`` names its files: zero-padded so that file-name order
+#: is seq order for any count up to a million files.
+PART_NAME = "part-{:06d}.parquet"
+
+
+def trace_files(path: Path) -> list[Path]:
+    """The trace files of a directory, in the order their events come."""
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot list the directory ({exc.strerror or exc})") from None
+    files = [
+        path / name
+        for name in entries
+        if name.endswith(".parquet") and not name.startswith(".") and (path / name).is_file()
+    ]
+    if not files:
+        raise TraceError(f"{path}: no .parquet files in the directory (expected a trace's files)")
+    return files
+
+
+def _seq_range(reader: TraceReader) -> tuple[int, int] | None:
+    """The file's (min, max) seq from its footer, or None when a row group has
+    no statistics (then the rows are checked as they stream)."""
+    meta = reader._pf.metadata
+    lo: int | None = None
+    hi: int | None = None
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        if rg.num_rows == 0:
+            continue
+        col = next(
+            (rg.column(c) for c in range(rg.num_columns) if rg.column(c).path_in_schema == "seq"),
+            None,
+        )
+        stats = col.statistics if col is not None else None
+        if stats is None or not stats.has_min_max:
+            return None
+        lo = stats.min if lo is None else min(lo, stats.min)
+        hi = stats.max if hi is None else max(hi, stats.max)
+    if lo is None or hi is None:
+        return None
+    return int(lo), int(hi)
+
+
+class _FileReader(TraceReader):
+    """One file of a directory: always a path."""
+
+    path: Path
+
+
+class TraceDir(TraceReader):
+    """A validated, streaming view of a directory of trace files."""
+
+    path: Path
+    files: list[_FileReader]
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.name = str(self.path)
+        self.files = [_FileReader(f) for f in trace_files(self.path)]
+        first = self.files[0]
+        self.config = first.config
+        cache = trace_cache(first.config.source)
+        # Row-group statistics of every file, checked before any row is read.
+        before: tuple[Path, tuple[int, int]] | None = None
+        for reader in self.files[1:]:
+            if reader.config != self.config:
+                raise TraceError(
+                    f"{reader.path}: replay.trace config differs from {first.path.name}'s "
+                    "(every file of a trace directory is recorded under the same config)"
+                )
+            if trace_cache(reader.config.source) != cache:
+                raise TraceError(
+                    f"{reader.path}: source.cache {trace_cache(reader.config.source)!r} differs "
+                    f"from {first.path.name}'s {cache!r}"
+                )
+        for reader in self.files:
+            span = _seq_range(reader)
+            if span is None:
+                continue
+            if before is not None and span[0] <= before[1][1]:
+                raise TraceError(
+                    f"{reader.path}: seq {span[0]}..{span[1]} does not come after "
+                    f"{before[0].name}'s seq {before[1][0]}..{before[1][1]} (file-name order "
+                    "must be seq order, the ranges disjoint)"
+                )
+            before = (reader.path, span)
+        self.columns = [n for n in TRACE_COLUMNS if any(n in f.columns for f in self.files)]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.num_rows for f in self.files)
+
+    def _validated(self, batch_size: int) -> Iterator[TraceBatch]:
+        last: tuple[Path, int] | None = None
+        for reader in self.files:
+            for batch in reader._validated(batch_size):
+                seq = batch.frame["seq"]
+                if seq.len() and last is not None and int(seq[0]) <= last[1]:
+                    raise TraceError(
+                        f"{reader.path}: seq {int(seq[0])}: seq not strictly increasing "
+                        f"(comes after seq {last[1]} of {last[0].name})"
+                    )
+                if seq.len():
+                    last = (reader.path, int(seq[-1]))
+                yield batch
+
+
+def open_trace_dir(path: str | os.PathLike[str]) -> TraceDir:
+    return TraceDir(path)
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def batch_table(batch: TraceBatch) -> pa.Table:
+    """A validated batch back as a trace table (what ``TraceWriter`` takes)."""
+    frame = batch.frame.drop("n_hashes", "block_hashes").to_arrow()
+    return frame.append_column("block_hashes", batch.hashes).select(list(TRACE_COLUMNS))
+
+
+@contextlib.contextmanager
+def _atomic_dir(target: Path, inputs: list[Path]) -> Iterator[Path]:
+    """A temporary directory beside ``target``, renamed onto it on success
+    and removed on any error: a half-split trace is never left behind."""
+    if target.exists() and not target.is_dir():
+        raise ReplayError(f"{target}: exists and is not a directory, expected a new directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise ReplayError(f"{target}: directory is not empty, expected a new or empty directory")
+    resolved = target.resolve()
+    for p in inputs:
+        if resolved == p.resolve() or resolved in p.resolve().parents:
+            raise ReplayError(f"{target}: would write over the input {p}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    except OSError as exc:
+        raise ReplayError(f"{target}: cannot write here ({exc.strerror or exc})") from None
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        if target.is_dir():
+            target.rmdir()  # empty (checked above): the rename replaces it
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _inputs(reader: TraceReader) -> list[Path]:
+    if isinstance(reader, TraceDir):
+        return [f.path for f in reader.files]
+    return [reader.path] if reader.path is not None else []
+
+
+def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], files: int) -> int:
+    """Write ``trace`` as ``files`` files of equal rows, give or take one,
+    into the new directory ``out_dir`` (as many files as rows when there are
+    fewer). Returns the number of files written."""
+    if files < 1:
+        raise ReplayError(f"--files {files}: expected at least 1")
+    reader = open_trace(trace)
+    target = Path(out_dir)
+    total = reader.num_rows
+    # Where each file ends, in rows of the whole trace; empty files dropped.
+    ends = sorted({(i + 1) * total // files for i in range(files)} - {0})
+    written = 0
+    with _atomic_dir(target, _inputs(reader)) as tmp:
+        writer: TraceWriter | None = None
+        done = 0
+        try:
+            for batch in reader.iter_batches(prefetch=True):
+                table = batch_table(batch)
+                start = 0
+                while start < table.num_rows:
+                    if writer is None or done == ends[written - 1]:
+                        if writer is not None:
+                            writer.close()
+                        writer = TraceWriter(tmp / PART_NAME.format(written), reader.config)
+                        written += 1
+                    take = min(ends[written - 1] - done, table.num_rows - start)
+                    writer.write_table(table.slice(start, take))
+                    done += take
+                    start += take
+            if writer is None:  # an empty trace is one empty file
+                writer = TraceWriter(tmp / PART_NAME.format(0), reader.config)
+                written = 1
+            writer.close()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+    return written
+
+
+def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
+    """Write every event of ``trace`` (a directory, or a file) into the one
+    file ``out``. Returns the rows written."""
+    reader = open_trace(trace)
+    target = Path(out)
+    resolved = target.resolve()
+    for p in _inputs(reader):
+        if resolved == p.resolve():
+            raise ReplayError(f"{target}: would write over the input {p}")
+    if isinstance(reader, TraceDir) and reader.path.resolve() in resolved.parents:
+        raise ReplayError(
+            f"{target}: inside the input directory {reader.path} (it would become part of it)"
+        )
+    with TraceWriter(target, reader.config) as writer:
+        for batch in reader.iter_batches(prefetch=True):
+            writer.write_table(batch_table(batch))
+    return writer.rows_written
+
+
+#: What the commands and the library replay: a trace file, a directory of
+#: them, a binary file object, or a reader already open.
+TraceSource = TraceFile | TraceReader
+
+
+def open_trace(path: TraceSource) -> TraceReader:
+    """A reader of ``path``: a trace file, a directory of them, a binary file
+    object, or a reader already open (returned as it is)."""
+    if isinstance(path, TraceReader):
+        return path
+    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
+        # A directory of files is one trace (issue 13).
+        return open_trace_dir(path)
+    return TraceReader(path)

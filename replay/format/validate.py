@@ -1,0 +1,278 @@
+"""Validation of a trace's rows (format v1): every batch is checked as it streams, and
+a bad row is reported by its seq."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replay.base.errors import TraceError
+from replay.base.spec import TraceConfig
+from replay.format.schema import _EMPTY_POLARS, EVENT_KINDS, TraceBatch, _one_line, _string_ok
+
+#: Token counts above this are refused: sums over millions of lookups
+#: (hit ratios, report totals) must stay inside int64.
+TOKEN_LIMIT = 1 << 48
+
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+#: What Python's datetime can hold (the commands turn timestamps into it).
+_TS_RANGE_S = (-62_135_596_800, 253_402_300_799)  # 0001-01-01 .. 9999-12-31T23:59:59
+
+
+_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def _combined(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def _where(raw: pa.RecordBatch | pa.Table, i: int) -> str:
+    seq = _combined(raw.column("seq"))[i].as_py() if "seq" in raw.column_names else None
+    return f"seq {seq}" if seq is not None else f"row {i}"
+
+
+def _first(mask: pa.Array) -> int | None:
+    idx = pc.indices_nonzero(pc.fill_null(mask, False))
+    return int(idx[0].as_py()) if len(idx) else None
+
+
+def _bad_utf8(arr: pa.Array) -> int | None:
+    """The first row whose string is not valid UTF-8 (the rare error path)."""
+    if pa.types.is_dictionary(arr.type):
+        bad = _bad_utf8(arr.dictionary)
+        return None if bad is None else _first(pc.equal(arr.indices, bad))
+    view = arr.view(pa.large_binary() if pa.types.is_large_string(arr.type) else pa.binary())
+    for i, value in enumerate(view):
+        data = value.as_py()
+        if data is not None:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+    return None
+
+
+def _check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
+    """Column ``name`` holds only valid UTF-8 (nested strings included: a
+    results file's ``flags``); the row is named where the column is flat."""
+    if name not in raw.column_names:
+        return
+    col = _combined(raw.column(name))
+    try:
+        col.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        i = _bad_utf8(col) if _string_ok(col.type) else None
+        if "utf8" not in str(exc).lower():
+            raise TraceError(f"{path}: column {name!r}: invalid data ({_one_line(exc)})") from None
+        where = "" if i is None else f"{_where(raw, i)}: "
+        raise TraceError(f"{path}: {where}column {name!r} is not valid UTF-8 text") from None
+
+
+def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
+    if "ts" not in raw.column_names or not pa.types.is_timestamp(raw.schema.field("ts").type):
+        return
+    ts = _combined(raw.column("ts"))
+    per = _PER_SECOND[ts.type.unit]
+    # In nanoseconds the whole int64 range is representable: clip the bounds.
+    lo, hi = (min(max(b * per, -(1 << 63)), (1 << 63) - 1) for b in _TS_RANGE_S)
+    if ts.null_count == len(ts):
+        return
+    values = ts.cast(pa.int64())
+    i = _first(pc.or_(pc.less(values, lo), pc.greater(values, hi)))
+    if i is not None:
+        raise TraceError(
+            f"{path}: {_where(raw, i)}: ts {values[i].as_py()} {ts.type.unit} since the "
+            "epoch is outside the representable range (expected a time between "
+            "0001-01-01 and 9999-12-31)"
+        )
+
+
+def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table) -> pa.Array:
+    """What must hold before a batch is decoded (polars panics or wraps on
+    these): strings are UTF-8, timestamps fit a datetime, group_id fits
+    int32, and every hash is non-null, non-empty bytes. Returns the batch's
+    ``block_hashes`` as one Arrow array."""
+    for name in ("kind", "request_id", "medium"):
+        _check_utf8(path, raw, name)
+    _check_ts(path, raw)
+    gid = _combined(raw.column("group_id"))
+    narrow = pa.types.is_integer(gid.type) and gid.type.bit_width < 32
+    if not narrow and gid.null_count < len(gid) and not pa.types.is_null(gid.type):
+        i = _first(pc.or_(pc.less(gid, _INT32[0]), pc.greater(gid, _INT32[1])))
+        if i is not None:
+            n = config.num_groups
+            raise TraceError(
+                f"{path}: {_where(raw, i)}: group_id {gid[i].as_py()} names no group "
+                f"(the trace has {n}: 0..{n - 1})"
+            )
+    hashes = _combined(raw.column("block_hashes"))
+    values = hashes.flatten()
+    j: int | None = None
+    what = "is null"
+    if values.null_count:
+        j = _first(pc.is_null(values))
+    elif len(values) and not pa.types.is_fixed_size_binary(values.type):
+        # An empty value is two equal offsets: far cheaper than binary_length.
+        width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+        offsets = np.frombuffer(values.buffers()[1], dtype=width)
+        offsets = offsets[values.offset : values.offset + len(values) + 1]
+        empty = np.flatnonzero(offsets[1:] == offsets[:-1])
+        j, what = (int(empty[0]) if empty.size else None), "is empty"
+    if j is not None:
+        row = int(pc.list_parent_indices(hashes)[j].as_py())
+        k = j - (int(hashes.offsets[row].as_py()) - int(hashes.offsets[0].as_py()))
+        raise TraceError(
+            f"{path}: {_where(raw, row)}: block_hashes[{k}] {what} "
+            "(expected a hash: non-empty bytes)"
+        )
+    return hashes
+
+
+def validate_rows(
+    path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table, last_seq: int | None
+) -> tuple[TraceBatch, int | None]:
+    """Every check of format v1 on one batch of trace rows, in file order
+    after ``last_seq``; the reader and every writer go through it. Returns
+    the decoded batch and its last seq."""
+    hashes = check_arrow_batch(path, config, raw)
+    frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
+        pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)
+    )
+    return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
+
+
+def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    """``data`` as a polars frame, leaving its schema and field metadata
+    behind: polars panics on metadata that is not UTF-8 (a damaged footer),
+    and the columns are all the frame needs."""
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    plain = pa.Table.from_arrays(data.columns, names=data.column_names)
+    frame = pl.from_arrow(plain)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+    frame = _to_polars(batch)
+    exprs = []
+    for name, dtype in _EMPTY_POLARS.items():
+        if name in frame.columns:
+            exprs.append(pl.col(name).cast(dtype))
+        else:
+            exprs.append(pl.lit(None, dtype=dtype).alias(name))
+    return frame.select(exprs)
+
+
+def _first_bad(frame: pl.DataFrame, mask: pl.Series) -> int | None:
+    idx = mask.arg_true()
+    if idx.len() == 0:
+        return None
+    return int(frame["seq"][int(idx[0])])
+
+
+def _validate_batch(
+    path: str, config: TraceConfig, frame: pl.DataFrame, last_seq: int | None
+) -> int | None:
+    """Check one batch; return its last seq. Raises TraceError naming the seq."""
+    if frame.height == 0:
+        return last_seq
+    seq = frame["seq"]
+    if seq.null_count():
+        raise TraceError(f"{path}: column 'seq': null value (every row needs a seq)")
+    prev = seq.shift(1)
+    if last_seq is not None:
+        prev = prev.fill_null(last_seq)
+    bad = (seq <= prev).fill_null(False)
+    if bad.any():
+        i = int(bad.arg_true()[0])
+        before = last_seq if i == 0 else int(seq[i - 1])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: seq not strictly increasing (comes after seq {before})"
+        )
+    kind = frame["kind"]
+    if kind.null_count():
+        s = _first_bad(frame, kind.is_null())
+        raise TraceError(
+            f"{path}: seq {s}: column 'kind' is null, expected one of {', '.join(EVENT_KINDS)}"
+        )
+    unknown = ~kind.is_in(EVENT_KINDS)
+    if unknown.any():
+        i = int(unknown.arg_true()[0])
+        raise TraceError(
+            f"{path}: seq {int(seq[i])}: unknown event kind {kind[i]!r}, "
+            f"expected one of {', '.join(EVENT_KINDS)}"
+        )
+    gid = frame["group_id"]
+    is_lookup = kind == "lookup"
+    is_keyed = kind.is_in(("store", "remove"))
+    checks: list[tuple[pl.Series, str]] = [
+        (
+            is_keyed & gid.is_null(),
+            "{kind} has no group_id (store and remove name the group whose keys change)",
+        ),
+        (is_keyed & frame["n_hashes"].is_null(), "{kind} has no block_hashes"),
+        (
+            gid.is_not_null() & ((gid < 0) | (gid >= config.num_groups)),
+            f"group_id {{gid}} names no group (the trace has {config.num_groups}: "
+            f"0..{config.num_groups - 1})",
+        ),
+        (is_lookup & frame["request_id"].is_null(), "lookup has no request_id"),
+        (is_lookup & frame["max_length"].is_null(), "lookup has no max_length"),
+        (is_lookup & frame["n_hashes"].is_null(), "lookup has no block_hashes"),
+        (
+            is_lookup & (frame["max_length"] < 0).fill_null(False),
+            "lookup has a negative max_length {max_length}",
+        ),
+    ]
+    max_length, num_tokens = frame["max_length"], frame["num_tokens"]
+    observed = frame["observed_hit_tokens"]
+    checks += [
+        (num_tokens < 0, "num_tokens {num_tokens} is negative"),
+        (
+            num_tokens < max_length,
+            "num_tokens {num_tokens} cannot hold max_length {max_length} "
+            "(expected num_tokens >= max_length)",
+        ),
+        (observed < 0, "observed_hit_tokens {observed} is negative"),
+    ]
+    for name, col in (
+        ("max_length", max_length),
+        ("num_tokens", num_tokens),
+        ("observed_hit_tokens", observed),
+    ):
+        checks.append((col > TOKEN_LIMIT, f"{name} {{{name}}} is above 2**48 tokens"))
+    # vLLM indexes a group's hash view up to max_length // block_size, so a
+    # lookup may not ask for more than its hashes can cover (vLLM's scheduler
+    # always asks for num_tokens - 1, below (len + 1) * hash_block_size).
+    n_hashes = frame["n_hashes"].fill_null(0)
+    too_long = is_lookup & (
+        frame["max_length"] >= (n_hashes + 1) * config.hash_block_size
+    ).fill_null(False)
+    checks.append(
+        (
+            too_long,
+            "lookup max_length {max_length} exceeds what its {n_hashes} block_hashes cover "
+            f"(expected below (len(block_hashes) + 1) * hash_block_size {config.hash_block_size})",
+        )
+    )
+    for mask, message in checks:
+        mask = mask.fill_null(False)
+        if mask.any():
+            i = int(mask.arg_true()[0])
+            text = message.format(
+                kind=kind[i],
+                gid=gid[i],
+                max_length=max_length[i],
+                n_hashes=n_hashes[i],
+                num_tokens=num_tokens[i],
+                observed=observed[i],
+                observed_hit_tokens=observed[i],
+            )
+            raise TraceError(f"{path}: seq {int(seq[i])}: {text}")
+    return int(seq[-1])

@@ -1,0 +1,270 @@
+"""The trace writer (format v1): atomic (a temporary file in the target's folder,
+renamed on success), so an error never leaves a partial file behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, Self
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from replay.base.errors import TraceError
+from replay.base.spec import TraceConfig
+from replay.format.paths import atomic_output, pause_point
+from replay.format.schema import (
+    _EXPECTED_TYPE,
+    EXPECT_META_KEY,
+    TRACE_COLUMNS,
+    TRACE_META_KEY,
+    TRACE_SCHEMA,
+    TraceFile,
+    _one_line,
+)
+from replay.format.validate import validate_rows
+
+#: Every writer of this module publishes through the one output helper.
+atomic_path = atomic_output
+
+
+#: Row groups the project writes stay below both bounds, so a reader holds
+#: one at a time in modest memory and a column chunk decodes in one go.
+ROW_GROUP_HASH_BYTES = 32 << 20
+
+
+ROW_GROUP_ROWS = 65_536
+
+
+def write_bounded(writer: pq.ParquetWriter, table: pa.Table) -> None:
+    """Write ``table`` as row groups of at most ``ROW_GROUP_ROWS`` rows and
+    about ``ROW_GROUP_HASH_BYTES`` of block hashes (a row is never split)."""
+    if table.num_rows == 0:
+        return
+    hashes = table.column("block_hashes")
+    sizes = np.concatenate(
+        [pc.binary_length(c.flatten()).fill_null(0).to_numpy() for c in hashes.chunks]
+        or [np.zeros(0, np.int64)]
+    )
+    lengths = np.concatenate(
+        [pc.list_value_length(c).fill_null(0).to_numpy() for c in hashes.chunks]
+    )
+    per_row = np.zeros(table.num_rows, dtype=np.int64)
+    if sizes.size:
+        ends = np.cumsum(lengths)
+        cum = np.concatenate([[0], np.cumsum(sizes.astype(np.int64))])
+        per_row = cum[ends] - cum[ends - lengths]
+    start = 0
+    total = np.cumsum(per_row)
+    while start < table.num_rows:
+        before = total[start - 1] if start else 0
+        stop = int(np.searchsorted(total, before + ROW_GROUP_HASH_BYTES, side="right"))
+        stop = min(max(stop, start + 1), start + ROW_GROUP_ROWS, table.num_rows)
+        writer.write_table(table.slice(start, stop - start))
+        start = stop
+
+
+def trace_schema(config: TraceConfig) -> pa.Schema:
+    return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
+
+
+def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.Table:
+    """A trace table from row dicts (missing columns are null; ``seq`` defaults
+    to the row index). For tests, generators and importers of modest size."""
+    columns: dict[str, list[Any]] = {name: [] for name in TRACE_COLUMNS}
+    for index, row in enumerate(rows):
+        unknown = set(row) - set(TRACE_COLUMNS)
+        if unknown:
+            raise TraceError(f"row {index}: unknown trace columns {sorted(unknown)}")
+        for name in TRACE_COLUMNS:
+            value = row.get(name)
+            if name == "seq" and value is None:
+                value = index
+            columns[name].append(value)
+    schema = trace_schema(config)
+    arrays = []
+    for f in schema:
+        try:
+            arrays.append(pa.array(columns[f.name], type=f.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
+            raise TraceError(
+                f"column {f.name!r}: a value does not fit {_EXPECTED_TYPE[f.name]} "
+                f"({_one_line(exc)})"
+            ) from None
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with the trace columns in the contract's types, or a one-line error."""
+    names = set(table.column_names)
+    missing = [n for n in TRACE_COLUMNS if n not in names]
+    if missing:
+        raise TraceError(f"{path}: missing column {missing[0]!r} in the rows to write")
+    try:
+        return table.select(list(TRACE_COLUMNS)).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise TraceError(f"{path}: rows do not fit the trace format ({_one_line(exc)})") from None
+
+
+def stream_name(stream: BinaryIO) -> str:
+    """How errors name a file object: its file's name, else ``<stream>``."""
+    name = getattr(stream, "name", None)
+    return name if isinstance(name, str) else "<stream>"
+
+
+@contextlib.contextmanager
+def _parquet_sink(target: TraceFile) -> Iterator[Any]:
+    """Where a Parquet writer writes ``target``: a path through the output
+    helper (a temporary file, renamed on success); a file object gets the
+    bytes only once the file is complete, so an error writes nothing to it."""
+    if isinstance(target, str | os.PathLike):
+        with atomic_path(target) as tmp:
+            yield str(tmp)
+        return
+    buffer = pa.BufferOutputStream()
+    yield buffer
+    target.write(buffer.getvalue().to_pybytes())
+
+
+class TraceWriter:
+    """Write a trace in row groups as events arrive; atomic on ``close``.
+
+    Used as a context manager: leaving the block normally publishes the
+    file; leaving it with an exception removes the temporary file, except
+    ``KeyboardInterrupt`` when ``keep_on_interrupt`` is set (a recorder closes
+    a valid file on Ctrl-C).
+    """
+
+    def __init__(
+        self,
+        path: TraceFile,
+        config: TraceConfig,
+        *,
+        keep_on_interrupt: bool = False,
+    ) -> None:
+        #: How errors name the output (a file object: ``stream_name``).
+        self.name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
+        self.path = Path(self.name)
+        self.config = config
+        self.keep_on_interrupt = keep_on_interrupt
+        self._cm = _parquet_sink(path)
+        self._tmp = self._cm.__enter__()
+        self._schema = trace_schema(config)
+        # No stored Arrow schema: then the footer's key-value metadata is the
+        # schema metadata, and close() can replace the config's ``source``
+        # (a recorder's gap report) without rewriting the file.
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
+            self._tmp, self._schema, compression="zstd", store_schema=False
+        )
+        self.rows_written = 0
+        self._last_seq: int | None = None
+        self._finished = False
+
+    def set_source(self, source: Mapping[str, Any]) -> None:
+        """Replace the ``source`` metadata (e.g. a recorder's gap report); it is
+        written into the footer at ``close``."""
+        self._pending_source = dict(source)
+
+    def write_table(self, table: pa.Table) -> None:
+        if self._writer is None:
+            raise TraceError(f"{self.name}: writer already closed")
+        table = _conform(self.name, table, self._schema)
+        if table.num_rows == 0:
+            return
+        # A writer never makes a trace the readers would refuse.
+        _, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
+        write_bounded(self._writer, table)
+        self.rows_written += table.num_rows
+        if isinstance(self._tmp, str):
+            pause_point("rows", Path(self._tmp))
+
+    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.write_table(events_table(rows, self.config))
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        config = self.config
+        source = getattr(self, "_pending_source", None)
+        if source is not None:
+            config = TraceConfig.from_json({**config.to_json(), "source": source})
+        self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
+        self._writer.close()
+        self._writer = None
+        self._finished = True
+        self._cm.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        writer, self._writer = self._writer, None
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if writer is not None:
+                writer.close()
+        except (pa.ArrowException, OSError):
+            pass  # the file is discarded anyway
+        finally:
+            # The output helper removes its temporary file, and never touches
+            # a target it did not create (/dev/null).
+            self._cm.__exit__(TraceError, TraceError("aborted"), None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None or (self.keep_on_interrupt and exc_type is KeyboardInterrupt):
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(
+    path: TraceFile,
+    config: TraceConfig,
+    table: pa.Table | Sequence[Mapping[str, Any]],
+    *,
+    expect: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a whole trace at once (atomic; to a file object, in one write
+    once complete). Rows are validated on the way. ``expect`` goes to the
+    ``replay.expect`` metadata (regression traces). Returns the path (a file
+    object: its name)."""
+    name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
+    if not isinstance(table, pa.Table):
+        table = events_table(table, config)
+    schema = trace_schema(config)
+    if expect is not None:
+        meta = {**schema.metadata, EXPECT_META_KEY: json.dumps(expect, sort_keys=True).encode()}
+        schema = schema.with_metadata(meta)
+    table = _conform(name, table, schema)
+    validate_rows(name, config, table, None)
+    with (
+        _parquet_sink(path) as where,
+        pq.ParquetWriter(where, table.schema, compression="zstd") as writer,
+    ):
+        write_bounded(writer, table)
+    return Path(name)
+
+
+KEYS_SCHEMA = pa.schema(
+    [
+        pa.field("group_id", pa.int32(), nullable=False),
+        pa.field("hash", pa.binary(), nullable=False),
+    ]
+)
+
+
+def write_keys(path: str | os.PathLike[str], keys: Sequence[tuple[int, Sequence[bytes]]]) -> int:
+    """Write present keys, one row per (group_id, hash) (``replay state -o``)."""
+    gids = [gid for gid, hashes in keys for _ in hashes]
+    hashes = [h for _, hs in keys for h in hs]
+    table = pa.table({"group_id": gids, "hash": hashes}, schema=KEYS_SCHEMA)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, str(tmp))
+    return len(hashes)

@@ -1,0 +1,433 @@
+"""Which blocks a request leaves behind in vLLM 0.33.0's caches.
+
+Given a trace's configuration, a request's prompt length ``N`` and the hit
+``H`` its lookup got, ``StoreRules.stores`` gives, per KV-cache group, the
+indices (in the group's own blocks) of the keys the request's prefill adds
+to the cache: the ``store`` rows a production log shows for it. Pure: no
+I/O, no Arrow; the generator, the importers and a what-if simulator all ask
+it the same question.
+
+Two caches, chosen by ``StorePolicy.cache``:
+
+* ``gpu``: the engine's block pool, i.e. the ``BlockStored`` events vLLM
+  publishes (``BlockPool.cache_full_blocks`` called by each manager's
+  ``cache_blocks`` from ``KVCacheManager.allocate_slots``, chunk by chunk).
+* ``mooncake``: the Mooncake store connector. Attention groups are written by
+  the normal save, masked by ``MooncakeStoreCoordinator.store_mask`` for the
+  suffix past the hit; Mamba groups only through the boundary-state
+  hand-offs (``take_boundary_state_offloads``), which are exactly the states
+  the engine's Mamba manager caches, so Mamba follows the ``gpu`` rule in
+  both caches.
+
+Attention groups (``B`` the group's block size, ``A`` the scheduler block
+size, ``r`` = ``prefix_cache_retention_interval``):
+
+* full and chunked local attention keep every block from the hit up to the
+  end of what is cached: ``N // A * A`` tokens for the store (the connector
+  saves whole scheduler blocks); in the engine the hybrid coordinator rounds
+  down to ``A`` as well but an EAGLE group caches one block more
+  (``get_num_cacheable_tokens``), and a single group caches ``N // B``.
+* sliding window keeps the ``need``-block tails (``need = ceil((W - 1) / B)``,
+  one more with EAGLE, shifted one block up with EAGLE) that end at every
+  ``A`` boundary when ``r`` is None (dense), at every ``r`` tokens when
+  ``r > 0``, and, unless dense, the tails at the *replay boundaries*
+  (``replay_boundaries``) and, in the engine, at the shared-prefix junction.
+  The store widens ``W`` by ``extra_retained_tokens``; the engine does not.
+
+Mamba groups (``align`` mode): the prefill is stepped in chunks from the hit
+the way ``Scheduler._mamba_block_aligned_split`` splits it (at most
+``max_num_batched_tokens`` each, ends floored to ``A``, stopping at the last
+reusable checkpoint ``checkpoint_position(N)`` and at the junction); a state
+exists only at a chunk end, and the manager caches it when the end is a whole
+block, falls within what the coordinator lets it cache, and the retention
+mask keeps it: every state when dense, the ``r``-multiples when ``r > 0``,
+plus the replay boundaries and the junction (and, for an EAGLE group, one
+block below the junction) otherwise.
+
+The prefill is stepped as if the request ran alone: in a busy engine the
+budget is shared, chunks can end earlier, and a dense retention keeps the
+states at those ends too (under retention 0 only the replay boundaries and
+the junction count, and the scheduler always stops at the checkpoint).
+
+Not modelled: partial hash hits (sub-block tails and their copy-on-write),
+the engine's sub-block prompt-tail entries when the hash unit is finer than a
+block (keys no block-granular lookup reads), multi-token prediction's
+re-prefilled tail, decode-time blocks, and the
+engine's merging of sliding-window groups by their raw window (the spec
+groups here merge by the widened window, as the store does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.rules.coordinator import (
+    LookupOutcome,
+    build_spec_groups,
+    engine_derives_partial_hits,
+    get_cache,
+)
+
+Blocks = range | npt.NDArray[np.int64]
+"""One group's stored block indices, ascending: a ``range`` when contiguous."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorePolicy:
+    """The deployment knobs that decide what a prefill leaves behind."""
+
+    #: vLLM's ``prefix_cache_retention_interval``: 0 (its default) keeps only
+    #: the replay boundaries, ``k > 0`` one tail or state per ``k`` tokens as
+    #: well, None keeps every one (dense).
+    retention_interval: int | None = 0
+    #: The scheduler's token budget per step: the longest prefill chunk.
+    max_num_batched_tokens: int = 8192
+    #: Which cache's stores: ``mooncake`` (the store connector's saves) or
+    #: ``gpu`` (the block pool's BlockStored events); ``replay.rules.coordinator.CACHES``.
+    cache: str = "mooncake"
+
+    def __post_init__(self) -> None:
+        r = self.retention_interval
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ReplayError(f"retention interval must be an integer >= 0 or none, got {r!r}")
+        m = self.max_num_batched_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise ReplayError(f"max_num_batched_tokens must be a positive integer, got {m!r}")
+        get_cache(self.cache)  # an unknown name is refused with the known ones
+
+    def as_source(self) -> dict[str, object]:
+        """The fields a trace's ``source`` metadata records."""
+        return {
+            "cache": self.cache,
+            "retention_interval": self.retention_interval,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+
+
+def replay_boundaries(num_tokens: int, alignment: int, use_eagle: bool) -> tuple[int, ...]:
+    """Where a later request replaying this prompt can resume (vLLM's
+    ``replay_boundaries``): an identical resend is capped at ``N - 1`` (its
+    last token is recomputed for the logits); with EAGLE one block below the
+    resend's and a longer sibling's aligned hits, since EAGLE drops a block."""
+    if not use_eagle:
+        return (num_tokens - 1,)
+    resend = (num_tokens - 1) // alignment * alignment
+    extension = num_tokens // alignment * alignment
+    return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
+
+
+def checkpoint_position(num_tokens: int, alignment: int, drop_eagle: bool) -> int:
+    """The last position whose Mamba state a later hit can resume from (vLLM's
+    ``get_mamba_prefill_checkpoint_position``): below ``N - 1`` for the logits,
+    one block lower with EAGLE."""
+    limit = num_tokens if drop_eagle else num_tokens - 1
+    position = limit // alignment * alignment
+    if drop_eagle:
+        position -= alignment
+    return max(position, 0)
+
+
+def junction_tokens(outcome: LookupOutcome) -> int:
+    """The shared-prefix junction the engine pins (``shared_prefix_boundary``):
+    the longest hit any spec group found on its own, when the fixed point
+    settled lower, else 0. Needs the outcome's ``steps`` (``explain=True``)."""
+    longest = max((s.hit_tokens for s in outcome.steps if not s.reused), default=0)
+    return longest if longest > outcome.hit_tokens else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    kind: GroupKind
+    block_size: int
+    #: EAGLE group as the store's coordinator sees it, and as the engine does
+    mirror_eagle: bool
+    engine_eagle: bool
+    #: sliding window: the store's (widened) and the engine's window
+    mirror_window: int
+    engine_window: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    num_tokens: int
+    hit: int
+    junction: int
+    #: tokens covered by the prompt's full hash units
+    hashed: int
+
+
+def _sliding_mask(
+    start: int,
+    end: int,
+    *,
+    alignment: int,
+    block_size: int,
+    window: int,
+    eagle: bool,
+    retention: int | None,
+    boundaries: Sequence[int],
+) -> Blocks:
+    """``SlidingWindowManager.reachable_block_mask`` over blocks ``[start, end)``."""
+    if end <= start:
+        return range(start, start)
+    if alignment % block_size:
+        # A sub-block alignment cannot be masked block-exactly: vLLM keeps all.
+        return range(start, end)
+    need = cdiv(window - 1, block_size) + (1 if eagle else 0)
+    shift = 1 if eagle else 0
+    idx = np.arange(start, end, dtype=np.int64)
+    mask = np.zeros(end - start, dtype=bool)
+    segment = alignment if retention is None else retention
+    if segment:
+        per_segment = segment // block_size
+        if need >= per_segment:
+            return range(start, end)
+        mask |= (idx >= shift) & ((idx - shift) % per_segment >= per_segment - need)
+    if retention is not None:
+        for boundary in boundaries:
+            tail_end = boundary // alignment * alignment // block_size + shift
+            lo, hi = max(start, tail_end - need), min(end, tail_end)
+            if lo < hi:
+                mask[lo - start : hi - start] = True
+    return idx[mask]
+
+
+class StoreRules:
+    """The store rules of one configuration and policy (see the module docstring)."""
+
+    def __init__(self, config: TraceConfig, policy: StorePolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy = policy or StorePolicy()
+        if config.enable_partial_hash_hits or engine_derives_partial_hits(config):
+            raise ReplayError(
+                "the store rules do not model partial hash hits (vLLM enables them for a "
+                f"Mamba block larger than the {config.hash_block_size}-token hash block): "
+                "use a hash block size equal to the Mamba block size"
+            )
+        a = config.scheduler_block_size
+        kinds = {g.kind for g in config.groups}
+        sparse = bool(kinds & {GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
+        r = policy.retention_interval
+        # vLLM refuses these at start-up (``_validate_prefix_cache_retention_interval``).
+        if r and not sparse:
+            raise ReplayError(
+                f"retention interval {r} has no effect without a sliding-window or Mamba "
+                "group (vLLM refuses it): use 0"
+            )
+        if r and r % a:
+            raise ReplayError(
+                f"retention interval {r} must be a multiple of the scheduler block size {a}"
+            )
+        self.has_mamba = GroupKind.MAMBA in kinds
+        if self.has_mamba and policy.max_num_batched_tokens < a:
+            raise ReplayError(
+                f"max_num_batched_tokens {policy.max_num_batched_tokens} must be at least "
+                f"the scheduler block size {a}: a Mamba prefill chunk ends on a block"
+            )
+        self.alignment = a
+        self.unitary = config.num_groups == 1
+        #: Whether the shared-prefix junction can change a store: it ends a
+        #: Mamba chunk, and pins a tail in the engine's sliding-window groups.
+        self.uses_junction = not self.unitary and (
+            self.has_mamba or (policy.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds)
+        )
+        # Which groups drop for EAGLE, as each cache's coordinator merges and
+        # flags them (the one rule: ``build_spec_groups``): the engine drops
+        # nothing unless EAGLE is on, the store's mirror honours a flag anyway.
+        eagle_of: dict[str, list[bool]] = {}
+        for cache in ("mooncake", "gpu"):
+            eagle_of[cache] = [False] * config.num_groups
+            for sg in build_spec_groups(config, cache):
+                for gid in sg.group_ids:
+                    eagle_of[cache][gid] = sg.eagle
+        self.mirror_any_eagle = any(eagle_of["mooncake"])
+        self.engine_any_eagle = config.use_eagle
+        self.groups = tuple(
+            _Group(
+                kind=g.kind,
+                block_size=g.block_size,
+                mirror_eagle=eagle_of["mooncake"][gid],
+                engine_eagle=eagle_of["gpu"][gid],
+                mirror_window=g.coverage_window or 0,
+                engine_window=g.sliding_window or 0,
+            )
+            for gid, g in enumerate(config.groups)
+        )
+
+    # -- the prefill's chunks
+
+    def chunk_ends(self, num_tokens: int, hit_tokens: int, junction: int = 0) -> list[int]:
+        """Where each prefill step ends, from the hit to the prompt's end, as
+        the scheduler splits a Mamba model's prefill (``_mamba_block_aligned_split``);
+        without Mamba, plain budget-sized chunks."""
+        n, a = num_tokens, self.alignment
+        budget = self.policy.max_num_batched_tokens
+        last_cache = checkpoint_position(n, a, self.engine_any_eagle)
+        ends: list[int] = []
+        start = hit_tokens
+        while start < n:
+            end = min(start + budget, n)
+            if self.has_mamba:
+                if end < n:
+                    aligned = end // a * a
+                    if aligned > start or a <= budget:
+                        end = aligned
+                junction_stop = start + (junction - start) // a * a
+                stops = (
+                    (start // a + 1) * a if start % a else 0,
+                    last_cache,
+                    junction_stop if start < junction < end else 0,
+                )
+                end = min((s for s in stops if start < s < end), default=end)
+            ends.append(end)
+            start = end
+        return ends
+
+    # -- per group
+
+    def cacheable_tokens(self, group: _Group, tokens: int) -> int:
+        """Tokens of the prompt the engine lets a group cache after ``tokens``
+        computed ones (``get_num_cacheable_tokens``)."""
+        if self.unitary:
+            return tokens
+        out = tokens // self.alignment * self.alignment
+        if group.engine_eagle and out > 0:
+            # EAGLE matches one block past the aligned boundary and drops it.
+            out = min(tokens, out + group.block_size)
+        return out
+
+    def _cacheable(self, group: _Group, tokens: int, hashed: int) -> int:
+        """:meth:`cacheable_tokens`, capped at the prompt's hashed tokens."""
+        return min(self.cacheable_tokens(group, tokens), hashed)
+
+    def _mamba_keeps(self, block: int, group: _Group, boundaries: Sequence[int]) -> bool:
+        """``MambaManager.reachable_block_mask`` for one state block."""
+        r = self.policy.retention_interval
+        if r is None:
+            return True
+        bs, a = group.block_size, self.alignment
+        if r:
+            per_segment = r // bs
+            if per_segment <= 1 or (block + 1) % per_segment == 0:
+                return True
+        return any(b // a * a // bs - 1 == block for b in boundaries)
+
+    def _mamba(self, group: _Group, req: _Request, ends: Sequence[int]) -> Blocks:
+        bs, hit_tokens, junction = group.block_size, req.hit, req.junction
+        boundaries = list(replay_boundaries(req.num_tokens, self.alignment, self.engine_any_eagle))
+        if junction:
+            boundaries.append(junction)
+            if group.engine_eagle:
+                boundaries.append(junction - bs)
+        cached = hit_tokens // bs
+        out: list[int] = []
+        prev = hit_tokens
+        for end in ends:
+            full = self._cacheable(group, end, req.hashed) // bs
+            if full > cached:
+                # The table holds two live states: this chunk's and the one it
+                # was copied from (freed only at the next step).
+                for pos in (prev, end):
+                    block = pos // bs - 1
+                    if (
+                        pos % bs == 0
+                        and cached <= block < full
+                        and (not out or out[-1] < block)
+                        and self._mamba_keeps(block, group, boundaries)
+                    ):
+                        out.append(block)
+                cached = full
+            prev = end
+        return np.array(out, dtype=np.int64)
+
+    def _attention(self, group: _Group, req: _Request) -> Blocks:
+        bs, n, a = group.block_size, req.num_tokens, self.alignment
+        hit_tokens, junction = req.hit, req.junction
+        r = self.policy.retention_interval
+        if self.policy.cache == "gpu":
+            start = hit_tokens // bs
+            end = self._cacheable(group, n, req.hashed) // bs
+            window, eagle = group.engine_window, group.engine_eagle
+            boundaries = list(replay_boundaries(n, a, self.engine_any_eagle))
+            if junction:
+                boundaries.append(junction)
+                if eagle:
+                    boundaries.append(junction - bs)
+        else:
+            end = min(n // a * a, req.hashed) // bs
+            start = min(end, cdiv(hit_tokens, bs))
+            window, eagle = group.mirror_window, group.mirror_eagle
+            boundaries = list(replay_boundaries(n, a, self.mirror_any_eagle))
+        if group.kind is not GroupKind.SLIDING_WINDOW:
+            return range(start, max(start, end))
+        return _sliding_mask(
+            start,
+            end,
+            alignment=a,
+            block_size=bs,
+            window=window,
+            eagle=eagle,
+            retention=r,
+            boundaries=boundaries,
+        )
+
+    def stores(
+        self, *, num_tokens: int, hit_tokens: int, junction_tokens: int = 0
+    ) -> tuple[Blocks, ...]:
+        """Per group, the block indices the request's prefill caches.
+
+        ``hit_tokens``: the hit the request's lookup got (where its prefill
+        starts); ``junction_tokens``: the shared-prefix junction its lookup
+        found (``junction_tokens(outcome)``), 0 for none."""
+        if num_tokens <= 0:
+            raise ReplayError(f"num_tokens must be positive, got {num_tokens}")
+        if not 0 <= hit_tokens < num_tokens:
+            raise ReplayError(
+                f"hit_tokens must be in [0, {num_tokens}) for a {num_tokens}-token prompt, "
+                f"got {hit_tokens}"
+            )
+        hbs = self.config.hash_block_size
+        req = _Request(
+            num_tokens=num_tokens,
+            hit=hit_tokens,
+            junction=junction_tokens,
+            hashed=num_tokens // hbs * hbs,
+        )
+        ends = self.chunk_ends(num_tokens, hit_tokens, junction_tokens) if self.has_mamba else []
+        return tuple(
+            self._mamba(g, req, ends) if g.kind is GroupKind.MAMBA else self._attention(g, req)
+            for g in self.groups
+        )
+
+
+def request_stores(
+    config: TraceConfig,
+    policy: StorePolicy | None = None,
+    *,
+    num_tokens: int,
+    hit_tokens: int,
+    junction_tokens: int = 0,
+) -> tuple[Blocks, ...]:
+    """``StoreRules(config, policy).stores(...)``, for a one-off question."""
+    return StoreRules(config, policy).stores(
+        num_tokens=num_tokens, hit_tokens=hit_tokens, junction_tokens=junction_tokens
+    )
+
+
+def group_block_keys(
+    spec: GroupSpec, unit_keys: npt.NDArray[np.int64], hbs: int
+) -> npt.NDArray[np.int64]:
+    """A group's per-block keys from a prompt's per-hash-unit keys: a block is
+    named by the last hash unit inside it (units are chained over the prefix)."""
+    k = spec.block_size // hbs
+    return unit_keys[k - 1 :: k] if k > 1 else unit_keys

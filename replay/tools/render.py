@@ -1,0 +1,341 @@
+"""Plain text of the project's objects, shared by the CLI and the reports
+(no I/O here): tables, group labels, the explain table, and every summary a
+command prints (of a trace, a replay, a check, a sweep, a written or recorded trace).
+The figures come from ``analysis.summary``; this module only words them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from replay.base.spec import TraceConfig
+from replay.rules.coordinator import LookupOutcome, hit_alignment
+from replay.rules.store import LookupEvent
+
+if TYPE_CHECKING:
+    from replay.sources.stream import RecordSummary
+
+
+def _numeric(cell: str) -> bool:
+    return cell.lstrip("+-").isdigit()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths, strict=True)
+        ).rstrip()
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def group_label(config: TraceConfig, gid: int) -> str:
+    g = config.groups[gid]
+    extra = ""
+    if g.sliding_window is not None:
+        extra = f" window={g.sliding_window}"
+        if g.extra_retained_tokens:
+            extra += f"+{g.extra_retained_tokens}"
+    if g.attention_chunk_size is not None:
+        extra = f" chunk={g.attention_chunk_size}"
+    eagle = " eagle" if g.is_eagle_group else ""
+    name = f" ({g.name})" if g.name else ""
+    return f"{gid}: {g.kind.value} block={g.block_size}{extra}{eagle}{name}"
+
+
+def config_lines(config: TraceConfig, cache: str) -> list[str]:
+    """The configuration, and the hit alignment of the cache that answers
+    (the two caches align a hit differently: ``hit_alignment``)."""
+    lines = [
+        f"hash_block_size={config.hash_block_size} scheduler_block_size={config.scheduler_block_size} "
+        f"use_eagle={str(config.use_eagle).lower()} "
+        f"enable_partial_hash_hits={str(config.enable_partial_hash_hits).lower()}"
+        + f" cache={cache} alignment={hit_alignment(config, cache)}",
+    ]
+    lines += [f"  group {group_label(config, gid)}" for gid in range(config.num_groups)]
+    return lines
+
+
+def explain_header(
+    config: TraceConfig, lookup: LookupEvent[Any], policy: str, cache: str | None = None
+) -> str:
+    return (
+        f"request {lookup.request_id} (seq {lookup.seq}): max_length {lookup.max_length}, "
+        f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
+        + (f", cache {cache}" if cache else "")
+    )
+
+
+def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
+    """The fixed point step by step, then the final hit and every group's mask."""
+    rows = []
+    for s in outcome.steps:
+        groups = ",".join(str(g) for g in s.group_ids)
+        if s.reused:
+            rows.append(
+                [
+                    s.pass_no,
+                    f"{s.spec_group} [{groups}]",
+                    s.kind.value,
+                    "-",
+                    "-",
+                    "(reuses first pass)",
+                    "-",
+                    s.hit_tokens,
+                    s.candidate_after,
+                ]
+            )
+            continue
+        rows.append(
+            [
+                s.pass_no,
+                f"{s.spec_group} [{groups}]",
+                s.kind.value,
+                s.bound,
+                f"+{s.margin}" if s.margin else "0",
+                s.matched_tokens,
+                "yes" if s.drop else "no",
+                s.hit_tokens,
+                s.candidate_after,
+            ]
+        )
+    out = [
+        table(
+            [
+                "pass",
+                "spec group [groups]",
+                "kind",
+                "bound",
+                "margin",
+                "matched",
+                "drop",
+                "group hit",
+                "candidate",
+            ],
+            rows,
+        ),
+        "",
+        f"hit: {outcome.hit_tokens} tokens (attention-verified {outcome.verified_tokens})",
+    ]
+    mask_rows = []
+    for g in outcome.groups:
+        mask = "".join("#" if m else "." for m in g.mask())
+        if len(mask) > 48:
+            mask = mask[:20] + f"…({len(mask) - 40} more)…" + mask[-20:]
+        if g.state_tokens is None:
+            state = ""
+        else:
+            state = f"state at {g.state_tokens}" if g.state_tokens else "no state"
+        mask_rows.append(
+            [group_label(config, g.group_id), g.mask_blocks, g.loaded_blocks, mask or "-", state]
+        )
+    out += [
+        "",
+        table(["group", "mask", "loaded", "blocks (. skipped, # loaded)", "mamba"], mask_rows),
+    ]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------- summaries
+
+
+def kinds_text(by_kind: Mapping[str, int]) -> str:
+    """Events per kind: ``store 3, remove 1, clear 0, lookup 2``."""
+    k = by_kind
+    return f"store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}"
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    """``name n`` per entry, by name: the flag counts."""
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
+
+
+def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
+    return ["  " + ex["text"] for ex in examples]
+
+
+def validate_line(path: Path, info: Mapping[str, Any]) -> str:
+    """``replay validate``: the trace is valid, with its counts."""
+    return (
+        f"ok: {path}: {info['events']} events ({kinds_text(info['events_by_kind'])}), "
+        f"{len(info['config']['kv_cache_groups'])} KV-cache groups"
+    )
+
+
+def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: str) -> list[str]:
+    """``replay info``: ``analysis.summary.trace_info`` of a trace whose
+    replays ``cache`` answers."""
+    first, last = info["seq_range"]
+    span = info["time_span"]
+    lines = [
+        f"trace: {path}",
+        *config_lines(config, cache),
+        f"events: {info['events']} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
+        f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
+        if span["seconds"] is not None
+        else "time: no timestamps",
+        f"hash entries: {info['hash_entries']}",
+    ]
+    lines += [
+        f"distinct keys stored, group {group_label(config, gid)}: {n}"
+        for gid, n in enumerate(info["distinct_keys_per_group"])
+    ]
+    lines.append(
+        f"lookups: {info['lookups']}, prompt tokens {info['lookup_prompt_tokens']}, "
+        f"max_length tokens {info['lookup_max_length_tokens']}"
+    )
+    return lines
+
+
+def run_summary_lines(s: Mapping[str, Any]) -> list[str]:
+    """``replay run``: ``analysis.summary.run_summary`` with the flagged
+    ``examples`` and the ``results`` path."""
+    lines = [
+        f"replayed {s['events']} events ({kinds_text(s['events_by_kind'])}) with "
+        f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
+        f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)",
+        f"prompt tokens: {s['prompt_tokens']}, hit tokens: {s['hit_tokens']} "
+        f"(hit ratio {100 * s['hit_ratio']:.2f}%)",
+    ]
+    lines += [
+        f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded "
+        f"{g['loaded_blocks']} blocks ({g['loaded_tokens']} tokens), skipped {g['skipped_blocks']}"
+        for g in s["groups"]
+    ]
+    observed = s["observed"]
+    if observed["lookups"]:
+        lines.append(
+            f"observed hits: {observed['lookups']} reported, {observed['mismatches']} differ "
+            "from the replay"
+        )
+    lines.append(
+        f"time: {s['seconds']:.2f} s ({s['events_per_second'] or 0:,} events/s, "
+        f"{s['lookups_per_second'] or 0:,} lookups/s)"
+    )
+    if s["flags"]:
+        lines.append(f"flags: {counts_text(s['flags'])}")
+        lines.append("flagged lookups (first examples):")
+        lines += _example_lines(s["examples"])
+    else:
+        lines.append("flags: none")
+    lines.append(f"results: {s['results']}")
+    return lines
+
+
+def check_lines(
+    path: Path,
+    policy: str,
+    counts: Mapping[str, int],
+    lookups: int,
+    examples: Sequence[Mapping[str, Any]],
+) -> list[str]:
+    """``replay check``: the verdict on ``path`` under ``policy``; ``lookups``
+    is how many lookups are flagged, ``counts`` how many per flag."""
+    if not counts:
+        return [f"{path}: clean under {policy} (no flags)"]
+    return [
+        f"{path}: {lookups} flagged lookup(s) under {policy} ({counts_text(counts)})",
+        *_example_lines(examples),
+    ]
+
+
+def minimize_lines(
+    trace: Path, output: Path, info: Mapping[str, Any], request_id: str
+) -> list[str]:
+    """``replay minimize``: the sizes, and the expectation per policy."""
+    lines = [f"{trace}: {info['events_before']} events -> {output}: {info['events_after']} events"]
+    for e in info["expect"]:
+        flags = ", ".join(e["flags"]) or "no flags"
+        lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")
+    return lines
+
+
+def sweep_lines(
+    trace: Path, lookups: int, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """``replay whatif``: one row per run of the sweep whose metadata is ``meta``."""
+    lines = [
+        f"{trace}: {lookups} lookups, {meta['cache']} cache, policy {meta['policy']}",
+        f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}",
+    ]
+    lines += [
+        f"{r['capacity_blocks']:>12,} {r['eviction']:8} {r['hit_ratio']:>9.4f} "
+        f"{r['hit_tokens']:>14,} {r['evicted_blocks']:>10,}"
+        for r in rows
+    ]
+    return lines
+
+
+def _store_text(capacity: int | None) -> str:
+    return "unbounded store" if capacity is None else f"LRU store of {capacity:,} blocks"
+
+
+def _events_text(s: Mapping[str, Any]) -> str:
+    return (
+        f"{s['events']:,} events ({s['lookups']:,} lookups, {s['stores']:,} stores, "
+        f"{s['removes']:,} removes, {s['clears']:,} clears), "
+        f"{s['hash_entries']:,} hash entries, {s['bytes']:,} bytes"
+    )
+
+
+def _rules_text(s: Mapping[str, Any]) -> str:
+    r = s["retention_interval"]
+    retention = "dense retention" if r is None else f"retention interval {r}"
+    return f"{s['cache']} stores ({retention}, {s['max_num_batched_tokens']:,}-token steps)"
+
+
+def synth_summary_text(s: Mapping[str, Any]) -> str:
+    """``replay synth``: the summary of ``replay.sources.synth.synth_trace``."""
+    text = (
+        f"Wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, seed {s['seed']}, "
+        f"{s['requests']:,} requests: "
+        f"{_events_text(s)}."
+    )
+    injected = s["injected_overruns"]
+    if injected:
+        first = injected[0]
+        text += (
+            f" Injected {len(injected)} #43559 overrun(s) (request ids overrun-NNNN-resend), "
+            f"e.g. {first['request_id']}: hit {first['hit_tokens_pre_49502']} tokens under "
+            f"pre-49502, {first['hit_tokens_vllm_033']} under vllm-0.33."
+        )
+    return text
+
+
+def ingest_summary_text(s: Mapping[str, Any]) -> str:
+    """``replay ingest mooncake|bailian``: the summary of ``replay.sources.mooncake.ingest``."""
+    return (
+        f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
+        f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
+        f"{_events_text(s)}. Prefix reuse ratio {s['reuse_ratio']:.4f} "
+        f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."
+    )
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n > 1 else ''}"
+
+
+def record_summary_text(s: RecordSummary) -> str:
+    """What ``replay record`` and ``ingest kv-events`` took: batches, rows,
+    and every way the stream fell short."""
+    parts = [f"{s.batches} batches", f"{s.rows} rows"]
+    if s.lookups is not None:
+        parts.append(f"{s.lookups} lookups placed")
+    if s.filled:
+        parts.append(f"{s.filled} filled from the replay endpoint")
+    if s.gaps:
+        missing = sum(g["count"] for g in s.gaps)
+        parts.append(f"{missing} missing in {_plural(len(s.gaps), 'gap')}")
+    if s.restarts:
+        parts.append(_plural(len(s.restarts), "publisher restart"))
+    if s.skipped:
+        parts.append(f"{s.skipped} malformed skipped")
+    return ", ".join(parts)

@@ -1,0 +1,364 @@
+"""What-if sweeps: a trace's request stream re-simulated against another cache.
+
+The trace's ``store`` / ``remove`` / ``clear`` rows are dropped; its lookups,
+in ``seq`` order, are the requests. For each, the hit is computed against
+the simulated cache by the project's exact coordinator, then the request
+leaves behind what vLLM 0.33 would store for that hit (``replay.rules.store_rules``),
+evicting per the policy when the cache is full. One request at a time: no
+concurrency model.
+
+* ``gpu``: vLLM's engine block pool (``replay.rules.blockpool.GpuCache``): N
+  allocatable blocks shared by every group, admission and eviction exactly as
+  vLLM does them under ``lru``; ``fifo``, ``lfu`` and ``belady`` pick another
+  cached block to evict from the same pool.
+* ``mooncake``: a capacity-bounded external store of keys: a hit refreshes
+  the keys the lookup loads, a store adds the keys of the request's stores,
+  and while the store is over capacity the policy's victim goes.
+
+``belady`` evicts the key whose next use (the next request whose prompt
+holds its hash) is furthest, deepest first among equals. That is the
+offline optimum for independent keys; a prefix hit also needs every key
+before it, so here it is a strong offline reference, not a proven bound
+(``tests/test_whatif.py`` checks it never loses to ``lru`` for full
+attention on random streams).
+
+Each run can be written as a trace (``emit``): its lookups and the key
+appearances and disappearances in order, which ``replay run`` replays to the
+same hits."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from analysis.flags import FLAG_KINDS, FlagChecker
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
+from replay.format.writer import TraceWriter
+from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
+from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
+from replay.rules.coordinator.finders import block_view
+from replay.rules.mooncake_store import MooncakeStore
+from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.whatif.requests import Requests
+
+SWEEP_COLUMNS = (*SWEEP_BASE_COLUMNS, *FLAG_KINDS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    cache: str
+    eviction: str
+    capacity_blocks: int
+    capacity_bytes: int | None = None
+    policy: str = DEFAULT_POLICY
+    retention_interval: int | None = 0
+    max_num_batched_tokens: int = 8192
+    #: per group, bytes of one block (mooncake with a byte capacity)
+    page_bytes: tuple[int, ...] | None = None
+    emit: str | None = None
+
+    def store_policy(self) -> StorePolicy:
+        return StorePolicy(
+            retention_interval=self.retention_interval,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            cache=self.cache,
+        )
+
+    def label(self) -> str:
+        return f"{self.cache}-{self.eviction}-{self.capacity_blocks}"
+
+
+class _Log:
+    """The emitted trace's rows: each lookup, then the key changes its
+    request caused (seq is the row's position)."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests
+        self.rows: list[dict[str, Any]] = []
+        self.request_id: str | None = None
+        self._mark = 0
+
+    def begin(self, i: int) -> None:
+        self.request_id = self.requests.request_id[i]
+        self._mark = len(self.rows)
+
+    def lookup(self, i: int, hit: int) -> None:
+        """The request's lookup row, before the key changes it caused."""
+        r = self.requests
+        self.rows.insert(
+            self._mark,
+            {
+                "ts": r.ts[i],
+                "kind": "lookup",
+                "request_id": r.request_id[i],
+                "block_hashes": r.digests.take(
+                    pa.array(r.unit_ids(i), type=pa.int64())
+                ).to_pylist(),
+                "max_length": r.max_length[i],
+                "num_tokens": r.num_tokens[i],
+                "observed_hit_tokens": hit,
+            },
+        )
+
+    def key(self, kind: str, group_id: int, key: Hashable) -> None:
+        digest = self.requests.digests[key].as_py()
+        last = self.rows[-1] if len(self.rows) > self._mark else None
+        if last is not None and last["kind"] == kind and last["group_id"] == group_id:
+            last["block_hashes"].append(digest)
+            return
+        self.rows.append(
+            {
+                "kind": kind,
+                "group_id": group_id,
+                "block_hashes": [digest],
+                "request_id": self.request_id,
+            }
+        )
+
+    def write(self, path: str, config: TraceConfig) -> None:
+        with TraceWriter(path, config) as writer:
+            for k in range(0, len(self.rows), 4096):
+                chunk = self.rows[k : k + 4096]
+                writer.write_rows([{"seq": k + n, **row} for n, row in enumerate(chunk)])
+
+
+def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``); with
+    ``spec.emit``, the run written there as a trace."""
+    started = time.perf_counter()
+    config = requests.config
+    log = _Log(requests) if spec.emit else None
+    on_key = log.key if log is not None else None
+    checker = FlagChecker(config, spec.cache)
+    flags = dict.fromkeys(FLAG_KINDS, 0)
+    hit_tokens = prompt_tokens = not_admitted = preempted = 0
+    hbs = config.hash_block_size
+
+    def next_use(key: Hashable, now: int) -> int:
+        return requests.next_use(key, now)
+
+    gpu: GpuCache | None = None
+    store: MooncakeStore | None = None
+    if spec.cache == "gpu":
+        gpu = GpuCache(
+            config,
+            spec.capacity_blocks,
+            policy=spec.policy,
+            eviction=spec.eviction,
+            store_policy=spec.store_policy(),
+            next_use=next_use if spec.eviction == "belady" else None,
+            on_key=on_key,
+        )
+    elif spec.cache == "mooncake":
+        groups = config.num_groups
+
+        def item_next_use(item: int, now: int) -> int:
+            return requests.next_use(item // groups, now)
+
+        order = EvictionOrder(
+            spec.eviction,
+            item_next_use if spec.eviction == "belady" else None,
+            newest_first=spec.eviction == "belady",
+        )
+        if spec.capacity_bytes is not None:
+            assert spec.page_bytes is not None
+            capacity, costs = spec.capacity_bytes, spec.page_bytes
+        else:
+            capacity, costs = spec.capacity_blocks, (1,) * groups
+        store = MooncakeStore(groups, order, capacity, costs, on_key)
+        rules = StoreRules(config, spec.store_policy())
+        coordinator = Coordinator(config, spec.policy, "mooncake")
+    else:
+        raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
+
+    for i in range(len(requests)):
+        units = requests.unit_ids(i)
+        n, max_length = requests.num_tokens[i], requests.max_length[i]
+        prompt_tokens += n
+        if log is not None:
+            log.begin(i)
+        if gpu is not None:
+            result = gpu.request(units, n, max_length, now=i)
+            present, outcome = result.present, result.outcome
+            if log is not None:
+                log.lookup(i, outcome.hit_tokens)
+            if not result.admitted:
+                not_admitted += 1
+            elif not result.completed:
+                preempted += 1
+            else:
+                hit_tokens += result.hit_tokens
+        else:
+            assert store is not None
+            store.order.now = i
+            present = [bytes(u in keys for u in units) for keys in store.present]
+            if spec.eviction == "belady":
+                for gid, g in enumerate(config.groups):
+                    for key in block_view(units, hbs, g.block_size):  # type: ignore[arg-type]
+                        if key in store.present[gid]:
+                            store.order.refile(store.item(gid, key))
+            outcome = coordinator.lookup_present(present, max_length, explain=rules.uses_junction)
+            hit = outcome.hit_tokens
+            if log is not None:
+                log.lookup(i, hit)
+            hit_tokens += hit
+            for gid, (g, go) in enumerate(zip(config.groups, outcome.groups, strict=True)):
+                view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
+                for j in range(go.mask_blocks - go.loaded_blocks, go.mask_blocks):
+                    store.touch(gid, view[j])
+            junction = junction_tokens(outcome) if rules.uses_junction else 0
+            stores = rules.stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
+            for gid, (g, blocks) in enumerate(zip(config.groups, stores, strict=True)):
+                view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
+                for j in blocks:
+                    store.put(gid, view[int(j)])
+        for flag in checker.check_outcome(present, max_length, outcome, None):
+            flags[flag.flag] += 1
+
+    evicted = gpu.pool.evicted_blocks if gpu is not None else store.evicted  # type: ignore[union-attr]
+    if log is not None and spec.emit is not None:
+        source = {
+            "importer": "replay whatif",
+            "trace": os.path.basename(requests.path),
+            "cache": spec.cache,
+            "eviction": spec.eviction,
+            "capacity_blocks": spec.capacity_blocks,
+            "capacity_bytes": spec.capacity_bytes,
+            "policy": spec.policy,
+            "retention_interval": spec.retention_interval,
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+        }
+        log.write(spec.emit, TraceConfig.from_json({**config.to_json(), "source": source}))
+    return {
+        "capacity_blocks": spec.capacity_blocks,
+        "capacity_bytes": spec.capacity_bytes,
+        "eviction": spec.eviction,
+        "cache": spec.cache,
+        "policy": spec.policy,
+        "lookups": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "hit_ratio": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_blocks": evicted,
+        "not_admitted": not_admitted,
+        "preempted": preempted,
+        "seconds": time.perf_counter() - started,
+        **flags,
+    }
+
+
+#: A worker's copy of the sweep's requests, sent once when it starts.
+_LOADED: Requests | None = None
+
+
+def _load(requests: Requests) -> None:
+    global _LOADED
+    _LOADED = requests
+
+
+def _run_loaded(spec: RunSpec) -> dict[str, Any]:
+    if _LOADED is None:
+        raise RuntimeError("a what-if worker ran before its requests were loaded")
+    return simulate(_LOADED, spec)
+
+
+def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
+    """Refuse what a run would only find out after minutes."""
+    config = requests.config
+    for spec in specs:
+        get_policy(spec.policy)
+        if spec.eviction not in EVICTIONS:
+            raise ReplayError(
+                f"unknown eviction {spec.eviction!r}, expected one of {', '.join(EVICTIONS)}"
+            )
+        get_cache(spec.cache)
+        if spec.capacity_blocks < 1:
+            raise ReplayError(f"capacity must be at least one block, got {spec.capacity_blocks}")
+        try:
+            StoreRules(config, spec.store_policy())
+            if spec.cache == "gpu":
+                GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
+            else:
+                Coordinator(config, spec.policy, "mooncake")
+        except ReplayError as exc:
+            # What the trace's configuration cannot do here: name the trace.
+            raise ReplayError(f"{requests.path}: {exc}") from None
+
+
+def sweep(
+    requests: Requests,
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every run, in ``specs`` order; ``jobs`` > 1 runs them in worker
+    processes, each sent the requests once. Spawned, not forked: a fork of
+    a process whose Arrow or numba threads hold a lock can hang the child."""
+    check_specs(requests, specs)
+    rows: list[dict[str, Any] | None] = [None] * len(specs)
+    done = 0
+    if progress is not None:
+        progress(0, len(specs))
+    jobs = max(1, min(jobs, len(specs)))
+    if jobs == 1:
+        for k, spec in enumerate(specs):
+            rows[k] = simulate(requests, spec)
+            done += 1
+            if progress is not None:
+                progress(done, len(specs))
+    else:
+        with ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=get_context("spawn"),
+            initializer=_load,
+            initargs=(requests,),
+        ) as pool:
+            futures = {pool.submit(_run_loaded, spec): k for k, spec in enumerate(specs)}
+            for future in as_completed(futures):
+                rows[futures[future]] = future.result()
+                done += 1
+                if progress is not None:
+                    progress(done, len(specs))
+    return [r for r in rows if r is not None]
+
+
+def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    schema: dict[str, Any] = {
+        "capacity_blocks": pl.Int64,
+        "capacity_bytes": pl.Int64,
+        "eviction": pl.String,
+        "cache": pl.String,
+        "policy": pl.String,
+        "lookups": pl.Int64,
+        "prompt_tokens": pl.Int64,
+        "hit_tokens": pl.Int64,
+        "hit_ratio": pl.Float64,
+        "evicted_blocks": pl.Int64,
+        "not_admitted": pl.Int64,
+        "preempted": pl.Int64,
+        "seconds": pl.Float64,
+        **dict.fromkeys(FLAG_KINDS, pl.Int64),
+    }
+    return pl.DataFrame([{c: r[c] for c in SWEEP_COLUMNS} for r in rows], schema=schema)
+
+
+def write_sweep(
+    path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], metadata: dict[str, Any]
+) -> Path:
+    return write_sweep_frame(path, sweep_frame(rows), metadata)
+
+
+def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
+    return str(Path(directory) / f"whatif-{spec.label()}.parquet")
