@@ -23,7 +23,7 @@ from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import POLICIES
+from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
 
 Row = dict[str, Any]
 
@@ -159,8 +159,11 @@ def minimize(
     ]
     events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
     final = [*events, target]
-    # Every policy's expectation from one fold of the final rows.
-    replayed = replay_sharded(_candidate(config, final), policies=list(POLICIES), caches=(cache,))
+    # The default's and the emulations' expectations from one fold of the
+    # final rows (the release policies are `replay bisect`'s: a regression
+    # trace pins the current release and the bug's emulation).
+    pinned = [DEFAULT_POLICY, *(p.name for p in ALIASES)]
+    replayed = replay_sharded(_candidate(config, final), policies=pinned, caches=(cache,))
     expect = []
     for result in replayed:
         flags, hit = _request_answer(result.results, request_id)
