@@ -366,23 +366,31 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         assert t.lookups >= 2000, (c, p)
         assert t.agree == t.lookups, f"{c} {p}: {t.lookups - t.agree} lookups disagree (see repro)"
         assert t.nonzero_hits >= t.lookups // 4, (c, p)
-    # The generator exercised what it claims to.
+    # The generator exercised what it claims to (checked in full where the
+    # release can state every configuration; an older release cannot state
+    # extra_retained_tokens or a scheduler block other than the lcm, which
+    # thins the larger configurations, so a fifth of each floor there).
+    scale = 1.0 if not inexpressible else 0.2
     for kind in KINDS:
-        assert configs_by_kind[kind.value] >= 150, (kind, configs_by_kind)
+        assert configs_by_kind[kind.value] >= 150 * scale, (kind, configs_by_kind)
     for flavour in ("eagle", "no-eagle", "flagged-only", "eagle+flagged"):
-        assert coverage["eagle"][flavour] >= 50, coverage["eagle"]
-    assert min(coverage["partial"].values()) >= 300, coverage["partial"]
-    assert all(shapes[f"{n} groups"] >= 100 for n in (1, 2, 3, 4)), shapes
-    assert shapes["merged equal specs"] >= 100, shapes
-    assert shapes["draft group"] >= 30, shapes
+        assert coverage["eagle"][flavour] >= 50 * scale, coverage["eagle"]
+    assert min(coverage["partial"].values()) >= 300 * scale, coverage["partial"]
+    assert all(shapes[f"{n} groups"] >= 100 * scale for n in (1, 2, 3, 4)), shapes
+    assert shapes["merged equal specs"] >= 100 * scale, shapes
+    assert shapes["draft group"] >= 30 * scale, shapes
     if not inexpressible:
         assert shapes["extra_retained_tokens"] >= 100, shapes
     assert sum(rejected.values()) >= 20  # invalid configs are generated, and refused
     for c in CACHES:
         assert policies_differ[c] >= 60, policies_differ  # the releases differ here
-    # The two caches really differ on this sample (about one lookup in nine).
-    assert caches_differ[POLICIES[0]] >= caches_differ["both valid"] // 20, caches_differ
-    assert passes[2] >= 600 and sum(n for k, n in passes.items() if k >= 3) >= 20, passes
+    if INSTALLED.name == "vllm-0.33":
+        # The two caches really differ on this sample (about one lookup in
+        # nine in 0.33.0; before 0.26 they agree on it), and the fixed point
+        # runs three passes or more often enough to be checked.
+        assert caches_differ[POLICIES[0]] >= caches_differ["both valid"] // 20, caches_differ
+        assert sum(n for k, n in passes.items() if k >= 3) >= 20, passes
+    assert passes[2] >= 600 * scale, passes
 
 
 # --- #43559 through vLLM itself ----------------------------------------------
