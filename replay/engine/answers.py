@@ -254,7 +254,9 @@ class Answers:
             make_coordinator(config, v.policy, v.coordinator, v.cache, path=where)
             for v in self.variants
         ]
-        self.checkers = [FlagChecker(config, v.cache) for v in self.variants]
+        # Flags by the rules of the release that answered (its EAGLE groups,
+        # alignment and partial hits), not 0.33.0's.
+        self.checkers = [FlagChecker(config, c.cache) for c in self.coordinators]
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
         self.explain = explain
         self.explained: list[Explained] = []
