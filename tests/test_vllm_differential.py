@@ -49,6 +49,7 @@ from replay.rules.coordinator import (
     RELEASES,
     Coordinator,
     LookupOutcome,
+    Policy,
     build_spec_groups,
     check_config,
     policy_for_version,
@@ -248,6 +249,28 @@ def _expressible(config: TraceConfig) -> bool:
     return True
 
 
+def valid_any(tallies: dict[tuple[str, str], Tally]) -> list[str]:
+    return [c for c in CACHES if tallies[(c, POLICIES[0])].lookups]
+
+
+def _names(cache: str) -> list[str]:
+    return [p.name for p in RELEASES if p.name != INSTALLED.name and _has(p, cache)]
+
+
+def _has(policy: Policy, cache: str) -> bool:
+    return cache == "gpu" or policy.mooncake is not None
+
+
+def _neighbours(cache: str) -> list[str]:
+    """The releases just before and after the installed one whose rules for
+    this cache differ from its rules."""
+    mine = policy_rules(INSTALLED, cache)
+    i = [p.name for p in RELEASES].index(INSTALLED.name)
+    before = [p for p in RELEASES[:i] if _has(p, cache) and policy_rules(p, cache) != mine]
+    after = [p for p in RELEASES[i + 1 :] if _has(p, cache) and policy_rules(p, cache) != mine]
+    return [p.name for p in (before[-1:] + after[:1])]
+
+
 def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[str]) -> None:
     rng = random.Random(SEED)
     tallies = {(c, p): Tally() for c in CACHES for p in POLICIES}
@@ -260,6 +283,7 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
     caches_differ: Counter[str] = Counter()
     passes: Counter[int] = Counter()  # fixed-point passes, default policy, gpu
     inexpressible = 0
+    others_disagree: Counter[tuple[str, str]] = Counter()
 
     scenarios = 0
     while scenarios < SCENARIOS:
@@ -301,11 +325,11 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
             for p in POLICIES
         }
         # Every modelled release's reference answer, to show the releases differ.
-        others: dict[str, list[Coordinator]] = {c: [] for c in valid}
+        others: dict[str, list[tuple[str, Coordinator]]] = {c: [] for c in valid}
         for c in valid:
             for release in RELEASES:
                 with contextlib.suppress(ConfigError):
-                    others[c].append(Coordinator(config, release, c))
+                    others[c].append((release.name, Coordinator(config, release, c)))
         store: list[set[bytes]] = [set() for _ in config.groups]
         for _ in range(LOOKUPS_PER_SCENARIO):
             for _ in range(rng.randint(1, 3)):
@@ -332,8 +356,15 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
                         Case(config, p, c, list(hashes), max_length, [set(s) for s in store])
                     )
             for c in valid:
-                hits = {_run(o, hashes, max_length, store)[0] for o in others[c]}
-                policies_differ[c] += len(hits | {answers[(c, POLICIES[0])][0]}) > 1
+                theirs = answers[(c, POLICIES[0])]
+                hits = {theirs[0]}
+                for name, other in others[c]:
+                    mine = _run(other, hashes, max_length, store)
+                    hits.add(mine[0])
+                    # Another release's rules answer this lookup otherwise:
+                    # evidence that the boundary between them is real.
+                    others_disagree[(c, name)] += mine != theirs
+                policies_differ[c] += len(hits) > 1
             if len(valid) == 2:
                 for p in POLICIES:
                     # A different hit or different masks: the two caches drift.
@@ -350,6 +381,11 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         print(f"vLLM {VERSION}, policy {INSTALLED.name}")
         print(f"lookups where the releases' hits differ, per cache: {dict(policies_differ)}")
         print(f"configurations this release cannot state: {inexpressible}")
+        for c in valid_any(tallies):
+            print(
+                f"[{c}] lookups where another release's rules disagree with vLLM {VERSION}: "
+                + ", ".join(f"{n}: {others_disagree[(c, n)]}" for n in _names(c))
+            )
         print(f"lookups where gpu and mooncake differ (hit or masks): {dict(caches_differ)}")
         print(f"fixed-point passes per lookup (gpu, {POLICIES[0]}): {dict(sorted(passes.items()))}")
         print(f"configs: {scenarios} valid for a cache, rejected {dict(rejected)}")
@@ -362,6 +398,11 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
             for case in t.mismatches[:2]:
                 print("MISMATCH (minimised):\n" + repro(shrink(case)))
 
+    for c in valid_any(tallies):
+        # A neighbouring release's rules really answer otherwise than this
+        # release on random lookups (the boundary the wheels show is visible).
+        near = _neighbours(c)
+        assert not near or any(others_disagree[(c, n)] for n in near), (c, near)
     for (c, p), t in tallies.items():
         assert t.lookups >= 2000, (c, p)
         assert t.agree == t.lookups, f"{c} {p}: {t.lookups - t.agree} lookups disagree (see repro)"
