@@ -525,8 +525,17 @@ def test_unit_expectations_hold_for_vllm(
     rule: Callable[[], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every outcome-only rule test of test_coordinator.py, with vLLM's
-    coordinator in place of the reference. They pin vLLM 0.33.0's rules."""
+    coordinator in place of the reference. They pin vLLM 0.33.0's rules.
+    Their lookups under an emulation (pre-49502) have no release to answer
+    them (vLLM is not patched): those stay with the reference, as in
+    ``make test``; every vllm-0.33 lookup is vLLM's."""
     if INSTALLED.name != "vllm-0.33":
         pytest.skip(f"the rule tests pin vLLM 0.33.0's rules; vLLM {VERSION} is installed")
-    monkeypatch.setattr(UNIT, "BACKEND", VllmCoordinator)
+
+    def backend(config: TraceConfig, policy: str) -> Coordinator | VllmCoordinator:
+        if ALL_POLICIES[policy].alias_note:
+            return Coordinator(config, policy)
+        return VllmCoordinator(config, policy)
+
+    monkeypatch.setattr(UNIT, "BACKEND", backend)
     rule()
