@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from analysis.flags import flag_results
 from replay.base.errors import ConfigError, ReplayError
-from replay.engine.answers import Answers, Variant
-from replay.engine.shard import replay_answers
+from replay.engine.options import ReplayOptions
+from replay.engine.run import replay
 from replay.format.tracedir import open_trace
 from replay.rules.coordinator import RELEASES, Coordinator, Policy
 from replay.rules.coordinator.policy import version_key
@@ -85,7 +86,7 @@ def bisect(
     reader = open_trace(trace)
     config = reader.config
     releases = releases_between(first, last)
-    variants: list[Variant] = []
+    variants: list[tuple[str, str | None, str]] = []
     skipped: dict[str, dict[str, str]] = {c: {} for c in caches}
     for cache in caches:
         for policy in releases:
@@ -94,8 +95,9 @@ def bisect(
             except ConfigError as exc:
                 skipped[cache][policy.name] = str(exc)
                 continue
-            variants.append(Variant(policy=policy.name, cache=cache))
-    results = replay_answers(reader, Answers(config, variants)) if variants else []
+            variants.append((policy.name, cache, "reference"))
+    options = ReplayOptions(variants=tuple(variants))
+    results = flag_results(replay(reader, options)) if variants else []
     by_variant: dict[tuple[str, str], list[Answer]] = {}
     keys: list[tuple[int, str]] = []
     for result in results:

@@ -8,9 +8,9 @@ import os
 
 import polars as pl
 
-from analysis.flags import results_flags
+from analysis.flags import result_flags, results_flags
 from replay.base.errors import ReplayError
-from replay.engine.replay import replay_trace
+from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.rules.coordinator import DEFAULT_POLICY
 
@@ -44,7 +44,9 @@ def check_path(
             raise ReplayError(f"{path}: no lookups, nothing to check")
         return results_flags(frame, results_config(info, path), made_in), made_under
     used = policy or DEFAULT_POLICY
-    result = replay_trace(path, policy=used, coordinator=coordinator, cache=cache)
+    (result,) = replay(
+        path, ReplayOptions(policies=(used,), caches=(cache,), coordinator=coordinator)
+    )
     if result.results.height == 0:
         raise ReplayError(f"{path}: the trace has no lookups, nothing to check")
-    return result.flags(), used
+    return result_flags(result), used

@@ -40,11 +40,11 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
-from analysis.flags import FLAG_KINDS, recompute_flags, with_flag_column
+from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, with_flag_column
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.engine.answers import Answers, Variant, resolve_cache
-from replay.engine.shard import replay_answers
+from replay.engine.answers import resolve_cache
+from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
 from replay.format.writer import atomic_path
@@ -505,18 +505,15 @@ def diff_policies(
     la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
     # Both sides from one fold of the trace: presence does not depend on the
     # policy, the cache or the coordinator.
-    variants = [
-        Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coord)
-        for policy, coord, cache in ((pa_, ca, ka), (pb, cb, kb))
-    ]
-    results = replay_answers(reader, Answers(config, variants, where=reader.name))
+    sides = ((pa_, ka, ca), (pb, kb, cb))
+    results = replay(reader, ReplayOptions(variants=sides))
     a, b = (
         Side(
             label=label,
             policy=result.policy,
             coordinator=result.coordinator,
             source=str(trace),
-            results=result.results,
+            results=add_flags(result.results, config),
             cache=result.cache,
         )
         for label, result in zip((la, lb), results, strict=True)
@@ -533,8 +530,10 @@ def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str,
 
 
 def _with_flags(frame: pl.DataFrame, config: TraceConfig, info: dict[str, Any]) -> pl.DataFrame:
-    """A results file's own ``flags``; computed from ``unit_present`` when a
-    writer left the column out."""
+    """A results file's flags: from its facts, else its own ``flags``, else
+    computed from ``unit_present`` when a writer left the column out."""
+    if has_facts(frame):
+        return add_flags(frame, config)
     if "flags" in frame.columns or "unit_present" not in frame.columns:
         return frame
     return with_flag_column(frame, recompute_flags(frame, config, results_cache(info)))

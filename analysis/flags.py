@@ -1,14 +1,14 @@
 """Flags: what is wrong with a lookup's answer, each with the numbers that prove it.
 
-The definitions are stated here once, as ``FlagChecker.check``: a pure
-function of one lookup's answer (the hit and every group's load mask, the
-results columns) and of the store that lookup saw (``present[g][u]``: group
-``g`` held the key of the request's hash unit ``u``). The replay calls it for
-every lookup in the same pass, so a results file carries its flags
-(``flags``, and ``flag_details`` with the numbers); ``recompute_flags``
-runs it again over a results file that kept ``unit_present``. The checks
-never ask the coordinator how it decided, so they also catch a wrong
-coordinator, vLLM's included.
+Each flag is one named polars expression over a results frame's columns, in
+the registry ``FLAGS``: the answer (the hit, ``max_length``, every group's
+load mask), the facts the replay wrote beside it (``replay/rules/facts.py``:
+the hit alignment, each Mamba group's resumed state, the tokens the attention
+KV covers, each group's first loaded block that is absent, whether the unit
+an EAGLE drop recomputes is present) and the observed hit. ``add_flags``
+adds ``flags`` and ``flag_details`` (the numbers) to a results frame; adding a
+flag is one ``FlagKind`` and its test. The checks never ask the coordinator
+how it decided, so they also catch a wrong coordinator, vLLM's included.
 
 Definitions (``H`` the hit, ``M`` the lookup's max_length, ``a`` the hit
 alignment of the cache that answered, ``S`` a Mamba group's resumed state
@@ -22,49 +22,36 @@ least ``mask_blocks x block_size`` over the non-Mamba groups):
 - ``hit_beyond_max_length``: ``H > M``.
 - ``hit_misaligned``: ``H % a != 0``.
 - ``missing_block``: a block of a group's load mask is absent at that
-  ``seq`` (each loaded block's key: its last hash unit; for a block the hit
-  or the Mamba state ends inside, some present unit of that block at or
-  past the end; the Mamba state's own unit; anything past the request's
-  hashes), or, in a model without Mamba groups (where ``mamba_overrun``
-  reports it), an attention group's mask stops short of ``H``.
+  ``seq`` (``first_absent_block``), or, in a model without Mamba groups
+  (where ``mamba_overrun`` reports it), an attention group's mask stops
+  short of ``H``.
 - ``eagle_not_dropped``: an EAGLE full-attention or sliding-window group
   (one that drops for EAGLE in this cache) and ``H > 0``, but the unit the
-  drop would have recomputed (the block at ``H``, or the hash unit at ``H``
-  when the group probes inside blocks) is absent: the hit reached the
-  group's whole match, so nothing is recomputed and EAGLE's drafter gets no
-  hidden states. The resumed state is consistent; the cost is acceptance.
+  drop would have recomputed is absent: the hit reached the group's whole
+  match, so nothing is recomputed and EAGLE's drafter gets no hidden states.
+  The resumed state is consistent; the cost is acceptance.
 - ``observed_mismatch``: the production-reported hit differs from ``H``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.rules.coordinator import (
-    DEFAULT_CACHE,
-    Cache,
-    LookupOutcome,
-    build_spec_groups,
-    get_cache,
-    hit_alignment,
-    partial_hits,
-)
+from replay.format.results import write_results
+from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
+from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
+from replay.rules.facts import FactRules, LookupFacts
 
-FLAG_KINDS = (
-    "mamba_overrun",
-    "mamba_state_mismatch",
-    "hit_beyond_max_length",
-    "hit_misaligned",
-    "missing_block",
-    "eagle_not_dropped",
-    "observed_mismatch",
-)
+if TYPE_CHECKING:
+    from replay.engine.answers import ReplayResult
 
 FLAGS_SCHEMA: dict[str, Any] = {
     "seq": pl.Int64,
@@ -78,13 +65,321 @@ FLAGS_SCHEMA: dict[str, Any] = {
     "detail": pl.String,
 }
 
+#: One flag with its numbers, as ``flag_details`` holds it.
+DETAIL_TYPE = pl.Struct(
+    {
+        "flag": pl.String,
+        "group_id": pl.Int32,
+        "actual": pl.Int64,
+        "expected": pl.Int64,
+        "detail": pl.String,
+    }
+)
+DETAILS_TYPE = pl.List(DETAIL_TYPE)
+
 
 def empty_flags() -> pl.DataFrame:
     return pl.DataFrame(schema=FLAGS_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
+class Layout:
+    """What the flag expressions know of a configuration: each group's kind
+    and block size (the results' ``kv_cache_groups``)."""
+
+    kinds: tuple[GroupKind, ...]
+    block_sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: TraceConfig) -> Layout:
+        return cls(tuple(g.kind for g in config.groups), tuple(g.block_size for g in config.groups))
+
+    def groups(self, *kinds: GroupKind) -> list[int]:
+        """The group ids of these kinds (every group when none is named)."""
+        return [g for g, k in enumerate(self.kinds) if not kinds or k in kinds]
+
+
+# The columns the expressions read.
+H = pl.col("hit_tokens")
+M = pl.col("max_length").fill_null(0)  # as the replay reads a lookup's max_length
+A = pl.col("attention_tokens")
+O = pl.col("observed_hit_tokens")  # noqa: E741
+
+
+def _of(name: str, g: int) -> pl.Expr:
+    return pl.col(name).list.get(g)
+
+
+def _detail(
+    flag: str, group_id: int | None, actual: pl.Expr, expected: pl.Expr | None, text: pl.Expr
+) -> pl.Expr:
+    return pl.struct(
+        pl.lit(flag, pl.String).alias("flag"),
+        pl.lit(group_id, pl.Int32).alias("group_id"),
+        actual.cast(pl.Int64).alias("actual"),
+        (expected if expected is not None else pl.lit(None)).cast(pl.Int64).alias("expected"),
+        text.alias("detail"),
+    )
+
+
+#: One occurrence of a flag: when it holds (a boolean per lookup) and its
+#: detail struct (``DETAIL_TYPE``).
+Occurrence = tuple[pl.Expr, pl.Expr]
+
+
+def _mamba_bound() -> pl.Expr:
+    return pl.when(A.is_null()).then(H).otherwise(pl.min_horizontal(H, A))
+
+
+def _mamba_overrun(layout: Layout) -> list[Occurrence]:
+    out = []
+    for g in layout.groups(GroupKind.MAMBA):
+        s, bound = _of("group_state_tokens", g), _mamba_bound()
+        what = (
+            pl.when(A.is_null() | (H <= A))
+            .then(pl.format("the hit {}", H))
+            .otherwise(pl.format("the attention KV loaded for {} tokens", A))
+        )
+        text = pl.format(
+            f"group {g} resumes Mamba state at {{}}, {{}} tokens past {{}}", s, s - bound, what
+        )
+        out.append((s > bound, _detail("mamba_overrun", g, s, bound, text)))
+    return out
+
+
+def _mamba_state_mismatch(layout: Layout) -> list[Occurrence]:
+    out = []
+    for g in layout.groups(GroupKind.MAMBA):
+        s = _of("group_state_tokens", g)
+        text = pl.format(f"group {g} resumes Mamba state at {{}} but the hit is {{}}", s, H)
+        out.append((s != H, _detail("mamba_state_mismatch", g, s, H, text)))
+    return out
+
+
+def _hit_beyond_max_length(layout: Layout) -> list[Occurrence]:
+    text = pl.format("hit {} > max_length {}", H, M)
+    return [(H > M, _detail("hit_beyond_max_length", None, H, M, text))]
+
+
+def _hit_misaligned(layout: Layout) -> list[Occurrence]:
+    a = pl.col("hit_alignment")
+    text = pl.format("hit {} is not a multiple of {}", H, a)
+    return [(H % a != 0, _detail("hit_misaligned", None, H, H - H % a, text))]
+
+
+def _missing_block(layout: Layout) -> list[Occurrence]:
+    out = []
+    no_mamba = not layout.groups(GroupKind.MAMBA)
+    for g, (kind, bs) in enumerate(zip(layout.kinds, layout.block_sizes, strict=True)):
+        absent = _of("first_absent_block", g).cast(pl.Int64)
+        mask = _of("mask_blocks", g).cast(pl.Int64)
+        # Without a Mamba group (where ``mamba_overrun`` reports it), a mask
+        # that stops short of the hit leaves tokens neither loaded nor
+        # recomputed.
+        short = absent.is_null() & (mask * bs < H) if no_mamba else pl.lit(False)
+        block = pl.when(absent.is_not_null()).then(absent).otherwise(mask)
+        where = (
+            pl.when(absent.is_not_null())
+            .then(pl.lit("is absent"))
+            .otherwise(pl.lit("is not in the group's load mask"))
+        )
+        text = pl.format(
+            f"group {g} ({kind.value}) block {{}} (tokens {{}}..{{}}) {{}} but the hit of {{}} "
+            "relies on it",
+            block,
+            block * bs,
+            (block + 1) * bs,
+            where,
+            H,
+        )
+        out.append((absent.is_not_null() | short, _detail("missing_block", g, block, None, text)))
+    return out
+
+
+def _eagle_not_dropped(layout: Layout) -> list[Occurrence]:
+    out = []
+    for g in layout.groups(GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW):
+        # Null for a group that does not drop for EAGLE in this cache.
+        present = _of("eagle_unit_present", g)
+        text = pl.format(
+            f"hit {{}} reaches group {g}'s whole match: EAGLE recomputes nothing past it", H
+        )
+        out.append(((H > 0) & present.not_(), _detail("eagle_not_dropped", g, H, None, text)))
+    return out
+
+
+def _observed_mismatch(layout: Layout) -> list[Occurrence]:
+    text = pl.format("replayed hit {} but production reported {}", H, O)
+    return [(O.is_not_null() & (O != H), _detail("observed_mismatch", None, H, O, text))]
+
+
+@dataclass(frozen=True, slots=True)
+class FlagKind:
+    """One flag: its name, its severity, what it means, and its rule as
+    polars expressions over a results frame (built per group layout)."""
+
+    name: str
+    severity: str
+    meaning: str
+    #: Each place the flag can occur in a lookup (once, or once per group):
+    #: when it holds, and its detail.
+    occurrences: Callable[[Layout], list[Occurrence]]
+
+    def expression(self, layout: Layout) -> pl.Expr:
+        """Whether each lookup has this flag."""
+        conds = [c.fill_null(False) for c, _ in self.occurrences(layout)]
+        return pl.any_horizontal(conds) if conds else pl.lit(False)
+
+    def details(self, layout: Layout) -> pl.Expr:
+        """Each lookup's occurrences of this flag, with their numbers
+        (``flag_details`` entries; an empty list when it has none)."""
+        parts = [
+            pl.when(c.fill_null(False)).then(d).otherwise(pl.lit(None, DETAIL_TYPE))
+            for c, d in self.occurrences(layout)
+        ]
+        if not parts:
+            return pl.lit([], DETAILS_TYPE)
+        return pl.concat_list(parts).list.drop_nulls().cast(DETAILS_TYPE)
+
+
+#: Every flag, in the order ``flags`` and ``flag_details`` list them.
+FLAGS: dict[str, FlagKind] = {
+    k.name: k
+    for k in (
+        FlagKind(
+            "mamba_overrun",
+            "corruption",
+            "Mamba resumes recurrent state past the hit or the attention KV it loads (#43559)",
+            _mamba_overrun,
+        ),
+        FlagKind(
+            "mamba_state_mismatch",
+            "inconsistent",
+            "Mamba resumes state at a position other than the hit",
+            _mamba_state_mismatch,
+        ),
+        FlagKind(
+            "hit_beyond_max_length",
+            "inconsistent",
+            "the hit is longer than the lookup's max_length",
+            _hit_beyond_max_length,
+        ),
+        FlagKind(
+            "hit_misaligned",
+            "inconsistent",
+            "the hit is not a multiple of the hit alignment",
+            _hit_misaligned,
+        ),
+        FlagKind(
+            "missing_block",
+            "corruption",
+            "a block the hit relies on is absent from the store at that seq",
+            _missing_block,
+        ),
+        FlagKind(
+            "eagle_not_dropped",
+            "performance",
+            "EAGLE is on but the hit covers the whole present prefix (nothing left to recompute)",
+            _eagle_not_dropped,
+        ),
+        FlagKind(
+            "observed_mismatch",
+            "observed",
+            "the production-reported hit differs from the replayed one",
+            _observed_mismatch,
+        ),
+    )
+}
+
+FLAG_KINDS = tuple(FLAGS)
+
+
+def flag_exprs(layout: Layout) -> tuple[pl.Expr, pl.Expr]:
+    """The ``flags`` and ``flag_details`` columns from the facts."""
+    names = [
+        pl.when(kind.expression(layout)).then(pl.lit(name)).otherwise(pl.lit(None, pl.String))
+        for name, kind in FLAGS.items()
+    ]
+    details = [kind.details(layout) for kind in FLAGS.values()]
+    return (
+        pl.concat_list(names).list.drop_nulls().cast(pl.List(pl.String)).alias("flags"),
+        pl.concat_list(details).cast(DETAILS_TYPE).alias("flag_details"),
+    )
+
+
+def has_facts(results: pl.DataFrame) -> bool:
+    return all(name in results.columns for name in FACT_COLUMNS)
+
+
+def with_facts(
+    results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
+) -> pl.DataFrame:
+    """A results frame with its facts: its own, else worked out from its
+    ``unit_present`` (the store state each lookup saw), whoever wrote it."""
+    if has_facts(results):
+        return results
+    if "unit_present" not in results.columns:
+        raise ReplayError(
+            "results have neither the facts columns nor 'unit_present' (the store state "
+            "each lookup saw): re-run `replay run` to produce them"
+        )
+    rules = FactRules(config, cache)
+    mamba = [g.kind is GroupKind.MAMBA for g in config.groups]
+    facts: list[LookupFacts] = []
+    cols = results.select("hit_tokens", "mask_blocks", "loaded_blocks", "group_hit_tokens")
+    for (hit, mask, loaded, ghits), units in zip(
+        cols.iter_rows(), results["unit_present"].to_list(), strict=True
+    ):
+        present = [bytes(bytearray(u)) for u in units]
+        states = [ghits[g] if mamba[g] else None for g in range(config.num_groups)]
+        facts.append(rules.facts(present, hit, list(zip(mask, loaded, strict=True)), states))
+    return results.with_columns(
+        pl.lit(rules.alignment, pl.Int64).alias("hit_alignment"),
+        pl.Series("group_state_tokens", [f.state_tokens for f in facts], pl.List(pl.Int64)),
+        pl.Series("attention_tokens", [f.attention_tokens for f in facts], pl.Int64),
+        pl.Series("first_absent_block", [f.first_absent_block for f in facts], pl.List(pl.Int32)),
+        pl.Series("eagle_unit_present", [f.eagle_unit_present for f in facts], pl.List(pl.Boolean)),
+    )
+
+
+def add_flags(results: pl.DataFrame, config: TraceConfig) -> pl.DataFrame:
+    """``results`` with ``flags`` and ``flag_details`` computed from its
+    facts; a frame without facts (a file from before them) keeps the flags it
+    was written with."""
+    if not has_facts(results):
+        if "flags" in results.columns:
+            return results
+        raise ReplayError(
+            "results have neither the facts columns nor flags: re-run `replay run` to produce them"
+        )
+    flagged = results.with_columns(*flag_exprs(Layout.of(config)))
+    # The results file's column order (flags among the answers' columns).
+    known = [n for n in RESULTS_SCHEMA.names if n in flagged.columns]
+    return flagged.select(known + [n for n in flagged.columns if n not in known])
+
+
+def flag_results(results: Sequence[ReplayResult]) -> list[ReplayResult]:
+    """The replay's results with their flags (the faces write and read these)."""
+    return [replace(r, results=add_flags(r.results, r.config)) for r in results]
+
+
+def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
+    """Write a replay's results file: its answers, facts and flags."""
+    frame = result.results
+    if "flags" not in frame.columns:
+        frame = add_flags(frame, result.config)
+    return write_results(out, frame.to_arrow(), result.metadata())
+
+
+def result_flags(result: ReplayResult) -> pl.DataFrame:
+    """One row per (lookup, flag) of a replay, with the numbers that prove it."""
+    return flags_table(add_flags(result.results, result.config))
+
+
+@dataclass(frozen=True, slots=True)
 class Flag:
+    """One flag of one lookup, as ``replay explain`` prints it."""
+
     flag: str
     group_id: int | None
     actual: int | None
@@ -92,220 +387,58 @@ class Flag:
     detail: str
 
 
-class FlagChecker:
-    """The flag definitions for one configuration and cache."""
+def lookup_flags(
+    config: TraceConfig,
+    cache: str | Cache,
+    outcome: LookupOutcome,
+    facts: LookupFacts,
+    max_length: int | None,
+    observed: int | None,
+) -> list[Flag]:
+    """The flags of one explained lookup, by the same expressions."""
+    row = pl.DataFrame(
+        {
+            "hit_tokens": [outcome.hit_tokens],
+            "max_length": [max_length],
+            "observed_hit_tokens": [observed],
+            "mask_blocks": [[g.mask_blocks for g in outcome.groups]],
+            "hit_alignment": [FactRules(config, cache).alignment],
+            "group_state_tokens": [list(facts.state_tokens)],
+            "attention_tokens": [facts.attention_tokens],
+            "first_absent_block": [list(facts.first_absent_block)],
+            "eagle_unit_present": [list(facts.eagle_unit_present)],
+        },
+        schema={
+            "hit_tokens": pl.Int64,
+            "max_length": pl.Int64,
+            "observed_hit_tokens": pl.Int64,
+            "mask_blocks": pl.List(pl.Int32),
+            "hit_alignment": pl.Int64,
+            "group_state_tokens": pl.List(pl.Int64),
+            "attention_tokens": pl.Int64,
+            "first_absent_block": pl.List(pl.Int32),
+            "eagle_unit_present": pl.List(pl.Boolean),
+        },
+    )
+    _, details = flag_exprs(Layout.of(config))
+    return [Flag(**d) for d in row.select(details).item()]
 
-    def __init__(self, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> None:
-        self.config = config
-        self.cache = get_cache(cache)
-        self.alignment = hit_alignment(config, self.cache)
-        partial = partial_hits(config, self.cache)
-        hbs = config.hash_block_size
-        # Groups that probe hash units inside a block (vLLM's fine-grained
-        # lookups): full attention and Mamba with partial hits and big blocks.
-        self._fine = tuple(
-            partial
-            and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA)
-            and g.block_size > hbs
-            and g.block_size % self.alignment == 0
-            for g in config.groups
-        )
-        eagle = {
-            gid for sg in build_spec_groups(config, self.cache) if sg.eagle for gid in sg.group_ids
-        }
-        self._eagle_attention = tuple(
-            gid
-            for gid, g in enumerate(config.groups)
-            if gid in eagle and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
-        )
-        self._attention = tuple(
-            gid for gid, g in enumerate(config.groups) if g.kind is not GroupKind.MAMBA
-        )
-        self._mamba = tuple(gid for gid, g in enumerate(config.groups) if g.kind is GroupKind.MAMBA)
 
-    def state_tokens(
-        self, gid: int, mask_blocks: int, loaded_blocks: int, state: int | None
-    ) -> int:
-        """Where a Mamba group resumes: the end of its one loaded block, or
-        the exact hash unit when it probes inside blocks."""
-        if loaded_blocks == 0:
-            return 0
-        if self._fine[gid] and state is not None:
-            return state
-        return mask_blocks * self.config.groups[gid].block_size
-
-    def check(
-        self,
-        present: Sequence[bytes],
-        max_length: int,
-        hit: int,
-        masks: Sequence[tuple[int, int]],
-        states: Sequence[int | None],
-        observed: int | None,
-    ) -> list[Flag]:
-        """Every flag of one lookup, in ``FLAG_KINDS`` order. ``masks[g]`` is
-        group ``g``'s ``(mask_blocks, loaded_blocks)``; ``states[g]`` its
-        reported Mamba state position (None elsewhere)."""
-        groups = self.config.groups
-        out: list[Flag] = []
-        resumed = {
-            gid: self.state_tokens(gid, masks[gid][0], masks[gid][1], states[gid])
-            for gid in self._mamba
-        }
-        covered = min((masks[g][0] * groups[g].block_size for g in self._attention), default=None)
-        for gid, s in resumed.items():
-            bound = hit if covered is None else min(hit, covered)
-            if s > bound:
-                what = (
-                    f"the hit {hit}"
-                    if covered is None or hit <= covered
-                    else f"the attention KV loaded for {covered} tokens"
-                )
-                out.append(
-                    Flag(
-                        "mamba_overrun",
-                        gid,
-                        s,
-                        bound,
-                        f"group {gid} resumes Mamba state at {s}, {s - bound} tokens past {what}",
-                    )
-                )
-        for gid, s in resumed.items():
-            if s != hit:
-                out.append(
-                    Flag(
-                        "mamba_state_mismatch",
-                        gid,
-                        s,
-                        hit,
-                        f"group {gid} resumes Mamba state at {s} but the hit is {hit}",
-                    )
-                )
-        if hit > max_length:
-            out.append(
-                Flag(
-                    "hit_beyond_max_length",
-                    None,
-                    hit,
-                    max_length,
-                    f"hit {hit} > max_length {max_length}",
-                )
-            )
-        a = self.alignment
-        if hit % a:
-            out.append(
-                Flag(
-                    "hit_misaligned",
-                    None,
-                    hit,
-                    hit - hit % a,
-                    f"hit {hit} is not a multiple of {a}",
-                )
-            )
-        for gid, (mask_blocks, loaded) in enumerate(masks):
-            end = resumed.get(gid, hit)
-            bs = groups[gid].block_size
-            missing = self._first_missing(gid, present[gid], mask_blocks - loaded, mask_blocks, end)
-            where = "is absent"
-            if missing is None and not resumed and mask_blocks * bs < hit:
-                # The group's mask stops short of the hit: the tokens between
-                # are neither loaded nor recomputed (with a Mamba group this
-                # is what ``mamba_overrun`` reports).
-                missing, where = mask_blocks, "is not in the group's load mask"
-            if missing is not None:
-                out.append(
-                    Flag(
-                        "missing_block",
-                        gid,
-                        missing,
-                        None,
-                        f"group {gid} ({groups[gid].kind.value}) block {missing} "
-                        f"(tokens {missing * bs}..{(missing + 1) * bs}) {where} but the hit "
-                        f"of {hit} relies on it",
-                    )
-                )
-        if hit > 0:
-            hbs = self.config.hash_block_size
-            for gid in self._eagle_attention:
-                bs = groups[gid].block_size
-                unit = hit // hbs if self._fine[gid] else (hit // bs + 1) * (bs // hbs) - 1
-                p = present[gid]
-                if unit >= len(p) or not p[unit]:
-                    out.append(
-                        Flag(
-                            "eagle_not_dropped",
-                            gid,
-                            hit,
-                            None,
-                            f"hit {hit} reaches group {gid}'s whole match: EAGLE recomputes "
-                            "nothing past it",
-                        )
-                    )
-        if observed is not None and observed != hit:
-            out.append(
-                Flag(
-                    "observed_mismatch",
-                    None,
-                    hit,
-                    observed,
-                    f"replayed hit {hit} but production reported {observed}",
-                )
-            )
-        return out
-
-    def _first_missing(
-        self, gid: int, present: bytes, first: int, stop: int, end: int
-    ) -> int | None:
-        """The first block in ``[first, stop)`` of the group's mask whose key
-        is absent. A block that ``end`` (the hit, or the Mamba state) lands
-        inside is served by any present unit of it at or past ``end``: the
-        tail block's KV is append-only, so a longer match still covers it."""
-        if stop <= first:
-            return None
-        hbs = self.config.hash_block_size
-        bs = self.config.groups[gid].block_size
-        k = bs // hbs
-        # Whole blocks are keyed by their last unit; scanning that view with
-        # ``find`` keeps a 750-block lookup at C speed.
-        view = present if k == 1 else present[k - 1 :: k]
-        tail = end // bs if end % bs else -1  # the block ``end`` lands inside
-
-        def first_absent(lo: int, hi: int) -> int | None:
-            if lo >= hi:
-                return None
-            miss = view.find(0, lo, min(hi, len(view)))
-            if miss >= 0:
-                return miss
-            # Blocks past the request's own hashes cannot be present.
-            return max(lo, len(view)) if hi > len(view) else None
-
-        if not first <= tail < stop:
-            return first_absent(first, stop)
-        before = first_absent(first, tail)
-        if before is not None:
-            return before
-        lo = -(-end // hbs) - 1  # the unit that ends at or past ``end``
-        if self.config.groups[gid].kind is GroupKind.MAMBA:
-            ok = lo < len(present) and present[lo] == 1
-        else:
-            ok = present.find(1, lo, min((tail + 1) * k, len(present))) >= 0
-        return first_absent(tail + 1, stop) if ok else tail
-
-    def check_outcome(
-        self,
-        present: Sequence[bytes],
-        max_length: int,
-        outcome: LookupOutcome,
-        observed: int | None,
-    ) -> list[Flag]:
-        return self.check(
-            present,
-            max_length,
-            outcome.hit_tokens,
-            [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups],
-            [g.state_tokens for g in outcome.groups],
-            observed,
-        )
+def sweep_flag_counts(rows: Sequence[dict[str, Any]], config: TraceConfig) -> list[dict[str, Any]]:
+    """A what-if sweep's runs with, in place of each run's ``facts``, one
+    count per flag kind (occurrences, as ``flag_details`` lists them)."""
+    details = flag_exprs(Layout.of(config))[1]
+    out = []
+    for row in rows:
+        row = dict(row)
+        facts = row.pop("facts")
+        found = facts.select(details).explode("flag_details").drop_nulls()
+        counts = dict.fromkeys(FLAG_KINDS, 0)
+        if found.height:
+            for name, n in found.unnest("flag_details")["flag"].value_counts().iter_rows():
+                counts[name] = int(n)
+        out.append({**row, **counts})
+    return out
 
 
 def flag_lines(flags: Sequence[Flag]) -> str:
@@ -313,25 +446,6 @@ def flag_lines(flags: Sequence[Flag]) -> str:
     if not flags:
         return "flags: none"
     return "\n".join(["flags:", *(f"  {f.flag}: {f.detail}" for f in flags)])
-
-
-def flag_names(flags: Sequence[Flag]) -> list[str]:
-    """The ``flags`` column value: each kind once, in ``FLAG_KINDS`` order."""
-    return list(dict.fromkeys(f.flag for f in flags))
-
-
-def flag_rows(flags: Sequence[Flag]) -> list[dict[str, Any]]:
-    """The ``flag_details`` column value."""
-    return [
-        {
-            "flag": f.flag,
-            "group_id": f.group_id,
-            "actual": f.actual,
-            "expected": f.expected,
-            "detail": f.detail,
-        }
-        for f in flags
-    ]
 
 
 def flags_table(results: pl.DataFrame) -> pl.DataFrame:
@@ -352,53 +466,14 @@ def flags_table(results: pl.DataFrame) -> pl.DataFrame:
 def recompute_flags(
     results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
 ) -> pl.DataFrame:
-    """The flags of a results frame recomputed from its answers and its
-    ``unit_present`` (the store state each lookup saw), whoever wrote it."""
+    """The flags of a results frame recomputed from its ``unit_present``
+    (the store state each lookup saw: the facts are worked out again from
+    it, for answers whoever wrote them), else from its facts."""
     if results.height == 0:
         return empty_flags()
-    if "unit_present" not in results.columns:
-        raise ReplayError(
-            "results have no 'unit_present' column (the store state each lookup saw): "
-            "re-run `replay run --unit-present` to produce it"
-        )
-    checker = FlagChecker(config, cache)
-    rows: list[dict[str, Any]] = []
-    cols = results.select(
-        "seq",
-        "request_id",
-        "hit_tokens",
-        "max_length",
-        "mask_blocks",
-        "loaded_blocks",
-        "group_hit_tokens",
-        "observed_hit_tokens",
-        "unit_present",
-    )
-    for seq, rid, hit, max_length, mask, loaded, ghits, observed, units in cols.iter_rows():
-        present = [bytes(bytearray(u)) for u in units]
-        states = [
-            ghits[g] if config.groups[g].kind is GroupKind.MAMBA else None
-            for g in range(config.num_groups)
-        ]
-        for f in checker.check(
-            present, max_length, hit, list(zip(mask, loaded, strict=True)), states, observed
-        ):
-            rows.append(
-                {
-                    "seq": seq,
-                    "request_id": rid,
-                    "flag": f.flag,
-                    "group_id": f.group_id,
-                    "hit_tokens": hit,
-                    "max_length": max_length,
-                    "actual": f.actual,
-                    "expected": f.expected,
-                    "detail": f.detail,
-                }
-            )
-    if not rows:
-        return empty_flags()
-    return pl.DataFrame(rows, schema=FLAGS_SCHEMA)
+    if "unit_present" in results.columns:
+        results = results.drop(FACT_COLUMNS, strict=False)
+    return flags_table(add_flags(with_facts(results, config, cache), config))
 
 
 def with_flag_column(results: pl.DataFrame, flags: pl.DataFrame) -> pl.DataFrame:
@@ -436,9 +511,12 @@ def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
 def results_flags(
     results: pl.DataFrame, config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
 ) -> pl.DataFrame:
-    """The flag table of a results frame: its own ``flag_details``; else
-    recomputed from its ``unit_present``; else (a writer that kept only the
-    names) one row per name in ``flags``, with no numbers."""
+    """The flag table of a results frame: recomputed from its facts; else
+    (a file from before them) its own ``flag_details``; else recomputed from
+    its ``unit_present``; else (a writer that kept only the names) one row per
+    name in ``flags``, with no numbers."""
+    if has_facts(results):
+        return flags_table(add_flags(results, config))
     if "flag_details" in results.columns:
         return flags_table(results)
     if "unit_present" in results.columns:

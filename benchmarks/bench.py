@@ -10,7 +10,7 @@ in its own process (peak RSS from ``getrusage``):
 - the bare ``pyarrow.parquet.read_table`` of the trace (the floor),
 - ``replay run`` as a user runs it, warm (best of ``BENCH_REPEAT``) and on a
   cold JIT cache (a fresh ``NUMBA_CACHE_DIR``: the first run after install),
-- ``replay_trace`` alone (the replay and its flags, no results file),
+- the one replay call alone (``replay.engine.run.replay`` and the flags, no results file),
 - the naive loop: rows via pyarrow, a Python set of (group, bytes) keys, the
   project's coordinator per lookup; and the same loop over vLLM's own
   ``MooncakeStoreCoordinator`` when a vLLM interpreter is there
@@ -73,9 +73,10 @@ done(secs, pl.read_parquet({out!r}, columns=["hit_tokens"])["hit_tokens"].to_lis
 """
 
 ENGINE = """
-from replay.engine.replay import replay_trace
+from analysis.flags import flag_results
+from replay.engine.run import replay
 t = time.perf_counter()
-r = replay_trace({path!r}, unit_present=False)
+(r,) = flag_results(replay({path!r}))
 done(time.perf_counter() - t, r.results["hit_tokens"].to_list())
 """
 
@@ -188,7 +189,7 @@ def bench(label: str, path: Path, vllm: str | None) -> bool:
     with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
         cold = _child(RUN, env={"NUMBA_CACHE_DIR": cache}, path=str(path), out=out)
     steps.append(Step("replay run, cold JIT cache", cold["seconds"], cold["rss"], cold["hits"]))
-    steps.append(_best("replay_trace (no results file)", ENGINE, REPEAT, path=str(path)))
+    steps.append(_best("replay + flags (no results file)", ENGINE, REPEAT, path=str(path)))
     naive = _child(NAIVE, path=str(path), backend="reference")
     steps.append(
         Step("naive loop, this coordinator", naive["seconds"], naive["rss"], naive["hits"])
@@ -236,10 +237,11 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
 atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
-from replay.engine.cluster import replay_on_ray
-from replay.engine.replay import save_results
+from analysis.flags import save_results
+from replay.engine.run import ReplayOptions, replay
 stats = {{}}
-r = replay_on_ray({path!r}, policies=["vllm-0.33"], workers={workers}, stats=stats)[0]
+options = ReplayOptions(policies=("vllm-0.33",), workers={workers}, stats=stats)
+r = replay({path!r}, options)[0]
 save_results(r, {out!r})
 done(time.perf_counter() - t, replayed=r.seconds, **stats)
 """

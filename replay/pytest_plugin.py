@@ -81,13 +81,14 @@ class TraceItem(pytest.Item):
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from analysis.flags import flag_counts
-        from replay.engine.replay import replay_trace
+        from analysis.flags import flag_counts, result_flags
+        from replay.engine.run import ReplayOptions, replay
         from replay.format.tracedir import open_trace
 
         reader = open_trace(self.path)  # once: replayed, then explained on a failure
-        result = replay_trace(reader, policy=self.policy, cache=self.cache)
-        flags = result.flags()
+        options = ReplayOptions(policies=(self.policy,), caches=(self.cache,))
+        (result,) = replay(reader, options)
+        flags = result_flags(result)
         problems: list[str] = []
         explain_ids: list[str] = []
         if "flags" in self.entry:

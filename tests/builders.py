@@ -518,3 +518,56 @@ def hand_folded_lookups(reader: TraceReader) -> Iterator[tuple[dict[str, Any], C
     rows = reader.read_frame().iter_rows(named=True)
     for _, r, present in hand_fold(rows, reader.config.num_groups):
         yield r, [keys.__contains__ for keys in present]
+
+
+# --- the one replay call, flagged, as most tests want it ---------------------
+
+
+def replay_trace(
+    trace: Any,
+    *,
+    policy: str = "vllm-0.33",
+    coordinator: str = "reference",
+    cache: str | None = None,
+    unit_present: bool = False,
+    progress: Any = None,
+    progress_every: float = 0.2,
+) -> Any:
+    """One variant of ``trace`` through ``replay.engine.run.replay``, with
+    its flags (``analysis.flags.flag_results``)."""
+    from analysis.flags import flag_results
+    from replay.engine.run import ReplayOptions, replay
+
+    options = ReplayOptions(
+        policies=(policy,),
+        caches=(cache,),
+        coordinator=coordinator,
+        unit_present=unit_present,
+        progress=progress,
+        progress_every=progress_every,
+    )
+    (result,) = flag_results(replay(trace, options))
+    return result
+
+
+def replay_sharded(
+    trace: Any,
+    *,
+    policies: Sequence[str],
+    caches: Sequence[str | None] = (None,),
+    coordinator: str = "reference",
+    unit_present: bool = False,
+    shards: int = 1,
+) -> Any:
+    """Every policy in every cache with ``shards`` key shards, flagged."""
+    from analysis.flags import flag_results
+    from replay.engine.run import ReplayOptions, replay
+
+    options = ReplayOptions(
+        policies=tuple(policies),
+        caches=tuple(caches),
+        coordinator=coordinator,
+        unit_present=unit_present,
+        shards=shards,
+    )
+    return flag_results(replay(trace, options))

@@ -34,9 +34,10 @@ def trace_43559(tmp_path: Path) -> Path:
 @pytest.fixture
 def inputs(tmp_path: Path) -> dict[str, Path]:
     """One of each input a command reads, in one folder."""
-    from replay.engine.replay import replay_trace, save_results
+    from analysis.flags import save_results
     from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
+    from tests.builders import replay_trace
     from tests.kvpayloads import T0, payload, stored
 
     d = tmp_path / "in"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from click.testing import CliRunner, Result
 
+from analysis.flags import save_results
 from replay.cli.analysis import report
-from replay.engine.replay import replay_trace, save_results
+from tests.builders import replay_trace
 
 #: The Mamba row of the #43559 lookup's explain table.
 MAMBA_ROW = (

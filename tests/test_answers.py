@@ -8,12 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from analysis.flags import lookup_flags
 from replay.engine.answers import Answers, Variant
-from replay.engine.replay import replay_trace
+from replay.engine.run import ReplayOptions, replay
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
-from tests.builders import chain, full_mamba, issue_43559_rows, random_config, random_rows
+from tests.builders import (
+    chain,
+    full_mamba,
+    issue_43559_rows,
+    random_config,
+    random_rows,
+    replay_trace,
+)
 
 VARIANTS = [
     Variant(policy=p, cache=c) for p in ("vllm-0.33", "pre-49502") for c in ("mooncake", "gpu")
@@ -35,7 +43,8 @@ def test_every_variant_from_one_fold_is_its_own_replay(
         (v.policy, v.cache, "reference") for v in VARIANTS
     ]
     for r in got:
-        want = replay_trace(path, policy=r.policy, cache=r.cache, unit_present=True)
+        options = ReplayOptions(policies=(r.policy,), caches=(r.cache,), unit_present=True)
+        (want,) = replay(path, options)
         assert r.results.equals(want.results)
         assert (r.events, r.events_by_kind) == (want.events, want.events_by_kind)
 
@@ -56,7 +65,7 @@ def test_explain_answers_only_the_selected_lookups_with_their_steps(tmp_path: Pa
     (result,) = replay_answers(open_trace(path), answers)
     # Explaining keeps the selected lookups, not results.
     assert result.results.height == 0
-    ((event, outcome, flags),) = answers.explained
+    ((event, outcome, facts),) = answers.explained
     assert (event.seq, event.request_id, event.max_length, event.num_tokens) == (
         2,
         "req-43559",
@@ -67,6 +76,10 @@ def test_explain_answers_only_the_selected_lookups_with_their_steps(tmp_path: Pa
     assert (outcome.hit_tokens, outcome.verified_tokens, outcome.mamba_state_tokens) == (64, 48, 64)
     assert [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups] == [(3, 3), (4, 1)]
     assert outcome.steps, "explain records the coordinator's steps"
+    assert facts.state_tokens == (None, 64)
+    assert (facts.attention_tokens, facts.first_absent_block) == (48, (None, None))
+    assert facts.eagle_unit_present == (False, None)
+    flags = lookup_flags(full_mamba(), "mooncake", outcome, facts, 64, None)
     assert [f.flag for f in flags] == ["mamba_overrun", "eagle_not_dropped"]
     # The same answer the replay gives, flags included.
     replayed = replay_trace(path, policy="pre-49502", cache="mooncake").results.row(0, named=True)

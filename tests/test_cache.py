@@ -12,7 +12,6 @@ import pytest
 
 from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.engine.replay import replay_trace
 from replay.format.writer import write_trace
 from replay.rules.coordinator import (
     Coordinator,
@@ -22,7 +21,7 @@ from replay.rules.coordinator import (
     hit_alignment,
 )
 from tests import builders
-from tests.builders import chain, full_mamba, mb, sw
+from tests.builders import chain, full_mamba, mb, replay_trace, sw
 from tests.conftest import run_cli
 
 FULL = GroupKind.FULL_ATTENTION

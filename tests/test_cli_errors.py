@@ -386,8 +386,8 @@ def test_negative_counts_are_refused(trace_43559: Path, args: list[str]) -> None
 
 
 def test_hashes_of_different_widths_in_one_trace_are_valid_everywhere(tmp_path: Path) -> None:
-    from replay.engine.replay import replay_trace
     from replay.format.writer import write_trace
+    from tests.builders import replay_trace
 
     wide, narrow, odd = chain(3, "w"), [(i + 1).to_bytes(8, "big") for i in range(3)], [b"\x01", b"\x02" * 100]  # fmt: skip
     rows = [
@@ -541,8 +541,9 @@ def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Pa
 
 
 def test_check_with_no_lookups_has_nothing_to_check(tmp_path: Path) -> None:
-    from replay.engine.replay import replay_trace, save_results
+    from analysis.flags import save_results
     from replay.format.writer import write_trace
+    from tests.builders import replay_trace
 
     trace = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows()[:2])
     result = run_cli(["check", str(trace)])

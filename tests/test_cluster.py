@@ -20,10 +20,10 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.engine.replay import replay_trace
 from replay.format.tracedir import open_trace, split_trace
 from replay.format.writer import TraceWriter
 from replay.sources.synth import synth_trace
+from tests.builders import replay_trace
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.ray
@@ -31,7 +31,9 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from analysis.flags import flag_results  # noqa: E402
 from replay.engine.cluster import NAMESPACE, ClusterError, ShardPool, replay_on_ray  # noqa: E402
+from replay.engine.run import ReplayOptions, replay  # noqa: E402
 
 POLICIES = ("vllm-0.33", "pre-49502")
 STORE_MB = 200
@@ -111,12 +113,13 @@ def test_two_nodes_give_the_serial_results_for_both_policies(
 ) -> None:
     seen: list[tuple[int, int]] = []
     stats: dict[str, Any] = {}
-    results = replay_on_ray(
-        trace_dir / "dir",
-        policies=POLICIES,
+    options = ReplayOptions(
+        policies=tuple(POLICIES),
+        ray_address="auto",  # the cluster this process is connected to
         progress=lambda p: seen.append((p.events, p.total_events)),
         stats=stats,
     )
+    results = flag_results(replay(trace_dir / "dir", options))
     assert [r.policy for r in results] == list(POLICIES)
     for r in results:
         assert r.results.equals(serial[r.policy])
@@ -129,7 +132,8 @@ def test_two_nodes_give_the_serial_results_for_both_policies(
 def test_one_file_on_the_cluster_is_the_serial_run(
     cluster: Cluster, trace_dir: Path, serial: dict[str, pl.DataFrame], shards: int
 ) -> None:
-    (result,) = replay_on_ray(trace_dir / "one.parquet", policies=["pre-49502"], workers=shards)
+    options = ReplayOptions(policies=("pre-49502",), workers=shards)
+    (result,) = flag_results(replay(trace_dir / "one.parquet", options))
     assert result.results.equals(serial["pre-49502"])
 
 
@@ -164,7 +168,7 @@ def test_a_dead_shard_is_reported_and_nothing_written(cluster: Cluster, trace_di
     os.kill(pid, signal.SIGKILL)
     try:
         with pytest.raises(ClusterError, match=r"the replay on Ray failed \(.*\); no results"):
-            replay_on_ray(trace_dir / "dir", policies=POLICIES, pool=pool)
+            replay_on_ray(trace_dir / "dir", ReplayOptions(policies=tuple(POLICIES)), pool=pool)
     finally:
         pool.close()
 

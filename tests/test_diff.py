@@ -24,14 +24,14 @@ import pytest
 from click.testing import CliRunner, Result
 
 from analysis.diff import DIFF_META_KEY, diff_inputs
+from analysis.flags import save_results
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli import cli
 from replay.cli.analysis import diff
-from replay.engine.replay import replay_trace, save_results
 from replay.format.results import read_results, write_results
-from replay.format.schema import RESULTS_SCHEMA
+from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.format.writer import write_trace
-from tests.builders import full_mamba, issue_43559_rows
+from tests.builders import full_mamba, issue_43559_rows, replay_trace
 
 BLOCK = 16
 
@@ -276,9 +276,10 @@ def _results(
         [{"flag": f, "group_id": None, "actual": None, "expected": None, "detail": f} for f in fl]
         for fl in cols["flags"]
     ]
+    # A results file as written before the facts columns: its flags are read as given.
+    schema = pa.schema([f for f in RESULTS_SCHEMA if f.name not in FACT_COLUMNS])
     table = pa.table(
-        {name: cols.get(name, [None] * len(rows)) for name in RESULTS_SCHEMA.names},
-        schema=RESULTS_SCHEMA,
+        {name: cols.get(name, [None] * len(rows)) for name in schema.names}, schema=schema
     )
     meta = {
         "version": 1,

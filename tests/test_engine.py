@@ -10,13 +10,13 @@ from typing import Any
 import polars as pl
 import pytest
 
+from analysis.flags import save_results
 from replay.base.spec import TraceConfig
-from replay.engine.replay import replay_trace, save_results
 from replay.format.results import read_results
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
 from replay.rules.store import ClearEvent, RemoveEvent, StoreEvent
-from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
+from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows, replay_trace
 
 
 def naive_replay(
@@ -155,6 +155,7 @@ def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Pa
 
 
 def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) -> None:
+    from analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
     from replay.format.tracedir import open_trace
 
@@ -166,7 +167,14 @@ def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) ->
     _, every = explain_lookups(reader, lambda e: True, "pre-49502")
     assert [e.seq for e, _, _ in every] == results["seq"].to_list()
     assert [o.hit_tokens for _, o, _ in every] == results["hit_tokens"].to_list()
-    assert [[f.flag for f in fl] for _, _, fl in every] == results["flags"].to_list()
+    flags = [
+        [
+            f.flag
+            for f in lookup_flags(config, "mooncake", o, fa, e.max_length, e.observed_hit_tokens)
+        ]
+        for e, o, fa in every
+    ]
+    assert flags == results["flags"].to_list()
     until = every[len(every) // 2][0].seq
     _, part = explain_lookups(reader, lambda e: e.seq % 2 == 0, "pre-49502", until_seq=until)
     assert [(e.seq, o.hit_tokens) for e, o, _ in part] == [

@@ -13,10 +13,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from replay.engine.replay import replay_trace
+from analysis.flags import result_flags
 from replay.format.results import read_results
 from replay.format.writer import write_trace
-from tests.builders import random_config, random_rows
+from tests.builders import random_config, random_rows, replay_trace
 from tests.conftest import run_cli
 from tests.flagdefs import plain_flags
 
@@ -103,7 +103,7 @@ def test_flags_of_vllms_answers_match_their_definition(
     rows = random_rows(rng, config, 16)
     path = write_trace(tmp_path / "r.parquet", config, rows)
     result = replay_trace(path, policy=policy, coordinator="vllm", cache=cache)
-    got = {(s, f, g) for s, f, g in result.flags().select("seq", "flag", "group_id").rows()}
+    got = {(s, f, g) for s, f, g in result_flags(result).select("seq", "flag", "group_id").rows()}
     assert got == plain_flags(rows, result.results, config, cache)
 
 
@@ -113,22 +113,17 @@ def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) 
     --coordinator vllm` runs them): vLLM asks by hash, answered from the
     same presence bytes, and agrees with the reference on every column but
     the coordinator's name; explain answers by hash too."""
-    from replay.engine.answers import Answers, Variant
+    from analysis.flags import flag_results, lookup_flags
     from replay.engine.replay import explain_lookups
-    from replay.engine.shard import replay_answers
+    from replay.engine.run import ReplayOptions, replay
     from replay.format.tracedir import open_trace
 
     rng = random.Random(9500 + seed)
     config = random_config(rng)
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 16))
     reader = open_trace(path)
-    variants = [
-        Variant(policy=p, cache=c, coordinator=k)
-        for p in POLICIES
-        for c in CACHES
-        for k in ("reference", "vllm")
-    ]
-    got = replay_answers(reader, Answers(config, variants, unit_present=True))
+    variants = tuple((p, c, k) for p in POLICIES for c in CACHES for k in ("reference", "vllm"))
+    got = flag_results(replay(reader, ReplayOptions(variants=variants, unit_present=True)))
     for ref, theirs in zip(got[::2], got[1::2], strict=True):
         assert (ref.coordinator, theirs.coordinator) == ("reference", "vllm")
         want = replay_trace(path, policy=ref.policy, cache=ref.cache, unit_present=True)
@@ -138,4 +133,8 @@ def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) 
     gpu = got[1].results
     assert (got[1].policy, got[1].cache, got[1].coordinator) == (INSTALLED, "gpu", "vllm")
     assert [o.hit_tokens for _, o, _ in explained] == gpu["hit_tokens"].to_list()
-    assert [[f.flag for f in fl] for _, _, fl in explained] == gpu["flags"].to_list()
+    flags = [
+        [f.flag for f in lookup_flags(config, "gpu", o, facts, e.max_length, e.observed_hit_tokens)]
+        for e, o, facts in explained
+    ]
+    assert flags == gpu["flags"].to_list()

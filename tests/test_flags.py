@@ -11,9 +11,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags
+from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.engine.replay import replay_trace
 from replay.format.writer import write_trace
 from tests import builders
 from tests.builders import (
@@ -25,6 +24,7 @@ from tests.builders import (
     mb,
     random_config,
     random_rows,
+    replay_trace,
     sw,
 )
 from tests.conftest import run_cli
@@ -41,7 +41,7 @@ def _flags(
     cache: str | None = None,
 ) -> pl.DataFrame:
     path = write_trace(tmp_path / "t.parquet", config, rows)
-    return replay_trace(path, policy=policy, cache=cache).flags()
+    return result_flags(replay_trace(path, policy=policy, cache=cache))
 
 
 def test_mamba_overrun_43559_flagged_under_pre_49502_only(tmp_path: Path) -> None:
@@ -216,10 +216,12 @@ def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) 
     assert pre.results.select("hit_tokens", "mask_blocks", "group_hit_tokens").rows() == [
         (16, [2, 1], [16, 8])
     ]
-    assert pre.flags().select("flag", "group_id", "actual").rows() == [("eagle_not_dropped", 1, 16)]
+    assert result_flags(pre).select("flag", "group_id", "actual").rows() == [
+        ("eagle_not_dropped", 1, 16)
+    ]
     fixed = replay_trace(path)
     assert fixed.results["hit_tokens"].to_list() == [8]
-    assert fixed.flags().height == 0
+    assert result_flags(fixed).height == 0
 
 
 def test_swa_mamba_overrun_under_pre_49502(tmp_path: Path) -> None:
@@ -268,7 +270,7 @@ def test_pre_32802_spirals_the_hit_down(tmp_path: Path) -> None:
     assert replay_trace(path).results["hit_tokens"].to_list() == [112]
     assert replay_trace(path, policy="pre-32802").results["hit_tokens"].to_list() == [0]
     for cache in ("mooncake", "gpu"):
-        assert replay_trace(path, policy="pre-32802", cache=cache).flags().height == 0
+        assert result_flags(replay_trace(path, policy="pre-32802", cache=cache)).height == 0
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -282,7 +284,7 @@ def test_flags_agree_with_plain_python_on_random_traces(
     rows = random_rows(rng, config, 16)
     path = write_trace(tmp_path / "r.parquet", config, rows)
     result = replay_trace(path, policy=policy, cache=cache, unit_present=True)
-    flags = result.flags()
+    flags = result_flags(result)
     got = {(s, f, g) for s, f, g in flags.select("seq", "flag", "group_id").rows()}
     assert got == plain_flags(rows, result.results, config, cache)
     assert set(flags["flag"].unique()) <= set(FLAG_KINDS)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.engine.replay import replay_trace
 from replay.format.schema import RESULTS_SCHEMA, TRACE_SCHEMA, UNIT_PRESENT_FIELD
+from tests.builders import replay_trace
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
 

@@ -37,14 +37,14 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from analysis.flags import save_results
 from replay.cli import cli
-from replay.engine.replay import replay_trace, save_results
 from replay.format.results import read_results
 from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.sources.dump import DumpWriter
-from tests.builders import chain, full_mamba, issue_43559_rows
+from tests.builders import chain, full_mamba, issue_43559_rows, replay_trace
 
 FUZZ = settings(
     derandomize=True,

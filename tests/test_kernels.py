@@ -17,7 +17,6 @@ import pytest
 
 from replay.base.spec import TraceConfig
 from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
-from replay.engine.replay import replay_trace
 from replay.engine.shard import fold_rows
 from replay.format.hashwords import hash_words
 from replay.format.tracedir import open_trace
@@ -28,7 +27,7 @@ from replay.format.writer import (
     write_bounded,
     write_trace,
 )
-from tests.builders import full_mamba, random_config, random_rows
+from tests.builders import full_mamba, random_config, random_rows, replay_trace
 from tests.test_engine import naive_replay
 
 SHARED8 = b"\x00\x00\x00\x00\x00\x0b\x2f\x11"

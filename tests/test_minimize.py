@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
+from analysis.flags import add_flags
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
@@ -133,9 +134,13 @@ def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> N
     big = _noisy_trace(tmp_path / "big.parquet")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    from_file = minimize(big, "victim", out_dir / "a.parquet", flag="mamba_overrun")
+    from_file = minimize(
+        big, "victim", out_dir / "a.parquet", flag="mamba_overrun", judge=add_flags
+    )
     stream = io.BytesIO(big.read_bytes())
-    from_bytes = minimize(stream, "victim", out_dir / "b.parquet", flag="mamba_overrun")
+    from_bytes = minimize(
+        stream, "victim", out_dir / "b.parquet", flag="mamba_overrun", judge=add_flags
+    )
     assert from_bytes == from_file
     assert (from_file["events_before"], from_file["events_after"]) == (2314, 2)
     assert [(e["policy"], e["flags"], e["hits"]) for e in from_file["expect"]] == [

@@ -38,12 +38,12 @@ from typing import Any
 import pytest
 
 from replay.base.spec import GroupKind, TraceConfig
-from replay.engine.replay import replay_trace
 from replay.format.tracedir import open_trace
 from replay.sources.dump import read_dump
 from replay.sources.kv_wire import AllBlocksCleared, BlockStored, decode_batch
 from replay.sources.record import ingest_dumps, record
 from replay.sources.stream import RecordSummary
+from tests.builders import replay_trace
 
 pytestmark = pytest.mark.vllm
 

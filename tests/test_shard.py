@@ -15,10 +15,9 @@ import pytest
 
 from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
-from replay.engine.replay import replay_trace
-from replay.engine.shard import replay_sharded, shard_of
+from replay.engine.shard import shard_of
 from replay.format.writer import TraceWriter, write_trace
-from tests.builders import random_config, random_rows
+from tests.builders import random_config, random_rows, replay_sharded, replay_trace
 from tests.conftest import run_cli
 
 POLICIES = ("vllm-0.33", "pre-49502")

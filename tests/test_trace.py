@@ -14,13 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from analysis.flags import result_flags, save_results
 from replay.base.errors import ReplayError, TraceError
-from replay.engine.replay import replay_trace, save_results
 from replay.format.results import read_results, write_results
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import open_trace
 from replay.format.writer import TraceWriter, events_table, trace_schema, write_trace
-from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows
+from tests.builders import full_mamba, issue_43559_rows, random_config, random_rows, replay_trace
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -94,7 +94,7 @@ def test_an_open_file_is_named_by_its_path(tmp_path: Path) -> None:
     with open(good, "rb") as fh:
         reader = TraceReader(fh)
         assert reader.name == str(good)
-        assert replay_trace(reader, policy="pre-49502").flags()["flag"].to_list() == [
+        assert result_flags(replay_trace(reader, policy="pre-49502"))["flag"].to_list() == [
             "mamba_overrun",
             "eagle_not_dropped",
         ]

@@ -13,11 +13,11 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from replay.engine.replay import replay_trace
+from analysis.flags import result_flags
 from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import TraceDir, open_trace
 from replay.format.writer import events_table, write_trace
-from tests.builders import full_mamba, random_config, random_rows
+from tests.builders import full_mamba, random_config, random_rows, replay_trace
 from tests.conftest import run_cli
 
 DEMO = Path(__file__).resolve().parent.parent / "traces" / "demo-full-mamba-eagle.parquet"
@@ -87,7 +87,7 @@ def test_every_reading_command_accepts_a_directory(tmp_path: Path, demo_dir: Pat
         on_dir = run_cli([args[0], str(demo_dir), *args[1:]])
         assert on_dir.exit_code == on_file.exit_code, (args, on_dir.stderr)
         assert _named(on_dir.stdout, demo_dir) == _named(on_file.stdout, DEMO)
-    flagged = replay_trace(DEMO, policy="pre-49502").flags()["request_id"][0]
+    flagged = result_flags(replay_trace(DEMO, policy="pre-49502"))["request_id"][0]
     explain = ["explain", "--request", flagged, "--policy", "pre-49502"]
     on_file = run_cli([explain[0], str(DEMO), *explain[1:]])
     on_dir = run_cli([explain[0], str(demo_dir), *explain[1:]])
@@ -296,5 +296,5 @@ def test_report_finds_a_directory_trace_beside_its_results(demo_dir: Path) -> No
     assert result.exit_code == 0, result.stderr
     text = out.read_text()
     assert "not found next to" not in text
-    flagged = replay_trace(DEMO, policy="pre-49502").flags()["request_id"][0]
+    flagged = result_flags(replay_trace(DEMO, policy="pre-49502"))["request_id"][0]
     assert "replay explain" in text and flagged in text

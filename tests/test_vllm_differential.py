@@ -22,15 +22,12 @@ Runs only where vLLM imports: ``make test-vllm``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -56,6 +53,7 @@ from replay.rules.coordinator import (
     policy_rules,
 )
 from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
+from tests.contracts.coordinator import CoordinatorContract
 
 pytestmark = pytest.mark.vllm
 
@@ -505,37 +503,25 @@ def test_vllm_coordinator_refuses_out_of_range_max_length() -> None:
     assert coord.lookup(hashes, 47, [set(hashes).__contains__]).hit_tokens == 32
 
 
-# --- the unit tests' exact expectations, through vLLM ------------------------
+# --- the coordinators' contract, through vLLM ------------------------------
 
 
-def _unit_tests() -> ModuleType:
-    path = Path(__file__).with_name("test_coordinator.py")
-    spec = importlib.util.spec_from_file_location("_coordinator_rules", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class TestVllmCoordinator(CoordinatorContract):
+    """Every outcome rule of the coordinators' contract, with vLLM's own
+    coordinator in place of the reference: the expectations there are
+    vLLM 0.33.0's answers.
 
-
-UNIT = _unit_tests()
-
-
-@pytest.mark.parametrize("rule", UNIT.VLLM_CHECKED, ids=lambda t: t.__name__)
-def test_unit_expectations_hold_for_vllm(
-    rule: Callable[[], None], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every outcome-only rule test of test_coordinator.py, with vLLM's
-    coordinator in place of the reference. They pin vLLM 0.33.0's rules.
     Their lookups under an emulation (pre-49502) have no release to answer
     them (vLLM is not patched): those stay with the reference, as in
-    ``make test``; every vllm-0.33 lookup is vLLM's."""
-    if INSTALLED.name != "vllm-0.33":
-        pytest.skip(f"the rule tests pin vLLM 0.33.0's rules; vLLM {VERSION} is installed")
+    ``make test``; every vllm-0.33 lookup is vLLM's. Another release has
+    its own rules: the contract is checked where 0.33.0 is installed."""
 
-    def backend(config: TraceConfig, policy: str) -> Coordinator | VllmCoordinator:
+    @pytest.fixture(autouse=True)
+    def _only_033(self) -> None:
+        if INSTALLED.name != "vllm-0.33":
+            pytest.skip(f"the contract pins vLLM 0.33.0's rules; vLLM {VERSION} is installed")
+
+    def make(self, cfg: TraceConfig, policy: str) -> Coordinator | VllmCoordinator:
         if ALL_POLICIES[policy].alias_note:
-            return Coordinator(config, policy)
-        return VllmCoordinator(config, policy)
-
-    monkeypatch.setattr(UNIT, "BACKEND", backend)
-    rule()
+            return Coordinator(cfg, policy)
+        return VllmCoordinator(cfg, policy)

@@ -10,8 +10,8 @@ from typing import Any
 import polars as pl
 import pytest
 
+from analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
-from replay.engine.replay import replay_trace
 from replay.format.sweepfile import read_sweep
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
@@ -21,7 +21,7 @@ from replay.sources.archetypes import archetype_config
 from replay.whatif.requests import load_requests
 from replay.whatif.sizes import parse_bytes
 from replay.whatif.sweep import SWEEP_COLUMNS, RunSpec, simulate, sweep
-from tests.builders import random_archetype_config, random_prompts, unit_hashes
+from tests.builders import random_archetype_config, random_prompts, replay_trace, unit_hashes
 from tests.conftest import run_cli
 
 
@@ -222,7 +222,7 @@ def test_cli_writes_one_row_per_capacity_and_policy(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     frame, meta = read_sweep(out)
-    assert frame.columns == list(SWEEP_COLUMNS)
+    assert frame.columns == [*SWEEP_COLUMNS, *FLAG_KINDS]
     assert frame.height == 9
     assert frame["capacity_blocks"].to_list() == [200] * 3 + [400] * 3 + [100000] * 3
     assert frame["eviction"].to_list() == ["lru", "fifo", "belady"] * 3

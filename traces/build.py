@@ -250,9 +250,9 @@ def _group_totals(results: Any) -> list[int]:
 
 def replayed_results(trace: TraceSource, policies: Sequence[str]) -> dict[str, Any]:
     """Each policy's ``ReplayResult``, from one fold of ``trace``."""
-    from replay.engine.shard import replay_sharded
+    from replay.engine.run import ReplayOptions, replay
 
-    results = replay_sharded(trace, policies=list(dict.fromkeys(policies)))
+    results = replay(trace, ReplayOptions(policies=tuple(dict.fromkeys(policies))))
     return {r.policy: r for r in results}
 
 
@@ -260,7 +260,7 @@ def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
     """Pin what the replay gives now, per policy: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
-    from analysis.flags import flag_counts
+    from analysis.flags import flag_counts, result_flags
     from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
 
     # The current release and the emulations of the bugs the corpus pins.
@@ -272,7 +272,7 @@ def replayed_expectation(trace: TraceSource) -> list[dict[str, Any]]:
         out.append(
             {
                 "policy": policy,
-                "flags": flag_counts(result.flags()),
+                "flags": flag_counts(result_flags(result)),
                 "hit_tokens": int(res["hit_tokens"].sum()),
                 "group_hit_tokens": _group_totals(res),
                 "hits": hits,

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import click
 
-from analysis.flags import FLAG_KINDS, flag_lines
+from analysis.flags import FLAG_KINDS, flag_lines, lookup_flags
 from analysis.summary import run_summary
 from replay.base.errors import ReplayError
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
-from replay.cli.scale import RAY, WORKERS, replay_for_run, results_paths
+from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.engine.answers import COORDINATORS, Progress, resolve_cache
-from replay.engine.replay import explain_lookups, save_results
+from replay.engine.replay import explain_lookups
 from replay.rules.coordinator import (
     CACHES,
     DEFAULT_POLICY,
@@ -148,7 +148,8 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import flag_counts, flag_examples
+    from analysis.flags import flag_counts, flag_examples, flag_results, flags_table, save_results
+    from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import check_outputs
 
     policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
@@ -156,8 +157,7 @@ def run(
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
     with progress_bar(quiet or as_json) as bar:
-        results = replay_for_run(
-            trace,
+        options = ReplayOptions(
             policies=policies,
             caches=used,
             coordinator=coordinator,
@@ -166,9 +166,10 @@ def run(
             ray_address=ray_address,
             progress=None if bar is None else _replay_progress(bar),
         )
+        results = flag_results(replay(trace, options))
     summaries = []
     for result, out in zip(results, outs, strict=True):
-        flags = result.flags()
+        flags = flags_table(result.results)
         save_results(result, out)
         summary = run_summary(result, flag_counts(flags))
         summary["results"] = str(out)
@@ -239,9 +240,12 @@ def explain(
     )
     chosen = choose_lookup(trace, request_id, [lk.seq for lk, _, _ in found], seq)
     used = resolve_cache(config, cache)
-    for lookup, outcome, flags in found:
+    for lookup, outcome, facts in found:
         if lookup.seq != chosen:
             continue
+        flags = lookup_flags(
+            config, used, outcome, facts, lookup.max_length, lookup.observed_hit_tokens
+        )
         click.echo(explain_header(config, lookup, policy, used))
         for line in config_lines(config, used):
             click.echo(line)
@@ -330,10 +334,13 @@ def minimize(
 ) -> None:
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/."""
+    from analysis.flags import add_flags
     from replay.format.paths import check_outputs
     from replay.tools.minimize import minimize as run_minimize
 
     check_outputs({"-o": output}, [trace])
-    info = run_minimize(trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq)
+    info = run_minimize(
+        trace, request_id, output, flag=flag, policy=policy, cache=cache, seq=seq, judge=add_flags
+    )
     for line in minimize_lines(trace, output, info, request_id):
         click.echo(line)

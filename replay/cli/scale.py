@@ -1,18 +1,18 @@
 """Commands and options for traces beyond one file and one process:
 ``replay split`` / ``replay cat`` convert between a trace file and a trace
 directory, and ``replay run --workers N`` / ``--ray ADDRESS`` replay on Ray
-with the store sharded by key (``replay.engine.shard``, ``replay.engine.cluster``)."""
+with the store sharded by key (``replay.engine.run.replay`` chooses
+``replay.engine.cluster`` when asked)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
-from replay.cli.common import command, fail
+from replay.cli.common import command
 from replay.cli.options import TRACE, count_option, output_option
-from replay.engine.answers import Progress, ReplayResult
 from replay.engine.replay import default_results_path
 
 
@@ -85,44 +85,3 @@ def results_paths(
     if stem.endswith(".results"):
         stem, tail = stem.removesuffix(".results"), ".results" + tail
     return [base.with_name(f"{stem}.{label}{tail}") for label in labels]
-
-
-def replay_for_run(
-    trace: Path,
-    *,
-    policies: Sequence[str],
-    caches: Sequence[str | None],
-    coordinator: str,
-    unit_present: bool,
-    workers: int | None,
-    ray_address: str | None,
-    progress: Callable[[Progress], None] | None,
-) -> list[ReplayResult]:
-    """``replay run``'s replays, one per policy and cache (policy by policy),
-    all from one fold: in this process, or on Ray when asked."""
-    if workers is not None or ray_address is not None:
-        if coordinator != "reference":
-            raise fail("--coordinator vllm runs in one process: drop --workers/--ray to use it")
-        if unit_present:
-            raise fail("--unit-present runs in one process: drop --workers/--ray")
-        from replay.engine.cluster import import_ray, replay_on_ray
-
-        import_ray()  # a missing extra is said before any reading
-        return replay_on_ray(
-            trace,
-            policies=policies,
-            caches=caches,
-            workers=workers,
-            address=ray_address,
-            progress=progress,
-        )
-    from replay.engine.shard import replay_sharded
-
-    return replay_sharded(
-        trace,
-        policies=policies,
-        caches=caches,
-        coordinator=coordinator,
-        unit_present=unit_present,
-        progress=progress,
-    )

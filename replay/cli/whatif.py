@@ -187,6 +187,9 @@ def whatif(
             jobs=jobs or os.cpu_count() or 1,
             progress=None if bar is None else _sweep_progress(bar),
         )
+    from analysis.flags import sweep_flag_counts
+
+    rows = sweep_flag_counts(rows, config)
     seconds = time.perf_counter() - started
     meta = {
         "version": 1,

@@ -1,5 +1,5 @@
-"""Answering: each lookup's presence bytes through a coordinator, flagged in
-the same step, collected as results.
+"""Answering: each lookup's presence bytes through a coordinator, with the
+facts its flags need, collected as results.
 
 This is the one place a lookup is answered during a replay, whoever folded
 the store: the serial replay (``replay.engine.replay``, the one-shard case of
@@ -8,8 +8,10 @@ all hand ``Answers.add`` a batch's lookups with their presence bytes
 (``present[g][u]``: group ``g`` held the key of hash unit ``u`` at that
 seq). The reference coordinator consumes those bytes unchanged
 (``Coordinator.lookup_present``); vLLM's asks membership per hash, answered
-from the same bytes. Every answer is flagged right away
-(``analysis.flags.FlagChecker``), so results always carry their flags.
+from the same bytes. Next to every answer go its facts
+(``replay.rules.facts``): what each flag needs to know about the store the
+lookup saw. The flags themselves are polars expressions over those columns
+(``analysis/flags.py``): the replay never imports its judge.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.flags import Flag, FlagChecker, flag_names, flag_rows, flags_table
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.schema import RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.format.schema import ANSWER_SCHEMA, RESULTS_SCHEMA, UNIT_PRESENT_FIELD
 from replay.rules.coordinator import (
     Coordinator,
     LookupCoordinator,
@@ -39,6 +40,7 @@ from replay.rules.coordinator import (
     get_policy,
     trace_cache,
 )
+from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.store import LookupEvent
 
 COORDINATORS = ("reference", "vllm")
@@ -118,10 +120,6 @@ class ReplayResult:
     def coordinator(self) -> str:
         return self.variant.coordinator
 
-    def flags(self) -> pl.DataFrame:
-        """One row per (lookup, flag), with the numbers that prove it."""
-        return flags_table(self.results)
-
     def metadata(self) -> dict[str, Any]:
         return {
             "version": 1,
@@ -178,12 +176,17 @@ class Outcomes:
         self.mask = array("i")
         self.loaded = array("i")
         self.group_hit = array("q")
-        # Most lookups carry no flag: only the flagged ones are kept, by index.
-        self.flagged: list[tuple[int, list[str], list[dict[str, Any]]]] = []
+        # The facts (``replay.rules.facts``); whether each is null, beside it.
+        self.group_state = array("q")
+        self.has_group_state = array("b")
+        self.attention = array("q")
+        self.has_attention = array("b")
+        self.absent = array("i")
+        self.has_absent = array("b")
+        self.eagle = array("b")
+        self.has_eagle = array("b")
 
-    def add(self, res: LookupOutcome, flags: Sequence[Flag]) -> None:
-        if flags:
-            self.flagged.append((len(self.hit), flag_names(flags), flag_rows(flags)))
+    def add(self, res: LookupOutcome, facts: LookupFacts) -> None:
         self.hit.append(res.hit_tokens)
         self.verified.append(res.verified_tokens)
         state = res.mamba_state_tokens
@@ -193,46 +196,36 @@ class Outcomes:
             self.mask.append(g.mask_blocks)
             self.loaded.append(g.loaded_blocks)
             self.group_hit.append(g.hit_tokens)
+        self.attention.append(facts.attention_tokens or 0)
+        self.has_attention.append(facts.attention_tokens is not None)
+        for values, has, facts_of in (
+            (self.group_state, self.has_group_state, facts.state_tokens),
+            (self.absent, self.has_absent, facts.first_absent_block),
+            (self.eagle, self.has_eagle, facts.eagle_unit_present),
+        ):
+            for v in facts_of:
+                values.append(0 if v is None else int(v))
+                has.append(v is not None)
 
-    def per_group(self, values: array[int], dtype: Any) -> pa.Array:
+    def per_group(self, values: array[int], dtype: Any, has: array[int] | None = None) -> pa.Array:
         n = len(self.hit)
         offsets = np.arange(0, n * self.num_groups + 1, self.num_groups, dtype=np.int32)
+        mask = None if has is None else ~np.frombuffer(has, dtype=np.bool_)
         return pa.ListArray.from_arrays(
-            pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype))
+            pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype), mask=mask)
         )
-
-    def flag_columns(self, names_type: pa.DataType, rows_type: pa.DataType) -> list[pa.Array]:
-        """``flags`` and ``flag_details``: empty lists but for flagged lookups."""
-        n = len(self.hit)
-        columns = []
-        parts: list[tuple[list[tuple[int, list[Any]]], pa.DataType]] = [
-            ([(i, names) for i, names, _ in self.flagged], names_type),
-            ([(i, rows) for i, _, rows in self.flagged], rows_type),
-        ]
-        for entries, typ in parts:
-            lengths = np.zeros(n, dtype=np.int32)
-            values: list[Any] = []
-            for i, items in entries:
-                lengths[i] = len(items)
-                values.extend(items)
-            offsets = np.zeros(n + 1, dtype=np.int32)
-            np.cumsum(lengths, out=offsets[1:])
-            columns.append(
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ.value_type))
-            )
-        return columns
 
 
 #: One coordinator's answer to one lookup: presence bytes, max_length, (for
 #: a coordinator that asks by hash) the lookup's hashes, and whether to
 #: record its steps (``replay explain``).
 #: A lookup explained: the event, the coordinator's answer with its steps,
-#: and the answer's flags.
-Explained = tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]
+#: and the answer's facts.
+Explained = tuple[LookupEvent[bytes], LookupOutcome, LookupFacts]
 
 
 class Answers:
-    """The fixed point and the flags of every lookup, for each variant, from
+    """The fixed point and the facts of every lookup, for each variant, from
     the same presence bytes. ``unit_present`` keeps those bytes for the
     results column of that name (the store state each lookup saw).
 
@@ -254,9 +247,9 @@ class Answers:
             make_coordinator(config, v.policy, v.coordinator, v.cache, path=where)
             for v in self.variants
         ]
-        # Flags by the rules of the release that answered (its EAGLE groups,
+        # Facts by the rules of the release that answered (its EAGLE groups,
         # alignment and partial hits), not 0.33.0's.
-        self.checkers = [FlagChecker(config, c.cache) for c in self.coordinators]
+        self.facts = [FactRules(config, c.cache) for c in self.coordinators]
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
         self.explain = explain
         self.explained: list[Explained] = []
@@ -269,7 +262,7 @@ class Answers:
         self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
 
     def add(self, lookups: LookupBatch, present: np.ndarray[Any, Any]) -> None:
-        """Answer and flag one batch's lookups; ``present`` in the fold's
+        """Answer one batch's lookups, with their facts; ``present`` in the fold's
         layout (per lookup, per group, its units)."""
         num_groups = self.config.num_groups
         buf = present.tobytes()
@@ -277,32 +270,31 @@ class Answers:
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(lookups.units * num_groups, out=offsets[1:])
         max_lengths = lookups.rows["max_length"].fill_null(0).to_list()
-        observed = lookups.rows["observed_hit_tokens"].to_list()
         hashes: list[Any] = (
             lookups.hashes.to_pylist()
             if self.needs_hashes and lookups.hashes is not None
             else [None] * len(sizes)
         )
-        variants = list(zip(self.coordinators, self.checkers, self.outcomes, strict=True))
+        variants = list(zip(self.coordinators, self.facts, self.outcomes, strict=True))
         explaining = self.explain is not None
         events = (
             _selected(lookups, hashes, self.explain)
             if self.explain is not None
             else [None] * len(sizes)
         )
-        for o, n, max_length, seen, hs, event in zip(
-            offsets[:-1].tolist(), sizes, max_lengths, observed, hashes, events, strict=True
+        for o, n, max_length, hs, event in zip(
+            offsets[:-1].tolist(), sizes, max_lengths, hashes, events, strict=True
         ):
             if explaining and event is None:
                 continue
             present_g = [buf[o + g * n : o + (g + 1) * n] for g in range(num_groups)]
-            for coordinator, checker, outcomes in variants:
+            for coordinator, rules, outcomes in variants:
                 res = coordinator.answer(present_g, max_length, hs, explain=explaining)
-                flags = checker.check_outcome(present_g, max_length, res, seen)
+                facts = rules.outcome_facts(present_g, res)
                 if event is None:
-                    outcomes.add(res, flags)
+                    outcomes.add(res, facts)
                 else:
-                    self.explained.append((event, res, flags))
+                    self.explained.append((event, res, facts))
         if not explaining and lookups.rows.height:
             self.rows.append(lookups.rows)
             if self.unit_present:
@@ -315,8 +307,8 @@ class Answers:
     def frames(self) -> list[pl.DataFrame]:
         """The results of each variant, one row per lookup in seq order."""
         frames = [
-            results_frame(self.rows, outcomes, v.policy, v.coordinator, v.cache)
-            for v, outcomes in zip(self.variants, self.outcomes, strict=True)
+            results_frame(self.rows, outcomes, v, rules.alignment)
+            for v, outcomes, rules in zip(self.variants, self.outcomes, self.facts, strict=True)
         ]
         if not self.unit_present:
             return frames
@@ -401,10 +393,11 @@ def _dictionary(n: int, value: str) -> pa.Array:
 def results_frame(
     lookup_rows: list[pl.DataFrame],
     outcomes: Outcomes,
-    policy: str,
-    coordinator: str,
-    cache: str,
+    variant: Variant,
+    alignment: int,
 ) -> pl.DataFrame:
+    """A variant's answers and facts, one row per lookup: the results but
+    their flags (``ANSWER_SCHEMA``; ``analysis.flags`` adds those)."""
     schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
     if lookup_rows:
         rows = pl.concat(lookup_rows, rechunk=True).to_arrow()
@@ -430,16 +423,29 @@ def results_frame(
         "observed_hit_tokens": observed,
         "observed_match": pc.equal(observed, hit),
         "ts": rows.column("ts"),
-        "policy": _dictionary(n, policy),
-        "coordinator": _dictionary(n, coordinator),
-        "cache": _dictionary(n, cache),
+        "policy": _dictionary(n, variant.policy),
+        "coordinator": _dictionary(n, variant.coordinator),
+        "cache": _dictionary(n, variant.cache),
     }
-    columns["flags"], columns["flag_details"] = outcomes.flag_columns(
-        schema["flags"], schema["flag_details"]
+    columns.update(
+        {
+            "hit_alignment": pa.array(np.full(n, alignment, dtype=np.int64)),
+            "group_state_tokens": outcomes.per_group(
+                outcomes.group_state, np.int64, outcomes.has_group_state
+            ),
+            "attention_tokens": pa.array(
+                np.frombuffer(outcomes.attention, dtype=np.int64),
+                mask=~np.frombuffer(outcomes.has_attention, dtype=np.bool_),
+            ),
+            "first_absent_block": outcomes.per_group(
+                outcomes.absent, np.int32, outcomes.has_absent
+            ),
+            "eagle_unit_present": outcomes.per_group(outcomes.eagle, np.bool_, outcomes.has_eagle),
+        }
     )
     table = pa.table(
-        {name: columns[name].cast(schema[name]) for name in RESULTS_SCHEMA.names},
-        schema=RESULTS_SCHEMA,
+        {name: columns[name].cast(schema[name]) for name in ANSWER_SCHEMA.names},
+        schema=ANSWER_SCHEMA,
     )
     results = pl.from_arrow(table)
     assert isinstance(results, pl.DataFrame)

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,13 @@ import polars as pl
 from replay.base.errors import ReplayError, TraceError
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, LookupBatch, Progress, ReplayResult, Variant, results_of
+from replay.engine.options import ReplayOptions
 from replay.engine.shard import (
     MAX_SHARDS,
     ShardFold,
     ShardPiece,
     gather,
     scatter,
-    variants_for,
 )
 from replay.format.trace import TraceReader
 from replay.format.tracedir import open_trace
@@ -179,25 +179,24 @@ def _cluster_errors(ray: Any) -> tuple[type[BaseException], ...]:
 
 def replay_on_ray(
     path: str | os.PathLike[str],
+    options: ReplayOptions,
     *,
-    policies: Sequence[str],
-    caches: Sequence[str | None] = (None,),
-    workers: int | None = None,
-    address: str | None = None,
     pool: ShardPool | None = None,
-    progress: Callable[[Progress], None] | None = None,
-    stats: dict[str, Any] | None = None,
 ) -> list[ReplayResult]:
     """Replay ``path`` (a trace directory or file) on Ray, one results frame
-    per policy and cache (``variants_for``), identical to ``replay_trace``'s.
+    per variant (``ReplayOptions.variants_for``), identical to the serial
+    replay's; ``replay.engine.run.replay`` calls it.
 
     Ray is the one this process is connected to, else a cluster at
-    ``address`` (``auto``: the one ``ray start`` runs here), else a local one
-    with ``workers`` CPUs. Shards: ``workers``, else the cluster's CPUs.
-    ``stats``, when given, receives the bytes shipped."""
+    ``options.ray_address`` (``auto``: the one ``ray start`` runs here), else
+    a local one with ``options.workers`` CPUs. Shards: ``workers``, else the
+    cluster's CPUs. ``options.stats``, when given, receives the bytes
+    shipped. ``pool``: shard actors to reuse (they are kept)."""
+    workers, address = options.workers, options.ray_address
+    progress, stats = options.progress, options.stats
     reader = open_trace(path)  # metadata, schemas and seq order, before Ray starts
     config = reader.config
-    variants = variants_for(config, policies, caches)
+    variants = options.variants_for(config)
     # Absolute: a worker's directory is not the driver's (nor its node).
     files = [(f.path.resolve(), f.num_rows) for f in getattr(reader, "files", [reader])]
     ray = import_ray()

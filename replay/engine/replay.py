@@ -1,15 +1,15 @@
-"""Replay: stream a trace in ``seq`` order, fold the store, run every lookup
-through a coordinator against the state at that point, flag each answer and
-collect the results.
+"""Replay's Python-object views of a trace: its events in ``seq`` order
+(``iter_events``), the store as a lookup sees it (``state_at``) and the
+lookups explained step by step (``explain_lookups``). The replay itself is
+``replay.engine.run.replay``.
 
 Keys are always the whole hash bytes. The fold runs in compiled code
 (``replay.engine.kernels``, through ``replay.engine.shard``): each batch's
 ``block_hashes`` are viewed as words in place (``replay.format.hashwords.hash_words``),
 stores, removes and clears update one open-addressing table, and every
-lookup gets its presence bytes per group. ``replay_trace`` is the serial
-replay: ``replay.engine.shard``'s pipeline with one shard, answered and flagged by
-``replay.engine.answers``, the one loop every replay shares. No Python object is
-made per stored hash.
+lookup gets its presence bytes per group, answered (with its facts) by
+``replay.engine.answers``, the one loop every replay shares. No Python object
+is made per stored hash.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from analysis.flags import Flag
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Answers, Progress, ReplayResult, Variant, resolve_cache
+from replay.engine.answers import Answers, Variant, resolve_cache
 from replay.engine.shard import replay_answers
-from replay.format.results import write_results
 from replay.format.tracedir import TraceSource, open_trace
-from replay.rules.coordinator import DEFAULT_POLICY, LookupOutcome
+from replay.rules.coordinator import LookupOutcome
+from replay.rules.facts import LookupFacts
 from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
 
 Event = StoreEvent[bytes] | RemoveEvent[bytes] | ClearEvent | LookupEvent[bytes]
@@ -63,38 +62,10 @@ def _event(row: dict[str, Any], hashes: list[Any]) -> Event:
     )
 
 
-def replay_trace(
-    path: TraceSource,
-    *,
-    policy: str = DEFAULT_POLICY,
-    coordinator: str = "reference",
-    cache: str | None = None,
-    unit_present: bool = False,
-    progress: Callable[[Progress], None] | None = None,
-    progress_every: float = 0.2,
-) -> ReplayResult:
-    """Replay every lookup of the trace and flag each answer in the same
-    pass (``analysis/flags.py``, from the presence bytes the lookup saw).
-    ``path``: a trace file or directory, a binary file object, or an open
-    ``TraceReader``. ``cache`` picks which of vLLM's caches answers
-    (``resolve_cache``); ``unit_present`` adds the store state each lookup
-    saw as a column."""
-    reader = open_trace(path)
-    config = reader.config
-    variant = Variant(policy=policy, cache=resolve_cache(config, cache), coordinator=coordinator)
-    answers = Answers(config, [variant], unit_present=unit_present, where=reader.name)
-    (result,) = replay_answers(reader, answers, progress=progress, progress_every=progress_every)
-    return result
-
-
 def default_results_path(trace: str | os.PathLike[str]) -> Path:
     p = Path(trace)
     name = p.name.removesuffix(".parquet")
     return p.with_name(f"{name}.results.parquet")
-
-
-def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
-    return write_results(out, result.results.to_arrow(), result.metadata())
 
 
 def state_at(trace: TraceSource, before_seq: int | None) -> tuple[TraceConfig, Store[bytes]]:
@@ -113,8 +84,8 @@ def explain_lookups(
     *,
     cache: str | None = None,
     until_seq: int | None = None,
-) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, list[Flag]]]]:
-    """Every selected lookup with the coordinator's steps and its flags, in
+) -> tuple[TraceConfig, list[tuple[LookupEvent[bytes], LookupOutcome, LookupFacts]]]:
+    """Every selected lookup with the coordinator's steps and its facts, in
     one pass: the store is folded once and each lookup explained where it
     stands."""
     reader = open_trace(path)

@@ -5,7 +5,7 @@ it that touch those units' keys, so the store can be split by key into K
 shards that never need each other: shard ``k`` folds the stores and removes
 of its keys (a clear goes to every shard) and answers its keys' probes of
 every lookup. The presence bytes then come back to the lookup, which runs
-the coordinator's fixed point and the flags (``replay.engine.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
+the coordinator's fixed point and the facts (``replay.engine.answers``). Memory per shard is the store / K; nothing is shipped twice; and since
 presence does not depend on the policy or the cache, each extra variant
 costs only its fixed point.
 
@@ -14,7 +14,7 @@ hashes share their first 8 bytes, so a prefix would put them all in one
 shard). Every group's key of one hash lands in the same shard: the compiled
 table keeps one slot per hash with a bit per group, so a shard's probe of a
 unit answers every group at once. One shard is the serial replay
-(``replay.engine.replay.replay_trace``): its piece is the batch itself and
+(``replay.engine.run.replay``): its piece is the batch itself and
 gathering is the identity.
 
 The stages (``scatter``, ``ShardFold.fold``, ``gather``, ``Answers.add``)
@@ -36,21 +36,17 @@ import pyarrow as pa
 from numba import njit
 
 from replay.base.errors import ReplayError
-from replay.base.spec import TraceConfig
 from replay.engine.answers import (
     LOOKUP_COLUMNS,
     Answers,
     LookupBatch,
     Progress,
     ReplayResult,
-    Variant,
-    resolve_cache,
 )
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
 from replay.format.hashwords import HashWords, hash_words
 from replay.format.schema import TraceBatch
 from replay.format.trace import TraceReader, prefetched
-from replay.format.tracedir import TraceSource, open_trace
 
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
 
@@ -283,44 +279,6 @@ def gather(
     return full
 
 
-def variants_for(
-    config: TraceConfig,
-    policies: Sequence[str],
-    caches: Sequence[str | None] = (None,),
-    coordinator: str = "reference",
-) -> list[Variant]:
-    """Every policy in every cache, policy by policy; each cache resolved as
-    the serial run does (None: the trace's)."""
-    if not policies or not caches:
-        raise ReplayError("no policy or cache to replay under")
-    used = [resolve_cache(config, c) for c in caches]
-    pairs = dict.fromkeys((p, c) for p in policies for c in used)
-    return [Variant(policy=p, cache=c, coordinator=coordinator) for p, c in pairs]
-
-
-def replay_sharded(
-    trace: TraceSource,
-    *,
-    policies: Sequence[str],
-    caches: Sequence[str | None] = (None,),
-    coordinator: str = "reference",
-    unit_present: bool = False,
-    shards: int = 1,
-    progress: Callable[[Progress], None] | None = None,
-    progress_every: float = 0.2,
-) -> list[ReplayResult]:
-    """Replay in this process with the store split into ``shards`` shards,
-    under each policy in each cache from one fold (``variants_for``): the
-    results are those of ``replay_trace`` for every shard count. ``trace``:
-    a path, a binary file object or an open ``TraceReader``."""
-    reader = open_trace(trace)
-    variants = variants_for(reader.config, policies, caches, coordinator)
-    answers = Answers(reader.config, variants, unit_present=unit_present, where=reader.name)
-    return replay_answers(
-        reader, answers, shards=shards, progress=progress, progress_every=progress_every
-    )
-
-
 def replay_answers(
     reader: TraceReader,
     answers: Answers,
@@ -330,7 +288,7 @@ def replay_answers(
     progress_every: float = 0.2,
     until_seq: int | None = None,
 ) -> list[ReplayResult]:
-    """Every lookup of ``reader`` answered and flagged by ``answers``, with
+    """Every lookup of ``reader`` answered by ``answers`` (with its facts), with
     the store split into ``shards`` key shards (one: the serial replay);
     ``until_seq`` stops reading after the batch that reaches it. Three
     stages on their own threads: read and validate, fold (compiled, no

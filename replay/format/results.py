@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from replay.base.errors import ConfigError, ReplayError, TraceError
 from replay.base.spec import TraceConfig
 from replay.format.schema import (
+    FACT_COLUMNS,
     RESULTS_META_KEY,
     RESULTS_SCHEMA,
     SIZE_LIMIT,
@@ -47,13 +48,22 @@ def write_results(
         if name not in table.column_names:
             raise ReplayError(
                 f"{path}: results without their {name!r} column (replay with "
-                "replay.engine.replay.replay_trace, which flags every lookup)"
+                "analysis.flags.flag_results, which flags every lookup from its facts)"
             )
         if table.column(name).null_count:
             raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")
     schema = results_schema(metadata)
+    facts = [n for n in FACT_COLUMNS if n in table.column_names]
+    if not facts:
+        # A writer from before the facts: its flags are the file's, as written.
+        schema = pa.schema(
+            [f for f in schema if f.name not in FACT_COLUMNS], metadata=schema.metadata
+        )
+    elif len(facts) < len(FACT_COLUMNS):
+        gone = next(n for n in FACT_COLUMNS if n not in facts)
+        raise ReplayError(f"{path}: results without the fact column {gone!r} (they come together)")
     extra = [n for n in table.column_names if n not in RESULTS_SCHEMA.names]
-    table = table.select(list(RESULTS_SCHEMA.names) + extra)
+    table = table.select(schema.names + extra)
     fields = list(schema) + [table.schema.field(n) for n in extra]
     table = table.cast(pa.schema(fields, metadata=schema.metadata))
     with atomic_path(path) as tmp:
@@ -113,6 +123,14 @@ def _results_type_ok(name: str, typ: pa.DataType) -> bool:
         return bool(pa.types.is_boolean(typ) or pa.types.is_null(typ))
     if name == "flags":
         return is_list(typ) and _string_ok(typ.value_type)
+    if name in ("hit_alignment", "attention_tokens"):
+        return _int_ok(typ) or pa.types.is_null(typ)
+    if name in ("group_state_tokens", "first_absent_block"):
+        return is_list(typ) and (_int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
+    if name == "eagle_unit_present":
+        return is_list(typ) and (
+            pa.types.is_boolean(typ.value_type) or pa.types.is_null(typ.value_type)
+        )
     if name == "unit_present":
         return (
             is_list(typ)
@@ -131,6 +149,13 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     frame = _to_polars(table)
     casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
     casts += [pl.col(n).cast(pl.List(pl.Int64)) for n in _RESULTS_INT_LISTS if n in frame.columns]
+    if "hit_alignment" in frame.columns:
+        casts += [
+            pl.col("hit_alignment", "attention_tokens").cast(pl.Int64),
+            pl.col("group_state_tokens").cast(pl.List(pl.Int64)),
+            pl.col("first_absent_block").cast(pl.List(pl.Int32)),
+            pl.col("eagle_unit_present").cast(pl.List(pl.Boolean)),
+        ]
     for name in ("policy", "coordinator", "request_id"):
         if name in frame.columns:
             casts.append(pl.col(name).cast(pl.String))
@@ -171,6 +196,15 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
         checks.append((col.list.min() < 0, f"{name} holds a negative number"))
         limit = TOKEN_LIMIT if name == "group_hit_tokens" else SIZE_LIMIT
         checks.append((col.list.max() > limit, f"{name} holds a number above {limit}"))
+    if "hit_alignment" in frame.columns:
+        checks.append((pl.col("hit_alignment") < 1, "hit_alignment is not a positive number"))
+        for name in ("group_state_tokens", "first_absent_block", "eagle_unit_present"):
+            checks.append(
+                (pl.col(name).is_null(), f"{name} is null (expected one entry per group)")
+            )
+            checks.append(
+                (pl.col(name).list.len() != n, f"{name} needs one entry per KV-cache group ({n})")
+            )
     if "unit_present" in frame.columns:
         up = pl.col("unit_present")
         checks.append((up.is_null(), "unit_present is null (expected one list per group)"))
@@ -234,6 +268,13 @@ def read_results(
             if expected is None:
                 expected = str(RESULTS_SCHEMA.field(name).type)
             raise TraceError(f"{path}: column {name!r} has type {typ}, expected {expected}")
+    facts = [n for n in FACT_COLUMNS if n in schema.names]
+    if facts and len(facts) < len(FACT_COLUMNS):
+        gone = next(n for n in FACT_COLUMNS if n not in schema.names)
+        raise TraceError(
+            f"{path}: missing column {gone!r} (the facts columns {', '.join(FACT_COLUMNS)} "
+            "come together, or not at all in a file from before them)"
+        )
     config = results_config(info, path)
     try:
         table = pf.read()

@@ -80,6 +80,12 @@ RESULTS_SCHEMA = pa.schema(
         _lookup("observed_hit_tokens"),
         pa.field("observed_match", pa.bool_()),
         _lookup("ts"),
+        # The facts every flag needs beyond the answer (replay/rules/facts.py).
+        pa.field("hit_alignment", pa.int64()),
+        pa.field("group_state_tokens", pa.list_(pa.int64())),
+        pa.field("attention_tokens", pa.int64()),
+        pa.field("first_absent_block", pa.list_(pa.int32())),
+        pa.field("eagle_unit_present", pa.list_(pa.bool_())),
         pa.field("flags", pa.list_(pa.string())),
         *(pa.field(name, LABEL) for name in ("policy", "coordinator", "cache")),
         # Each flag with the numbers that prove it (analysis/flags.py).
@@ -103,6 +109,22 @@ RESULTS_SCHEMA = pa.schema(
 
 #: Per lookup, per group_id, per hash unit: whether the group held a key for
 #: that unit's hash when the lookup ran (the store state the lookup saw).
+#: The facts columns: a results file from before them has none, and its
+#: flags are read as written.
+FACT_COLUMNS = (
+    "hit_alignment",
+    "group_state_tokens",
+    "attention_tokens",
+    "first_absent_block",
+    "eagle_unit_present",
+)
+
+#: The columns the analyses add to the replay's answers and facts.
+FLAG_COLUMNS = ("flags", "flag_details")
+
+#: What the replay writes: the results but their flags (the analyses add them).
+ANSWER_SCHEMA = pa.schema([f for f in RESULTS_SCHEMA if f.name not in FLAG_COLUMNS])
+
 UNIT_PRESENT_FIELD = pa.field("unit_present", pa.list_(pa.list_(pa.bool_())))
 
 

@@ -6,7 +6,9 @@
 2. Delta debugging (ddmin) over the remaining events.
 3. Shorten the lookup's hashes from the end while the flag still fires.
 The result gets a ``replay.expect`` entry for every policy, ready to commit
-into ``traces/``.
+into ``traces/``. The flags are the caller's judgement (``judge``: the
+analyses' ``add_flags``): a tool sits below the analyses and never imports
+them.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import polars as pl
+
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.engine.replay import iter_events, replay_trace
-from replay.engine.shard import replay_sharded
+from replay.engine.replay import iter_events
+from replay.engine.run import ReplayOptions, replay
 from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
@@ -26,6 +30,10 @@ from replay.format.writer import events_table, write_trace
 from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
 
 Row = dict[str, Any]
+
+#: Adds ``flags`` to a results frame of a trace of that configuration
+#: (``analysis.flags.add_flags``).
+Judge = Callable[[pl.DataFrame, TraceConfig], pl.DataFrame]
 
 
 def _rows(reader: TraceReader) -> list[Row]:
@@ -55,10 +63,12 @@ def _flags_of(
     rows: Sequence[Row],
     request_id: str,
     policy: str,
+    judge: Judge,
     cache: str | None = None,
 ) -> tuple[set[str], int]:
-    result = replay_trace(_candidate(config, rows), policy=policy, cache=cache)
-    return _request_answer(result.results, request_id)
+    options = ReplayOptions(policies=(policy,), caches=(cache,))
+    (result,) = replay(_candidate(config, rows), options)
+    return _request_answer(judge(result.results, config), request_id)
 
 
 def _renumbered(rows: Sequence[Row]) -> list[Row]:
@@ -93,6 +103,7 @@ def minimize(
     policy: str = "pre-49502",
     cache: str | None = None,
     seq: int | None = None,
+    judge: Judge,
 ) -> dict[str, Any]:
     """``cache`` (default: the trace's own) answers every replay, and the
     expectations name it when it was asked for; ``seq`` picks the lookup when
@@ -115,7 +126,7 @@ def minimize(
     def has_flag(flags: set[str]) -> bool:
         return flag in flags if flag is not None else bool(flags)
 
-    if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, cache)[0]):
+    if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, judge, cache)[0]):
         what = f"{flag} flag" if flag else "flag"
         raise ReplayError(
             f"{reader.name}: request {request_id!r} raises no {what} under {policy}: "
@@ -132,7 +143,7 @@ def minimize(
     target = rows[t]
 
     def fails(evs: list[Row], tgt: Row = target) -> bool:
-        return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, cache)[0])
+        return has_flag(_flags_of(config, [*evs, tgt], request_id, policy, judge, cache)[0])
 
     if not fails(events):
         raise ReplayError(f"{reader.name}: cutting unrelated events lost the flag (please report)")
@@ -162,11 +173,11 @@ def minimize(
     # The default's and the emulations' expectations from one fold of the
     # final rows (the release policies are `replay bisect`'s: a regression
     # trace pins the current release and the bug's emulation).
-    pinned = [DEFAULT_POLICY, *(p.name for p in ALIASES)]
-    replayed = replay_sharded(_candidate(config, final), policies=pinned, caches=(cache,))
+    pinned = (DEFAULT_POLICY, *(p.name for p in ALIASES))
+    options = ReplayOptions(policies=pinned, caches=(cache,))
     expect = []
-    for result in replayed:
-        flags, hit = _request_answer(result.results, request_id)
+    for result in replay(_candidate(config, final), options):
+        flags, hit = _request_answer(judge(result.results, config), request_id)
         counts = {f: 1 for f in sorted(flags)}
         entry: dict[str, Any] = {
             "policy": result.policy,

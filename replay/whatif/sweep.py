@@ -40,19 +40,27 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from analysis.flags import FLAG_KINDS, FlagChecker
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
 from replay.format.writer import TraceWriter
 from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
-from replay.rules.coordinator import DEFAULT_POLICY, Coordinator, get_cache, get_policy
+from replay.rules.coordinator import (
+    DEFAULT_POLICY,
+    Coordinator,
+    LookupOutcome,
+    get_cache,
+    get_policy,
+)
 from replay.rules.coordinator.finders import block_view
+from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.whatif.requests import Requests
 
-SWEEP_COLUMNS = (*SWEEP_BASE_COLUMNS, *FLAG_KINDS)
+#: The columns the sweep writes itself; the face adds one count per flag,
+#: from each run's facts (``analysis.flags.sweep_flag_counts``).
+SWEEP_COLUMNS = SWEEP_BASE_COLUMNS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,14 +142,16 @@ class _Log:
 
 
 def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``); with
-    ``spec.emit``, the run written there as a trace."""
+    """One run of the sweep: its row (see ``SWEEP_COLUMNS``) and, under
+    ``facts``, every lookup's answer and facts as results columns (the
+    analyses count the flags from them: the what-if never imports its
+    judge); with ``spec.emit``, the run written there as a trace."""
     started = time.perf_counter()
     config = requests.config
     log = _Log(requests) if spec.emit else None
     on_key = log.key if log is not None else None
-    checker = FlagChecker(config, spec.cache)
-    flags = dict.fromkeys(FLAG_KINDS, 0)
+    fact_rules = FactRules(config, spec.cache)
+    facts = _Facts()
     hit_tokens = prompt_tokens = not_admitted = preempted = 0
     hbs = config.hash_block_size
 
@@ -223,8 +233,7 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
                 for j in blocks:
                     store.put(gid, view[int(j)])
-        for flag in checker.check_outcome(present, max_length, outcome, None):
-            flags[flag.flag] += 1
+        facts.add(max_length, outcome, fact_rules.outcome_facts(present, outcome))
 
     evicted = gpu.pool.evicted_blocks if gpu is not None else store.evicted  # type: ignore[union-attr]
     if log is not None and spec.emit is not None:
@@ -254,8 +263,57 @@ def simulate(requests: Requests, spec: RunSpec) -> dict[str, Any]:
         "not_admitted": not_admitted,
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
-        **flags,
+        "facts": facts.frame(fact_rules.alignment),
     }
+
+
+class _Facts:
+    """The answers and facts of a run's lookups, as results columns."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = {
+            name: []
+            for name in (
+                "max_length",
+                "hit_tokens",
+                "mask_blocks",
+                "group_state_tokens",
+                "attention_tokens",
+                "first_absent_block",
+                "eagle_unit_present",
+            )
+        }
+
+    def add(self, max_length: int, outcome: LookupOutcome, facts: LookupFacts) -> None:
+        c = self.columns
+        c["max_length"].append(max_length)
+        c["hit_tokens"].append(outcome.hit_tokens)
+        c["mask_blocks"].append([g.mask_blocks for g in outcome.groups])
+        c["group_state_tokens"].append(facts.state_tokens)
+        c["attention_tokens"].append(facts.attention_tokens)
+        c["first_absent_block"].append(facts.first_absent_block)
+        c["eagle_unit_present"].append(facts.eagle_unit_present)
+
+    def frame(self, alignment: int) -> pl.DataFrame:
+        n = len(self.columns["hit_tokens"])
+        return pl.DataFrame(
+            {
+                **self.columns,
+                "observed_hit_tokens": [None] * n,
+                "hit_alignment": [alignment] * n,
+            },
+            schema={
+                "max_length": pl.Int64,
+                "hit_tokens": pl.Int64,
+                "mask_blocks": pl.List(pl.Int32),
+                "group_state_tokens": pl.List(pl.Int64),
+                "attention_tokens": pl.Int64,
+                "first_absent_block": pl.List(pl.Int32),
+                "eagle_unit_present": pl.List(pl.Boolean),
+                "observed_hit_tokens": pl.Int64,
+                "hit_alignment": pl.Int64,
+            },
+        )
 
 
 #: A worker's copy of the sweep's requests, sent once when it starts.
@@ -335,6 +393,8 @@ def sweep(
 
 
 def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    """The runs as the sweep file's frame: ``SWEEP_COLUMNS``, then the
+    counts the face added (one per flag), in the rows' order."""
     schema: dict[str, Any] = {
         "capacity_blocks": pl.Int64,
         "capacity_bytes": pl.Int64,
@@ -349,9 +409,10 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "not_admitted": pl.Int64,
         "preempted": pl.Int64,
         "seconds": pl.Float64,
-        **dict.fromkeys(FLAG_KINDS, pl.Int64),
     }
-    return pl.DataFrame([{c: r[c] for c in SWEEP_COLUMNS} for r in rows], schema=schema)
+    counts = [c for c in (rows[0] if rows else {}) if c not in schema and c != "facts"]
+    schema.update(dict.fromkeys(counts, pl.Int64))
+    return pl.DataFrame([{c: r[c] for c in schema} for r in rows], schema=schema)
 
 
 def write_sweep(
