@@ -100,6 +100,9 @@ class Cache(Entry):
     #: block, vLLM 0.26.0 in the engine, 0.27.0 in the mirror); before,
     #: ``hit // block_size``.
     trim_ceil: bool = True
+    #: The sliding-window finder lets a run end where the length before the
+    #: EAGLE pop is aligned (before vLLM 0.20.0), not after it.
+    sliding_window_align_before_pop: bool = False
     #: A simple hybrid (one full-attention spec group first, one other) stops
     #: after one pass (#33524, vLLM 0.16.0).
     simple_hybrid_single_pass: bool = True

@@ -364,6 +364,7 @@ class Coordinator(LookupCoordinator):
             drop_eagle=drop,
             alignment=self.alignment,
             hash_block_size=self.config.hash_block_size,
+            align_run_before_pop=self.cache.sliding_window_align_before_pop,
         )
         return FINDERS[sg.kind](sg.spec, present, query)
 

@@ -66,7 +66,7 @@ _E23 = _E26.but(
     partial_hits="none", mamba_peek_margin=True, full_reuse_own_hit=False, trim_ceil=False
 )
 _E20 = _E23.but(lcm_alignment=True)
-_E16 = _E20.but(verify_eagle_once=False, eagle_flags=False)
+_E16 = _E20.but(verify_eagle_once=False, eagle_flags=False, sliding_window_align_before_pop=True)
 
 # The mirror's rules, newest first.
 _M33 = MIRROR
