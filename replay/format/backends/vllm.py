@@ -105,14 +105,21 @@ class _KeyView:
     answered by the caller's per-group membership tests instead of a copy
     of the store."""
 
-    __slots__ = ("_contains",)
+    __slots__ = ("_contains", "_joined")
 
-    def __init__(self, contains: Sequence[Callable[[Hashable], bool]]) -> None:
+    def __init__(
+        self,
+        contains: Sequence[Callable[[Hashable], bool]],
+        joined: dict[Hashable, Hashable] | None = None,
+    ) -> None:
         self._contains = contains
+        # A mirror before 0.23 keys a block by its hash units joined: the
+        # block is present when its last unit is.
+        self._joined = joined or {}
 
     def __contains__(self, key: tuple[int, Hashable]) -> bool:
         group_id, block_hash = key
-        return bool(self._contains[group_id](block_hash))
+        return bool(self._contains[group_id](self._joined.get(block_hash, block_hash)))
 
 
 class _RecordingManager:
@@ -343,7 +350,10 @@ class VllmCoordinator(LookupCoordinator):
                 pool = pool_cls(
                     **_accepted(
                         pool_cls.__init__,
-                        {"hash_block_size": hbs, "exists": _KeyView(contains)},
+                        {
+                            "hash_block_size": hbs,
+                            "exists": _KeyView(contains, self._joined_units(block_hashes)),
+                        },
                     )
                 )
                 masks, hit = self._coordinator.find_longest_cache_hit(
@@ -352,6 +362,14 @@ class VllmCoordinator(LookupCoordinator):
             if self._unitary:
                 self._hits[0] = hit
             return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
+
+    def _joined_units(self, block_hashes: list[Hashable]) -> dict[Hashable, Hashable]:
+        """Each joined block key of every group's block size, to its last unit."""
+        out: dict[Hashable, Hashable] = {}
+        for gid in range(self.config.num_groups):
+            for i, key in self._joined_keys(block_hashes, gid):
+                out[key] = block_hashes[i]
+        return out
 
     def _joined_keys(self, block_hashes: list[Hashable], gid: int) -> list[tuple[int, Hashable]]:
         """``(last unit index, key)`` of each whole block of group ``gid`` when
