@@ -4,12 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-VLLM_VENV := .venv-vllm
+# The vLLM release the differential tests run against (`make test-vllm
+# VLLM=0.26.0`); 0.33.0, what CI runs, keeps the venv name .venv-vllm.
+VLLM ?= 0.33.0
+VLLM_VENV := $(if $(filter 0.33.0,$(VLLM)),.venv-vllm,.venv-vllm-$(VLLM))
 VLLM_STAMP := $(VLLM_VENV)/.project-installed
-SHARED ?= ../shared
+# One release per release policy (replay.coordinator.RELEASES), oldest first.
+VLLM_RELEASES := 0.19.1 0.21.0 0.22.1 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.32.0 0.33.0
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test test-slow lint pytest smoke test-vllm test-ray bench traces clean mutants
+.PHONY: install demo test test-slow lint pytest smoke test-vllm test-vllm-releases test-ray bench traces clean mutants
 
 install: $(STAMP)
 
@@ -103,18 +107,30 @@ smoke:
 	  assert info['policy'] == 'vllm-0.33', info.get('policy'); \
 	  print(f'smoke: {frame.height} lookups read back from demo.results.parquet')"
 
-# The differential tests against the real vLLM coordinator, in a CPU
-# virtualenv built by the shared script (a few minutes the first time).
+# The differential tests against the real vLLM coordinators of one release,
+# in a CPU virtualenv built once per release by tools/vllm-env.sh (a few
+# minutes the first time). 0.33.0 runs every vLLM test; another release runs
+# the lookup differential in both caches against the policy that models it.
 $(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || bash $(SHARED)/tools/vllm-oracle-env.sh $(VLLM_VENV)
+	test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
 	touch $(VLLM_STAMP)
 
-# Then the regression corpus through the installed vLLM's own coordinators
-# (the pytest route, as a vLLM developer runs it on their branch).
+VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py)
+
+# Then (for the release CI runs) the regression corpus through the installed
+# vLLM's own coordinators (the pytest route, as a vLLM developer runs it on
+# their branch).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider
-	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/
+	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
+	$(if $(VLLM_TESTS),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/)
+
+# Every modelled release, one after the other (each venv is built once).
+test-vllm-releases:
+	@for v in $(VLLM_RELEASES); do \
+	  echo "== vLLM $$v"; \
+	  $(MAKE) --no-print-directory test-vllm VLLM=$$v || exit 1; \
+	done
 
 # The kill matrix of the corpus against one-line mutants of the installed
 # vLLM's lookup path (mutants/vllm-0.33.toml), and its branch coverage of

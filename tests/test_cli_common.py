@@ -71,6 +71,7 @@ BAD: dict[tuple[str, ...], list[str]] = {
     ("explain",): ["{m}", "--request", "r"],
     ("minimize",): ["{m}", "--request", "r", "-o", "{o}"],
     ("diff",): ["{m}", "{m}"],
+    ("bisect",): ["{m}"],
     ("report",): ["{m}", "-o", "{o}"],
     ("whatif",): ["{m}", "--capacity-blocks", "10", "-o", "{o}"],
     ("record",): ["--endpoint", "tcp://127.0.0.1:1", "-o", "{o}", "--config", "{m}"],

@@ -337,9 +337,12 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts, result_flags
+    from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
 
+    # The current release and the emulations of the bugs the corpus pins.
+    pinned = [DEFAULT_POLICY, *(p.name for p in ALIASES)]
     out = []
-    for (policy, cache), result in replayed_results(trace, config).items():
+    for (policy, cache), result in replayed_results(trace, config, pinned).items():
         res = result.results
         hits = dict(zip(res["request_id"].to_list(), res["hit_tokens"].to_list(), strict=True))
         masks = {

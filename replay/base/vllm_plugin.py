@@ -227,6 +227,7 @@ def open_sink(target: str, rank: int = 0) -> Sink:
 def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
     """The trace config and engine facts from the manager's coordinator (what
     the lookups actually run with) and the ``VllmConfig``."""
+    import vllm
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         MambaSpec,
@@ -236,6 +237,8 @@ def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
 
     from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 
+    # The running release: `replay run` answers as its policy by default.
+    version = str(vllm.__version__)
     coordinator = manager.coordinator
     kv_config = manager.kv_cache_config
     groups = []
@@ -301,8 +304,9 @@ def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
         # takes as use_eagle.
         use_eagle=bool(manager.use_eagle),
         enable_partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
-        source={"cache": "gpu", "tool": "replay vllm plugin"},
+        source={"cache": "gpu", "tool": "replay vllm plugin", "vllm_version": version},
     )
+    engine["vllm_version"] = version
     return {"config": config.to_json(), "engine": engine}
 
 

@@ -34,7 +34,7 @@ SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
     ("Guard vLLM", (guard.test,)),
-    ("Compare and report", (analysis.diff, analysis.report, whatif.whatif)),
+    ("Compare and report", (analysis.diff, analysis.bisect, analysis.report, whatif.whatif)),
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),
 )

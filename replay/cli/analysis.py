@@ -1,5 +1,5 @@
-"""``replay diff`` and ``replay report``: click only, over ``analysis.diff``
-and ``analysis.report``."""
+"""``replay diff``, ``replay bisect`` and ``replay report``: click only, over
+``analysis.diff``, ``analysis.bisect`` and ``analysis.report``."""
 
 from __future__ import annotations
 
@@ -115,6 +115,56 @@ def diff(
         click.echo(f"wrote {result.changed} changed lookups to {output}")
     elif output is not None:
         click.echo(f"wrote the diff ({NAMES[fmt]}) to {output}")
+
+
+@command("bisect")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--request", "request_id", default=None, help="Only this request's lookups.")
+@click.option("--from", "first", metavar="VERSION", default=None, help="Oldest vLLM release.")
+@click.option("--to", "last", metavar="VERSION", default=None, help="Newest vLLM release.")
+@repeated_choice(
+    "--cache", "caches", CACHES, "A cache to bisect (repeatable). Default: gpu and mooncake."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
+@count_option("--limit", default=20, help="Changing lookups to print per cache.")
+def bisect(
+    trace: Path,
+    request_id: str | None,
+    first: str | None,
+    last: str | None,
+    caches: tuple[str, ...],
+    as_json: bool,
+    limit: int,
+) -> None:
+    """Every modelled vLLM release's answer for each lookup of TRACE, from one
+    fold of the store, and the releases at which a lookup's hit, load masks
+    or flags change.
+
+    \b
+      replay bisect TRACE                          every release, both caches
+      replay bisect TRACE --request ID --from 0.22.0 --to 0.28.0
+
+    Prints a Markdown table per cache (--json: every lookup and release).
+    A cache a release did not have is listed with the reason. Exit status 0
+    (a report), 2 on bad input.
+    """
+    import json
+
+    from analysis.bisect import bisect as run_bisect
+    from analysis.bisect import markdown
+
+    report = run_bisect(
+        trace,
+        caches=tuple(dict.fromkeys(caches)) or ("gpu", "mooncake"),
+        first=first,
+        last=last,
+        request_id=request_id,
+    )
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    for line in markdown(report, limit=max(limit, 0)):
+        click.echo(line)
 
 
 @command("report")

@@ -10,11 +10,20 @@ from pathlib import Path
 
 import click
 
+from replay.base.errors import ReplayError
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, integer_type, output_option, repeated_choice
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
-from replay.rules.coordinator import CACHES, COORDINATORS, DEFAULT_POLICY, POLICIES
+from replay.rules.coordinator import (
+    CACHES,
+    COORDINATORS,
+    DEFAULT_POLICY,
+    POLICIES,
+    get_policy,
+    policy_for_version,
+    trace_policy,
+)
 from replay.tools.render import (
     check_lines,
     config_lines,
@@ -83,6 +92,14 @@ SEQ = click.option(
     "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
     "repeat it for one results file per cache from the same fold.",
 )
+@click.option(
+    "--vllm",
+    "vllm_version",
+    metavar="VERSION",
+    default=None,
+    help="Answer as this vLLM release (e.g. 0.26.0): its policy. Default: the trace's "
+    f"source.vllm_version (recorded by the vLLM plugin), else {DEFAULT_POLICY}.",
+)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -100,6 +117,7 @@ def run(
     output: Path | None,
     policies: tuple[str, ...],
     caches: tuple[str, ...],
+    vllm_version: str | None,
     coordinator: str,
     workers: int | None,
     ray_address: str | None,
@@ -126,7 +144,7 @@ def run(
     from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import check_outputs, staged_outputs
 
-    policies = tuple(dict.fromkeys(policies)) or (DEFAULT_POLICY,)
+    policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
@@ -215,6 +233,35 @@ def _followed(path: Path, policy: str | None, cache: str | None) -> tuple[Path, 
     if info is None:
         return trace, policy or DEFAULT_POLICY, cache
     return trace, policy or str(info.get("policy", DEFAULT_POLICY)), cache or results_cache(info)
+
+
+def _run_policies(
+    trace: Path, given: tuple[str, ...], vllm_version: str | None, quiet: bool
+) -> tuple[str, ...]:
+    """The policies to answer with: ``--policy``, else ``--vllm``'s release,
+    else the trace's recorded release, else the default. What is inferred,
+    and what an emulation stands for, is said on stderr."""
+    from replay.format.tracedir import open_trace
+
+    notes: list[str] = []
+    if vllm_version is not None:
+        if given:
+            raise fail("--vllm and --policy both choose the policy: give one")
+        try:
+            policy = policy_for_version(vllm_version)
+        except ReplayError as exc:
+            raise fail(f"--vllm: {exc}") from None
+        given = (policy.name,)
+        notes.append(f"policy {policy.name}: vLLM {vllm_version} (vLLM {policy.releases})")
+    elif not given:
+        recorded = trace_policy(open_trace(trace).config.source)
+        given = (recorded[0],) if recorded else (DEFAULT_POLICY,)
+        notes.extend(recorded[1:] if recorded else ())
+    notes.extend(get_policy(p).alias_note for p in given if get_policy(p).alias_note)
+    if not quiet:
+        for note in notes:
+            click.echo(note, err=True)
+    return given
 
 
 @command()

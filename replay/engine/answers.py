@@ -246,7 +246,9 @@ class Answers:
             make_coordinator(config, v.policy, v.coordinator, v.cache, path=where)
             for v in self.variants
         ]
-        self.facts = [FactRules(config, v.cache) for v in self.variants]
+        # Facts by the rules of the release that answered (its EAGLE groups,
+        # alignment and partial hits), not 0.33.0's.
+        self.facts = [FactRules(config, c.cache) for c in self.coordinators]
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
         self.explain = explain
         self.explained: list[Explained] = []

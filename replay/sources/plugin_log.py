@@ -308,8 +308,11 @@ def plugin_source(
     placer: LookupPlacer, engines: list[dict[str, Any]], origin: dict[str, Any]
 ) -> dict[str, Any]:
     """The ``source`` entries of a trace whose lookups came from the plugin."""
+    versions = {(e.get("engine") or {}).get("vllm_version") for e in engines} - {None}
     return {
         "lookups": {**placer.source(), **origin},
         "engine": [{"instance": e.get("instance"), **(e.get("engine") or {})} for e in engines],
         "cache": "gpu",
+        # The running vLLM's release (one, unless the engines ran different ones).
+        **({"vllm_version": versions.pop()} if len(versions) == 1 else {}),
     }

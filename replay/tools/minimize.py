@@ -27,7 +27,7 @@ from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import POLICIES
+from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
 
 Row = dict[str, Any]
 
@@ -182,8 +182,11 @@ def minimize(
     ]
     events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
     final = [*events, target]
-    # Every policy's expectation from one fold of the final rows.
-    options = ReplayOptions(policies=tuple(POLICIES), caches=(cache,))
+    # The default's and the emulations' expectations from one fold of the
+    # final rows (the release policies are `replay bisect`'s: a regression
+    # trace pins the current release and the bug's emulation).
+    pinned = (DEFAULT_POLICY, *(p.name for p in ALIASES))
+    options = ReplayOptions(policies=pinned, caches=(cache,))
     expect = []
     for result in replay(_candidate(config, final), options):
         flags, hit = _request_answer(judge(result.results, config), request_id)

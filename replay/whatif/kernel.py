@@ -41,7 +41,8 @@ import numpy as np
 from numba import njit
 
 from replay.base.spec import GroupKind, TraceConfig
-from replay.rules.coordinator import Coordinator
+from replay.rules.coordinator import Coordinator, get_policy
+from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
 from replay.rules.store_rules import StorePolicy, StoreRules
 
@@ -98,10 +99,17 @@ class KernelConfig:
     members: np.ndarray[Any, np.dtype[np.int64]]
 
 
-def supported(config: TraceConfig, cache: str) -> str | None:
-    """Why the kernel cannot run this configuration, or None when it can."""
+def supported(config: TraceConfig, cache: str, policy: str | None = None) -> str | None:
+    """Why the kernel cannot run this configuration, or None when it can.
+    It models vLLM 0.33's engine rules, with or without the EAGLE drop once
+    per candidate and Mamba's peek margin (the emulated policies); another
+    release's engine runs the Python model."""
     if cache != "gpu":
         return "the compiled model covers the gpu cache"
+    if policy is not None:
+        rules = get_policy(policy).rules("gpu")
+        if rules.but(verify_eagle_once=True, mamba_peek_margin=False) != ENGINE:
+            return f"policy {policy}'s engine rules"
     if partial_hits(config, cache):
         return "partial hash hits"
     for g in config.groups:
@@ -142,8 +150,8 @@ def compile_config(
     params[P_ALIGN] = coordinator.alignment
     params[P_SINGLE] = coordinator._single_call
     params[P_SIMPLE] = coordinator._simple_hybrid
-    params[P_VERIFY_ONCE] = coordinator.policy.verify_eagle_once
-    params[P_MAMBA_PEEK] = coordinator.policy.mamba_peek_margin
+    params[P_VERIFY_ONCE] = coordinator.cache.verify_eagle_once
+    params[P_MAMBA_PEEK] = coordinator.cache.mamba_peek_margin
     params[P_A] = rules.alignment
     params[P_BUDGET] = store_policy.max_num_batched_tokens
     r = store_policy.retention_interval

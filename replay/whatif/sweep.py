@@ -371,7 +371,7 @@ def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
     return (
         spec.emit is None
         and spec.cache == "gpu"
-        and whatif_kernel.supported(requests.config, "gpu") is None
+        and whatif_kernel.supported(requests.config, "gpu", spec.policy) is None
     )
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own coordinators behind the reference ``Coordinator``'s interface.
+"""The installed vLLM's own coordinators behind the reference ``Coordinator``'s interface.
 
 ``VllmCoordinator`` builds real vLLM spec objects for a trace's groups and,
 per cache, vLLM's own coordinator over them:
@@ -21,20 +21,23 @@ results format can hold) and each spec group's hit on its last finder call
 (recorded by a pass-through wrapper around the group's manager class), which
 gives ``GroupOutcome.hit_tokens`` and, for Mamba, ``state_tokens``.
 
-Lookups run one at a time (a process-wide lock): the older policies swap
-module globals of vLLM's coordinator during the call, and the recorded hits
-live on the instance. ``pre-49502`` hides ``MambaSpec`` from the margin gate;
-``pre-32802`` makes ``eagle_proof_margin`` zero and forces the drop on every
-finder call of an EAGLE spec group, as the loop did before #32802.
+Nothing of vLLM's is patched: the installed release answers as itself, so
+the backend answers only for the policy that models that release
+(``policy_for_version``), or an alias with the same rules for the cache. The
+API differences between releases (argument names, tuple shapes of the spec
+groups, spec fields, finder return values) are found by feature detection.
+Lookups run one at a time (a process-wide lock): the recorded hits live on
+the instance.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import inspect
+import math
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from replay.base.errors import ReplayError
@@ -46,6 +49,7 @@ from replay.rules.coordinator.hybrid import (
     LookupCoordinator,
     LookupOutcome,
 )
+from replay.rules.coordinator.policy import policy_for_version
 
 
 class VllmUnavailable(ReplayError):
@@ -87,21 +91,13 @@ def installed_vllm_version() -> str:
 
 
 def policy_for_vllm(version: str) -> str | None:
-    """The project's policy that models vLLM ``version``; ``None`` when none
-    does. The one place an installed version becomes a policy: 0.33.0 and
-    anything later (a development build of main included) answer as
-    ``vllm-0.33`` until a release changes the lookup and gets its policy.
-    Releases 0.26 to 0.32 differ from every policy here in a few rules
-    (``docs`` of the release map); older ones differ in the Mooncake mirror."""
-    import re
-
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None:
+    """The project's policy that models vLLM ``version`` (the release
+    policies' own mapping, ``policy_for_version``); ``None`` when none does
+    (a release before 0.16)."""
+    try:
+        return policy_for_version(version).name
+    except ReplayError:
         return None
-    major, minor = int(found.group(1)), int(found.group(2))
-    if (major, minor) >= (0, 33):
-        return "vllm-0.33"
-    return None
 
 
 def installed_policy() -> tuple[str | None, str]:
@@ -174,14 +170,21 @@ _NUM_KV_HEADS = 8
 _HEAD_SIZE = 128
 _MAMBA_SHAPES = ((3, 4096), (32, 64, 128))
 
-# Policy ``pre-49502`` patches a module global of vLLM's coordinator, so
-# lookups (of either policy) run one at a time.
-_GATE_LOCK = threading.Lock()
+# The recorded finder hits live on the coordinator: lookups run one at a time.
+_LOOKUP_LOCK = threading.Lock()
 
 
-class _NotMamba:
-    """Stands in for ``MambaSpec`` in vLLM's EAGLE-margin gate: nothing is an
-    instance of it, so Mamba gets the peek margin as before #49502 (#43559)."""
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes, of ``kwargs`` (releases add and
+    rename them; what a release does not take it does not model)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _fields(cls: Any) -> set[str]:
+    return set(getattr(cls, "__dataclass_fields__", {}))
 
 
 class _KeyView:
@@ -189,46 +192,62 @@ class _KeyView:
     answered by the caller's per-group membership tests instead of a copy
     of the store."""
 
-    __slots__ = ("_contains",)
+    __slots__ = ("_contains", "_joined")
 
-    def __init__(self, contains: Sequence[Callable[[Hashable], bool]]) -> None:
+    def __init__(
+        self,
+        contains: Sequence[Callable[[Hashable], bool]],
+        joined: dict[Hashable, Hashable] | None = None,
+    ) -> None:
         self._contains = contains
+        # A mirror before 0.23 keys a block by its hash units joined: the
+        # block is present when its last unit is.
+        self._joined = joined or {}
 
     def __contains__(self, key: tuple[int, Hashable]) -> bool:
         group_id, block_hash = key
-        return bool(self._contains[group_id](block_hash))
+        return bool(self._contains[group_id](self._joined.get(block_hash, block_hash)))
 
 
 class _RecordingManager:
     """Pass-through to a vLLM manager class that records the hit length of
     each ``find_longest_cache_hit`` call for its spec group; the coordinator
-    keeps these to itself (``_find_hit_blocks`` returns only the masks)."""
+    keeps these to itself (``_find_hit_blocks`` returns only the masks).
+    Releases before 0.26 return the blocks alone: the hit is then the
+    blocks' length in tokens."""
 
-    def __init__(
-        self, manager_cls: Any, index: int, sink: list[int], eagle: bool, force: list[bool]
-    ) -> None:
+    def __init__(self, manager_cls: Any, index: int, sink: list[int]) -> None:
         self._manager_cls = manager_cls
         self._index = index
         self._sink = sink
-        self._eagle = eagle
-        self._force = force
-        self.supports_fine_grained_hash_lookup = manager_cls.supports_fine_grained_hash_lookup
+        self.supports_fine_grained_hash_lookup = getattr(
+            manager_cls, "supports_fine_grained_hash_lookup", False
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager_cls, name)
 
     def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
-        if self._force[0] and self._eagle:
-            # pre-32802: the drop on every call, not once per candidate.
-            kwargs["drop_eagle_block"] = True
-        blocks, hit_length = self._manager_cls.find_longest_cache_hit(*args, **kwargs)
-        self._sink[self._index] = hit_length
-        return blocks, hit_length
+        result = self._manager_cls.find_longest_cache_hit(*args, **kwargs)
+        if len(result) == 2 and isinstance(result[1], int):
+            self._sink[self._index] = result[1]
+        else:
+            spec = kwargs["kv_cache_spec"]
+            self._sink[self._index] = len(result[0]) * spec.block_size
+        return result
 
 
-def _no_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
-    """``eagle_proof_margin`` before #32802: the bound was the candidate."""
-    return 0
+def _with_manager(group: Any, manager: Any) -> Any:
+    """A spec group (a named tuple from 0.27, a plain tuple before) with its
+    manager class replaced."""
+    if hasattr(group, "_replace"):
+        return group._replace(manager_cls=manager)
+    return (group[0], group[1], manager, *group[3:])
 
 
 def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
+    """A vLLM spec for a trace group; a field the release lacks is refused
+    when the trace uses it."""
     common: dict[str, Any] = {
         "block_size": group.block_size,
         "num_kv_heads": _NUM_KV_HEADS,
@@ -238,11 +257,15 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
     if group.kind is GroupKind.FULL_ATTENTION:
         return iface.FullAttentionSpec(**common)
     if group.kind is GroupKind.SLIDING_WINDOW:
-        return iface.SlidingWindowSpec(
-            **common,
-            sliding_window=group.sliding_window,
-            extra_retained_tokens=group.extra_retained_tokens,
-        )
+        window: dict[str, Any] = {"sliding_window": group.sliding_window}
+        if "extra_retained_tokens" in _fields(iface.SlidingWindowSpec):
+            window["extra_retained_tokens"] = group.extra_retained_tokens
+        elif group.extra_retained_tokens:
+            raise ReplayError(
+                "this vLLM's SlidingWindowSpec has no extra_retained_tokens (from 0.28.0): "
+                "it cannot express this trace's sliding window"
+            )
+        return iface.SlidingWindowSpec(**common, **window)
     if group.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
         return iface.ChunkedLocalAttentionSpec(
             **common, attention_chunk_size=group.attention_chunk_size
@@ -258,11 +281,13 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
 def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     """vLLM ``KVCacheGroupSpec`` objects for a trace's groups, in group order
     (equal trace specs give equal vLLM specs, so groups merge as in vLLM)."""
+    # Per-group EAGLE flags exist from 0.20.0; before, use_eagle drops for all.
+    flags = "is_eagle_group" in _fields(iface.KVCacheGroupSpec)
     return [
         iface.KVCacheGroupSpec(
             layer_names=[g.name or f"model.layers.{gid}"],
             kv_cache_spec=_vllm_spec(g, iface, torch.bfloat16),
-            is_eagle_group=g.is_eagle_group,
+            **({"is_eagle_group": g.is_eagle_group} if flags else {}),
         )
         for gid, g in enumerate(config.groups)
     ]
@@ -331,41 +356,80 @@ class VllmCoordinator(LookupCoordinator):
             )
         )
         _probe(iface, module, utils, self.cache.name)
+        version = installed_vllm_version()
+        installed = policy_for_version(version)
+        if installed.rules(self.cache.name) != self.cache:
+            raise ReplayError(
+                f"--coordinator vllm answers as the installed vLLM {version} (policy "
+                f"{installed.name}); policy {self.policy.name} models vLLM "
+                f"{self.policy.releases} in the {self.cache.name} cache: run it in that "
+                f"release's environment (make test-vllm VLLM={self.policy.last})"
+            )
         self._module: Any = module
         self._utils: Any = utils
+        self.version = version
+        # Feature detection: how this release keys a block larger than the
+        # hash unit (its last unit from 0.23; its units joined before).
+        convert = getattr(utils, "BlockHashListWithBlockSize", None)
+        self._joins_units = convert is not None and convert([b"a", b"b"], 1, 2)[0] == b"ab"
+        if (
+            self.cache.name == "gpu"
+            and "scheduler_block_size"
+            not in inspect.signature(module.get_kv_cache_coordinator).parameters
+            and config.num_groups > 1
+            and config.scheduler_block_size != math.lcm(*(g.block_size for g in config.groups))
+        ):
+            raise ReplayError(
+                f"vLLM {version} aligns hybrid hits to the lcm of the block sizes: it cannot "
+                f"express the trace's scheduler_block_size {config.scheduler_block_size}"
+            )
         groups = vllm_groups(config, iface, torch)
-        self._force = [False]
         try:
             if self.cache.name == "gpu":
+                build = module.get_kv_cache_coordinator
                 coordinator = _call_known(
-                    module.get_kv_cache_coordinator,
+                    build,
                     f"{_COORDINATOR_MODULES['gpu']}.get_kv_cache_coordinator",
                     iface.KVCacheConfig(
                         num_blocks=_POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
                     ),
-                    max_model_len=_MAX_MODEL_LEN,
-                    max_in_flight_tokens=_MAX_IN_FLIGHT_TOKENS,
-                    use_eagle=config.use_eagle,
-                    enable_caching=True,
-                    enable_kv_cache_events=False,
-                    dcp_world_size=1,
-                    pcp_world_size=1,
-                    scheduler_block_size=config.scheduler_block_size,
-                    hash_block_size=config.hash_block_size,
-                    # The trace's flag can only turn partial hits off.
-                    allow_partial_hash_hits=config.enable_partial_hash_hits,
+                    **_accepted(
+                        build,
+                        {
+                            "max_model_len": _MAX_MODEL_LEN,
+                            "max_in_flight_tokens": _MAX_IN_FLIGHT_TOKENS,
+                            "max_num_batched_tokens": _MAX_IN_FLIGHT_TOKENS,
+                            "use_eagle": config.use_eagle,
+                            "enable_caching": True,
+                            "enable_kv_cache_events": False,
+                            "dcp_world_size": 1,
+                            "pcp_world_size": 1,
+                            "scheduler_block_size": config.scheduler_block_size,
+                            "hash_block_size": config.hash_block_size,
+                            # The trace's flag can only turn partial hits off
+                            # (from 0.30.0; before, the release ignores it).
+                            "allow_partial_hash_hits": config.enable_partial_hash_hits,
+                        },
+                    ),
                 )
             else:
+                cls = module.MooncakeStoreCoordinator
                 coordinator = _call_known(
-                    module.MooncakeStoreCoordinator,
+                    cls,
                     f"{_COORDINATOR_MODULES['mooncake']}.MooncakeStoreCoordinator",
                     groups,
                     config.scheduler_block_size,
                     config.hash_block_size,
-                    use_eagle=config.use_eagle,
-                    enable_partial_hash_hits=config.enable_partial_hash_hits,
+                    **_accepted(
+                        cls.__init__,
+                        {
+                            "use_eagle": config.use_eagle,
+                            # From 0.32.0 the mirror takes the flag as given.
+                            "enable_partial_hash_hits": config.enable_partial_hash_hits,
+                        },
+                    ),
                 )
-        except AssertionError as exc:
+        except (AssertionError, ValueError) as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         if self.cache.name == "gpu":
             pool = _require(coordinator, "block_pool", "the engine coordinator")
@@ -376,7 +440,11 @@ class VllmCoordinator(LookupCoordinator):
         self._unitary = not hasattr(coordinator, "attention_groups")
         if not self._unitary:
             for group in coordinator.attention_groups:
-                for field in ("_replace", "manager_cls", "group_ids", "use_eagle"):
+                # A named tuple from 0.29 on; a plain (spec, group ids, manager) before.
+                fields = (
+                    ("_replace", "manager_cls", "group_ids") if hasattr(group, "_fields") else ()
+                )
+                for field in fields:
                     _require(group, field, f"{type(coordinator).__name__}.attention_groups[i]")
         self._spec_group_of = [0] * config.num_groups
         self._hits: list[int] = [0]
@@ -384,15 +452,11 @@ class VllmCoordinator(LookupCoordinator):
             # Record each spec group's last finder hit; the answers are unchanged.
             self._hits = [0] * len(coordinator.attention_groups)
             coordinator.attention_groups = [
-                group._replace(
-                    manager_cls=_RecordingManager(
-                        group.manager_cls, i, self._hits, bool(group.use_eagle), self._force
-                    )
-                )
+                _with_manager(group, _RecordingManager(group[2], i, self._hits))
                 for i, group in enumerate(coordinator.attention_groups)
             ]
             for i, group in enumerate(coordinator.attention_groups):
-                for gid in group.group_ids:
+                for gid in group[1]:
                     self._spec_group_of[gid] = i
         self._coordinator: Any = coordinator
 
@@ -415,24 +479,51 @@ class VllmCoordinator(LookupCoordinator):
             # vLLM keys its pool by bytes(hash); fingerprints would all collide.
             raise ReplayError("the vllm coordinator needs the raw bytes block hashes (exact keys)")
         block_hashes = list(hashes)
-        # Every lookup holds the lock: a default-policy lookup must never run
-        # while another thread has a gate swapped out.
-        with _GATE_LOCK:
+        with _LOOKUP_LOCK:
             for i in range(len(self._hits)):
                 self._hits[i] = 0
-            with self._policy_patches():
-                if self.cache.name == "gpu":
-                    blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
-                    null = self._coordinator.block_pool.null_block
-                    masks = [[b is not null for b in blks] for blks in blocks]
-                else:
-                    pool = self._module.ExternalCachedBlockPool(hbs, exists=_KeyView(contains))
-                    masks, hit = self._coordinator.find_longest_cache_hit(
-                        block_hashes, max_length, pool
+            if self.cache.name == "gpu":
+                blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
+                null = self._coordinator.block_pool.null_block
+                masks = [[b is not null for b in blks] for blks in blocks]
+            else:
+                pool_cls = self._module.ExternalCachedBlockPool
+                pool = pool_cls(
+                    **_accepted(
+                        pool_cls.__init__,
+                        {
+                            "hash_block_size": hbs,
+                            "exists": _KeyView(contains, self._joined_units(block_hashes)),
+                        },
                     )
+                )
+                masks, hit = self._coordinator.find_longest_cache_hit(
+                    block_hashes, max_length, pool
+                )
             if self._unitary:
                 self._hits[0] = hit
             return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
+
+    def _joined_units(self, block_hashes: list[Hashable]) -> dict[Hashable, Hashable]:
+        """Each joined block key of every group's block size, to its last unit."""
+        out: dict[Hashable, Hashable] = {}
+        for gid in range(self.config.num_groups):
+            for i, key in self._joined_keys(block_hashes, gid):
+                out[key] = block_hashes[i]
+        return out
+
+    def _joined_keys(self, block_hashes: list[Hashable], gid: int) -> list[tuple[int, Hashable]]:
+        """``(last unit index, key)`` of each whole block of group ``gid`` when
+        this release keys blocks by their joined hash units, else nothing."""
+        if not self._joins_units:
+            return []
+        k = self.config.groups[gid].block_size // self.config.hash_block_size
+        if k == 1:
+            return []
+        return [
+            (i * k + k - 1, b"".join(block_hashes[i * k : i * k + k]))  # type: ignore[arg-type]
+            for i in range(len(block_hashes) // k)
+        ]
 
     def _engine_lookup(
         self,
@@ -453,29 +544,17 @@ class VllmCoordinator(LookupCoordinator):
                     if has(h):
                         cached.insert(key_of(h, gid), block_cls(block_id=next_id))
                         next_id += 1
-            # 0.33 also returns the uncached common prefix; earlier ones did not.
-            blocks, hit = self._coordinator.find_longest_cache_hit(block_hashes, max_length)[:2]
+                # Before 0.23 a block larger than the hash unit is keyed by its
+                # units joined: present when its last unit is (the trace's key).
+                for i, key in self._joined_keys(block_hashes, gid):
+                    if has(block_hashes[i]):
+                        cached.insert(key_of(key, gid), block_cls(block_id=next_id))
+                        next_id += 1
+            # (blocks, hit) before 0.26.0, (blocks, hit, uncached prefix) after.
+            found = self._coordinator.find_longest_cache_hit(block_hashes, max_length)
         finally:
             cached._cache.clear()
-        return blocks, hit
-
-    @contextlib.contextmanager
-    def _policy_patches(self) -> Iterator[None]:
-        saved: dict[str, Any] = {}
-        where = _COORDINATOR_MODULES[self.cache.name]
-        if self.policy.mamba_peek_margin:
-            saved["MambaSpec"] = _require(self._module, "MambaSpec", where)
-            self._module.MambaSpec = _NotMamba
-        if not self.policy.verify_eagle_once:
-            saved["eagle_proof_margin"] = _require(self._module, "eagle_proof_margin", where)
-            self._module.eagle_proof_margin = _no_margin
-            self._force[0] = True
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(self._module, name, value)
-            self._force[0] = False
+        return found[0], found[1]
 
     def _groups(self, masks: Sequence[list[bool]]) -> tuple[GroupOutcome, ...]:
         out = []

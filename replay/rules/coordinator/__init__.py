@@ -1,4 +1,4 @@
-"""The reference coordinator: vLLM 0.33.0's hybrid cache-hit semantics."""
+"""The reference coordinator: vLLM's hybrid cache-hit semantics, per release."""
 
 from replay.rules.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
 from replay.rules.coordinator.finders import FINDERS, FinderResult, block_view
@@ -17,18 +17,30 @@ from replay.rules.coordinator.hybrid import (
     lookup_spec,
     partial_hits,
 )
-from replay.rules.coordinator.policy import DEFAULT_POLICY, POLICIES, Policy, get_policy
+from replay.rules.coordinator.policy import (
+    ALIASES,
+    DEFAULT_POLICY,
+    POLICIES,
+    RELEASES,
+    Policy,
+    get_policy,
+    policy_for_version,
+    policy_rules,
+    trace_policy,
+)
 
 #: Who answers the lookups: this project's coordinator, or the installed vLLM's.
 COORDINATORS = ("reference", "vllm")
 
 __all__ = [
+    "ALIASES",
     "CACHES",
     "COORDINATORS",
     "DEFAULT_CACHE",
     "DEFAULT_POLICY",
     "FINDERS",
     "POLICIES",
+    "RELEASES",
     "Cache",
     "Coordinator",
     "FinderResult",
@@ -48,5 +60,8 @@ __all__ = [
     "hit_alignment",
     "lookup_spec",
     "partial_hits",
+    "policy_for_version",
+    "policy_rules",
     "trace_cache",
+    "trace_policy",
 ]

@@ -47,6 +47,9 @@ class Query:
     drop_eagle: bool
     alignment: int
     hash_block_size: int
+    #: The sliding window's run may end where the length *before* the EAGLE
+    #: pop is aligned (vLLM before 0.20.0); from 0.20.0, after the pop.
+    align_run_before_pop: bool = False
 
 
 class Finder(Protocol):
@@ -119,7 +122,7 @@ def sliding_window(spec: GroupSpec, present: bytes, q: Query) -> FinderResult:
         if probes[i]:
             # A run may only end where the length after the EAGLE pop is aligned.
             if run == 0 and bs != alignment:
-                post_pop = i if drop_eagle else i + 1
+                post_pop = i if drop_eagle and not q.align_run_before_pop else i + 1
                 if (post_pop * bs) % alignment:
                     continue
             run += 1

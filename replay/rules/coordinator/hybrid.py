@@ -1,9 +1,13 @@
-"""The hybrid fixed point (vLLM 0.33.0 ``HybridKVCacheCoordinator`` and its
+"""The hybrid fixed point (vLLM's ``HybridKVCacheCoordinator`` and its
 Mooncake store mirror): every spec group must agree on one hit length.
+
+Every helper takes a cache: a name (vLLM 0.33.0's rules for that path) or a
+release's rules (``Policy.rules``), which is what a coordinator passes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -11,7 +15,7 @@ from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
 from replay.rules.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
-from replay.rules.coordinator.policy import DEFAULT_POLICY, Policy, get_policy
+from replay.rules.coordinator.policy import DEFAULT_POLICY, Policy, get_policy, policy_rules
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,10 +117,14 @@ def eagle_group_ids(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> 
     the flagged ones, or every group when EAGLE is on and none is flagged
     (vLLM's conservative fallback). The engine drops nothing while
     ``use_eagle`` is off, flags or not; the mirror honours the flags."""
+    c = get_cache(cache)
+    if not c.eagle_flags:
+        # Before per-group flags, use_eagle made every group drop.
+        return frozenset(range(config.num_groups)) if config.use_eagle else frozenset()
     flagged = frozenset(gid for gid, g in enumerate(config.groups) if g.is_eagle_group)
     if config.use_eagle and not flagged:
         flagged = frozenset(range(config.num_groups))
-    if get_cache(cache).drop_needs_use_eagle and not config.use_eagle:
+    if c.drop_needs_use_eagle and not config.use_eagle:
         return frozenset()
     return flagged
 
@@ -148,12 +156,18 @@ def build_spec_groups(
     )
 
 
+def _partial_mamba(config: TraceConfig) -> bool:
+    """An align-mode Mamba group with a block larger than the hash unit."""
+    hbs = config.hash_block_size
+    return any(g.kind is GroupKind.MAMBA and g.block_size > hbs for g in config.groups)
+
+
 def engine_derives_partial_hits(config: TraceConfig) -> bool:
     """vLLM's ``partial_hash_hits_enabled``: an align-mode Mamba group with a
     block larger than the hash unit, and every other group either able to
     probe inside a block or one hash unit per block."""
     hbs = config.hash_block_size
-    if not any(g.kind is GroupKind.MAMBA and g.block_size > hbs for g in config.groups):
+    if not _partial_mamba(config):
         return False
     return all(FINDERS[g.kind].fine_grained or g.block_size == hbs for g in config.groups)
 
@@ -167,7 +181,14 @@ def partial_hits(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> boo
     c = get_cache(cache)
     if _unitary(config, c):
         return False  # the unitary coordinator has no partial hits
-    if c.derive_partial_hits:
+    rule = c.partial_hits
+    if rule == "none":
+        return False
+    if rule == "mamba":
+        return _partial_mamba(config)
+    if rule == "mamba+managers":
+        return engine_derives_partial_hits(config)
+    if rule == "mamba+managers+flag":
         return config.enable_partial_hash_hits and engine_derives_partial_hits(config)
     return config.enable_partial_hash_hits
 
@@ -177,6 +198,11 @@ def hit_alignment(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> in
     c = get_cache(cache)
     if _unitary(config, c):
         return config.groups[0].block_size
+    if c.single_spec_own_block and c.single_spec_shortcut:
+        spec_groups = build_spec_groups(config, c)
+        if len(spec_groups) == 1:
+            # The mirror's shortcut before 0.27 aligned to the group's block.
+            return spec_groups[0].spec.block_size
     return config.hash_block_size if partial_hits(config, c) else config.scheduler_block_size
 
 
@@ -191,8 +217,31 @@ def check_config(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> Non
                 f"UnitaryKVCacheCoordinator, which needs hash_block_size equal to "
                 f"block_size {bs}, got {config.hash_block_size}"
             )
+    if c.lcm_alignment and not _unitary(config, c):
+        lcm = math.lcm(*(g.block_size for g in config.groups))
+        if config.scheduler_block_size != lcm:
+            raise ConfigError(
+                f"this vLLM release aligns hybrid hits to the lcm of the block sizes, "
+                f"{lcm}; the trace's scheduler_block_size is {config.scheduler_block_size}"
+            )
+    spec_groups = build_spec_groups(config, c)
+    if c.one_spec_group_refused and not _unitary(config, c) and len(spec_groups) == 1:
+        raise ConfigError(
+            f"this vLLM release's {c.name} coordinator refuses {config.num_groups} "
+            "KV-cache groups with one spec (it asserts two spec groups or more)"
+        )
     alignment = hit_alignment(config, c)
-    for sg in build_spec_groups(config, c):
+    for sg in spec_groups:
+        if (
+            c.sliding_window_needs_block_alignment
+            and sg.kind is GroupKind.SLIDING_WINDOW
+            and alignment % sg.spec.block_size
+        ):
+            raise ConfigError(
+                f"kv_cache_groups[{sg.group_ids[0]}]: this vLLM release's sliding-window "
+                f"finder needs the hit alignment {alignment} to be a multiple of its "
+                f"block_size {sg.spec.block_size} (partial hash hits)"
+            )
         if sg.kind is not GroupKind.CHUNKED_LOCAL_ATTENTION:
             continue
         gid = sg.group_ids[0]
@@ -239,7 +288,8 @@ class LookupCoordinator:
     ) -> None:
         self.config = config
         self.policy = get_policy(policy)
-        self.cache = get_cache(cache)
+        #: this policy's rules for the cache (its ``name`` is the cache's)
+        self.cache = policy_rules(self.policy, cache)
         self._prepare()
 
     def _prepare(self) -> None:
@@ -315,15 +365,16 @@ class Coordinator(LookupCoordinator):
             drop_eagle=drop,
             alignment=self.alignment,
             hash_block_size=self.config.hash_block_size,
+            align_run_before_pop=self.cache.sliding_window_align_before_pop,
         )
         return FINDERS[sg.kind](sg.spec, present, query)
 
     def _gets_margin(self, sg: SpecGroup) -> bool:
-        if not self.policy.verify_eagle_once:
-            return False  # before #32802 the bound was the candidate itself
-        # No peek margin for Mamba (#49502): its finder never drops, so a
-        # widened bound resumes state past the verified prefix (#43559).
-        return sg.kind is not GroupKind.MAMBA or self.policy.mamba_peek_margin
+        if not self.cache.verify_eagle_once:
+            return False  # before #40860 the bound was the candidate itself
+        # No peek margin for Mamba (#46384, #49502): its finder never drops, so
+        # a widened bound resumes state past the verified prefix (#43559).
+        return sg.kind is not GroupKind.MAMBA or self.cache.mamba_peek_margin
 
     def lookup(
         self, hashes: Hashes, max_length: int, contains: Contains, *, explain: bool = False
@@ -351,7 +402,10 @@ class Coordinator(LookupCoordinator):
             return self._outcome(res.hit_tokens, results, steps)
 
         hit = max_length
-        peek_cap = len(present[0]) * self.config.hash_block_size
+        rules = self.cache
+        peek_cap = (
+            len(present[0]) * self.config.hash_block_size if rules.peek_cap_hashed else max_length
+        )
         verified: set[int] = set()
         pass_no = 0
         while True:
@@ -361,7 +415,10 @@ class Coordinator(LookupCoordinator):
                 prev = results[sg.index]
                 if sg.kind is GroupKind.FULL_ATTENTION and prev is not None:
                     before = cand
-                    cand = min(cand, prev.hit_tokens)
+                    if rules.full_reuse_own_hit:
+                        cand = min(cand, prev.hit_tokens)
+                    else:  # before 0.26: floored to the block size
+                        cand -= cand % sg.spec.block_size
                     if explain:
                         steps.append(
                             self._step(
@@ -369,7 +426,7 @@ class Coordinator(LookupCoordinator):
                             )
                         )
                     continue
-                drop = sg.eagle and (sg.index not in verified or not self.policy.verify_eagle_once)
+                drop = sg.eagle and (sg.index not in verified or not rules.verify_eagle_once)
                 bound, margin = cand, 0
                 if drop and self._gets_margin(sg):
                     margin = self._margins[sg.index]
@@ -388,7 +445,7 @@ class Coordinator(LookupCoordinator):
             if cand >= hit:
                 break
             hit = cand
-            if self._simple_hybrid:
+            if self._simple_hybrid and rules.simple_hybrid_single_pass:
                 break
         return self._outcome(hit, results, steps, trim_full=True)
 
@@ -429,14 +486,22 @@ class Coordinator(LookupCoordinator):
         trim_full: bool = False,
     ) -> LookupOutcome:
         groups: list[GroupOutcome | None] = [None] * self.config.num_groups
+        rules = self.cache
         for sg in self.spec_groups:
             res = results[sg.index]
             assert res is not None  # every spec group is called in the first pass
             nulls, loaded = res.null_blocks, res.loaded_blocks
-            if trim_full and sg.kind is GroupKind.FULL_ATTENTION:
+            if (
+                trim_full
+                and sg.kind is GroupKind.FULL_ATTENTION
+                and (rules.trim_every_full or sg.index == 0)
+            ):
                 # Full attention keeps the blocks of the converged hit (the
-                # partial tail block included); other kinds trimmed themselves.
-                loaded = min(loaded, cdiv(hit, sg.spec.block_size))
+                # partial tail block included from 0.26; only the first spec
+                # group before 0.29); other kinds trimmed themselves.
+                bs = sg.spec.block_size
+                keep = cdiv(hit, bs) if rules.trim_ceil else hit // bs
+                loaded = min(loaded, keep)
             for gid in sg.group_ids:
                 groups[gid] = GroupOutcome(
                     group_id=gid,

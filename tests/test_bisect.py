@@ -1,0 +1,118 @@
+"""`replay bisect`: every modelled release's answer per lookup, from one fold,
+and the releases where a lookup's hit, masks or flags change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from analysis.bisect import releases_between
+from replay.base.errors import ReplayError
+from tests.conftest import run_cli
+
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+ISSUE = TRACES / "issue-43559.parquet"
+
+
+def _bisect(*args: str) -> dict:  # type: ignore[type-arg]
+    result = run_cli(["bisect", ISSUE, "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def test_43559_overrun_until_the_gate_in_each_cache() -> None:
+    report = _bisect()
+    gpu, mooncake = report["caches"]
+    assert (gpu["cache"], mooncake["cache"]) == ("gpu", "mooncake")
+    [lookup] = gpu["lookups"]
+    assert {k: v["hit_tokens"] for k, v in lookup["answers"].items()} == {
+        "vllm-0.16": 48,
+        "vllm-0.20": 64,
+        "vllm-0.22": 64,
+        "vllm-0.23": 64,
+        "vllm-0.26": 48,
+        "vllm-0.27": 48,
+        "vllm-0.28": 48,
+        "vllm-0.29": 48,
+        "vllm-0.30": 48,
+        "vllm-0.32": 48,
+        "vllm-0.33": 48,
+    }
+    # The engine's overrun comes with the peek margin (#40860) and goes with
+    # its Mamba gate in 0.26.0 (#46384).
+    assert lookup["changes"] == [
+        {
+            "policy": "vllm-0.20",
+            "release": "0.20.0",
+            "changes": [
+                "hit 48 -> 64",
+                "masks 0+3 2+1 -> 0+3 3+1",
+                "flags +mamba_overrun +eagle_not_dropped",
+            ],
+        },
+        {
+            "policy": "vllm-0.26",
+            "release": "0.26.0",
+            "changes": [
+                "hit 64 -> 48",
+                "masks 0+3 3+1 -> 0+3 2+1",
+                "flags -mamba_overrun -eagle_not_dropped",
+            ],
+        },
+    ]
+    # The mirror overruns from its creation to 0.26 and is fixed in 0.27.0 (#49502).
+    assert sorted(mooncake["not_modelled"]) == ["vllm-0.16", "vllm-0.20"]
+    [lookup] = mooncake["lookups"]
+    assert lookup["answers"]["vllm-0.26"] == {
+        "hit_tokens": 64,
+        "masks": [[0, 3], [3, 1]],
+        "flags": ["mamba_overrun", "eagle_not_dropped"],
+    }
+    assert [(c["policy"], c["changes"][0]) for c in lookup["changes"]] == [
+        ("vllm-0.27", "hit 64 -> 48")
+    ]
+
+
+def test_range_request_and_cache_options() -> None:
+    report = _bisect(
+        "--from", "0.25.0", "--to", "0.27.1", "--cache", "mooncake", "--request", "req-43559"
+    )
+    [mooncake] = report["caches"]
+    assert [r["policy"] for r in mooncake["releases"]] == ["vllm-0.23", "vllm-0.26", "vllm-0.27"]
+    assert mooncake["changing_lookups"] == 1
+
+
+def test_markdown_names_each_release_and_change() -> None:
+    result = run_cli(["bisect", ISSUE, "--cache", "mooncake"])
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert (
+        "| seq | request | vllm-0.22 | vllm-0.23 | vllm-0.26 | vllm-0.27 | vllm-0.28 | vllm-0.29 | vllm-0.30 | vllm-0.32 | vllm-0.33 |"
+        in lines
+    )
+    assert (
+        "- seq 2 (req-43559): at vllm-0.27 (vLLM 0.27.0): hit 64 -> 48; masks 0+3 3+1 -> "
+        "0+3 2+1; flags -mamba_overrun -eagle_not_dropped"
+    ) in lines
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--request", "nope"], "no lookup of request 'nope'"),
+        (["--from", "0.30.0", "--to", "0.26.0"], "--from 0.30.0 is after --to 0.26.0"),
+        (["--from", "0.40.0"], "no modelled vLLM release between 0.40.0 and the newest"),
+    ],
+)
+def test_bad_options_are_one_line(args: list[str], message: str) -> None:
+    result = run_cli(["bisect", ISSUE, *args])
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_releases_between_bounds() -> None:
+    assert [p.name for p in releases_between("0.21.0", "0.22.1")] == ["vllm-0.20", "vllm-0.22"]
+    with pytest.raises(ReplayError):
+        releases_between("0.35.0", None)

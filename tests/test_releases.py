@@ -1,0 +1,187 @@
+"""The release policies: which vLLM release each models, the #43559 lookup in
+every release and cache, and `replay run` answering as the trace's release."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from replay.base.errors import ConfigError, ReplayError
+from replay.format.results import read_results
+from replay.format.writer import write_trace
+from replay.rules.coordinator import (
+    POLICIES,
+    RELEASES,
+    Coordinator,
+    get_policy,
+    policy_for_version,
+    policy_rules,
+)
+from tests.builders import full_mamba, issue_43559_rows
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize(
+    ("version", "policy"),
+    [
+        ("0.16.0", "vllm-0.16"),
+        ("0.19.1", "vllm-0.16"),
+        ("0.21.0", "vllm-0.20"),
+        ("0.22.1", "vllm-0.22"),
+        ("0.25.1", "vllm-0.23"),
+        ("0.26.0", "vllm-0.26"),
+        ("0.27.1", "vllm-0.27"),
+        ("0.28.0", "vllm-0.28"),
+        ("0.29.0", "vllm-0.29"),
+        ("0.31.0", "vllm-0.30"),
+        ("0.32.0", "vllm-0.32"),
+        ("0.33.0", "vllm-0.33"),
+        ("0.34.0", "vllm-0.33"),
+        ("0.30.1.dev3+g1234abc", "vllm-0.30"),
+        ("v0.27.0", "vllm-0.27"),
+    ],
+)
+def test_a_version_maps_to_its_release_policy(version: str, policy: str) -> None:
+    assert policy_for_version(version).name == policy
+
+
+def test_versions_before_the_oldest_release_or_malformed_are_refused() -> None:
+    with pytest.raises(ReplayError, match=r"vLLM 0.15.1 is older than the oldest modelled"):
+        policy_for_version("0.15.1")
+    with pytest.raises(ReplayError, match=r"expected MAJOR.MINOR\[.PATCH\]"):
+        policy_for_version("main")
+
+
+def test_release_ranges_are_contiguous_and_named_by_their_first_release() -> None:
+    assert [p.name for p in RELEASES] == [
+        "vllm-0.16",
+        "vllm-0.20",
+        "vllm-0.22",
+        "vllm-0.23",
+        "vllm-0.26",
+        "vllm-0.27",
+        "vllm-0.28",
+        "vllm-0.29",
+        "vllm-0.30",
+        "vllm-0.32",
+        "vllm-0.33",
+    ]
+    for policy in RELEASES:
+        assert policy.name == "vllm-" + ".".join(policy.first.split(".")[:2])
+        assert policy.prs and policy.description.startswith("vLLM 0.")
+    # The mirror exists from 0.22.0 on.
+    assert [p.mooncake is not None for p in RELEASES] == [False, False] + [True] * 9
+
+
+#: The #43559 lookup (full attention + Mamba, EAGLE, four blocks stored,
+#: max_length 64) per policy and cache: 64 is the overrun.
+OVERRUN = {
+    "vllm-0.16": {"gpu": 48},
+    "vllm-0.20": {"gpu": 64},
+    "vllm-0.22": {"gpu": 64, "mooncake": 64},
+    "vllm-0.23": {"gpu": 64, "mooncake": 64},
+    "vllm-0.26": {"gpu": 48, "mooncake": 64},
+    "vllm-0.27": {"gpu": 48, "mooncake": 48},
+    "vllm-0.28": {"gpu": 48, "mooncake": 48},
+    "vllm-0.29": {"gpu": 48, "mooncake": 48},
+    "vllm-0.30": {"gpu": 48, "mooncake": 48},
+    "vllm-0.32": {"gpu": 48, "mooncake": 48},
+    "vllm-0.33": {"gpu": 48, "mooncake": 48},
+    "pre-49502": {"gpu": 64, "mooncake": 64},
+    "pre-32802": {"gpu": 48, "mooncake": 48},
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("cache", ["gpu", "mooncake"])
+def test_the_43559_lookup_in_every_release(policy: str, cache: str) -> None:
+    config = full_mamba()
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    contains = [set(hashes).__contains__] * 2
+    want = OVERRUN[policy].get(cache)
+    if want is None:
+        with pytest.raises(ConfigError, match=r"has no Mooncake store mirror: .*#42828"):
+            Coordinator(config, policy, cache)
+        return
+    outcome = Coordinator(config, policy, cache).lookup(hashes, 64, contains)
+    assert (outcome.hit_tokens, outcome.mamba_state_tokens, outcome.verified_tokens) == (
+        want,
+        want,
+        48,
+    )
+
+
+def test_each_release_departs_from_the_next_in_some_rule() -> None:
+    """Every boundary is a real change: a release's rules differ from the
+    next release's in at least one cache."""
+    for older, newer in itertools.pairwise(RELEASES):
+        assert (older.gpu, older.mooncake) != (newer.gpu, newer.mooncake), older.name
+    assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
+    assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
+    assert get_policy("pre-49502").alias_note.startswith("policy pre-49502 is vLLM 0.33.0")
+
+
+def _trace(tmp_path: Path, version: str | None) -> Path:
+    source = {"cache": "mooncake"} | ({"vllm_version": version} if version else {})
+    return write_trace(tmp_path / "t.parquet", full_mamba(source=source), issue_43559_rows())
+
+
+def _hit(path: Path) -> tuple[str, int]:
+    frame, info = read_results(path)
+    return info["policy"], frame["hit_tokens"][0]
+
+
+def test_run_answers_as_the_traces_release_and_says_so(tmp_path: Path) -> None:
+    trace, out = _trace(tmp_path, "0.26.0"), tmp_path / "r.parquet"
+    result = run_cli(["run", trace, "-o", out, "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "policy vllm-0.26: the trace's vLLM 0.26.0 (source.vllm_version, vLLM 0.26.0); "
+        "--policy or --vllm overrides"
+    ]
+    assert json.loads(result.stdout)["policy"] == "vllm-0.26"
+    assert _hit(out) == ("vllm-0.26", 64)  # the 0.26 mirror still overruns
+    # --vllm and --policy override the recorded release.
+    assert run_cli(["run", trace, "-o", out, "-q", "--vllm", "0.27.1"]).exit_code == 0
+    assert _hit(out) == ("vllm-0.27", 48)
+    assert run_cli(["run", trace, "-o", out, "-q", "--policy", "vllm-0.22"]).exit_code == 0
+    assert _hit(out) == ("vllm-0.22", 64)
+
+
+def test_run_without_a_recorded_release_uses_the_default(tmp_path: Path) -> None:
+    trace, out = _trace(tmp_path, None), tmp_path / "r.parquet"
+    result = run_cli(["run", trace, "-o", out, "-q"])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert _hit(out) == ("vllm-0.33", 48)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--vllm", "0.26.0", "--policy", "vllm-0.33"],
+            "--vllm and --policy both choose the policy: give one",
+        ),
+        (["--vllm", "0.12.0"], "--vllm: vLLM 0.12.0 is older than the oldest modelled release"),
+        (
+            ["--policy", "vllm-0.20", "--cache", "mooncake"],
+            "policy vllm-0.20 (vLLM 0.20.0 - 0.21.0) has no Mooncake store mirror",
+        ),
+    ],
+)
+def test_run_refuses_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    trace, out = _trace(tmp_path, None), tmp_path / "r.parquet"
+    result = run_cli(["run", trace, "-o", out, *args])
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_an_emulation_says_what_it_stands_for(tmp_path: Path) -> None:
+    trace, out = _trace(tmp_path, None), tmp_path / "r.parquet"
+    result = run_cli(["run", trace, "-o", out, "--policy", "pre-32802", "--json"])
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [get_policy("pre-32802").alias_note]
