@@ -72,6 +72,7 @@ BAD: dict[tuple[str, ...], list[str]] = {
     ("minimize",): ["{m}", "--request", "r", "-o", "{o}"],
     ("diff",): ["{m}", "{m}"],
     ("bisect",): ["{m}"],
+    ("test",): ["{m}"],
     ("report",): ["{m}", "-o", "{o}"],
     ("whatif",): ["{m}", "--capacity-blocks", "10", "-o", "{o}"],
     ("record",): ["--endpoint", "tcp://127.0.0.1:1", "-o", "{o}", "--config", "{m}"],

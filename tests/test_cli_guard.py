@@ -10,6 +10,7 @@ from pathlib import Path
 
 from analysis.expectations import corpus_dir, read_expectations
 from replay.format.writer import write_trace
+from replay.rules.coordinator import POLICIES
 from tests.builders import chain, full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 
@@ -90,7 +91,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         ): f"error: {plain}: not a trace with expectations (no replay.expect metadata entry)",
         str(
             unknown
-        ): f"error: {unknown}: replay.expect names policy 'vllm-9.9'; known: vllm-0.33, pre-49502, pre-32802",
+        ): f"error: {unknown}: replay.expect names policy 'vllm-9.9'; known: {', '.join(POLICIES)}",
         str(empty): f"error: {empty}: no trace with a replay.expect entry in this directory",
     }
     for arg, message in cases.items():

@@ -142,7 +142,7 @@ def test_run_answers_as_the_traces_release_and_says_so(tmp_path: Path) -> None:
         "policy vllm-0.26: the trace's vLLM 0.26.0 (source.vllm_version, vLLM 0.26.0); "
         "--policy or --vllm overrides"
     ]
-    assert json.loads(result.stdout)["policy"] == "vllm-0.26"
+    assert json.loads(result.stdout)["variants"][0]["policy"] == "vllm-0.26"
     assert _hit(out) == ("vllm-0.26", 64)  # the 0.26 mirror still overruns
     # --vllm and --policy override the recorded release.
     assert run_cli(["run", trace, "-o", out, "-q", "--vllm", "0.27.1"]).exit_code == 0
