@@ -293,6 +293,34 @@ def simulate(
             "max_num_batched_tokens": spec.max_num_batched_tokens,
         }
         log.write(spec.emit, TraceConfig.from_json({**config.to_json(), "source": source}))
+    return _row(
+        requests,
+        spec,
+        per_request,
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_tokens,
+        evicted=evicted,
+        not_admitted=not_admitted,
+        preempted=preempted,
+        started=started,
+        facts=facts.frame(fact_rules.alignment),
+    )
+
+
+def _row(
+    requests: Requests,
+    spec: RunSpec,
+    hits: npt.NDArray[np.int64],
+    *,
+    prompt_tokens: int,
+    hit_tokens: int,
+    evicted: int,
+    not_admitted: int,
+    preempted: int,
+    started: float,
+    facts: pl.DataFrame,
+) -> dict[str, Any]:
+    """One run's row of the sweep (the Python model's and the kernel's alike)."""
     return {
         "capacity_blocks": spec.capacity_blocks,
         "capacity_bytes": spec.capacity_bytes,
@@ -307,9 +335,9 @@ def simulate(
         "not_admitted": not_admitted,
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
-        **hit_ratio_percentiles(per_request, requests.arrays()[2]),
-        "facts": facts.frame(fact_rules.alignment),
-        "_hits": per_request,
+        **hit_ratio_percentiles(hits, requests.arrays()[2]),
+        "facts": facts,
+        "_hits": hits,
     }
 
 
@@ -460,24 +488,18 @@ def _simulate_compiled(
     prompt_tokens = int(requests.arrays()[2].sum())
     hit_tokens = int(hits[served].sum())
     alignment = FactRules(requests.config, spec.cache).alignment
-    return {
-        "capacity_blocks": spec.capacity_blocks,
-        "capacity_bytes": spec.capacity_bytes,
-        "eviction": spec.eviction,
-        "cache": spec.cache,
-        "policy": spec.policy,
-        "lookups": len(requests),
-        "prompt_tokens": prompt_tokens,
-        "hit_tokens": hit_tokens,
-        "hit_ratio": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-        "evicted_blocks": evicted,
-        "not_admitted": int((hits == whatif_kernel.NOT_ADMITTED).sum()),
-        "preempted": int((hits == whatif_kernel.PREEMPTED).sum()),
-        "seconds": time.perf_counter() - started,
-        **hit_ratio_percentiles(hits, requests.arrays()[2]),
-        "facts": facts_frame(requests, facts, alignment),
-        "_hits": hits,
-    }
+    return _row(
+        requests,
+        spec,
+        hits,
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_tokens,
+        evicted=evicted,
+        not_admitted=int((hits == whatif_kernel.NOT_ADMITTED).sum()),
+        preempted=int((hits == whatif_kernel.PREEMPTED).sum()),
+        started=started,
+        facts=facts_frame(requests, facts, alignment),
+    )
 
 
 #: A worker's copy of the sweep's requests, sent once when it starts.
