@@ -227,6 +227,7 @@ def test_the_installed_version_picks_the_policy() -> None:
     assert policy_for_vllm("0.33.0") == "vllm-0.33"
     assert policy_for_vllm("0.34.1.dev12+g1234abcd") == "vllm-0.33"  # an editable main
     assert policy_for_vllm("1.0.0") == "vllm-0.33"
-    assert policy_for_vllm("0.32.2") is None
-    assert policy_for_vllm("0.26.0") is None
-    assert policy_for_vllm("unknown") is None
+    # Older releases get their release policy (issue 23); before 0.16, none.
+    assert policy_for_vllm("0.32.2") == "vllm-0.32"
+    assert policy_for_vllm("0.26.0") == "vllm-0.26"
+    assert policy_for_vllm("0.15.1") is None
