@@ -4,7 +4,8 @@ Generated and imported workloads: ``archetypes`` (the model configs),
 ``synth`` (the session generator), ``mooncake_jsonl`` (the Mooncake and
 bailian formats), ``prefix_reuse`` (their own reuse ratio), ``mooncake``
 (their importer); all write through ``workload`` (requests -> trace rows),
-which keeps its cache model in ``dense_cache`` and hashes with ``hashing``.
+which keeps the Mooncake cache model's dense-key LRU mode
+(``replay.rules.mooncake_store``) and hashes with ``hashing``.
 
 vLLM's KV events: ``kv_wire`` (the msgspec Structs and the decoder),
 ``kv_rows`` (events -> trace rows, copies counted), ``kv_config`` (the

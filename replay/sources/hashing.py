@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-Keys = npt.NDArray[np.int64]
+from replay.rules.mooncake_store import Keys as Keys  # the sources name it here too
+
 Digests = npt.NDArray[np.uint8]
 #: Unit keys -> one fixed-width digest per key, shape ``(len(keys), width)``.
 Digester = Callable[[Keys], Digests]

@@ -30,8 +30,9 @@ from the hit the request's own lookup gets against the cache as it stands
 (the reference coordinator) and the shared-prefix junction that lookup finds.
 The prefix the hit used is refreshed in the LRU.
 
-The cache (``replay.sources.dense_cache``): a set of ``(group, key)`` entries, unbounded, or an LRU of
-``capacity_blocks`` entries counted across all groups (a Mamba state counts
+The cache (the Mooncake cache model's dense-key LRU mode,
+``replay.rules.mooncake_store.MooncakeCache.dense_lru``): a set of
+``(group, key)`` entries, unbounded, or an LRU of ``capacity_blocks`` entries counted across all groups (a Mamba state counts
 as one entry like an attention block). A request touches its groups last to
 first and each group's keys from the prompt's tail to its head, so the
 first group's head is the most recently used and evicted last, like vLLM's
@@ -59,8 +60,8 @@ from replay.base.spec import TraceConfig
 from replay.format.schema import EVENT_KINDS
 from replay.format.writer import trace_schema
 from replay.rules.coordinator import Coordinator
+from replay.rules.mooncake_store import EMPTY_KEYS, MooncakeCache
 from replay.rules.store_rules import StoreRules, StoreSettings, group_block_keys, junction_tokens
-from replay.sources.dense_cache import EMPTY_KEYS, DenseCache
 from replay.sources.hashing import Digester, Keys
 
 Sink = Callable[[pa.Table], None]
@@ -124,7 +125,7 @@ class WorkloadWriter:
         # The hit each request's prefill starts from, as a lookup of the cache
         # finds it (``explain`` for the steps that give the junction).
         self._coordinator = Coordinator(config, cache=self.settings.cache)
-        self._cache = DenseCache(config.num_groups, capacity_blocks)
+        self._cache = MooncakeCache.dense_lru(config.num_groups, capacity_blocks)
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
         self._clear_due = False
