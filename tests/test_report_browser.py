@@ -98,7 +98,8 @@ def test_workload_report_renders(tmp_path: Path) -> None:
     assert rendered is not None, "the inline script did not run"
     assert rendered.group(1) == "3 charts, 3 visible, 48 marks"
     assert _chart_marks(dom) == {"timeline": 40, "histogram": 6, "groups": 2}
-    assert len(re.findall(r"<circle class=\"mark\"", dom)) == 40
+    points = r'role="graphics-symbol" aria-roledescription="point"'
+    assert len(re.findall(points, dom)) == 40
 
 
 def test_43559_report_renders(tmp_path: Path, trace_43559: Path) -> None:
