@@ -143,7 +143,9 @@ def timeline_svg(points: Sequence[Point], x_axis: str, overall: float) -> Markup
         pad = max(1.0, abs(lo) * 1e-9)
         lo, hi = lo - pad, hi + pad
     x = alt.X(
-        "x:Q", scale=alt.Scale(domain=[lo, hi], nice=False, zero=False), axis=_axis(x_label, ticks)
+        "x:Q",
+        scale=alt.Scale(domain=[lo, hi], nice=False, zero=False, padding=8),
+        axis=_axis(x_label, ticks),
     )
     y = alt.Y(
         "ratio:Q",
