@@ -40,8 +40,11 @@ def results_of(trace: Path, policy: str = "pre-49502", out: Path | None = None) 
 def marks(page: str) -> dict[str, int]:
     """Marks (points, bars) per chart, by the chart's data-chart name."""
     out = {}
-    for m in re.finditer(r'<svg class="chart" data-chart="([a-z]+)".*?</svg>', page, re.S):
-        out[m.group(1)] = len(re.findall(r'class="mark"', m.group(0)))
+    for m in re.finditer(
+        r'<svg [^>]*class="chart marks" data-chart="([a-z]+)".*?</svg>', page, re.S
+    ):
+        items = r'role="graphics-symbol" aria-roledescription="(?:bar|point)"'
+        out[m.group(1)] = len(re.findall(items, m.group(0)))
     return out
 
 

@@ -1,18 +1,17 @@
-"""The SVG charts (analysis/report/charts.py): ticks, marks, scales, and
-every text escaped inside markup that is marked safe."""
+"""The charts (analysis/report/charts.py, Altair rendered by vl-convert):
+ticks, marks, scales, and every text escaped inside markup marked safe."""
 
 from __future__ import annotations
 
+import math
 import re
 
-import polars as pl
 from markupsafe import Markup
 
 from analysis.report.charts import (
     groups_svg,
     histogram_svg,
     nice_ticks,
-    sweep_svg,
     time_ticks,
     timeline_svg,
 )
@@ -21,6 +20,15 @@ from analysis.report.data import Bin, Point
 
 def _texts(svg: str) -> list[str]:
     return re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+
+
+def _marks(svg: str, role: str) -> list[tuple[str, str]]:
+    """(aria-label, fill) of each mark item of one kind (bar, point)."""
+    return re.findall(
+        rf'<path aria-label="([^"]*)" role="graphics-symbol" aria-roledescription="{role}"'
+        r'[^>]*?fill="(#[0-9a-f]+)"',
+        svg,
+    )
 
 
 def _group(label: str, loaded: int, kind: str = "full_attention") -> dict[str, object]:
@@ -56,22 +64,19 @@ def test_timeline_marks_and_axes_by_seq() -> None:
     ]
     svg = timeline_svg(points, "seq", 0.5)
     assert isinstance(svg, Markup)
-    assert svg.startswith(
-        '<svg class="chart" data-chart="timeline" role="img" aria-label="Hit ratio over the event log (seq)"'
-    )
-    assert svg.count('class="mark"') == 3
-    assert re.findall(r"<circle class=\"mark\"[^>]*><title>([^<]*)</title>", svg) == [
-        "p0",
-        "p10",
-        "p20",
-    ]
-    assert svg.count("<polyline") == 1
+    assert svg.startswith("<svg ")
+    assert (
+        ' class="chart marks" data-chart="timeline" role="img" '
+        'aria-label="Hit ratio over the event log (seq)"'
+    ) in svg
+    assert _marks(svg, "point") == [("p0", "#2563eb"), ("p10", "#2563eb"), ("p20", "#2563eb")]
     texts = _texts(svg)
-    assert texts[:5] == ["0%", "25%", "50%", "75%", "100%"]
-    assert "seq (position in the event log)" in texts
+    # x from 0 to 20: ticks every 5 (integer steps), then the y axis.
+    assert texts[:5] == ["0", "5", "10", "15", "20"]
+    assert texts[5] == "seq (position in the event log)"
+    assert texts[6:12] == ["0%", "25%", "50%", "75%", "100%", "hit ratio (hit / prompt tokens)"]
     assert "whole run: 50.0%" in texts
-    # x from 0 to 20: ticks every 5 (integer steps).
-    assert texts[5:10] == ["0", "5", "10", "15", "20"]
+    assert "<script" not in svg and "http" not in svg.replace("http://www.w3.org/", "")
 
 
 def test_timeline_by_time_labels_the_day() -> None:
@@ -85,10 +90,29 @@ def test_timeline_by_time_labels_the_day() -> None:
     assert [t for t in texts if t.startswith("12:")] == ["12:00:10", "12:00:20", "12:00:30"]
 
 
+def test_timeline_of_a_relative_trace_shows_elapsed_time() -> None:
+    points = [
+        Point(x=s * 1e6, ratio=0.5, lookups=1, hit_tokens=1, prompt_tokens=2, label="x")
+        for s in (0.0, 3537.0)
+    ]
+    texts = _texts(timeline_svg(points, "time", 0.5))
+    assert "elapsed time since the trace's start (h:mm:ss)" in texts
+    assert [t for t in texts if t.startswith("+")] == [
+        "+00:00:00",
+        "+00:10:00",
+        "+00:20:00",
+        "+00:30:00",
+        "+00:40:00",
+        "+00:50:00",
+    ]
+    assert not [t for t in texts if "1970" in t]
+
+
 def test_empty_charts_say_no_lookups() -> None:
     for svg in (timeline_svg([], "seq", 0.0), histogram_svg([])):
-        assert svg.count('class="mark"') == 0
-        assert svg.endswith('class="note">no lookups</text></svg>')
+        assert 'role="graphics-symbol" aria-roledescription="point"' not in svg
+        assert 'aria-roledescription="bar"' not in svg
+        assert "no lookups" in _texts(svg)
 
 
 def test_histogram_bars_grey_for_no_hit_and_counted() -> None:
@@ -98,67 +122,65 @@ def test_histogram_bars_grey_for_no_hit_and_counted() -> None:
         Bin(lo=32, width=16, lookups=13, label="32", tooltip="hit 32 tokens: 13 lookups"),
     ]
     svg = histogram_svg(bins)
-    fills = re.findall(r'<rect class="mark"[^>]*fill="(#[0-9a-f]+)"', svg)
-    assert fills == ["#94a3b8", "#2563eb", "#2563eb"]
-    assert re.findall(r'class="value">([^<]*)</text>', svg) == ["4", "13"]
-    assert "hit length (tokens, bins of 16)" in _texts(svg)
-    assert re.findall(r"<title>([^<]*)</title>", svg)[1:] == [b.tooltip for b in bins]
+    assert _marks(svg, "bar") == [
+        ("hit 0 tokens: 4 lookups", "#94a3b8"),
+        ("hit 16 tokens: 0 lookups", "#2563eb"),
+        ("hit 32 tokens: 13 lookups", "#2563eb"),
+    ]
+    texts = _texts(svg)
+    # The bins in order, the y axis, then the counts above the non-empty bars.
+    assert texts == [
+        "0",
+        "16",
+        "32",
+        "hit length (tokens, bins of 16)",
+        "0",
+        "5",
+        "10",
+        "15",
+        "lookups",
+        "4",
+        "13",
+        "Distribution of hit lengths",
+    ]
+
+
+def _bar_widths(svg: str) -> list[float]:
+    return [
+        float(w) for w in re.findall(r'aria-roledescription="bar" d="M0,[0-9.]+h([0-9.]+)v', svg)
+    ]
 
 
 def test_groups_bars_scale_to_the_largest() -> None:
     svg = groups_svg([_group("0: attn", 145), _group("1: mamba", 56, "mamba")])
-    widths = [float(w) for w in re.findall(r'<rect class="mark"[^>]*width="([0-9.]+)"', svg)]
-    # 2320 and 896 tokens on an axis to 2500 drawn 550 px wide (120 to 670).
-    assert widths == [510.4, 197.1]
-    assert re.findall(r'class="value" text-anchor="start">([^<]*)</text>', svg) == ["2,320", "896"]
-    assert re.findall(r'<rect class="mark"[^>]*fill="(#[0-9a-f]+)"', svg) == ["#2563eb", "#7c3aed"]
-    assert _texts(svg)[:6] == ["0", "500", "1,000", "1,500", "2,000", "2,500"]
+    # 2320 and 896 tokens on an axis to 2500 drawn 520 px wide.
+    assert _bar_widths(svg) == [482.56, 186.368]
+    assert [f for _, f in _marks(svg, "bar")] == ["#2563eb", "#7c3aed"]
+    texts = _texts(svg)
+    assert texts[:6] == ["0", "500", "1,000", "1,500", "2,000", "2,500"]
+    assert texts[-3:-1] == ["2,320", "896"]
 
 
 def test_every_text_is_escaped_inside_the_svg() -> None:
     label = "<script>alert(1)</script>&\"'"
     svg = groups_svg([_group(label, 2)])
-    escaped = "&lt;script&gt;alert(1)&lt;/script&gt;&amp;&#34;&#39;"
     assert "<script>" not in svg
-    assert f'class="tick">{escaped}</text>' in svg
+    # A text node needs < and & escaped; an attribute also its quote.
+    assert ">&lt;script&gt;alert(1)&lt;/script&gt;&amp;\"'</text>" in svg
+    attr = "&lt;script&gt;alert(1)&lt;/script&gt;&amp;&quot;'"
     assert (
-        f"<title>group {escaped}: 2 blocks loaded × 16 = 32 tokens (1 blocks skipped)</title>"
+        f'<path aria-label="group {attr}: 2 blocks loaded × 16 = 32 tokens (1 blocks skipped)"'
         in svg
     )
     points = [Point(x=0.0, ratio=0.0, lookups=1, hit_tokens=0, prompt_tokens=1, label=label)]
-    assert f"<title>{escaped}</title></circle>" in timeline_svg(points, "seq", 0.0)
-
-
-def test_sweep_one_line_per_eviction_log_scale() -> None:
-    frame = pl.DataFrame(
-        {
-            "capacity_blocks": [100, 1000, 100, 1000],
-            "eviction": ["lru", "lru", "<b>", "<b>"],
-            "hit_ratio": [0.1, 0.4, 0.2, 0.5],
-        }
-    )
-    svg = sweep_svg(frame)
-    assert svg.count("<polyline") == 2
-    assert svg.count('class="mark"') == 4
-    texts = _texts(svg)
-    assert "capacity (blocks, log scale)" in texts
-    assert [t for t in texts if t in ("100", "200", "500", "1,000")] == [
-        "100",
-        "200",
-        "500",
-        "1,000",
-    ]
-    assert "&lt;b&gt;" in texts
-    assert "<title>&lt;b&gt;, 1,000 blocks: 50.00%</title>" in svg
-    assert "<title>lru, 100 blocks: 10.00%</title>" in svg
+    timeline = timeline_svg(points, "seq", 0.0)
+    assert "<script>" not in timeline
+    assert _marks(timeline, "point") == [(attr, "#2563eb")]
 
 
 def test_groups_an_order_of_magnitude_apart_go_on_a_log_axis() -> None:
     """The issue's case: a 4,816-token Mamba bar beside 370,448 on one linear
     axis was a sliver; a log axis shows both."""
-    import re
-
-    from analysis.report.charts import groups_svg
 
     def group(gid: int, kind: str, tokens: int) -> dict[str, object]:
         return {
@@ -173,7 +195,10 @@ def test_groups_an_order_of_magnitude_apart_go_on_a_log_axis() -> None:
 
     svg = str(groups_svg([group(0, "full_attention", 370_448), group(1, "mamba", 4_816)]))
     assert ">tokens (loaded blocks × block size, log scale)</text>" in svg
-    ticks = re.findall(r'class="tick">([\d,]+)</text>', svg)
-    assert ticks == ["1", "10", "100", "1,000", "10,000", "100,000", "1,000,000"]
+    ticks = [t for t in _texts(svg) if re.fullmatch(r"[\d,]+", t)]
+    assert ticks[:7] == ["1", "10", "100", "1,000", "10,000", "100,000", "1,000,000"]
+    # On a log axis to 10^6, 4,816 is 61% of the way, not 1.3%.
+    widths = _bar_widths(svg)
+    assert round(widths[1] / 520, 3) == round(math.log10(4_816) / 6, 3)
     close = str(groups_svg([group(0, "full_attention", 48), group(1, "mamba", 16)]))
     assert ">tokens (loaded blocks × block size)</text>" in close

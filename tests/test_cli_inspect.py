@@ -106,5 +106,6 @@ def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
     assert run_cli(["run", str(path), "-o", str(results), "-q"]).exit_code == 0
     page = render_html(build_report(results))
     assert "1970" not in page
-    assert ">elapsed time since the trace&#39;s start (h:mm:ss)</text>" in page
+    assert ">elapsed time since the trace's start (h:mm:ss)</text>" in page
+    assert ">+00:50:00</text>" in page
     assert "+00:58:57: 1 lookups" in page

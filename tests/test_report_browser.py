@@ -8,6 +8,7 @@ Needs a ``chromium`` binary (Debian package ``chromium``); skipped otherwise.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import struct
@@ -98,7 +99,8 @@ def test_workload_report_renders(tmp_path: Path) -> None:
     assert rendered is not None, "the inline script did not run"
     assert rendered.group(1) == "3 charts, 3 visible, 48 marks"
     assert _chart_marks(dom) == {"timeline": 40, "histogram": 6, "groups": 2}
-    assert len(re.findall(r"<circle class=\"mark\"", dom)) == 40
+    points = r'role="graphics-symbol" aria-roledescription="point"'
+    assert len(re.findall(points, dom)) == 40
 
 
 def test_43559_report_renders(tmp_path: Path, trace_43559: Path) -> None:
@@ -121,3 +123,32 @@ def test_screenshot(tmp_path: Path) -> None:
     assert (width, height) == (1100, 2400)
     # A blank page compresses to a few kB; text, tables and charts do not.
     assert len(data) > 50_000
+
+
+def test_demo_report_in_chromium(tmp_path: Path) -> None:
+    """The demo report (``make demo``'s trace) as a user opens it: three
+    Altair charts, each laid out at a size and holding its marks; the
+    screenshot is kept under tmp_path and, when set, $REPLAY_ARTEFACTS."""
+    trace = Path(__file__).resolve().parent.parent / "traces" / "demo-full-mamba-eagle.parquet"
+    results = results_of(trace, out=tmp_path / "demo.results.parquet")
+    page = tmp_path / "demo-report.html"
+    res = invoke_report([results, "-o", page])
+    assert res.exit_code == 0, res.output
+    dom = _dom(tmp_path, page)
+    charts = re.findall(r'<svg [^>]*class="chart marks" data-chart="(\w+)"', dom)
+    assert charts == ["timeline", "histogram", "groups"]
+    rendered = re.search(r'<body[^>]*data-rendered="([^"]+)"', dom)
+    assert rendered is not None, "the inline script did not run"
+    assert rendered.group(1) == "3 charts, 3 visible, 70 marks"
+    assert _chart_marks(dom) == {"timeline": 40, "histogram": 28, "groups": 2}
+    shot = tmp_path / "demo-report.png"
+    proc = _browser(tmp_path, "--window-size=1100,2400", f"--screenshot={shot}", page.as_uri())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (1100, 2400)
+    assert len(data) > 50_000
+    artefacts = os.environ.get("REPLAY_ARTEFACTS")
+    if artefacts:
+        Path(artefacts).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, Path(artefacts) / shot.name)

@@ -1,7 +1,8 @@
 """The report as one self-contained HTML page, rendered by Jinja2 with
 autoescaping on (templates in ``templates/``): every value from the results,
 the trace or its configuration is escaped by the template; the only markup
-passed through is the charts' SVG (``charts``, which escapes its own texts).
+passed through is the charts' SVG (``charts``, rendered by Vega, which
+escapes every text it writes).
 
 Python decides what is shown and formats the numbers; the templates only
 lay it out. A short inline script stamps each chart with its number of

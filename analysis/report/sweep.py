@@ -10,6 +10,8 @@ from markupsafe import Markup
 
 from analysis.flags import FLAG_KINDS
 from analysis.report.fmt import pct
+from analysis.report.vega import data as inline_data
+from analysis.report.vega import render_svg
 
 
 def sweep_table(frame: pl.DataFrame) -> tuple[list[str], list[list[str]]]:
@@ -79,12 +81,6 @@ def _own_capacity(meta: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def _data(values: list[dict[str, Any]]) -> Any:
-    import altair as alt
-
-    return alt.Data(values=values)  # type: ignore[no-untyped-call]
-
-
 def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any]:
     """The Vega-Lite spec of the sweep chart: hit ratio against capacity on a
     log axis in the capacities' own unit, one line per eviction, the
@@ -121,7 +117,7 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
         legend=alt.Legend(title="eviction", orient="bottom"),
     )
     x = alt.X("x:Q", scale=alt.Scale(type="log"), title=title)
-    base = alt.Chart(_data(data))
+    base = alt.Chart(inline_data(data))
     tooltip = [
         alt.Tooltip("eviction:N"),
         alt.Tooltip("capacity_blocks:Q", title="blocks", format=","),
@@ -135,7 +131,7 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
     ]
     ceiling = meta.get("ceiling")
     if ceiling:
-        rule = alt.Chart(_data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}]))
+        rule = alt.Chart(inline_data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}]))
         layers.append(rule.mark_rule(strokeDash=[6, 4], color="#444").encode(y="y:Q"))
         layers.append(
             rule.mark_text(align="left", dx=4, dy=-6, color="#444").encode(
@@ -144,7 +140,7 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
         )
     own = _own_capacity(meta)
     if own is not None:
-        mark = alt.Chart(_data([{"x": own * factor, "label": "trace's capacity"}]))
+        mark = alt.Chart(inline_data([{"x": own * factor, "label": "trace's capacity"}]))
         layers.append(mark.mark_rule(color="#d62728").encode(x="x:Q"))
         layers.append(
             mark.mark_text(align="left", dx=4, y=8, color="#d62728").encode(x="x:Q", text="label:N")
@@ -178,9 +174,9 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
 
 def sweep_chart_svg(frame: pl.DataFrame, meta: dict[str, Any]) -> Markup:
     """The sweep chart as inline SVG, rendered offline by vl-convert."""
-    import json
-
-    import vl_convert
-
-    svg = vl_convert.vegalite_to_svg(json.dumps(sweep_chart_spec(frame, meta)))
-    return Markup(svg.replace("<svg ", '<svg id="sweep-chart" role="img" ', 1))
+    return render_svg(
+        sweep_chart_spec(frame, meta),
+        name="sweep",
+        label="Hit ratio against cache capacity",
+        element_id="sweep-chart",
+    )
