@@ -125,12 +125,7 @@ def output_target(path: PathLike, *, text: bool, what: str = "Parquet") -> Outpu
             )
         return OutputTarget(given=given, kind="stdout", real=Path(given))
     p = Path(given)
-    try:
-        st: os.stat_result | None = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise ReplayError(f"{p}: cannot write here ({exc.strerror or exc})") from None
+    st = _output_stat(p)
     if st is not None:
         if stat.S_ISREG(st.st_mode):
             return OutputTarget(given=given, kind="file", real=Path(os.path.realpath(p)))
@@ -274,16 +269,21 @@ def refuse_overwriting_inputs(
         claims.paths[real] = label
 
 
+def _output_stat(p: Path) -> os.stat_result | None:
+    """What is at an output path (None: nothing); one line when it cannot be looked at."""
+    try:
+        return os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ReplayError(f"{p}: cannot write here ({exc.strerror or exc})") from None
+
+
 def _check_new_directory(option: str, path: PathLike) -> None:
     """An output directory is new or empty, and its parent exists (it is
     never created)."""
     p = Path(path)
-    try:
-        st: os.stat_result | None = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise ReplayError(f"{p}: cannot write here ({exc.strerror or exc})") from None
+    st = _output_stat(p)
     if st is None:
         if os.path.islink(p):
             raise ReplayError(f"{p}: is a dangling symlink, expected a new or empty directory")
