@@ -74,6 +74,14 @@ CASES = {
         ["whatif", "{t}", "--capacity-bytes", "1GiB", "--page-bytes", "2TiB", "-o", "{o}"],
         "--page-bytes: a page is at most 1099511627776 bytes (1TiB)",
     ),
+    "sample nan": (
+        ["whatif", "{t}", "--capacity", "100", "--sample", "nan", "-o", "{o}"],
+        "--sample 'nan': expected a fraction above 0 and up to 1, such as 0.1",
+    ),
+    "sample above 1": (
+        ["whatif", "{t}", "--capacity", "100", "--sample", "1.5", "-o", "{o}"],
+        "--sample '1.5': expected a fraction above 0 and up to 1, such as 0.1",
+    ),
     "seed -1": (
         ["synth", "-o", "{o}", "--model", "full", "--seed", "-1"],
         "--seed '-1': expected a whole number from 0 to 18,446,744,073,709,551,615",

@@ -117,6 +117,16 @@ def parse_integer(text: str, option: str, *, least: int, most: int) -> int:
     return number
 
 
+def parse_fraction(text: str, option: str) -> float:
+    """A fraction above 0 and at most 1, as a decimal (``0.1``, ``1``)."""
+    value = _exact(text, {"": 1})
+    if value is None or not 0 < value <= 1:
+        raise ReplayError(
+            f"{option} {_shown(text)}: expected a fraction above 0 and up to 1, such as 0.1"
+        )
+    return float(value)
+
+
 def parse_list(text: str, option: str, parse: Callable[[str, str], int]) -> list[int]:
     """Comma-separated values of ``parse`` (e.g. ``--capacity-blocks 100,1k``)."""
     parts = text.split(",")
@@ -154,6 +164,11 @@ def integer_type(least: int = -INT64_MAX - 1, most: int = INT64_MAX) -> _Parsed:
 
 def bytes_type(least: int = 1, most: int = INT64_MAX) -> _Parsed:
     return _Parsed("SIZE", lambda t, o: parse_bytes(t, o, least=least, most=most))
+
+
+def fraction_type() -> _Parsed:
+    """The click type of a fraction in (0, 1] (``--sample 0.1``)."""
+    return _Parsed("FRACTION", parse_fraction)
 
 
 def seconds_type(most: int = 366 * 86400) -> _Parsed:

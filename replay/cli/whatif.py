@@ -17,6 +17,7 @@ from replay.cli.common import command, fail
 from replay.cli.options import (
     SIZE_LIMIT,
     count_option,
+    fraction_type,
     output_option,
 )
 from replay.cli.options import retention_interval as parse_retention
@@ -189,7 +190,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 )
 @click.option(
     "--sample",
-    type=click.FloatRange(min=0, max=1, min_open=True),
+    type=fraction_type(),
     default=None,
     help="Replay this fraction of the sessions (a deterministic sample: a session is kept "
     "by a digest of its first own hash) against the same fraction of each capacity; the "
