@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import IO, AnyStr
 
 from replay.base.errors import ReplayError
+from replay.base.units import parse_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +35,7 @@ class Limit:
         text = os.environ.get(self.env)
         if text is None:
             return self.default
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 1:
-            raise ReplayError(f"{self.env}={text!r}: expected a whole number of at least 1")
-        return value
+        return parse_count(text, self.env, least=1)
 
     def refuse(self, where: str, found: int) -> ReplayError:
         """The one-line refusal: ``where`` (e.g. ``"t.parquet: seq 5: block_hashes holds"``)
