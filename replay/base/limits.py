@@ -37,10 +37,10 @@ class Limit:
             return self.default
         return parse_count(text, self.env, least=1)
 
-    def refuse(self, where: str, found: int) -> ReplayError:
-        """The one-line refusal: ``where`` (e.g. ``"t.parquet: seq 5: block_hashes holds"``)
-        then ``found`` and what is over the limit."""
-        return ReplayError(
+    def refuse(self, where: str, found: int, error: type[ReplayError] = ReplayError) -> ReplayError:
+        """The one-line refusal (an ``error``): ``where`` (e.g. ``"t.parquet:
+        seq 5: block_hashes holds"``) then ``found`` and what is over the limit."""
+        return error(
             f"{where} {found:,} {self.what}, above the limit of {self.value():,} "
             f"(`replay {self.option} N ...` raises it)"
         )
@@ -62,7 +62,13 @@ MAX_HASH_BYTES = 65534
 #: Bytes of one line of a JSONL input.
 LINE_BYTES = Limit("--max-line-bytes", "REPLAY_MAX_LINE_BYTES", 64 << 20, "bytes in one line")
 
-LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES)
+#: Bytes of one record of a binary input (a KV-event dump's length-prefixed
+#: msgpack record), checked against its length prefix before it is read.
+RECORD_BYTES = Limit(
+    "--max-record-bytes", "REPLAY_MAX_RECORD_BYTES", 64 << 20, "bytes in one record"
+)
+
+LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES, RECORD_BYTES)
 
 
 def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:

@@ -23,6 +23,7 @@ from typing import Self
 import msgspec
 
 from replay.base.errors import ReplayError
+from replay.base.limits import RECORD_BYTES
 from replay.format.paths import check_input, output_target, signals_held
 from replay.sources.values import Report, to_stderr
 
@@ -117,6 +118,7 @@ def read_dump(path: str | os.PathLike[str], report: Report = to_stderr) -> Itera
     p = Path(path)
     check_dump(p)
     decoder = msgspec.msgpack.Decoder()
+    most = RECORD_BYTES.value()
     with open(p, "rb") as fh:
         fh.seek(len(DUMP_MAGIC))
         offset = len(DUMP_MAGIC)
@@ -129,6 +131,8 @@ def read_dump(path: str | os.PathLike[str], report: Report = to_stderr) -> Itera
             data = b""
             if len(head) == 4:
                 (length,) = struct.unpack(">I", head)
+                if length > most:  # refused before it is read
+                    raise RECORD_BYTES.refuse(f"{where}: its length prefix declares", length)
                 data = fh.read(length)
             if len(head) < 4 or len(data) < length:
                 torn = len(head) + len(data)
