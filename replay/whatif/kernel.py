@@ -1221,7 +1221,12 @@ def _hash_at(words: Any, voff: Any, base: int, stride: int, width: int, h: int) 
     """Hash ``h``'s first word, its words and its bytes, as
     ``replay.format.hashwords.HashWords`` lays them out."""
     nb = np.int64(width) if voff.shape[0] == 0 else np.int64(voff[h + 1]) - np.int64(voff[h])
-    start = (np.int64(voff[h]) - base) >> 3 if stride == 0 else np.int64(h) * stride
+    if stride < 0:  # mixed widths, packed: voff's second half holds each hash's first word
+        start = np.int64(voff[(voff.shape[0] >> 1) + h])
+    elif stride == 0:
+        start = (np.int64(voff[h]) - base) >> 3
+    else:
+        start = np.int64(h) * stride
     return start, (nb + 7) >> 3, nb
 
 
