@@ -52,10 +52,9 @@ ROW_HASHES = Limit("--max-row-hashes", "REPLAY_MAX_ROW_HASHES", 1 << 22, "hashes
 GROUP_HASHES = Limit(
     "--max-group-hashes", "REPLAY_MAX_GROUP_HASHES", 1 << 26, "hashes in one row group"
 )
-#: Bytes of one hash. The store's table gives every key the words of the
-#: widest hash folded so far (the kernel's layout), so one long hash among
-#: short ones costs its width in every slot: a 65,000-byte hash among
-#: 200,000 9-byte ones took 23 GB. vLLM's digests are 32 bytes.
+#: Bytes of one hash. vLLM's digests are 32 bytes; a longer hash is kept out
+#: of the store's slots (replay.engine.kernels), so one long hash among short
+#: ones costs its own bytes only, but a trace of them is likely a mistake.
 HASH_BYTES = Limit("--max-hash-bytes", "REPLAY_MAX_HASH_BYTES", 128, "bytes in one hash")
 #: What the store's keys can hold at all (replay.kernels).
 MAX_HASH_BYTES = 65534
