@@ -46,6 +46,7 @@ class DumpWriter:
         self._encoder = msgspec.msgpack.Encoder()
         if target.kind == "null":
             self._fh = open(os.devnull, "wb")  # noqa: SIM115 (closed by close())
+            self._real = None
             return
         with signals_held():
             fd, tmp = tempfile.mkstemp(
@@ -60,6 +61,7 @@ class DumpWriter:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         self._fh = os.fdopen(fd, "ab")
+        self._real: Path | None = target.real
 
     def write(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
         data = self._encoder.encode([recv_ts, origin, [bytes(f) for f in frames]])
@@ -76,8 +78,13 @@ class DumpWriter:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
+        if exc_type is not None and self.records == 0 and self._real is not None:
+            # An error or a signal before any message: the dump would hold
+            # nothing but its magic, so none is left.
+            with signals_held():
+                self._real.unlink(missing_ok=True)
 
 
 def _umask() -> int:
