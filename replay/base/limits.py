@@ -77,7 +77,10 @@ def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:
     limit = LINE_BYTES.value()
     line_no = 0
     while True:
-        line = fh.readline(limit + 1)
+        try:
+            line = fh.readline(limit + 1)
+        except OSError as exc:  # a file that is no file (/proc/self/mem) names itself
+            raise ReplayError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if not line:
             return
         line_no += 1

@@ -55,8 +55,11 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         except ReplayError as exc:
             raise TraceError(str(exc)) from None
         source = p
-        with open(p, "rb") as fh:
-            size, head, tail = _ends(fh)
+        try:
+            with open(p, "rb") as fh:
+                size, head, tail = _ends(fh)
+        except OSError as exc:  # a file that cannot seek (/proc/self/mem) names itself
+            raise TraceError(f"{p}: cannot read ({exc.strerror or exc})") from None
     else:
         source = path
         p = stream_name(path)

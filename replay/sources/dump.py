@@ -104,8 +104,11 @@ class DumpRecord:
 
 def check_dump(path: Path) -> None:
     check_input(path, "a KV-event dump")
-    with open(path, "rb") as fh:
-        magic = fh.read(len(DUMP_MAGIC))
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(len(DUMP_MAGIC))
+    except OSError as exc:  # a file that is no file (/proc/self/mem) names itself
+        raise ReplayError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if magic != DUMP_MAGIC:
         if magic[:7] == DUMP_MAGIC[:7] and len(magic) == 8:
             raise ReplayError(
