@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from replay.base.spec import GroupKind, TraceConfig
+from replay.format.jit import jit
 from replay.rules.coordinator import Coordinator, get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
@@ -203,12 +203,12 @@ def compile_config(
 # ---------------------------------------------------------------- helpers
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
     """The first request after ``now`` whose prompt holds hash ``key``."""
     lo, hi = use_starts[key], use_starts[key + 1]
@@ -246,7 +246,7 @@ S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
 # total order of (priority, stamp, item), whatever the layout.
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_down(heap: Any, i: int, n: int) -> None:
     p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
     while True:
@@ -275,7 +275,7 @@ def _heap_down(heap: Any, i: int, n: int) -> None:
     heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     i = st[_HSIZE]
     st[_HSIZE] = i + 1
@@ -292,7 +292,7 @@ def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     n = st[_HSIZE] - 1
     top = (heap[0, 0], heap[0, 1], heap[0, 2])
@@ -302,7 +302,7 @@ def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     return top
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_compact(heap: Any, st: Any, side: Any) -> None:
     """Rebuild the heap from the live entries (the pop order is the same:
     entries are totally ordered by (priority, stamp, item))."""
@@ -316,7 +316,7 @@ def _heap_compact(heap: Any, st: Any, side: Any) -> None:
         _heap_down(heap, i, n)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: Any, now: int) -> int:
     if ev == FIFO:
         return int(side[item, S_BORN])
@@ -326,7 +326,7 @@ def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: An
     return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lru_append(st: Any, blk: Any, item: int) -> None:
     if blk[item, B_INLIST]:
         return
@@ -342,7 +342,7 @@ def _lru_append(st: Any, blk: Any, item: int) -> None:
     st[_LEN] += 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     if not blk[item, B_INLIST]:
         return
@@ -359,7 +359,7 @@ def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     st[_LEN] -= 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_add(
     ev: int, item: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any
 ) -> None:
@@ -378,7 +378,7 @@ def _order_add(
         _heap_compact(heap, st, side)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
     if ev == LRU:
         _lru_unlink(st, blk, item)
@@ -388,7 +388,7 @@ def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
         st[_LIVE] -= 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any) -> int:
     if ev == LRU:
         item = st[_HEAD]
@@ -415,7 +415,7 @@ def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_
 # ---------------------------------------------------------------- finders
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_full(view: Any, u: int, max_length: int, drop: bool, align: int, bs: int) -> Any:
     head = min(max_length // bs, u)
     blocks = head
@@ -431,7 +431,7 @@ def _find_full(view: Any, u: int, max_length: int, drop: bool, align: int, bs: i
     return 0, min(blocks, _cdiv(hit, bs)), hit, matched
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_swa(
     view: Any, u: int, max_length: int, drop: bool, align: int, bs: int, window: int
 ) -> Any:
@@ -467,7 +467,7 @@ def _find_swa(
     return min(nulls, length), max(0, length - nulls), length * bs, matched
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_mamba(view: Any, u: int, max_length: int, align: int, bs: int) -> Any:
     max_blocks = min(max_length // bs, u)
     step = max(1, align // bs)
@@ -482,7 +482,7 @@ def _find_mamba(view: Any, u: int, max_length: int, align: int, bs: int) -> Any:
     return 0, 0, 0, 0
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _call(specs: Any, s: int, merged: Any, u: int, bound: int, drop: bool, align: int) -> Any:
     kind, bs = specs[s, 0], specs[s, 1]
     view = merged[s]
@@ -493,7 +493,7 @@ def _call(specs: Any, s: int, merged: Any, u: int, bound: int, drop: bool, align
     return _find_mamba(view, u, bound, align, bs)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lookup(
     params: Any,
     specs: Any,
@@ -553,7 +553,7 @@ def _lookup(
 # ---------------------------------------------------------------- facts
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _first_absent(view: Any, u: int, lo: int, hi: int) -> int:
     if lo >= hi:
         return -1
@@ -563,7 +563,7 @@ def _first_absent(view: Any, u: int, lo: int, hi: int) -> int:
     return max(lo, u) if hi > u else -1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _facts(
     params: Any,
     groups: Any,
@@ -627,7 +627,7 @@ def _facts(
 # ---------------------------------------------------------------- store rules
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _cacheable(params: Any, groups: Any, g: int, tokens: int, hashed: int) -> int:
     if params[P_UNITARY]:
         out = tokens
@@ -639,7 +639,7 @@ def _cacheable(params: Any, groups: Any, g: int, tokens: int, hashed: int) -> in
     return min(out, hashed)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, out: Any) -> int:
     a = params[P_A]
     k = 0
@@ -661,7 +661,7 @@ def _boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, 
     return k
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     a, budget = params[P_A], params[P_BUDGET]
     last_cache = n // a * a - a if params[P_ANY_EAGLE] else (n - 1) // a * a
@@ -692,7 +692,7 @@ def _chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     return k
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _stores(
     params: Any,
     groups: Any,
@@ -775,7 +775,7 @@ def _stores(
 # ---------------------------------------------------------------- the run
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def run_gpu(
     params: Any,
     groups: Any,
@@ -1155,7 +1155,7 @@ def run_gpu(
     return -1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _free(
     freed: Any,
     nf: int,
@@ -1200,7 +1200,7 @@ def _free(
             freed[j] = 0
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _ring_after_free(ring: Any, rmod: int, rhead: int, rlen: int, freed: Any, nf: int) -> Any:
     """``unhashed.extendleft(reversed(front))``: the freed unhashed blocks
     (``-b`` in ``freed``) go to the front, the first of them first."""
@@ -1216,7 +1216,7 @@ def _ring_after_free(ring: Any, rmod: int, rhead: int, rlen: int, freed: Any, nf
 # ---------------------------------------------------------------- interning
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _hash_at(words: Any, voff: Any, base: int, stride: int, width: int, h: int) -> Any:
     """Hash ``h``'s first word, its words and its bytes, as
     ``replay.format.hashwords.HashWords`` lays them out."""
@@ -1230,7 +1230,7 @@ def _hash_at(words: Any, voff: Any, base: int, stride: int, width: int, h: int) 
     return start, (nb + 7) >> 3, nb
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _fingerprint(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     """A 64-bit mix of a hash's bytes (its table slot; equality compares
     every word): each word rotated by its position, then a murmur finaliser."""
@@ -1243,7 +1243,7 @@ def _fingerprint(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     return acc ^ (acc >> np.uint64(32))
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _intern(
     words: Any, voff: Any, base: int, stride: int, width: int, n: int, ids: Any, first: Any
 ) -> int:
