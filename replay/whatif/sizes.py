@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
