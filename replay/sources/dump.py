@@ -44,9 +44,10 @@ class DumpWriter:
         target = output_target(self.path, text=False, what="a KV-event dump")
         self.records = 0
         self._encoder = msgspec.msgpack.Encoder()
+        # The file written (None: /dev/null), removed if nothing came.
+        self._real: Path | None = None
         if target.kind == "null":
             self._fh = open(os.devnull, "wb")  # noqa: SIM115 (closed by close())
-            self._real = None
             return
         with signals_held():
             fd, tmp = tempfile.mkstemp(
@@ -61,7 +62,7 @@ class DumpWriter:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         self._fh = os.fdopen(fd, "ab")
-        self._real: Path | None = target.real
+        self._real = target.real
 
     def write(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
         data = self._encoder.encode([recv_ts, origin, [bytes(f) for f in frames]])
