@@ -199,25 +199,25 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
         start = datetime.fromisoformat(span["first"]).timestamp()
         end = datetime.fromisoformat(span["last"]).timestamp()
         when = (
-            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:.1f} s; "
+            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:,.1f} s; "
             "the trace's clock starts at zero)"
         )
     else:
-        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
+        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:,.1f} s)"
     lines = [
         f"trace: {path}",
         *config_lines(config, cache),
-        f"events: {info['events']} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
+        f"events: {info['events']:,} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
         when,
-        f"hash entries: {info['hash_entries']}",
+        f"hash entries: {info['hash_entries']:,}",
     ]
     lines += [
-        f"distinct keys stored, group {group_label(config, gid)}: {n}"
+        f"distinct keys stored, group {group_label(config, gid)}: {n:,}"
         for gid, n in enumerate(info["distinct_keys_per_group"])
     ]
     lines.append(
-        f"lookups: {info['lookups']}, prompt tokens {info['lookup_prompt_tokens']}, "
-        f"max_length tokens {info['lookup_max_length_tokens']}"
+        f"lookups: {info['lookups']:,}, prompt tokens {info['lookup_prompt_tokens']:,}, "
+        f"max_length tokens {info['lookup_max_length_tokens']:,}"
     )
     return lines
 
