@@ -108,4 +108,4 @@ def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
     assert "1970" not in page
     assert ">elapsed time since the trace's start (h:mm:ss)</text>" in page
     assert ">+00:50:00</text>" in page
-    assert "+00:58:57: 1 lookups" in page
+    assert "+00:58:57: 1 lookup," in page
