@@ -97,7 +97,7 @@ def test_a_recording_that_hears_nothing_leaves_no_dump(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dump = tmp_path / "rec.dump"
+    dump = tmp_path / "rec.kvdump"
     args = ["record", "--endpoint", f"tcp://127.0.0.1:{port}", "--block-size", "16", "--duration", "0.5", "-o", str(tmp_path / "rec.parquet"), "--dump", str(dump)]  # fmt: skip
     result = run_cli(args)
     assert result.exit_code == 2
