@@ -13,6 +13,7 @@ import pytest
 
 from replay.format.writer import events_table
 from tests.conftest import run_cli
+from tests.test_limits import refused as _only
 
 MEM = "/proc/self/mem"  # a regular file by stat that cannot seek or read
 
@@ -21,13 +22,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _only(args: list[str], line: str, folder: Path) -> None:
-    before = sorted(p.name for p in folder.iterdir())
-    result = run_cli(args)
-    assert (result.exit_code, result.stderr) == (2, f"error: {line}\n")
-    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_a_staged_directory_can_be_entered(tmp_path: Path, trace_43559: Path) -> None:

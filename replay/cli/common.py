@@ -178,10 +178,9 @@ def command_guard() -> Iterator[None]:
             raise exit_on_signal(exc.signum) from None
 
 
-class Command(click.Command):
-    """A `replay` command: its callback runs under :func:`command_guard`, so
-    it behaves the same on its own (a test, ``python -c``) as under the
-    ``replay`` group."""
+class _UsageInOneLine(click.Command):
+    """click's usage errors, raised while a command's arguments are parsed,
+    as :class:`UsageLine`."""
 
     def make_context(
         self,
@@ -194,6 +193,12 @@ class Command(click.Command):
             return super().make_context(info_name, args, parent, **extra)
         except click.UsageError as exc:
             raise _one_line(exc, info_name, parent) from None
+
+
+class Command(_UsageInOneLine):
+    """A `replay` command: its callback runs under :func:`command_guard`, so
+    it behaves the same on its own (a test, ``python -c``) as under the
+    ``replay`` group."""
 
     def invoke(self, ctx: click.Context) -> Any:
         # polars replaces the process's SIGINT handler when it is imported: it
@@ -205,24 +210,12 @@ class Command(click.Command):
             return super().invoke(ctx)
 
 
-class Group(click.Group):
+class Group(_UsageInOneLine, click.Group):
     """A group of `replay` commands; the commands and groups it makes are
     of these classes too."""
 
     command_class = Command
     group_class = type
-
-    def make_context(
-        self,
-        info_name: str | None,
-        args: list[str],
-        parent: click.Context | None = None,
-        **extra: Any,
-    ) -> click.Context:
-        try:
-            return super().make_context(info_name, args, parent, **extra)
-        except click.UsageError as exc:
-            raise _one_line(exc, info_name, parent) from None
 
     def resolve_command(
         self, ctx: click.Context, args: list[str]
