@@ -43,7 +43,7 @@ def _requests(
 def _unaligned(prompts: list[list[int]], bs: int) -> list[list[int]]:
     """No prompt a whole number of blocks: the lookup cap (n - 1 tokens)
     then never stops short of a present block."""
-    return [p + [7] if len(p) % bs == 0 else p for p in prompts]
+    return [[*p, 7] if len(p) % bs == 0 else p for p in prompts]
 
 
 def _same_row(mine: dict[str, Any], theirs: dict[str, Any], where: object) -> None:
