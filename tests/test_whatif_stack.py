@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from replay.base.spec import TraceConfig
@@ -293,3 +294,39 @@ def test_the_sweep_file_says_how_each_row_was_computed(tmp_path: Path) -> None:
         (160, "fifo", "per-capacity"),
     ]
     assert meta["ceiling"] is not None
+
+
+def test_a_signal_keeps_the_one_pass_rows_and_stops_the_pass(tmp_path: Path) -> None:
+    """The pass's rows reach ``on_row`` before the per-capacity runs start,
+    so a signal during those keeps them; asked to stop, the pass stops at
+    its next request."""
+    config = archetype_config("full", 16, 16, False)
+    prompts = _unaligned(random_prompts(random.Random(4), 16, 300), 16)
+    requests = _requests(tmp_path / "sig.parquet", config, prompts)
+    largest = max(-(-len(p) // 16) for p in prompts)
+    lru = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=largest + k) for k in range(5)]
+    fifo = [RunSpec(cache="gpu", eviction="fifo", capacity_blocks=largest + k) for k in range(50)]
+    kept: dict[int, dict[str, Any]] = {}
+
+    def after_the_pass(done: int, total: int, runs: int, all_runs: int) -> None:
+        if runs > len(lru):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(
+            requests,
+            [*lru, *fifo],
+            progress=after_the_pass,
+            on_row=kept.__setitem__,
+            poll=0.001,
+        )
+    assert set(range(len(lru))) <= set(kept) and len(kept) < len(lru) + len(fifo)
+    assert all(kept[k]["method"] == "one-pass" for k in range(len(lru)))
+    for k in range(len(lru)):
+        assert kept[k]["hit_tokens"] == simulate(requests, lru[k])["hit_tokens"]
+
+    # The pass itself stops at its next request when asked (what the sweep
+    # does on a signal), every capacity then unanswered.
+    control = np.array([0, 1], dtype=np.int64)
+    run = stack.run_stack(requests, [largest], control)
+    assert run.why.tolist() == [[stack.STOPPED, 0]] and control[0] == 0
