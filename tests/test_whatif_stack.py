@@ -25,6 +25,12 @@ from tests.conftest import run_cli
 def _requests(
     path: Path, config: TraceConfig, prompts: list[list[int]], caps: list[int] | None = None
 ) -> Requests:
+    return load_requests(_trace(path, config, prompts, caps))
+
+
+def _trace(
+    path: Path, config: TraceConfig, prompts: list[list[int]], caps: list[int] | None = None
+) -> Path:
     """A trace of lookups (vLLM's bound: ``max_length`` = n - 1, unless
     ``caps`` lowers it)."""
     bs = config.hash_block_size
@@ -38,7 +44,7 @@ def _requests(
         }
         for i, p in enumerate(prompts)
     ]
-    return load_requests(write_trace(path, config, rows))
+    return write_trace(path, config, rows)
 
 
 def _unaligned(prompts: list[list[int]], bs: int) -> list[list[int]]:
@@ -269,17 +275,7 @@ def test_the_sweep_file_says_how_each_row_was_computed(tmp_path: Path) -> None:
     capacities of a full-attention trace, per-capacity for fifo."""
     config = archetype_config("full", 16, 16, False)
     prompts = _unaligned(random_prompts(random.Random(8), 16, 50), 16)
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, 16),
-            "max_length": len(p) - 1,
-            "num_tokens": len(p),
-        }
-        for i, p in enumerate(prompts)
-    ]
-    trace = write_trace(tmp_path / "t.parquet", config, rows)
+    trace = _trace(tmp_path / "t.parquet", config, prompts)
     out = tmp_path / "sweep.parquet"
     args = ["whatif", str(trace), "--cache", "gpu", "--capacity", "40,80,160", "-q"]
     result = run_cli([*args, "--eviction", "lru,fifo", "-o", str(out)])

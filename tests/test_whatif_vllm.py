@@ -183,20 +183,10 @@ def whatif_hits(
     """The same requests through ``replay whatif``'s own path: a trace of
     the lookups (vLLM's hashes), one ``gpu``/``lru`` run emitted as a trace;
     per lookup the emitted hit, and the run's hit tokens."""
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": units,
-            "max_length": len(tokens) - 1,
-            "num_tokens": len(tokens),
-        }
-        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
-    ]
-    trace = write_trace(tmp / "lookups.parquet", config, rows)
+    requests = _lookups(tmp / "lookups.parquet", config, prompts, hashes)
     emitted = tmp / "run.parquet"
     row = simulate(
-        load_requests(trace),
+        requests,
         RunSpec(
             cache="gpu",
             eviction="lru",
@@ -222,20 +212,10 @@ def compiled_hits(
     """The same requests through the compiled what-if (``replay.whatif.kernel``,
     what ``replay whatif --cache gpu`` runs): per request its hit, None when
     not admitted, ``PREEMPTED``."""
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": units,
-            "max_length": len(tokens) - 1,
-            "num_tokens": len(tokens),
-        }
-        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
-    ]
-    trace = write_trace(tmp / "compiled.parquet", config, rows)
+    requests = _lookups(tmp / "compiled.parquet", config, prompts, hashes)
     assert supported(config, "gpu") is None
     row = simulate(
-        load_requests(trace),
+        requests,
         RunSpec(
             cache="gpu",
             eviction="lru",
