@@ -14,6 +14,7 @@ import pytest
 from replay.base.spec import TraceConfig
 from replay.format.sweepfile import read_sweep
 from replay.format.writer import write_trace
+from replay.rules.coordinator import POLICIES
 from replay.sources.archetypes import archetype_config
 from replay.whatif import stack
 from replay.whatif.requests import Requests, load_requests
@@ -69,9 +70,12 @@ def test_one_pass_equals_the_per_capacity_runs_on_random_streams(seed: int, tmp_
     the largest prompt to far past the working set, random budgets: every
     row of the one pass equals the compiled per-capacity run on hit tokens,
     hit ratio, every request's hit, the percentiles, evictions, admissions
-    and every lookup's facts."""
+    and every lookup's facts, under the release policies whose engine rules
+    the compiled model covers (another release's runs the Python model,
+    per capacity)."""
     rng = random.Random(2400 + seed)
     compared = evicting = 0
+    policies: set[str] = set()
     for case in range(6):
         bs = rng.choice((4, 16, 32))
         config = archetype_config("full", bs, bs, False)
@@ -80,8 +84,15 @@ def test_one_pass_equals_the_per_capacity_runs_on_random_streams(seed: int, tmp_
         largest = max(-(-len(p) // bs) for p in prompts)
         capacities = sorted({rng.randrange(largest, 12 * largest) for _ in range(8)})
         budget = bs * rng.choice((1, 3, 64))
+        policy = rng.choice([p for p in POLICIES if stack.exact_config(config, p) is None])
         specs = [
-            RunSpec(cache="gpu", eviction="lru", capacity_blocks=c, max_num_batched_tokens=budget)
+            RunSpec(
+                cache="gpu",
+                eviction="lru",
+                capacity_blocks=c,
+                max_num_batched_tokens=budget,
+                policy=policy,
+            )
             for c in capacities
         ]
         assert one_pass_specs(requests, specs) == list(range(len(specs)))
@@ -89,7 +100,8 @@ def test_one_pass_equals_the_per_capacity_runs_on_random_streams(seed: int, tmp_
             _same_row(row, simulate(requests, spec), (seed, case, spec))
             compared += 1
             evicting += row["evicted_blocks"] > 0
-    assert compared >= 40 and evicting >= 20
+            policies.add(policy)
+    assert compared >= 30 and evicting >= 15 and len(policies) >= 2
 
 
 def test_one_pass_equals_the_python_model(tmp_path: Path) -> None:
@@ -228,21 +240,24 @@ def test_a_repeated_hash_in_a_prompt_is_outside_the_class(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("model", "eagle", "why"),
+    ("model", "eagle", "policy", "why"),
     [
-        ("full+mamba", False, "more than one KV-cache group"),
-        ("full+swa", False, "more than one KV-cache group"),
-        ("full", True, "an EAGLE drop"),
+        ("full+mamba", False, "vllm-0.33", "more than one KV-cache group"),
+        ("full+swa", False, "vllm-0.33", "more than one KV-cache group"),
+        ("full", True, "vllm-0.33", "an EAGLE drop"),
+        ("full", False, "vllm-0.32", "policy vllm-0.32's engine rules"),
     ],
 )
 def test_configurations_outside_the_class_run_per_capacity(
-    model: str, eagle: bool, why: str, tmp_path: Path
+    model: str, eagle: bool, policy: str, why: str, tmp_path: Path
 ) -> None:
     config = archetype_config(model, 16, 16, eagle)
-    assert (stack.exact_config(config, "vllm-0.33") or "").startswith(why)
+    assert (stack.exact_config(config, policy) or "").startswith(why)
     prompts = random_prompts(random.Random(1), 16, 30)
     requests = _requests(tmp_path / "o.parquet", config, _unaligned(prompts, 16))
-    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=c) for c in (400, 800)]
+    specs = [
+        RunSpec(cache="gpu", eviction="lru", capacity_blocks=c, policy=policy) for c in (400, 800)
+    ]
     assert one_pass_specs(requests, specs) == []
     assert [r["method"] for r in sweep(requests, specs)] == ["per-capacity"] * 2
 
