@@ -21,8 +21,8 @@ does not cover (``supported`` says why) runs the Python model.
 
 All capacities in one pass (stack distances) is ``replay.whatif.stack``, and
 only where it is exact: LRU, one full-attention group, no EAGLE drop, every
-prompt fitting the pool and no prompt finding its own key cached past its
-hit (vLLM then caches a second copy, which the stack cannot count). In a
+prompt fitting the pool, chained hashes and at most two copies of a key (a
+recomputed present block: the pass counts the stale copy). In a
 hybrid pool a request's hit need not even grow with the capacity (a larger
 pool keeps other blocks, the fixed point settles elsewhere, the request
 stores other Mamba states or window tails): ``tests/test_whatif_kernel.py``
