@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The console script's own entry, after the kernels: one process.
 PROBE = (
-    "import sys, replay.whatif.kernel, replay.engine.kernels, replay.format.jit as j; "
+    "import sys, replay.whatif.stack, replay.whatif.kernel, replay.engine.kernels, replay.format.jit as j; "
     "from numba.core import config; print(j.CACHE, config.CACHE_DIR, flush=True); "
     "sys.argv = ['replay', '--version']; from replay.cli import main; main()"
 )
