@@ -128,3 +128,30 @@ def test_a_config_of_too_many_groups_is_refused_before_they_are_built(tmp_path: 
         "(`replay --max-groups N ...` raises it)",
         tmp_path,
     )  # fmt: skip
+
+
+def test_a_request_id_of_65_mib_is_refused_from_the_footer(tmp_path: Path) -> None:
+    """A few KB compressed; 256 MiB of it took 2.2 GB to validate and 2.8 GB
+    to replay. The footer's uncompressed size of the column is checked
+    before any row is decoded; the command's peak memory stays small."""
+    import pyarrow as pa
+
+    from tests.builders import full_mamba
+    from tests.test_limits_records import refused_within
+
+    rows = [{"kind": "lookup", "request_id": "r", "block_hashes": [b"a" * 16], "max_length": 15}]
+    table = events_table(rows, full_mamba())
+    i = table.schema.get_field_index("request_id")
+    table = table.set_column(i, table.schema.field(i), pa.array(["a" * (65 << 20)]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(table, str(path), compression="zstd")
+    del table
+    assert path.stat().st_size < 20_000
+    declared = pq.ParquetFile(str(path)).metadata.row_group(0).column(i).total_uncompressed_size
+    refused_within(
+        ["run", str(path), "-o", str(tmp_path / "r.parquet"), "-q"],
+        f"{path}: row group 0 column 'request_id' declares {declared:,} bytes of text in one "
+        "row group, above the limit of 67,108,864 (`replay --max-text-bytes N ...` raises it)",
+        tmp_path,
+        peak_mib=400,
+    )

@@ -35,7 +35,7 @@ print(json.dumps([r.returncode, r.stderr, peak]))
 """
 
 
-def _refused_within(args: list[str], line: str, folder: Path, peak_mib: int) -> float:
+def refused_within(args: list[str], line: str, folder: Path, peak_mib: int) -> float:
     before = sorted(p.name for p in folder.iterdir())
     run = subprocess.run(
         [sys.executable, "-c", DRIVER, json.dumps(args)],
@@ -67,7 +67,7 @@ def test_a_plugin_log_of_one_64_mib_line_is_refused_once_the_limit_is_read(
         fh.write(b'"00",' * ((64 << 20) // 5 + 2))
         fh.write(b'"00"]}\n')
     assert log.stat().st_size > 64 << 20
-    _refused_within(
+    refused_within(
         ["ingest", "kv-events", str(dump), "--lookups", str(log), "--block-size", "16", "-o", str(tmp_path / "t.parquet")],
         f"{log}: line 1 holds more than 67,108,864 bytes in one line, above the limit of "
         "67,108,864 (`replay --max-line-bytes N ...` raises it)",
@@ -83,7 +83,7 @@ def test_a_plugin_log_line_over_a_raised_limit_names_the_raised_limit(tmp_path: 
     log.write_text(
         json.dumps(engine) + "\n" + json.dumps({"type": "lookup", "pad": "x" * 200}) + "\n"
     )
-    _refused_within(
+    refused_within(
         ["--max-line-bytes", "100", "ingest", "kv-events", str(dump), "--lookups", str(log), "--block-size", "16", "-o", str(tmp_path / "t.parquet")],
         f"{log}: line 2 holds more than 100 bytes in one line, above the limit of 100 "
         "(`replay --max-line-bytes N ...` raises it)",
@@ -101,7 +101,7 @@ def test_a_dump_record_whose_length_prefix_claims_2_gib_is_refused_before_it_is_
     with open(dump, "wb") as fh:
         fh.write(DUMP_MAGIC + struct.pack(">I", 1 << 31))
         fh.truncate(len(DUMP_MAGIC) + 4 + (1 << 31))
-    _refused_within(
+    refused_within(
         ["ingest", "kv-events", str(dump), "--block-size", "16", "-o", str(tmp_path / "t.parquet")],
         f"{dump}: record 0 at byte 8: its length prefix declares 2,147,483,648 bytes in one "
         "record, above the limit of 67,108,864 (`replay --max-record-bytes N ...` raises it)",
@@ -116,7 +116,7 @@ def test_an_event_of_more_hashes_than_a_row_takes_is_refused(tmp_path: Path) -> 
     hashes = event("BlockStored", block_hashes=list(range(1, (1 << 22) + 2)), block_size=16)
     body = payload(1.8e9, hashes)
     dump = write_dump(tmp_path / "d.dump", [(frames(0, body), "live")])
-    _refused_within(
+    refused_within(
         ["ingest", "kv-events", str(dump), "--block-size", "16", "-o", str(tmp_path / "t.parquet")],
         f"{dump} record 0 (seq 0): BlockStored block_hashes holds 4,194,305 hashes in one "
         "row, above the limit of 4,194,304 (`replay --max-row-hashes N ...` raises it)",
@@ -130,7 +130,7 @@ def test_an_event_whose_hash_is_wider_than_the_limit_is_refused(tmp_path: Path, 
     """The trace it would write is one no reader accepts by default."""
     body = payload(1.8e9, stored([b"a" * 32, b"w" * width]))
     dump = write_dump(tmp_path / "d.dump", [(frames(0, body), "live")])
-    _refused_within(
+    refused_within(
         ["ingest", "kv-events", str(dump), "--block-size", "16", "-o", str(tmp_path / "t.parquet")],
         f"{dump} record 0 (seq 0): BlockStored block_hashes holds a hash of {width:,} bytes "
         "in one hash, above the limit of 128 (`replay --max-hash-bytes N ...` raises it)",

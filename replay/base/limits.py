@@ -71,7 +71,14 @@ RECORD_BYTES = Limit(
 #: config of 5,000 groups took 2.5 GB and half a minute to replay 50 blocks.
 GROUPS = Limit("--max-groups", "REPLAY_MAX_GROUPS", 1024, "KV-cache groups")
 
-LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES, RECORD_BYTES, GROUPS)
+#: Bytes of a text column (request_id, medium) in one Parquet row group, as
+#: the footer declares them: one 256 MiB request_id (a few KB compressed)
+#: took 2.2 GB to validate and 2.8 GB to replay.
+TEXT_BYTES = Limit(
+    "--max-text-bytes", "REPLAY_MAX_TEXT_BYTES", 64 << 20, "bytes of text in one row group"
+)
+
+LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES, RECORD_BYTES, GROUPS, TEXT_BYTES)
 
 
 def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:
