@@ -12,15 +12,15 @@ from typing import Any
 
 import click
 
-from replay.base.units import Capacity, log_spaced, parse_capacities, parse_capacity
+from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
+    RETENTION,
     SIZE_LIMIT,
     count_option,
     fraction_type,
     output_option,
 )
-from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
@@ -119,10 +119,10 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     "--capacity-blocks", default=None, help="Cache sizes in blocks (--capacity in blocks)."
 )
 @click.option("--capacity-bytes", default=None, help="Cache sizes in bytes (--capacity in bytes).")
-@click.option(
+@count_option(
     "--points",
-    type=click.IntRange(min=2),
-    default=None,
+    least=2,
+    most=MAX_POINTS,
     help="With --min and --max: this many capacities, log-spaced, both ends included.",
 )
 @click.option(
@@ -170,6 +170,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     "--retention-interval",
     default="0",
     show_default=True,
+    type=RETENTION,
     help="vLLM's prefix_cache_retention_interval: 0, a multiple of the scheduler block "
     "size, or none (dense).",
 )
@@ -211,7 +212,7 @@ def whatif(
     evictions: tuple[str, ...],
     cache: str | None,
     policy: str,
-    retention_interval: str,
+    retention_interval: int | None,
     max_num_batched_tokens: int,
     output: Path,
     emit_traces: Path | None,
@@ -246,7 +247,7 @@ def whatif(
         formats={"-o": PARQUET},
     )
     names = _names(evictions)
-    retention = parse_retention(retention_interval)
+    retention = retention_interval
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)

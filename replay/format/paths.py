@@ -464,10 +464,11 @@ def remove_leftovers() -> None:
             _LIVE.pop(tmp, None)
 
 
-def _new_file_mode() -> int:
+def _new_file_mode(directory: bool = False) -> int:
+    """The mode ``open`` or ``mkdir`` gives a new file or directory."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if directory else 0o666) & ~umask
 
 
 class Staging:
@@ -512,7 +513,9 @@ class Staging:
                 name = tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
             except OSError as exc:
                 raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
-            self._items.append((Path(name), real, os.fspath(path), True, 0o777 & _new_file_mode()))
+            # A directory's mode has its x bits (a 0644 directory cannot be
+            # entered: its parts were unreadable to anyone but root).
+            self._items.append((Path(name), real, os.fspath(path), True, _new_file_mode(True)))
             _LIVE[Path(name)] = True
         return Path(name)
 
@@ -528,7 +531,7 @@ class Staging:
         with signals_held():
             for tmp, real, given, is_dir, mode in self._items:
                 try:
-                    os.chmod(tmp, mode | (0o111 & mode if is_dir else 0))
+                    os.chmod(tmp, mode)
                     if is_dir:
                         with contextlib.suppress(FileNotFoundError):
                             real.rmdir()  # empty (checked): the rename replaces it

@@ -72,9 +72,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
 
 from replay.base.spec import GroupKind, TraceConfig
+from replay.format.jit import jit
 from replay.rules.store_rules import StorePolicy
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif.requests import Requests
@@ -167,7 +167,7 @@ def facts_of(hits: npt.NDArray[np.int64], block_size: int) -> npt.NDArray[np.int
     return facts.astype(np.int64)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _fenwick_add(tree: Any, i: int, delta: int) -> None:
     n = tree.shape[0]
     while i < n:
@@ -175,7 +175,7 @@ def _fenwick_add(tree: Any, i: int, delta: int) -> None:
         i += i & -i
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _fenwick_prefix(tree: Any, i: int) -> int:
     s = 0
     while i > 0:
@@ -184,7 +184,7 @@ def _fenwick_prefix(tree: Any, i: int) -> int:
     return s
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _newer(gtime: Any, c: int, g: int, t: int) -> int:
     """Capacity ``c``'s stale copies newer than time ``t``."""
     lo, hi = 0, g
@@ -197,7 +197,7 @@ def _newer(gtime: Any, c: int, g: int, t: int) -> int:
     return g - lo
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _count_newer(times: Any, n: int, t: int) -> int:
     out = 0
     for j in range(n):
@@ -205,7 +205,7 @@ def _count_newer(times: Any, n: int, t: int) -> int:
     return out
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find(gkey: Any, c: int, g: int, key: int) -> int:
     for j in range(g):
         if gkey[c, j] == key:
@@ -213,14 +213,14 @@ def _find(gkey: Any, c: int, g: int, key: int) -> int:
     return -1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _drop(gtime: Any, gkey: Any, gfirst: Any, c: int, g: int, j: int) -> int:
     for m in range(j, g - 1):
         gtime[c, m], gkey[c, m], gfirst[c, m] = gtime[c, m + 1], gkey[c, m + 1], gfirst[c, m + 1]
     return g - 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _insert(
     gtime: Any, gkey: Any, gfirst: Any, c: int, g: int, t: int, key: int, first: int
 ) -> int:
@@ -232,7 +232,7 @@ def _insert(
     return g + 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _stack_pass(
     ids: Any,
     offsets: Any,
