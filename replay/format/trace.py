@@ -149,6 +149,33 @@ def _declared_hashes(rg: Any) -> int:
     return 0
 
 
+def _is_text(typ: pa.DataType) -> bool:
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return True
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        return _is_text(typ.value_type)
+    return False
+
+
+def check_declared_text(pf: pq.ParquetFile, path: str) -> None:
+    """Before any row is decoded: no text column (strings, or lists of them,
+    as a results file's flags) declares more than ``--max-text-bytes`` in one
+    row group. Traces and results files alike."""
+    text = TEXT_BYTES.value()
+    texts = {f.name for f in pf.schema_arrow if _is_text(f.type)}
+    meta = pf.metadata
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            name = col.path_in_schema.split(".", 1)[0]
+            if name in texts and col.total_uncompressed_size > text:
+                raise TEXT_BYTES.refuse(
+                    f"{path}: row group {i} column {col.path_in_schema!r} declares",
+                    col.total_uncompressed_size,
+                )
+
+
 def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
     """Before any row is decoded: the sizes the footer declares are within
     the limits of ``replay.base.limits`` (hashes per row group, per row on
@@ -160,21 +187,9 @@ def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
         raise HASH_BYTES.refuse(f"{path}: column 'block_hashes' holds hashes of", width.byte_width)
     meta = pf.metadata
     per_row, per_group = ROW_HASHES.value(), GROUP_HASHES.value()
-    text = TEXT_BYTES.value()
-    texts = {
-        f.name
-        for f in pf.schema_arrow
-        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
-    }
+    check_declared_text(pf, path)
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            if col.path_in_schema in texts and col.total_uncompressed_size > text:
-                raise TEXT_BYTES.refuse(
-                    f"{path}: row group {i} column {col.path_in_schema!r} declares",
-                    col.total_uncompressed_size,
-                )
         declared = _declared_hashes(rg)
         if declared > per_group:
             raise GROUP_HASHES.refuse(f"{path}: row group {i} declares", declared)
