@@ -184,3 +184,24 @@ def test_a_results_file_with_a_65_mib_request_id_is_refused_from_the_footer(
         tmp_path,
         peak_mib=400,
     )
+
+
+def test_a_footer_over_16_mib_is_refused_before_pyarrow_parses_it(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """The footer's length is the file's last eight bytes: a trace whose
+    metadata is 17 MiB (a config of hundreds of thousands of groups, or any
+    junk key) is refused from them; --max-footer-bytes raises the limit."""
+    table = pq.read_table(str(trace_43559))
+    meta = dict(table.schema.metadata or {})
+    meta[b"junk"] = b"x" * (17 << 20)
+    path = tmp_path / "fat.parquet"
+    pq.write_table(table.replace_schema_metadata(meta), str(path), compression="zstd")
+    footer = int.from_bytes(path.read_bytes()[-8:-4], "little")
+    _only(
+        ["validate", str(path)],
+        f"{path}: its footer declares {footer:,} bytes of Parquet footer, above the limit "
+        "of 16,777,216 (`replay --max-footer-bytes N ...` raises it)",
+        tmp_path,
+    )
+    assert run_cli(["--max-footer-bytes", "64M", "validate", str(path)]).exit_code == 0

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
-from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES, TEXT_BYTES
+from replay.base.limits import FOOTER_BYTES, GROUP_HASHES, HASH_BYTES, ROW_HASHES, TEXT_BYTES
 from replay.base.spec import TraceConfig
 from replay.base.text import utf8_path
 from replay.format.paths import check_input
@@ -37,12 +37,13 @@ from replay.rules.coordinator import check_config, trace_cache
 
 
 def _ends(fh: BinaryIO) -> tuple[int, bytes, bytes]:
-    """A seekable file's size and its first and last four bytes."""
+    """A seekable file's size, its first four bytes and its last eight (the
+    footer's length, then the magic)."""
     size = fh.seek(0, os.SEEK_END)
     fh.seek(0)
     head = fh.read(4)
-    fh.seek(max(0, size - 4))
-    tail = fh.read(4)
+    fh.seek(max(0, size - 8))
+    tail = fh.read(8)
     fh.seek(0)
     return size, head, tail
 
@@ -73,8 +74,11 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         raise TraceError(f"{p}: empty file, expected a Parquet file")
     if head != b"PAR1":
         raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
-    if tail != b"PAR1":
+    if tail[-4:] != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    footer = int.from_bytes(tail[:4], "little") if len(tail) == 8 else 0
+    if footer > FOOTER_BYTES.value():
+        raise FOOTER_BYTES.refuse(f"{p}: its footer declares", footer, TraceError)
     owned: BinaryIO | None = None
     if isinstance(source, str) and not utf8_path(source):
         # Arrow takes only UTF-8 names: any other is read through Python,
