@@ -22,11 +22,14 @@ from replay.rules.coordinator.policy import (
     DEFAULT_POLICY,
     POLICIES,
     RELEASES,
+    Chosen,
     Policy,
+    choose_policies,
     get_policy,
+    pinned_policies,
     policy_for_version,
     policy_rules,
-    trace_policy,
+    same_rules,
 )
 
 #: Who answers the lookups: this project's coordinator, or the installed vLLM's.
@@ -42,6 +45,7 @@ __all__ = [
     "POLICIES",
     "RELEASES",
     "Cache",
+    "Chosen",
     "Coordinator",
     "FinderResult",
     "GroupOutcome",
@@ -53,6 +57,7 @@ __all__ = [
     "block_view",
     "build_spec_groups",
     "check_config",
+    "choose_policies",
     "eagle_group_ids",
     "engine_derives_partial_hits",
     "get_cache",
@@ -60,8 +65,9 @@ __all__ = [
     "hit_alignment",
     "lookup_spec",
     "partial_hits",
+    "pinned_policies",
     "policy_for_version",
     "policy_rules",
+    "same_rules",
     "trace_cache",
-    "trace_policy",
 ]
