@@ -105,9 +105,11 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                     "num_tokens": 48,
                 },
                 # A request that does hit, beside it: attention holds three
-                # blocks, Mamba its states at 16 and 32. Its drop lands on a
-                # stored state under every policy (no flag); pre-32802's
-                # bound of 47 drops a second block.
+                # blocks, Mamba its states at 16 and 32. vllm-0.33 peeks to
+                # the hashed 48 and its drop lands on a stored state (no
+                # flag); the older releases bound at max_length 47, so
+                # attention keeps 16: pre-32802 drops a second block (16),
+                # pre-49502's margin puts Mamba's state at 32 (an overrun).
                 {"kind": "store", "group_id": 0, "block_hashes": both},
                 {"kind": "store", "group_id": 1, "block_hashes": both[:2]},
                 {
@@ -123,7 +125,7 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                 {"policy": "pre-32802", "flags": {}, "hits": {"m1": 0, "m2": 16}},
                 {
                     "policy": "pre-49502",
-                    "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
+                    "flags": {"mamba_overrun": 2, "eagle_not_dropped": 1},
                     "hits": {"m1": 16, "m2": 32},
                 },
             ],
