@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import command, fail
+from replay.cli.common import command, fail, note_at_end
 from replay.cli.options import (
     chosen_policies,
     count_option,
@@ -177,7 +177,7 @@ def bisect(
     )
     recorded = recorded_release({"vllm_version": report["trace_vllm_version"]})
     if recorded is not None:
-        click.echo(f"{recorded[1]}; its column is marked (trace)", err=True)
+        note_at_end(f"{recorded[1]}; its column is marked (trace)")
     if as_json:
         from replay.cli import payloads
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from replay.base.errors import ReplayError
-from replay.cli.common import fail
+from replay.cli.common import fail, note_at_end
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, choose_policies
 from replay.sources.archetypes import ARCHETYPES
 
@@ -324,7 +324,8 @@ def chosen_policies(
 ) -> tuple[str, ...]:
     """The policies a command answers with (``choose_policies``: ``--policy``,
     ``--vllm``, a results file's own, the trace's recorded release, the
-    default); what was inferred, and what an alias means, goes to stderr."""
+    default); what was inferred, and what an alias means, goes to stderr
+    when the command is done (an error stays the one line)."""
     given, vllm = tuple(given), tuple(vllm)
     if most is not None and len(vllm) > most:
         raise fail(f"--vllm given {len(vllm)} times, expected at most {most}")
@@ -335,6 +336,5 @@ def chosen_policies(
         source = open_trace(trace).config.source
     chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
     if not quiet:
-        for note in chosen.notes:
-            click.echo(note, err=True)
+        note_at_end(*chosen.notes)
     return chosen.policies

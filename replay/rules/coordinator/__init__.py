@@ -20,6 +20,7 @@ from replay.rules.coordinator.hybrid import (
 from replay.rules.coordinator.policy import (
     ALIASES,
     DEFAULT_POLICY,
+    EMULATIONS,
     POLICIES,
     RELEASES,
     Chosen,
@@ -41,6 +42,7 @@ __all__ = [
     "COORDINATORS",
     "DEFAULT_CACHE",
     "DEFAULT_POLICY",
+    "EMULATIONS",
     "FINDERS",
     "POLICIES",
     "RELEASES",

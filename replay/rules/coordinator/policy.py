@@ -36,8 +36,8 @@ class Policy(Entry):
     #: before the mirror existed)
     gpu: Cache
     mooncake: Cache | None
-    #: for an alias: what it means, printed when it is used, and the release
-    #: policy whose rules it takes in each cache
+    #: for an alias or an emulation: what it means, printed when it is used;
+    #: for an alias, the release policy whose rules it takes in each cache
     alias_note: str = ""
     stands_for: tuple[tuple[str, str], ...] = ()
 
@@ -261,7 +261,28 @@ ALIASES: tuple[Policy, ...] = (
     ),
 )
 
-POLICIES: dict[str, Policy] = by_name(*RELEASES, *ALIASES)
+# Not a release and not an alias: vLLM 0.33.0's structure with the Mamba
+# gates taken out, what `make mutants` makes of vLLM 0.33.0 with its
+# engine-no-mamba-gate and mirror-no-mamba-gate mutants. No release ever
+# answered so (0.33.0's peek cap on the hashed length with Mamba's margin
+# can leave a hit past max_length's alignment); it stays for the flags'
+# tests of such facts and says so when used.
+EMULATIONS: tuple[Policy, ...] = (
+    Policy(
+        name="vllm-0.33-no-mamba-gate",
+        description="emulation, no release: vLLM 0.33.0 with the Mamba gates of #46384 "
+        "(engine) and #49502 (mirror) removed, as make mutants' no-mamba-gate mutants",
+        first="0.33.0",
+        last="0.33.0",
+        prs="#46384 and #49502 taken out",
+        gpu=_E33.but(mamba_peek_margin=True),
+        mooncake=_M33.but(mamba_peek_margin=True),
+        alias_note="policy vllm-0.33-no-mamba-gate is an emulation, no vLLM release: 0.33.0 "
+        "with the Mamba gate removed; the releases with the #43559 overrun are pre-49502",
+    ),
+)
+
+POLICIES: dict[str, Policy] = by_name(*RELEASES, *ALIASES, *EMULATIONS)
 DEFAULT_POLICY = "vllm-0.33"
 
 
