@@ -134,7 +134,9 @@ def run(
     from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import check_outputs, staged_outputs
 
-    policies = chosen_policies(trace, policies, vllm_versions, quiet=quiet, most=None)
+    policies = chosen_policies(
+        trace, dict.fromkeys(policies), dict.fromkeys(vllm_versions), quiet=quiet, most=None
+    )
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])

@@ -286,12 +286,12 @@ POLICIES: dict[str, Policy] = by_name(*RELEASES, *ALIASES, *EMULATIONS)
 DEFAULT_POLICY = "vllm-0.33"
 
 
-def pinned_policies(cache: str | Cache, first: Sequence[str] = ()) -> tuple[str, ...]:
+def pinned_policies(cache: str | Cache, also: Sequence[str] = ()) -> tuple[str, ...]:
     """What a regression trace pins in ``cache`` (``traces/build.py``,
-    ``replay minimize``): ``first``, the default release and the aliases
-    (the releases of the bugs the corpus is about), each only where it has
+    ``replay minimize``): the default release, the aliases (the releases
+    of the bugs the corpus is about) and ``also``, each only where it has
     that cache (``pre-32802`` has no Mooncake mirror)."""
-    names = dict.fromkeys((*first, DEFAULT_POLICY, *(p.name for p in ALIASES)))
+    names = dict.fromkeys((DEFAULT_POLICY, *(p.name for p in ALIASES), *also))
     engine = get_cache(cache).name == "gpu"
     return tuple(n for n in names if engine or get_policy(n).mooncake is not None)
 
@@ -328,7 +328,7 @@ def choose_policies(
     error; an alias among the chosen policies adds the line saying what it
     means."""
     notes: list[str] = []
-    chosen = tuple(dict.fromkeys(given))
+    chosen = tuple(given)
     if vllm:
         if chosen:
             raise ReplayError("--vllm and --policy both choose the policy: give one")
@@ -348,7 +348,9 @@ def choose_policies(
         chosen = (DEFAULT_POLICY,) if recorded is None else (recorded[0].name,)
         if recorded is not None:
             notes.append(f"{recorded[1]}; --policy or --vllm overrides")
-    notes.extend(p.alias_note for p in map(POLICIES.get, chosen) if p and p.alias_note)
+    notes.extend(
+        p.alias_note for p in map(POLICIES.get, dict.fromkeys(chosen)) if p and p.alias_note
+    )
     return Chosen(chosen, tuple(notes))
 
 
