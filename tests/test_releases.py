@@ -219,3 +219,35 @@ def test_an_alias_says_what_it_means(tmp_path: Path) -> None:
         f"error: {trace}: replay.trace metadata: policy pre-32802 (vLLM 0.16.0 - 0.19.1) has "
         "no Mooncake store mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu\n",
     )
+
+
+TRACES = sorted((Path(__file__).resolve().parents[1] / "traces").glob("*.parquet"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
+def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -> None:
+    """pre-49502 answers every lookup of every bundled trace as vllm-0.23 in
+    the engine and vllm-0.26 in the mirror (hit, masks, group hits, facts),
+    and refuses what they refuse, from one fold each."""
+    from replay.engine.run import ReplayOptions, replay
+    from replay.format.tracedir import open_trace
+
+    config = open_trace(trace).config
+    variants = []
+    for alias, release, cache in (("pre-49502", "vllm-0.23", "gpu"), ("pre-49502", "vllm-0.26", "mooncake"), ("pre-32802", "vllm-0.16", "gpu")):  # fmt: skip
+        try:
+            Coordinator(config, release, cache)
+        except ConfigError as exc:
+            with pytest.raises(ConfigError, match=str(exc).split(": ")[-1][:40]):
+                Coordinator(config, alias, cache)
+            continue
+        variants += [(alias, cache, "reference"), (release, cache, "reference")]
+    if not variants:
+        return
+    results = replay(trace, ReplayOptions(variants=tuple(variants)))
+    for alias, release in zip(results[::2], results[1::2], strict=True):
+        assert alias.policy.startswith("pre-") and alias.cache == release.cache
+        assert alias.results.height > 0
+        mine, theirs = (r.results.drop("policy") for r in (alias, release))
+        assert mine.equals(theirs), (trace.name, alias.policy, alias.cache)
