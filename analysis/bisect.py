@@ -180,8 +180,9 @@ def markdown(report: dict[str, Any], *, limit: int | None = None) -> list[str]:
         if cache["not_modelled"]:
             lines.append("")
         changing = [lk for lk in cache["lookups"] if lk["changes"]]
+        n, k = len(cache["lookups"]), len(changing)
         lines.append(
-            f"{len(cache['lookups'])} lookups, {len(changing)} change between "
+            f"{n} lookup{'s' * (n != 1)}, {k} changing between "
             f"{releases[0]['first'] if releases else '-'} and "
             f"{releases[-1]['last'] if releases else '-'}"
             " (cells: hit [skipped+loaded blocks per group] flags)"
