@@ -333,15 +333,16 @@ def check(
     from analysis.check import check_path
     from analysis.flags import counts_text, flag_counts, flag_examples
     from analysis.selection import failing, select_flags, selection_text
-    from replay.format.results import is_results_file
+    from replay.format.results import is_results_file, results_info
 
     selected = select_flags(fail_on, ignore)
     chosen = selection_text(fail_on, ignore)
-    if is_results_file(path):  # its own policy; another one given is refused
-        given = (policy,) if policy else ()
-        asked = chosen_policies(None, given, vllm_versions)[0] if given or vllm_versions else None
-    else:
-        (asked,) = chosen_policies(path, (policy,) if policy else (), vllm_versions)
+    # A results file: its own policy (another one given is refused); a trace:
+    # the one rule.
+    own = str(results_info(path).get("policy")) if is_results_file(path) else None
+    (asked,) = chosen_policies(
+        None if own else path, (policy,) if policy else (), vllm_versions, results_policy=own
+    )
     with progress_bar(as_json) as bar:
         flags, policy_used = check_path(
             path,
@@ -354,7 +355,7 @@ def check(
     fails = failing(counts, selected)
     if as_json:
         from replay.engine.answers import resolve_cache
-        from replay.format.results import results_cache, results_info
+        from replay.format.results import results_cache
         from replay.format.tracedir import open_trace
 
         if is_results_file(path):
