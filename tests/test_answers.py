@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 
 from analysis.flags import lookup_flags
+from replay.base.errors import ConfigError
+from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Variant
 from replay.engine.run import ReplayOptions, replay
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
+from replay.rules.coordinator import Coordinator
 from tests.builders import (
     chain,
     full_mamba,
@@ -29,6 +32,14 @@ VARIANTS = [
 ]
 
 
+def _answers(config: TraceConfig, policy: str, cache: str) -> bool:
+    try:
+        Coordinator(config, policy, cache)
+    except ConfigError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("seed", seeds(15))
 @pytest.mark.parametrize("shards", [1, 3])
 def test_every_variant_from_one_fold_is_its_own_replay(
@@ -38,10 +49,13 @@ def test_every_variant_from_one_fold_is_its_own_replay(
     config = random_config(rng)
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 25))
     reader = open_trace(path)
-    answers = Answers(config, VARIANTS, unit_present=True, where=reader.name)
+    # pre-49502 where its releases take the configuration (they refuse some).
+    variants = [v for v in VARIANTS if _answers(config, v.policy, v.cache)]
+    assert len(variants) >= 2
+    answers = Answers(config, variants, unit_present=True, where=reader.name)
     got = replay_answers(reader, answers, shards=shards)
     assert [(r.policy, r.cache, r.coordinator) for r in got] == [
-        (v.policy, v.cache, "reference") for v in VARIANTS
+        (v.policy, v.cache, "reference") for v in variants
     ]
     for r in got:
         options = ReplayOptions(policies=(r.policy,), caches=(r.cache,), unit_present=True)
