@@ -226,8 +226,9 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
-    per-request hit-ratio percentiles, and the unbounded cache's ceiling in
-    its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    per-request hit-ratio percentiles and its method (gpu LRU capacities
+    come from one stack-distance pass where that is exact, one-pass, else
+    per-capacity), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache
