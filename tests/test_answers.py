@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 
 from analysis.flags import lookup_flags
-from replay.base.errors import ConfigError
-from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Variant
 from replay.engine.run import ReplayOptions, replay
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
-from replay.rules.coordinator import Coordinator
 from tests.builders import (
+    answerable,
     chain,
     full_mamba,
     issue_43559_rows,
@@ -32,14 +30,6 @@ VARIANTS = [
 ]
 
 
-def _answers(config: TraceConfig, policy: str, cache: str) -> bool:
-    try:
-        Coordinator(config, policy, cache)
-    except ConfigError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("seed", seeds(15))
 @pytest.mark.parametrize("shards", [1, 3])
 def test_every_variant_from_one_fold_is_its_own_replay(
@@ -50,7 +40,7 @@ def test_every_variant_from_one_fold_is_its_own_replay(
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 25))
     reader = open_trace(path)
     # pre-49502 where its releases take the configuration (they refuse some).
-    variants = [v for v in VARIANTS if _answers(config, v.policy, v.cache)]
+    variants = [v for v in VARIANTS if answerable(config, v.policy, v.cache)]
     assert len(variants) >= 2
     answers = Answers(config, variants, unit_present=True, where=reader.name)
     got = replay_answers(reader, answers, shards=shards)

@@ -11,7 +11,7 @@ import pytest
 
 from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
-from tests.builders import chain, full_mamba
+from tests.builders import answerable, chain, full_mamba
 
 TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
 
@@ -65,17 +65,6 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
     )
 
 
-def _answers(config: Any, policy: str, cache: str) -> bool:
-    from replay.base.errors import ConfigError
-    from replay.rules.coordinator import Coordinator
-
-    try:
-        Coordinator(config, policy, cache)
-    except ConfigError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 def test_the_regression_corpus_passes(pytester: pytest.Pytester) -> None:
     for trace in TRACES:
@@ -105,7 +94,7 @@ def test_the_regression_corpus_passes(pytester: pytest.Pytester) -> None:
         # ... where the policy's releases answer it (pre-32802 had no mirror;
         # a release may refuse the configuration).
         assert sorted((e["policy"], e["cache"]) for e in entries) == sorted(
-            (p, c) for p in policies for c in valid if _answers(config, p, c)
+            (p, c) for p in policies for c in valid if answerable(config, p, c)
         ), trace.name
     assert both >= len(TRACES) - 5
     # The aliases are pinned wherever their releases answer: most traces.

@@ -52,7 +52,13 @@ from replay.rules.coordinator import (
     policy_for_version,
     policy_rules,
 )
-from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
+from tests.builders import (
+    full_mamba,
+    mutate_store,
+    random_chain,
+    random_hybrid_config,
+    random_max_length,
+)
 from tests.contracts.coordinator import CoordinatorContract
 
 pytestmark = pytest.mark.vllm
@@ -537,15 +543,7 @@ def test_an_alias_is_answered_where_its_release_is_installed(
     """pre-49502 means vllm-0.23 in the engine and vllm-0.26 in the mirror:
     vLLM answers it where that release is installed (the #43559 overrun,
     64), and elsewhere refuses in one line naming the release to install."""
-    config = TraceConfig(
-        groups=(
-            GroupSpec(kind=FA, block_size=16),
-            GroupSpec(kind=MB, block_size=16, mamba_cache_mode="align"),
-        ),
-        hash_block_size=16,
-        scheduler_block_size=16,
-        use_eagle=True,
-    )
+    config = full_mamba()
     hashes = [bytes([i]) * 32 for i in range(4)]
     contains = [set(hashes).__contains__] * 2
     if INSTALLED.rules(cache) == ALL_POLICIES["pre-49502"].rules(cache):

@@ -19,7 +19,14 @@ from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.format.writer import write_trace
 from replay.rules.coordinator import CACHES, check_config
-from tests.builders import Scenario, chain, full_mamba, issue_43559_rows, scenario_rows
+from tests.builders import (
+    Scenario,
+    answerable,
+    chain,
+    full_mamba,
+    issue_43559_rows,
+    scenario_rows,
+)
 
 HERE = Path(__file__).parent
 
@@ -326,18 +333,6 @@ def valid_caches(config: TraceConfig) -> list[str]:
             continue
         out.append(cache)
     return out
-
-
-def answerable(config: TraceConfig, policy: str, cache: str) -> bool:
-    """Whether ``policy`` answers this configuration in ``cache`` (the cache
-    existed in its releases, and they take the configuration)."""
-    from replay.rules.coordinator import Coordinator
-
-    try:
-        Coordinator(config, policy, cache)
-    except ConfigError:
-        return False
-    return True
 
 
 def replayed_results(
