@@ -19,8 +19,8 @@ from replay.base.units import (
     parse_seed,
     shown,
 )
-from replay.cli.common import fail
-from replay.rules.coordinator import CACHES
+from replay.cli.common import fail, note_at_end
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, choose_policies
 from replay.sources.archetypes import ARCHETYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -178,3 +178,48 @@ def store_options(fn: F) -> F:
     ):
         fn = decorator(fn)
     return fn
+
+
+# ---------------------------------------------------------------- policies
+
+
+def vllm_option(multiple: bool = False) -> Callable[[F], F]:
+    """``--vllm VERSION``: answer as that vLLM release (its policy), wherever
+    ``--policy`` is taken; repeatable where ``--policy`` is."""
+    return click.option(
+        "--vllm",
+        "vllm_versions",
+        metavar="VERSION",
+        multiple=True,
+        help="Answer as this vLLM release (e.g. 0.26.0): the policy that models it"
+        + ("; repeatable like --policy" if multiple else "")
+        + ". Default: the trace's source.vllm_version (the release that recorded it), "
+        f"else {DEFAULT_POLICY}.",
+    )
+
+
+def chosen_policies(
+    trace: Path | None,
+    given: Iterable[str] = (),
+    vllm: Iterable[str] = (),
+    *,
+    results_policy: str | None = None,
+    quiet: bool = False,
+    most: int | None = 1,
+) -> tuple[str, ...]:
+    """The policies a command answers with (``choose_policies``: ``--policy``,
+    ``--vllm``, a results file's own, the trace's recorded release, the
+    default); what was inferred, and what an alias means, goes to stderr
+    when the command is done (an error stays the one line)."""
+    given, vllm = tuple(given), tuple(vllm)
+    if most is not None and len(vllm) > most:
+        raise fail(f"--vllm given {len(vllm)} times, expected at most {most}")
+    source = None
+    if not given and not vllm and results_policy is None and trace is not None:
+        from replay.format.tracedir import open_trace
+
+        source = open_trace(trace).config.source
+    chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+    if not quiet:
+        note_at_end(*chosen.notes)
+    return chosen.policies
