@@ -282,7 +282,7 @@ def _bits_init(st: Any, universe: int) -> Any:
     return np.zeros(total, dtype=np.uint64)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bits_set(st: Any, bits: Any, i: int) -> None:
     for lv in range(st[_LEVELS]):
         w = i >> 6
@@ -294,7 +294,7 @@ def _bits_set(st: Any, bits: Any, i: int) -> None:
         i = w
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bits_clear(st: Any, bits: Any, i: int) -> None:
     for lv in range(st[_LEVELS]):
         w = i >> 6
@@ -306,7 +306,7 @@ def _bits_clear(st: Any, bits: Any, i: int) -> None:
         i = w
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bits_first(st: Any, bits: Any) -> int:
     """The lowest bucket holding a block (the queue is not empty)."""
     i = 0
@@ -316,7 +316,7 @@ def _bits_first(st: Any, bits: Any) -> int:
     return i
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bq_add(st: Any, blk: Any, qh: Any, bits: Any, item: int, bucket: int) -> None:
     """Queue ``item`` last in ``bucket`` (it is not queued)."""
     blk[item, B_INLIST] = bucket + 1
@@ -332,7 +332,7 @@ def _bq_add(st: Any, blk: Any, qh: Any, bits: Any, item: int, bucket: int) -> No
     st[_LEN] += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bq_unlink(st: Any, blk: Any, qh: Any, bits: Any, item: int) -> None:
     if not blk[item, B_INLIST]:
         return
@@ -352,7 +352,7 @@ def _bq_unlink(st: Any, blk: Any, qh: Any, bits: Any, item: int) -> None:
     st[_LEN] -= 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bq_pop(st: Any, blk: Any, qh: Any, bits: Any) -> int:
     item = int(qh[_bits_first(st, bits), 0])
     _bq_unlink(st, blk, qh, bits, item)
