@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from numba import njit
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from replay.base.spec import GroupKind, TraceConfig
 from replay.rules.coordinator import Coordinator, get_policy
@@ -225,6 +225,8 @@ B_COLS = 8
 # Columns of ``side`` (fifo and lfu only, int64): the block's arrival
 # (fifo) and its use count (lfu).
 S_BORN, S_USED = 0, 1
+#: numba's count of a word's trailing zero bits (untyped for mypy)
+trailing_zeros: Any = _trailing_zeros
 # The helpers take the few 2-D arrays, not one view per field, and the LRU
 # queue's per-block steps are written out where they run: every array
 # argument of a call costs two atomic reference counts (numba's inlining
@@ -234,14 +236,16 @@ S_BORN, S_USED = 0, 1
 # fifo, lfu and belady are bucket queues, O(1) per add, discard and pop
 # (bounded by the bitset's few levels): a bucket per priority value, each
 # a doubly linked list of its blocks in the order they were added (through
-# ``B_LPREV`` / ``B_LNEXT``, 0 ends a list: block 0 is never queued), and a
+# ``B_LPREV`` / ``B_LNEXT``, 0 ends a list: block 0 is never queued;
+# ``B_INLIST`` holds the block's bucket + 1, 0 when not queued), and a
 # bitset of the buckets that hold a block, 64-ary, its levels one word per
 # 64 words below, so the first nonempty bucket is one trailing-zero count
 # per level. The Python model's order is (priority, add stamp): a later add
 # goes after every block already queued at its priority, so a bucket's list
 # is that order exactly. Buckets: fifo the arrival (its counter), lfu the
 # use count, belady ``requests - next use`` (0: never used again), so the
-# furthest next use comes first.
+# furthest next use comes first. Their steps are inlined into the run
+# (``inline="always"``: measured faster than a call per block).
 
 
 @njit(cache=True, nogil=True)
@@ -258,9 +262,9 @@ def _universe(ev: int, ids: Any, offsets: Any, num_groups: int, num_keys: int) -
             most = max(most, counts[ids[p]])
         return most + 2
     if ev == FIFO:
-        return offsets[-1] * num_groups + 2
+        return int(offsets[-1]) * num_groups + 2
     if ev == BELADY:
-        return offsets.shape[0] + 1
+        return int(offsets.shape[0]) + 1
     return 1
 
 
@@ -312,7 +316,7 @@ def _bits_first(st: Any, bits: Any) -> int:
     i = 0
     for lv in range(st[_LEVELS] - 1, -1, -1):
         word = bits[st[_LOFF + lv] + i]
-        i = (i << 6) + np.int64(trailing_zeros(word))
+        i = (i << 6) + int(trailing_zeros(word))
     return i
 
 
