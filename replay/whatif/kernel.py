@@ -887,21 +887,12 @@ def run_gpu(
                         nu = future[o + x]
                         bucket = 0 if nu >= NEVER else requests - nu
                         while b >= 0:
-                            if blk[b, B_INLIST] != now + 1:
+                            if blk[b, B_INLIST] == now + 1:
+                                st[_LEN] -= 1  # out of the emptied bucket
+                            else:
                                 # a hash twice in the prompt: re-filed again
                                 _bq_unlink(st, blk, qh, bits, b)
-                                st[_LEN] += 1
-                            # last in ``bucket`` (written out: see _free)
-                            t = qh[bucket, 1]
-                            blk[b, B_LPREV] = t
-                            blk[b, B_LNEXT] = 0
-                            blk[b, B_INLIST] = bucket + 1
-                            if t:
-                                blk[t, B_LNEXT] = b
-                            else:
-                                qh[bucket, 0] = b
-                                _bits_set(st, bits, bucket)
-                            qh[bucket, 1] = b
+                            _bq_add(st, blk, qh, bits, b, bucket)
                             b = hnext[b]
         # --- admission (get_num_blocks_to_allocate, whole prompt)
         need = 0
