@@ -18,7 +18,7 @@ from replay.cli.options import (
     store_options,
 )
 from replay.cli.progress import progress_bar
-from replay.format.paths import check_outputs
+from replay.format.paths import PARQUET, check_outputs
 from replay.sources.archetypes import ARCHETYPES
 from replay.tools.render import synth_summary_text
 
@@ -72,7 +72,7 @@ def synth(
     """Generate a production-style synthetic trace, reproducible from --seed."""
     from replay.sources.synth import synth_trace
 
-    check_outputs({"-o": output}, [])
+    check_outputs({"-o": output}, [], formats={"-o": PARQUET})
     with progress_bar() as bar:
         summary = synth_trace(
             output,

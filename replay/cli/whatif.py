@@ -226,19 +226,25 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
-    per-request hit-ratio percentiles, and the unbounded cache's ceiling in
-    its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    per-request hit-ratio percentiles and its method (gpu LRU capacities
+    come from one stack-distance pass where that is exact, one-pass, else
+    per-capacity), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache
-    from replay.format.paths import check_outputs, staged_outputs
+    from replay.format.paths import PARQUET, check_outputs, staged_outputs
     from replay.whatif.requests import load_requests
     from replay.whatif.sizes import block_bytes, page_sizes
     from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
-    check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
+    check_outputs(
+        {"-o": output},
+        [trace],
+        directories={"--emit-traces": emit_traces},
+        formats={"-o": PARQUET},
+    )
     names = _names(evictions)
     retention = parse_retention(retention_interval)
     requests = load_requests(trace)

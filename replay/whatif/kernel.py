@@ -19,17 +19,16 @@ count and the evicted blocks to be equal; the vLLM differential tests run
 the compiled path against vLLM's own ``KVCacheManager``. What the kernel
 does not cover (``supported`` says why) runs the Python model.
 
-All capacities in one pass (stack distances) is not built: it is exact only
-where every request's hit grows with the capacity, and in a hybrid pool it
-does not (a larger pool keeps other blocks, the fixed point settles
-elsewhere, the request stores other Mamba states or window tails):
-``tests/test_whatif_kernel.py`` finds such a request on random streams for
-full + Mamba and full + sliding window. For a single full-attention group
-the hits do grow on the same streams, the necessary condition, but the
-pool's duplicate copies (a recomputed block whose key is cached), its
-unhashed blocks freed to the front and its admission (a prompt larger than
-the pool is never scheduled) keep the block count per capacity from being
-one stack's depth. Every capacity is simulated, compiled, on its own.
+All capacities in one pass (stack distances) is ``replay.whatif.stack``, and
+only where it is exact: LRU, one full-attention group, no EAGLE drop, every
+prompt fitting the pool, chained hashes and at most two copies of a key (a
+recomputed present block: the pass counts the stale copy). In a
+hybrid pool a request's hit need not even grow with the capacity (a larger
+pool keeps other blocks, the fixed point settles elsewhere, the request
+stores other Mamba states or window tails): ``tests/test_whatif_kernel.py``
+finds such a request on random streams for full + Mamba and full + sliding
+window. Everything outside that class is simulated, compiled, capacity by
+capacity.
 """
 
 from __future__ import annotations
