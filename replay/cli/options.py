@@ -6,14 +6,17 @@ import re
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from replay.base.errors import ReplayError
 from replay.cli.common import fail
-from replay.rules.coordinator import CACHES
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.sources.archetypes import ARCHETYPES
+
+if TYPE_CHECKING:
+    from replay.rules.store_rules import StoreSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -257,19 +260,102 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     return value
 
 
+def _optional_retention(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> int | str | None:
+    return "release" if value is None else retention_interval(value)
+
+
+def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, str | None]:
+    """The release whose stores a source or what-if produces: ``--policy``,
+    else ``--vllm``'s release policy, else the default; with the version
+    given (recorded in the trace's ``source.vllm_version``)."""
+    from replay.rules.coordinator import policy_for_version
+
+    if policy is not None and vllm_version is not None:
+        raise fail("--vllm and --policy both choose the release: give one")
+    if vllm_version is None:
+        return policy or DEFAULT_POLICY, None
+    try:
+        return policy_for_version(vllm_version).name, vllm_version
+    except ReplayError as exc:
+        raise fail(f"--vllm: {exc}") from None
+
+
+def release_retention(given: int | str | None, policy: str) -> int | None:
+    """``--retention-interval`` as given, else the release's default (0 from
+    vLLM 0.29.0, dense before: the setting was an unset environment variable)."""
+    from replay.rules.coordinator.stores import policy_stores
+
+    if given == "release":
+        return policy_stores(policy).default_retention
+    assert not isinstance(given, str)
+    return given
+
+
+def store_settings(
+    retention: int | str | None,
+    max_num_batched_tokens: int,
+    cache: str,
+    policy: str | None,
+    vllm_version: str | None,
+) -> StoreSettings:
+    """A source's store settings from ``store_options``: the release chosen by
+    ``--policy``/``--vllm``, its default retention unless one is given."""
+    from replay.rules.store_rules import StoreSettings
+
+    name, version = release_choice(policy, vllm_version)
+    return StoreSettings(
+        retention_interval=release_retention(retention, name),
+        max_num_batched_tokens=max_num_batched_tokens,
+        cache=cache,
+        policy=name,
+        vllm_version=version,
+    )
+
+
+RETENTION_HELP = (
+    "vLLM's prefix_cache_retention_interval: 0 keeps only the states and sliding-window "
+    "tails a replay can resume at, N also one per N tokens, none all of them (dense). "
+    "[default: the release's: 0 from vLLM 0.29.0, none before]"
+)
+
+
+def release_options(fn: F) -> F:
+    """``--policy`` / ``--vllm VERSION``: whose stores (and lookups) to produce."""
+    for decorator in reversed(
+        [
+            click.option(
+                "--policy",
+                type=click.Choice(list(POLICIES)),
+                default=None,
+                help=f"The vLLM release policy whose stores and hits to produce [default: "
+                f"{DEFAULT_POLICY}]; recorded in the trace's source.",
+            ),
+            click.option(
+                "--vllm",
+                "vllm_version",
+                metavar="VERSION",
+                default=None,
+                help="Produce what this vLLM release (e.g. 0.26.0) stores: its policy; "
+                "recorded as the trace's source.vllm_version.",
+            ),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
 def store_options(fn: F) -> F:
     """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
     for decorator in reversed(
         [
             click.option(
                 "--retention-interval",
-                default="0",
-                show_default=True,
-                callback=_retention,
+                default=None,
+                callback=_optional_retention,
                 metavar="N|none",
-                help="vLLM's prefix_cache_retention_interval: 0 keeps only the states and "
-                "sliding-window tails a replay can resume at (vLLM's default), N also one "
-                "per N tokens, none all of them (dense).",
+                help=RETENTION_HELP,
             ),
             click.option(
                 "--max-num-batched-tokens",
@@ -292,4 +378,4 @@ def store_options(fn: F) -> F:
         ]
     ):
         fn = decorator(fn)
-    return fn
+    return release_options(fn)

@@ -124,7 +124,9 @@ class WorkloadWriter:
         self.rules = StoreRules(config, self.settings)
         # The hit each request's prefill starts from, as a lookup of the cache
         # finds it (``explain`` for the steps that give the junction).
-        self._coordinator = Coordinator(config, cache=self.settings.cache)
+        self._coordinator = Coordinator(
+            config, policy=self.settings.policy, cache=self.settings.cache
+        )
         self._cache = MooncakeCache.dense_lru(config.num_groups, capacity_blocks)
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
