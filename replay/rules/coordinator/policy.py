@@ -257,6 +257,15 @@ def trace_policy(source: Mapping[str, Any] | None) -> tuple[str, str] | None:
     (``source.vllm_version``) and a line saying so, or None."""
     version = None if source is None else source.get("vllm_version")
     if not isinstance(version, str):
+        # A generated or imported trace records the release whose stores it
+        # holds (``StoreSettings.as_source``) by its policy.
+        named_policy = None if source is None else source.get("policy")
+        if isinstance(named_policy, str) and named_policy in POLICIES:
+            return named_policy, (
+                f"policy {named_policy}: the trace's stores are vLLM "
+                f"{POLICIES[named_policy].releases}'s (source.policy); --policy or --vllm "
+                "overrides"
+            )
         return None
     policy = policy_for_version(version)
     return policy.name, (

@@ -27,6 +27,14 @@ from replay.rules.coordinator.policy import Policy, get_policy
 #: group; ``config``: the cache config's field (0.29.0 on), default 0.
 RetentionSource = Literal["none", "env", "config"]
 
+#: Where the block pool puts a freed block (``BlockPool.free_blocks``):
+#: ``unhashed-front``: a block without a hash at the front (evicted first), a
+#: cached one at the tail (0.25 on); ``sliding-window-front``: only the
+#: sliding-window manager puts its uncached blocks at the front, every other
+#: freed block goes to the tail (0.23.0); ``tail``: every freed block to the
+#: tail in free order (before 0.23.0).
+FreeOrder = Literal["unhashed-front", "sliding-window-front", "tail"]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stores:
@@ -61,6 +69,8 @@ class Stores:
     #: The Mooncake store's mask honours the retention interval (0.25 on);
     #: before, it kept every block a hit at any aligned length could read.
     mirror_retention: bool = True
+    #: The GPU block pool's free order (``FreeOrder``).
+    free_order: FreeOrder = "unhashed-front"
 
     def but(self, **changes: Any) -> Stores:
         return replace(self, **changes)
@@ -90,8 +100,13 @@ STORES_033 = Stores()
 _S32 = STORES_033.but(junction_eagle_block=False)
 _S29 = _S32.but(eagle_replay_boundaries=False, mamba_checkpoint=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
-_S23 = _S26.but(junction=False, mamba_retention=False, mirror_retention=False)
-_S16 = _S23.but(retention="none", eagle_cache_block=False)
+_S23 = _S26.but(
+    junction=False,
+    mamba_retention=False,
+    mirror_retention=False,
+    free_order="sliding-window-front",
+)
+_S16 = _S23.but(retention="none", eagle_cache_block=False, free_order="tail")
 
 #: Each release policy's stores; an emulation (``pre-49502``, ``pre-32802``)
 #: is 0.33.0's code and stores as 0.33.0 does.
