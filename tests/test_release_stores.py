@@ -93,7 +93,7 @@ def test_sliding_window_keeps_the_eagle_replay_boundaries_from_030() -> None:
 def test_the_junction_is_kept_from_026_and_its_eagle_block_from_033() -> None:
     # Window 32 in 16-token blocks with EAGLE: a hit needs a 3-block tail,
     # shifted one block up. 200 tokens, retention 0, junction at 96.
-    args = {"n": 200, "hit": 0, "retention": 0, "eagle": True, "junction": 96}
+    args: dict[str, Any] = {"n": 200, "hit": 0, "retention": 0, "eagle": True, "junction": 96}
     # Before 0.26.0: only the tail at the replay boundary 199 (aligned 192).
     assert _stores("full+swa", "vllm-0.23", "gpu", **args)[1] == [10, 11]
     # 0.26.0: and the junction's tail.
@@ -130,7 +130,17 @@ def _stored_keys(frame: Any) -> int:
 
 def test_synth_produces_a_named_releases_stores_and_run_answers_as_it(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
-    args = ["synth", "-o", out, "--model", "full+mamba", "--requests", "60", "--seed", "3"]
+    args: list[str | Path] = [
+        "synth",
+        "-o",
+        out,
+        "--model",
+        "full+mamba",
+        "--requests",
+        "60",
+        "--seed",
+        "3",
+    ]
     result = run_cli([*args, "--vllm", "0.26.0"])
     assert result.exit_code == 0, result.output
     source = open_trace(out).config.source or {}
@@ -154,7 +164,7 @@ def test_synth_produces_a_named_releases_stores_and_run_answers_as_it(tmp_path: 
 
 def test_synth_refuses_a_cache_or_retention_the_release_lacked(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
-    base = ["synth", "-o", out, "--model", "full+mamba", "--requests", "5"]
+    base: list[str | Path] = ["synth", "-o", out, "--model", "full+mamba", "--requests", "5"]
     result = run_cli([*base, "--vllm", "0.19.1"])
     assert result.exit_code == 2
     assert "has no Mooncake store mirror: it came with #42828 in vLLM 0.22.0" in result.output
@@ -166,7 +176,17 @@ def test_synth_refuses_a_cache_or_retention_the_release_lacked(tmp_path: Path) -
 
 def test_synth_by_policy_records_it_and_run_follows(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
-    args = ["synth", "-o", out, "--model", "full+swa", "--requests", "20", "--policy", "vllm-0.27"]
+    args: list[str | Path] = [
+        "synth",
+        "-o",
+        out,
+        "--model",
+        "full+swa",
+        "--requests",
+        "20",
+        "--policy",
+        "vllm-0.27",
+    ]
     assert run_cli(args).exit_code == 0
     source = open_trace(out).config.source or {}
     assert (source["policy"], source.get("vllm_version")) == ("vllm-0.27", None)
@@ -202,12 +222,22 @@ def test_the_mooncake_importer_produces_a_named_releases_stores(tmp_path: Path) 
 
 def test_whatif_simulates_a_named_releases_stores(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
-    synth = ["synth", "-o", out, "--model", "full+mamba", "--requests", "40"]
+    synth: list[str | Path] = ["synth", "-o", out, "--model", "full+mamba", "--requests", "40"]
     assert run_cli(synth).exit_code == 0
     evicted = {}
     for version in ("0.26.0", "0.33.0"):
         sweep = tmp_path / f"{version}.sweep.parquet"
-        args = ["whatif", out, "--capacity-blocks", "3000", "-o", sweep, "-q", "--jobs", "1"]
+        args: list[str | Path] = [
+            "whatif",
+            out,
+            "--capacity-blocks",
+            "3000",
+            "-o",
+            sweep,
+            "-q",
+            "--jobs",
+            "1",
+        ]
         result = run_cli([*args, "--vllm", version])
         assert result.exit_code == 0, result.output
         frame, meta = read_sweep(sweep)
