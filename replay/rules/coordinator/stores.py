@@ -100,13 +100,19 @@ STORES_033 = Stores()
 _S32 = STORES_033.but(junction_eagle_block=False)
 _S29 = _S32.but(eagle_replay_boundaries=False, mamba_checkpoint=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
-_S23 = _S26.but(
-    junction=False,
+# 0.23.0-0.25.1 is one lookup range but not one store range: the rules follow
+# 0.25.1, the release checked; 0.23.0 cached every Mamba state whatever the
+# interval, its store ignored the interval, and only its sliding-window
+# manager freed uncached blocks to the front, so the GPU pool model refuses
+# the range.
+_S23 = _S26.but(junction=False, free_order="sliding-window-front")
+_S16 = _S23.but(
+    retention="none",
+    eagle_cache_block=False,
+    free_order="tail",
     mamba_retention=False,
     mirror_retention=False,
-    free_order="sliding-window-front",
 )
-_S16 = _S23.but(retention="none", eagle_cache_block=False, free_order="tail")
 
 #: Each release policy's stores; an emulation (``pre-49502``, ``pre-32802``)
 #: is 0.33.0's code and stores as 0.33.0 does.
