@@ -189,17 +189,17 @@ class Engine:
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
         self.split_state = split_state(cfg, s.budget)
         self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
-        self.mooncake = (
-            v.Mooncake(
+        self.mooncake = None
+        if v.Mooncake is not None:
+            # The store takes the retention interval from 0.25.
+            takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
+            self.mooncake = v.Mooncake(
                 self.groups,
                 cfg.scheduler_block_size,
                 cfg.hash_block_size,
                 use_eagle=cfg.use_eagle,
-                retention_interval=s.retention,
+                **({"retention_interval": s.retention} if takes else {}),
             )
-            if v.Mooncake is not None
-            else None
-        )
 
     def _positions(self, request: Any) -> list[dict[Any, int]]:
         """Per group: event hash -> the token position the entry ends at (a
