@@ -214,7 +214,8 @@ class Engine:
     def prefill(
         self, rid: str, tokens: list[int]
     ) -> tuple[int, int, list[set[int]], list[set[int]]]:
-        """(hit, junction, gpu stores, mamba hand-offs) per group, as token ends."""
+        """(hit, junction, gpu stores, mamba hand-offs) per group, as token ends;
+        ``self.hit_blocks``: per group, the blocks the lookup handed the request."""
         v, mgr = self.v, self.manager
         n = len(tokens)
         request = v.Request(
@@ -223,6 +224,7 @@ class Engine:
         found = mgr.get_computed_blocks(request)
         blocks, hit = found[0], found[1]
         junction = found[2] if len(found) > 2 else 0  # from 0.26.0
+        self.hit_blocks = [len(b) for b in blocks.blocks]
         if hasattr(request, "shared_prefix_boundary"):
             request.shared_prefix_boundary = junction
         positions = self._positions(request)
@@ -433,7 +435,12 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                         != vllm_ends(s.config, cache, gid, gpu, handed, mask)[0]
                         for gid, g in enumerate(s.config.groups)
                     )
-                got = rules[cache].stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
+                got = rules[cache].stores(
+                    num_tokens=n,
+                    hit_tokens=hit,
+                    junction_tokens=junction,
+                    hit_blocks=engine.hit_blocks,
+                )
                 ok = True
                 for gid, g in enumerate(s.config.groups):
                     mine = _ends(got[gid], g.block_size)
@@ -441,7 +448,7 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                     partial_tails += tails
                     if mine != theirs:
                         ok = False
-                        if len(failures) < 8:
+                        if len(failures) < 12:
                             failures.append(
                                 f"{cache} {s.model} r={s.retention} eagle={s.config.use_eagle} "
                                 f"bs={[x.block_size for x in s.config.groups]} "
@@ -457,11 +464,8 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
             "(requests whose every group agrees):"
         )
         for (model, retention), n in sorted(total.items()):
-            gpu_ok = agree[(model, retention, "gpu")]
-            moon_ok = agree[(model, retention, "mooncake")]
-            print(
-                f"  {model:15s} retention {retention:8s} mooncake {moon_ok}/{n}  gpu {gpu_ok}/{n}"
-            )
+            counts = "  ".join(f"{c} {agree[(model, retention, c)]}/{n}" for c in CACHES)
+            print(f"  {model:15s} retention {retention:8s} {counts}")
         print(f"  (gpu partial-tail entries not compared: {partial_tails})")
         print(f"  sessions this release runs with partial hash hits, not compared: {unstatable}")
         if POLICY.name != NEWEST:
@@ -470,10 +474,13 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                 + ", ".join(f"{c} {differs[c]}" for c in CACHES)
             )
         print("  requests with: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
-    assert sum(total.values()) >= 500
-    # The cases the rules exist for must each occur many times.
-    assert min(shape.values()) >= 50, shape
     assert not failures, "\n".join(failures)
+    assert sum(total.values()) >= 500
+    # The cases the rules exist for must each occur many times (the junction
+    # from 0.26.0, the release that has it).
+    if not STORES.junction:
+        assert shape.pop("shared-prefix junction") == 0
+    assert min(shape.values()) >= 50, shape
 
 
 def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixture[str]) -> None:

@@ -193,6 +193,8 @@ class _Request:
     junction: int
     #: tokens covered by the prompt's full hash units
     hashed: int
+    #: per group, the blocks the lookup handed the request (None: the hit's)
+    hit_blocks: Sequence[int] | None = None
 
 
 def _sliding_mask(
@@ -414,12 +416,17 @@ class StoreRules:
             prev = end
         return np.array(out, dtype=np.int64)
 
-    def _attention(self, group: _Group, req: _Request) -> Blocks:
+    def _attention(self, gid: int, group: _Group, req: _Request) -> Blocks:
         bs, n, a = group.block_size, req.num_tokens, self.alignment
         hit_tokens, junction = req.hit, req.junction
         r = self.settings.retention_interval
         if self.settings.cache == "gpu":
             start = hit_tokens // bs
+            if req.hit_blocks is not None:
+                # A manager caches from the blocks it was handed: fewer than
+                # the hit under the #43559 overrun (the Mamba peek margin in
+                # the engine before 0.26), whose dropped block is recomputed.
+                start = min(start, req.hit_blocks[gid])
             end = self._cacheable(group, n, req.hashed) // bs
             window, eagle = group.engine_window, group.engine_eagle
             boundaries = self._boundaries(n, self.engine_any_eagle, group, junction)
@@ -451,13 +458,20 @@ class StoreRules:
         )
 
     def stores(
-        self, *, num_tokens: int, hit_tokens: int, junction_tokens: int = 0
+        self,
+        *,
+        num_tokens: int,
+        hit_tokens: int,
+        junction_tokens: int = 0,
+        hit_blocks: Sequence[int] | None = None,
     ) -> tuple[Blocks, ...]:
         """Per group, the block indices the request's prefill caches.
 
         ``hit_tokens``: the hit the request's lookup got (where its prefill
         starts); ``junction_tokens``: the shared-prefix junction its lookup
-        found (``junction_tokens(outcome)``), 0 for none."""
+        found (``junction_tokens(outcome)``), 0 for none; ``hit_blocks``: per
+        group, the blocks the lookup handed the request (``GroupOutcome.
+        mask_blocks``), when it may be fewer than the hit's."""
         if num_tokens <= 0:
             raise ReplayError(f"num_tokens must be positive, got {num_tokens}")
         if not 0 <= hit_tokens < num_tokens:
@@ -473,14 +487,15 @@ class StoreRules:
             hit=hit_tokens,
             junction=junction_tokens,
             hashed=num_tokens // hbs * hbs,
+            hit_blocks=hit_blocks,
         )
         ends = self.chunk_ends(num_tokens, hit_tokens, junction_tokens) if self.has_mamba else []
         handoffs = self.settings.cache == "gpu" or self.release.mirror_mamba_handoffs
         return tuple(
             self._mamba(g, req, ends)
             if g.kind is GroupKind.MAMBA and handoffs
-            else self._attention(g, req)
-            for g in self.groups
+            else self._attention(gid, g, req)
+            for gid, g in enumerate(self.groups)
         )
 
 
