@@ -189,7 +189,7 @@ class Engine:
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
         self.split_state = split_state(cfg, s.budget)
         self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
-        self.mooncake = None
+        self.mooncake: Any = None
         if v.Mooncake is not None:
             # The store takes the retention interval from 0.25.
             takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
