@@ -257,3 +257,22 @@ def test_the_gpu_pool_model_refuses_a_release_with_another_free_order() -> None:
     with pytest.raises(ConfigError, match=r"covers vLLM 0.25 and later \(policy vllm-0.22 frees"):
         GpuCache(config, 100, policy="vllm-0.22", store_policy=settings)
     assert policy_stores("vllm-0.26").free_order == "unhashed-front"
+
+
+def test_before_022_the_engine_caches_every_full_block_unaligned() -> None:
+    # full+swa+mamba, 16-token attention blocks under 32-token Mamba blocks (a
+    # 32-token scheduler block), window 17 (a hit reads one block), 90 tokens,
+    # dense: 0.22.0 on, attention caches up to 64 and the window keeps each
+    # segment's last block; before, every full block (to 80), window too.
+    config = archetype_config(
+        "full+swa+mamba", 16, 8, False, sliding_window=17, mamba_block_size=32
+    )
+    got = {}
+    for policy in ("vllm-0.20", "vllm-0.22"):
+        settings = StoreSettings(retention_interval=None, cache="gpu", policy=policy)
+        stores = StoreRules(config, settings).stores(num_tokens=90, hit_tokens=0)
+        got[policy] = [[int(b) for b in s] for s in stores]
+    assert got == {
+        "vllm-0.20": [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [1]],
+        "vllm-0.22": [[0, 1, 2, 3], [1, 3], [1]],
+    }

@@ -498,7 +498,7 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
             f"\nwriter vs engine: {same}/{compared} requests add the same keys "
             f"({differ_hit} with a different hit not compared)"
         )
-    assert compared >= 300
+    assert compared >= 250  # dense only before 0.23.0: fewer sessions
     assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
     assert not mismatches, "\n".join(mismatches)
 

@@ -352,7 +352,7 @@ class StoreRules:
     def cacheable_tokens(self, group: _Group, tokens: int) -> int:
         """Tokens of the prompt the engine lets a group cache after ``tokens``
         computed ones (``get_num_cacheable_tokens``)."""
-        if self.unitary:
+        if self.unitary or not self.release.aligned_cache:
             return tokens
         out = tokens // self.alignment * self.alignment
         if group.engine_eagle and out > 0 and self.release.eagle_cache_block:
@@ -444,7 +444,9 @@ class StoreRules:
                     [b for b in range(start, end) if self._mamba_keeps(b, group, boundaries)],
                     dtype=np.int64,
                 )
-        if group.kind is not GroupKind.SLIDING_WINDOW:
+        if group.kind is not GroupKind.SLIDING_WINDOW or (
+            self.settings.cache == "gpu" and not self.release.aligned_cache
+        ):
             return range(start, max(start, end))
         return _sliding_mask(
             start,

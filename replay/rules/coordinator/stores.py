@@ -69,6 +69,10 @@ class Stores:
     #: The Mooncake store's mask honours the retention interval (0.25 on);
     #: before, it kept every block a hit at any aligned length could read.
     mirror_retention: bool = True
+    #: The engine's hybrid coordinator caches up to the hit alignment, and a
+    #: sliding window only the tails a hit can read (0.22.0 on); before, every
+    #: manager cached every full block of what was computed.
+    aligned_cache: bool = True
     #: The GPU block pool's free order (``FreeOrder``).
     free_order: FreeOrder = "unhashed-front"
 
@@ -106,20 +110,21 @@ _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
 # manager freed uncached blocks to the front, so the GPU pool model refuses
 # the range.
 _S23 = _S26.but(junction=False, free_order="sliding-window-front")
-_S16 = _S23.but(
+_S22 = _S23.but(
     retention="none",
     eagle_cache_block=False,
     free_order="tail",
     mamba_retention=False,
     mirror_retention=False,
 )
+_S16 = _S22.but(aligned_cache=False)
 
 #: Each release policy's stores; an emulation (``pre-49502``, ``pre-32802``)
 #: is 0.33.0's code and stores as 0.33.0 does.
 RELEASE_STORES: dict[str, Stores] = {
     "vllm-0.16": _S16,
     "vllm-0.20": _S16,
-    "vllm-0.22": _S16,
+    "vllm-0.22": _S22,
     "vllm-0.23": _S23,
     "vllm-0.26": _S26,
     "vllm-0.27": _S26,
