@@ -500,12 +500,7 @@ class GpuCache:
         if self._admission_blocks(num_tokens, hit, hit_blocks) > pool.num_free():
             return RequestResult(hit_tokens=0, outcome=outcome, present=present, admitted=False)
         junction = junction_tokens(outcome) if self.rules.uses_junction else 0
-        stores = self.rules.stores(
-            num_tokens=num_tokens,
-            hit_tokens=hit,
-            junction_tokens=junction,
-            hit_blocks=[g.mask_blocks for g in outcome.groups],
-        )
+        stores = self.rules.stores(num_tokens=num_tokens, hit_tokens=hit, junction_tokens=junction)
         stored = [frozenset(int(i) for i in s) for s in stores]
         hashed = len(unit_hashes) * self._hbs
         tables = [_Table([]) for _ in config.groups]
