@@ -593,6 +593,7 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
             for gid, keys in enumerate(mine):
                 written[gid] |= keys
             theirs: list[set[int]] = []
+            before = [set(p) for p in present]
             for gid, g in enumerate(s.config.groups):
                 ends = {e for e in gpu[gid] if e % g.block_size == 0}
                 keys = {units[e // hbs - 1] for e in ends} - present[gid]
@@ -603,10 +604,12 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
                 continue
             compared += 1
             if not GROUPED_EVENTS:
-                # Events without their group: compared per block size.
+                # Events without their group: compared per block size, the
+                # keys new to every group of that size.
                 sizes = [g.block_size for g in s.config.groups]
                 mine = [
                     set().union(*(m for m, b in zip(mine, sizes, strict=True) if b == bs))
+                    - before[sizes.index(bs)]
                     for bs in sizes
                 ]
                 theirs = [theirs[sizes.index(bs)] for bs in sizes]
