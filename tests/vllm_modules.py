@@ -65,4 +65,5 @@ def split_state(config: TraceConfig, budget: int) -> SimpleNamespace:
         max_num_scheduled_tokens=budget,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         mamba_shared_prefix_checkpoint=False,
+        mamba_fine_grained_prefix_cache=False,  # 0.30-0.31 read it (off by default)
     )
