@@ -299,12 +299,7 @@ class StoreRules:
                 for gid in sg.group_ids:
                     eagle_of[cache][gid] = sg.eagle
         self.mirror_any_eagle = any(eagle_of["mooncake"])
-        #: the scheduler's EAGLE (its Mamba split backs off a block)
         self.engine_any_eagle = config.use_eagle
-        #: whether any engine group drops for EAGLE: the replay boundaries
-        #: are EAGLE's then (0.30-0.32 count a flagged group with use_eagle
-        #: off; 0.33.0's drop needs use_eagle, so there it is use_eagle)
-        self.engine_drops = any(eagle_of["gpu"])
         # The store widens a window by ``extra_retained_tokens`` from 0.33.0.
         widen = policy.mooncake is not None and policy.mooncake.widen_window
         self.groups = tuple(
@@ -399,7 +394,7 @@ class StoreRules:
 
     def _mamba(self, group: _Group, req: _Request, ends: Sequence[int]) -> Blocks:
         bs, hit_tokens = group.block_size, req.hit
-        boundaries = self._boundaries(req.num_tokens, self.engine_drops, group, req.junction)
+        boundaries = self._boundaries(req.num_tokens, self.engine_any_eagle, group, req.junction)
         cached = hit_tokens // bs
         out: list[int] = []
         prev = hit_tokens
@@ -434,7 +429,7 @@ class StoreRules:
                 start = min(start, req.hit_blocks[gid])
             end = self._cacheable(group, n, req.hashed) // bs
             window, eagle = group.engine_window, group.engine_eagle
-            boundaries = self._boundaries(n, self.engine_drops, group, junction)
+            boundaries = self._boundaries(n, self.engine_any_eagle, group, junction)
         else:
             end = min(n // a * a, req.hashed) // bs
             start = min(end, cdiv(hit_tokens, bs))
