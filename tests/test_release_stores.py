@@ -68,16 +68,16 @@ def test_the_mooncake_store_saves_mamba_by_its_mask_before_the_handoffs_of_029()
     assert before == [[2, 3, 4, 5], [2, 3, 4, 5]]
 
 
-def test_mamba_stops_at_the_checkpoint_below_n_minus_1_from_030() -> None:
-    # A 64-token block-aligned prompt, retention 0: 0.30.0 on, the prefill
+def test_mamba_stops_at_the_checkpoint_below_n_minus_1_from_032() -> None:
+    # A 64-token block-aligned prompt, retention 0: 0.32.0 on, the prefill
     # stops at 48 (a resend's hit is capped at 63) and keeps that state;
     # before, its one chunk ends at 64, whose state the mask drops (the
     # replay boundary 63 wants 48's): nothing a resend could resume from.
-    assert _stores("full+mamba", "vllm-0.30", "gpu", n=64, hit=0, retention=0)[1] == [2]
-    assert _stores("full+mamba", "vllm-0.29", "gpu", n=64, hit=0, retention=0)[1] == []
-    # Dense, both releases keep the state at 64; 0.30.0 also the one at 48.
-    assert _stores("full+mamba", "vllm-0.30", "gpu", n=64, hit=0, retention=None)[1] == [2, 3]
-    assert _stores("full+mamba", "vllm-0.29", "gpu", n=64, hit=0, retention=None)[1] == [3]
+    assert _stores("full+mamba", "vllm-0.32", "gpu", n=64, hit=0, retention=0)[1] == [2]
+    assert _stores("full+mamba", "vllm-0.30", "gpu", n=64, hit=0, retention=0)[1] == []
+    # Dense, both releases keep the state at 64; 0.32.0 also the one at 48.
+    assert _stores("full+mamba", "vllm-0.32", "gpu", n=64, hit=0, retention=None)[1] == [2, 3]
+    assert _stores("full+mamba", "vllm-0.30", "gpu", n=64, hit=0, retention=None)[1] == [3]
 
 
 def test_sliding_window_keeps_the_eagle_replay_boundaries_from_030() -> None:

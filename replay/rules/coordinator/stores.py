@@ -54,7 +54,7 @@ class Stores:
     #: An EAGLE group also keeps the tail one block below the junction (0.33.0).
     junction_eagle_block: bool = True
     #: The last Mamba state a prefill stops at is the reusable checkpoint
-    #: below ``N - 1`` (``get_mamba_prefill_checkpoint_position``, 0.30.0 on);
+    #: below ``N - 1`` (``get_mamba_prefill_checkpoint_position``, 0.32.0 on);
     #: before, the scheduler stopped at ``N`` floored to the block (one block
     #: lower with EAGLE).
     mamba_checkpoint: bool = True
@@ -102,7 +102,8 @@ class Stores:
 
 STORES_033 = Stores()
 _S32 = STORES_033.but(junction_eagle_block=False)
-_S29 = _S32.but(eagle_replay_boundaries=False, mamba_checkpoint=False)
+_S30 = _S32.but(mamba_checkpoint=False)
+_S29 = _S30.but(eagle_replay_boundaries=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
 # 0.23.0-0.25.1 is one lookup range but not one store range: the rules follow
 # 0.25.1, the release checked; 0.23.0 cached every Mamba state whatever the
@@ -130,7 +131,7 @@ RELEASE_STORES: dict[str, Stores] = {
     "vllm-0.27": _S26,
     "vllm-0.28": _S26,
     "vllm-0.29": _S29,
-    "vllm-0.30": _S32,
+    "vllm-0.30": _S30,
     "vllm-0.32": _S32,
     "vllm-0.33": STORES_033,
 }
