@@ -300,6 +300,10 @@ class StoreRules:
                     eagle_of[cache][gid] = sg.eagle
         self.mirror_any_eagle = any(eagle_of["mooncake"])
         self.engine_any_eagle = config.use_eagle
+        #: whether the engine's replay boundaries are EAGLE's
+        self.engine_boundary_eagle = config.use_eagle or (
+            release.boundaries_from_flags and any(g.is_eagle_group for g in config.groups)
+        )
         # The store widens a window by ``extra_retained_tokens`` from 0.33.0.
         widen = policy.mooncake is not None and policy.mooncake.widen_window
         self.groups = tuple(
@@ -394,7 +398,9 @@ class StoreRules:
 
     def _mamba(self, group: _Group, req: _Request, ends: Sequence[int]) -> Blocks:
         bs, hit_tokens = group.block_size, req.hit
-        boundaries = self._boundaries(req.num_tokens, self.engine_any_eagle, group, req.junction)
+        boundaries = self._boundaries(
+            req.num_tokens, self.engine_boundary_eagle, group, req.junction
+        )
         cached = hit_tokens // bs
         out: list[int] = []
         prev = hit_tokens
@@ -429,7 +435,7 @@ class StoreRules:
                 start = min(start, req.hit_blocks[gid])
             end = self._cacheable(group, n, req.hashed) // bs
             window, eagle = group.engine_window, group.engine_eagle
-            boundaries = self._boundaries(n, self.engine_any_eagle, group, junction)
+            boundaries = self._boundaries(n, self.engine_boundary_eagle, group, junction)
         else:
             end = min(n // a * a, req.hashed) // bs
             start = min(end, cdiv(hit_tokens, bs))

@@ -48,6 +48,10 @@ class Stores:
     #: the longer sibling's aligned hits (``replay_boundaries``, 0.30.0 on);
     #: before, the one boundary is ``num_prompt_tokens - 1``.
     eagle_replay_boundaries: bool = True
+    #: The engine's replay boundaries are EAGLE's when any group is flagged,
+    #: even with ``use_eagle`` off (``bool(eagle_group_ids)``, 0.30-0.32);
+    #: 0.33.0 asks whether any group drops (``drop_eagle_group_ids``).
+    boundaries_from_flags: bool = False
     #: The shared-prefix junction (``shared_prefix_boundary``, 0.26.0 on)
     #: ends a Mamba prefill chunk and pins an engine sliding-window tail.
     junction: bool = True
@@ -101,7 +105,7 @@ class Stores:
 
 
 STORES_033 = Stores()
-_S32 = STORES_033.but(junction_eagle_block=False)
+_S32 = STORES_033.but(junction_eagle_block=False, boundaries_from_flags=True)
 _S30 = _S32.but(mamba_checkpoint=False)
 _S29 = _S30.but(eagle_replay_boundaries=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
