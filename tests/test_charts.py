@@ -202,3 +202,83 @@ def test_groups_an_order_of_magnitude_apart_go_on_a_log_axis() -> None:
     assert round(widths[1] / 520, 3) == round(math.log10(4_816) / 6, 3)
     close = str(groups_svg([group(0, "full_attention", 48), group(1, "mamba", 16)]))
     assert ">tokens (loaded blocks × block size)</text>" in close
+
+
+def _titles(svg: str, role: str) -> list[tuple[str, str]]:
+    """(aria-label, <title> text) of each mark item of one kind, read by an
+    XML parser: what a browser shows on hover, unescaped."""
+    from xml.etree import ElementTree
+
+    root = ElementTree.fromstring(str(svg))
+    return [
+        (el.get("aria-label", ""), el.findtext("{http://www.w3.org/2000/svg}title", ""))
+        for el in root.iter()
+        if el.get("role") == "graphics-symbol" and el.get("aria-roledescription") == role
+    ]
+
+
+def test_hovering_a_mark_shows_its_tooltip_offline() -> None:
+    """Issue 26: the Altair charts lost their hover text when rendered to
+    SVG; each point and bar carries it as a <title> child again."""
+    points = [
+        Point(x=float(x), ratio=0.5, lookups=2, hit_tokens=16, prompt_tokens=32, label=f"seq {x}")
+        for x in (0, 10)
+    ]
+    assert _titles(timeline_svg(points, "seq", 0.5), "point") == [
+        ("seq 0", "seq 0"),
+        ("seq 10", "seq 10"),
+    ]
+    bins = [
+        Bin(lo=0, width=16, lookups=2, label="0", tooltip="no hit: 2 lookups"),
+        Bin(lo=1, width=16, lookups=5, label="1-16", tooltip="hit 1-16 tokens: 5 lookups"),
+    ]
+    assert _titles(histogram_svg(bins), "bar") == [
+        ("no hit: 2 lookups", "no hit: 2 lookups"),
+        ("hit 1-16 tokens: 5 lookups", "hit 1-16 tokens: 5 lookups"),
+    ]
+    tip = "group 0: attn: 145 blocks loaded × 16 = 2,320 tokens (1 blocks skipped)"
+    assert _titles(groups_svg([_group("0: attn", 145)]), "bar") == [(tip, tip)]
+    # Marks without a tooltip (the line, the whole-run rule, the labels) have no title.
+    assert str(timeline_svg(points, "seq", 0.5)).count("<title>") == 2
+
+
+def test_a_title_is_escaped_text() -> None:
+    label = "<script>alert(1)</script>&\"'"
+    svg = str(groups_svg([_group(label, 2)]))
+    assert "<script>" not in svg
+    tip = f"group {label}: 2 blocks loaded × 16 = 32 tokens (1 blocks skipped)"
+    assert _titles(svg, "bar") == [(tip, tip)]
+    assert (
+        "<title>group &lt;script&gt;alert(1)&lt;/script&gt;&amp;&#34;&#39;: 2 blocks loaded" in svg
+    )
+
+
+def test_the_sweep_chart_points_show_their_run_on_hover() -> None:
+    import polars as pl
+
+    from analysis.report.sweep import sweep_chart_svg
+
+    frame = pl.DataFrame(
+        {
+            "capacity_blocks": [1000, 5000],
+            "eviction": ["lru", "lru"],
+            "hit_ratio": [0.232, 0.5162],
+            "hit_tokens": [158_416, 352_512],
+            "evicted_blocks": [28_989, 13_617],
+            "hit_ratio_p50": [0.0, 0.6281],
+            "hit_ratio_p90": [0.847, 0.9011],
+            "hit_ratio_p99": [0.9517, 0.9566],
+        }
+    )
+    svg = sweep_chart_svg(frame, {"capacity_unit": "blocks"})
+    assert [t for _, t in _titles(svg, "point")] == [
+        "eviction: lru; blocks: 1,000; hit ratio: 23.20%; hit tokens: 158,416; evicted blocks: 28,989",
+        "eviction: lru; blocks: 5,000; hit ratio: 51.62%; hit tokens: 352,512; evicted blocks: 13,617",
+        "eviction: lru; percentile: p50; hit ratio: 0.00%",
+        "eviction: lru; percentile: p90; hit ratio: 84.70%",
+        "eviction: lru; percentile: p99; hit ratio: 95.17%",
+        "eviction: lru; percentile: p50; hit ratio: 62.81%",
+        "eviction: lru; percentile: p90; hit ratio: 90.11%",
+        "eviction: lru; percentile: p99; hit ratio: 95.66%",
+    ]
+    assert str(svg).count("<title>") == 8  # the lines, rules and labels have none

@@ -61,7 +61,7 @@ def test_what_a_command_raises_is_one_line_and_a_status(case: str) -> None:
 
 
 # A command line per command that fails on its missing input ({m}); {o} is
-# an output that must not appear.
+# an output file and {d} an output directory that must not appear.
 BAD: dict[tuple[str, ...], list[str]] = {
     ("validate",): ["{m}"],
     ("info",): ["{m}"],
@@ -81,7 +81,7 @@ BAD: dict[tuple[str, ...], list[str]] = {
     ("ingest", "mooncake"): ["{m}", "-o", "{o}"],
     ("ingest", "bailian"): ["{m}", "-o", "{o}"],
     ("synth",): ["-o", "{o}", "--model", "full", "--cache", "{m}"],
-    ("split",): ["{m}", "-o", "{o}", "--files", "2"],
+    ("split",): ["{m}", "-o", "{d}", "--files", "2"],
     ("cat",): ["{m}", "-o", "{o}"],
 }
 
@@ -94,15 +94,15 @@ def test_the_table_holds_every_command() -> None:
 def test_a_command_alone_says_what_it_says_under_the_group(
     tmp_path: Path, path: tuple[str, ...]
 ) -> None:
-    missing, out = tmp_path / "missing.parquet", tmp_path / "out.parquet"
-    args = [a.format(m=missing, o=out) for a in BAD[path]]
+    missing, out, parts = tmp_path / "missing.parquet", tmp_path / "out.parquet", tmp_path / "parts"
+    args = [a.format(m=missing, o=out, d=parts) for a in BAD[path]]
     grouped = CliRunner().invoke(cli, [*path, *args], catch_exceptions=False)
     alone = CliRunner().invoke(LEAVES[path], args, catch_exceptions=False)
     assert grouped.exit_code == 2 and grouped.stdout == ""
     assert grouped.stderr.startswith("error: ") and grouped.stderr.count("\n") == 1
     assert str(missing) in grouped.stderr
     assert (alone.exit_code, alone.stdout, alone.stderr) == (2, "", grouped.stderr)
-    assert not out.exists()
+    assert not out.exists() and not parts.exists()
 
 
 def test_help_explains_every_command_in_a_whole_sentence() -> None:

@@ -98,7 +98,7 @@ def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "rel.parquet", full_mamba(), rows)
     text = run_cli(["info", str(path)]).stdout.splitlines()
     assert (
-        "time: +00:00:00 .. +00:58:57 elapsed (3537.0 s; the trace's clock starts at zero)" in text
+        "time: +00:00:00 .. +00:58:57 elapsed (3,537.0 s; the trace's clock starts at zero)" in text
     )
     data = json.loads(run_cli(["info", str(path), "--json"]).stdout)
     assert data["time_span"]["relative"] is True
@@ -108,4 +108,4 @@ def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
     assert "1970" not in page
     assert ">elapsed time since the trace's start (h:mm:ss)</text>" in page
     assert ">+00:50:00</text>" in page
-    assert "+00:58:57: 1 lookups" in page
+    assert "+00:58:57: 1 lookup," in page

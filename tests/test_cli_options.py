@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from replay.base.errors import ReplayError
-from replay.cli.options import (
+from replay.base.units import (
     parse_bytes,
     parse_count,
     parse_integer,
@@ -60,15 +60,15 @@ def test_durations_seeds_and_integers() -> None:
 CASES = {
     "capacity superscript": (
         ["whatif", "{t}", "--capacity-blocks", "²", "-o", "{o}"],
-        "--capacity-blocks: '²': expected a count such as 4096, 10k, 1.5M or 2G",
+        "--capacity-blocks '²': expected a whole number from 1 to 1,125,899,906,842,624, k/M/G/T suffixes allowed",
     ),
     "capacity 2^63": (
         ["whatif", "{t}", "--capacity-blocks", "9223372036854775808", "-o", "{o}"],
-        "--capacity-blocks: '9223372036854775808': must be at most 1,125,899,906,842,624",
+        "--capacity-blocks '9223372036854775808': expected a whole number from 1 to 1,125,899,906,842,624, k/M/G/T suffixes allowed",
     ),
     "400-digit size": (
         ["whatif", "{t}", "--capacity-bytes", "9" * 400, "--page-bytes", "4KiB", "-o", "{o}"],
-        "--capacity-bytes: '" + "9" * 40 + "…': expected a size such as 4096, 500MB or 64GiB",
+        "--capacity-bytes '" + "9" * 40 + f"…': expected a whole number of bytes from 1 to {I64}, such as 4096, 500MB or 64GiB",
     ),
     "page bytes above 1 TiB": (
         ["whatif", "{t}", "--capacity-bytes", "1GiB", "--page-bytes", "2TiB", "-o", "{o}"],
@@ -101,6 +101,34 @@ CASES = {
     "state at 2^63": (
         ["state", "{t}", "--at", str(1 << 63)],
         f"--at '{1 << 63}': expected an integer from -9,223,372,036,854,775,808 to {I64}",
+    ),
+    "limit not whole": (
+        ["--max-row-hashes", "1.5", "validate", "{t}"],
+        f"--max-row-hashes '1.5': expected a whole number from 1 to {I64}, k/M/G/T suffixes allowed",
+    ),
+    "points beyond 10k": (
+        ["whatif", "{t}", "--points", "1000000000000", "--min", "1", "--max", "10", "-o", "{o}"],
+        "--points '1000000000000': expected a whole number from 2 to 10,000, k/M/G/T suffixes allowed",
+    ),
+    "percent zero": (
+        ["whatif", "{t}", "--capacity", "0%", "-o", "{o}"],
+        "--capacity '0%': expected a percentage above 0% and up to 1,000,000%, such as 10%",
+    ),
+    "percent exponent": (
+        ["whatif", "{t}", "--capacity", "1e3%", "-o", "{o}"],
+        "--capacity '1e3%': expected a percentage above 0% and up to 1,000,000%, such as 10%",
+    ),
+    "capacity list of commas": (
+        ["whatif", "{t}", "--capacity", ",,", "-o", "{o}"],
+        "--capacity ',,': expected at least one value",
+    ),
+    "retention 1e9": (
+        ["whatif", "{t}", "--capacity", "10", "--retention-interval", "1e9", "-o", "{o}"],
+        "--retention-interval '1e9': expected a whole number from 0 to 2,147,483,647 or 'none'",
+    ),
+    "budget zero": (
+        ["ingest", "mooncake", "{t}", "--max-num-batched-tokens", "0", "-o", "{o}"],
+        "--max-num-batched-tokens '0': expected a whole number from 1 to 2,147,483,647, k/M/G/T suffixes allowed",
     ),
     "workers": (
         ["run", "{t}", "--workers", "0", "-q"],
@@ -135,3 +163,15 @@ def test_a_capacity_beyond_what_the_requests_use_runs_at_what_they_use(
     assert frame["capacity_blocks"].to_list() == [10**9, 10**12]
     assert frame["evicted_blocks"].to_list() == [0, 0]
     assert frame["hit_tokens"][0] == frame["hit_tokens"][1]
+
+
+def test_a_limit_from_the_environment_is_parsed_by_the_same_parser(
+    trace_43559: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REPLAY_MAX_ROW_HASHES", "4²")
+    result = run_cli(["validate", str(trace_43559)])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: REPLAY_MAX_ROW_HASHES '4²': expected a whole number from 1 to {I64}, "
+        "k/M/G/T suffixes allowed\n",
+    )

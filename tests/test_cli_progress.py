@@ -154,11 +154,11 @@ def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
 
 
 LONG = {
-    "run": (["run", str(DEMO), "-o", "{d}/r.parquet"], "1575/1575 events ", "replayed 1575 events"),
+    "run": (["run", str(DEMO), "-o", "{d}/r.parquet"], "1,575/1,575 events ", "replayed 1,575 events"),
     "synth": (["synth", "-o", "{d}/s.parquet", "--model", "full", "--requests", "300"], "300/300 requests", "Wrote "),
     "whatif": (["whatif", str(DEMO), "--capacity-blocks", "100,200", "--jobs", "1", "-o", "{d}/w.parquet"], "1,212/1,212 requests  3/3 runs", f"{DEMO}: 404 lookups"),
-    "check": (["check", str(DEMO)], "1575/1575 events ", f"{DEMO}: clean under vllm-0.33"),
-    "diff": (["diff", str(DEMO), "--policy", "vllm-0.33", "--policy", "pre-49502"], "1575/1575 events ", "diff of trace"),
+    "check": (["check", str(DEMO)], "1,575/1,575 events ", f"{DEMO}: clean under vllm-0.33"),
+    "diff": (["diff", str(DEMO), "--policy", "vllm-0.33", "--policy", "pre-49502"], "1,575/1,575 events ", "diff of trace"),
 }  # fmt: skip
 
 
@@ -187,7 +187,7 @@ def test_report_and_minimize_show_their_progress_on_a_terminal_only(tmp_path: Pa
     status, out, terminal = _on_a_terminal(report)
     assert status == 0 and out.startswith(f"wrote {tmp_path / 'r.md'}")
     # The explain tables' pass over the trace stops at the last example.
-    assert re.search(r"\] +\d+\.\d%  \d+/1575 events ", terminal) and terminal.endswith("\n")
+    assert re.search(r"\] +\d+\.\d%  [\d,]+/1,575 events ", terminal) and terminal.endswith("\n")
     flagged = json.loads(run_json(results))
     # Given the results, minimize shrinks their trace under their policy.
     minimize = [
@@ -199,7 +199,7 @@ def test_report_and_minimize_show_their_progress_on_a_terminal_only(tmp_path: Pa
         str(tmp_path / "small.parquet"),
     ]
     status, out, terminal = _on_a_terminal(minimize)
-    assert status == 0 and out.startswith(f"{DEMO}: 1575 events -> ")
+    assert status == 0 and out.startswith(f"{DEMO}: 1,575 events -> ")
     assert re.search(
         r"\rshrinking: \d+ replays, \d[\d,]* -> \d+ events  \d+\.\d s\x1b\[K", terminal
     )

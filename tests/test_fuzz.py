@@ -910,7 +910,7 @@ NUMBER_OPTIONS = [
 def test_every_number_option_is_parsed_exactly_or_refused_in_one_line(
     valid: dict[str, Path], text: str, which: int
 ) -> None:
-    from replay.cli.options import parse_bytes, parse_count, parse_seconds
+    from replay.base.units import parse_bytes, parse_count, parse_seconds
 
     template, option = NUMBER_OPTIONS[which]
     if "\x00" in text:

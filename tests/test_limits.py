@@ -40,7 +40,7 @@ def _bomb(path: Path, copies: int) -> Path:
     return path
 
 
-def _refused(args: list[str], message: str, folder: Path) -> None:
+def refused(args: list[str], message: str, folder: Path) -> None:
     before = sorted(p.name for p in folder.iterdir())
     result = run_cli(args)
     assert (result.exit_code, result.stderr) == (2, f"error: {message}\n")
@@ -51,13 +51,13 @@ def test_a_row_declaring_too_many_hashes_is_refused_from_the_footer(tmp_path: Pa
     bomb = _bomb(tmp_path / "bomb.parquet", 100_000)
     assert bomb.stat().st_size < 4000
     out = str(tmp_path / "r.parquet")
-    _refused(
+    refused(
         ["--max-row-hashes", "1000", "run", str(bomb), "-o", out, "-q"],
         f"{bomb}: row group 0 declares 100,000 hashes in 1 rows, at least 100,000 hashes in "
         "one row, above the limit of 1,000 (`replay --max-row-hashes N ...` raises it)",
         tmp_path,
     )
-    _refused(
+    refused(
         ["--max-group-hashes", "10k", "validate", str(bomb)],
         f"{bomb}: row group 0 declares 100,000 hashes in one row group, above the limit of "
         "10,000 (`replay --max-group-hashes N ...` raises it)",
@@ -76,7 +76,7 @@ def test_one_wide_hash_is_refused_and_mixed_widths_never_pad_to_the_widest(
     ]  # fmt: skip
     path = tmp_path / "wide.parquet"
     pq.write_table(events_table(rows, full_mamba()), str(path))
-    _refused(
+    refused(
         ["run", str(path), "-o", str(tmp_path / "r.parquet"), "-q"],
         f"{path}: seq 1: block_hashes[0] holds 4,096 bytes in one hash, above the limit of 128 "
         "(`replay --max-hash-bytes N ...` raises it)",
@@ -98,19 +98,19 @@ def test_jsonl_lines_are_bounded(tmp_path: Path) -> None:
     src = tmp_path / "m.jsonl"
     src.write_text(json.dumps(line) + "\n")
     out = str(tmp_path / "o.parquet")
-    _refused(
+    refused(
         ["--max-row-hashes", "100", "ingest", "mooncake", str(src), "-o", out],
         f"{src}: line 1: input_length 20480 makes 1,280 hashes in one row, above the limit of "
         "100 (`replay --max-row-hashes N ...` raises it)",
         tmp_path,
     )
-    _refused(
+    refused(
         ["--max-row-hashes", "10", "ingest", "mooncake", str(src), "-o", out],
         f"{src}: line 1: field 'hash_ids' holds 40 hashes in one row, above the limit of 10 "
         "(`replay --max-row-hashes N ...` raises it)",
         tmp_path,
     )
-    _refused(
+    refused(
         ["--max-line-bytes", "64", "ingest", "mooncake", str(src), "-o", out],
         f"{src}: line 1 holds more than 64 bytes in one line, above the limit of 64 "
         "(`replay --max-line-bytes N ...` raises it)",
@@ -121,7 +121,7 @@ def test_jsonl_lines_are_bounded(tmp_path: Path) -> None:
 def test_a_lookup_log_line_of_too_many_hashes(tmp_path: Path, inputs: dict[str, Path]) -> None:
     log = tmp_path / "l.jsonl"
     log.write_text(json.dumps({"request_id": "x", "ts": 1.0, "block_hashes": list(range(1, 50)), "max_length": 15}) + "\n")  # fmt: skip
-    _refused(
+    refused(
         [
             "--max-row-hashes",
             "20",
@@ -145,7 +145,7 @@ def test_whatif_refuses_a_lookup_whose_num_tokens_its_hashes_do_not_cover(
 
     rows = [{"kind": "lookup", "request_id": "r", "block_hashes": [b"a" * 16], "max_length": 15, "num_tokens": 1 << 48}]  # fmt: skip
     trace = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
-    _refused(
+    refused(
         ["whatif", str(trace), "--capacity-blocks", "10", "-o", str(tmp_path / "w.parquet")],
         f"{trace}: seq 0: num_tokens {1 << 48} exceeds what its 1 block_hashes cover (the "
         "what-if needs num_tokens <= (len(block_hashes) + 1) * hash_block_size 16)",

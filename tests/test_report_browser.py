@@ -141,6 +141,17 @@ def test_demo_report_in_chromium(tmp_path: Path) -> None:
     assert rendered is not None, "the inline script did not run"
     assert rendered.group(1) == "3 charts, 3 visible, 70 marks"
     assert _chart_marks(dom) == {"timeline": 40, "histogram": 28, "groups": 2}
+    # Hovering a mark shows its values offline: Chromium parsed each mark's
+    # <title> as its child (the DOM it dumps is its own, re-serialized).
+    bars = re.findall(r'aria-roledescription="bar"[^>]*><title>([^<]*)</title></path>', dom)
+    assert bars[:3] == [
+        "no hit: 103 lookups",
+        "hit 16–207 tokens: 2 lookups",
+        "hit 208–399 tokens: 16 lookups",
+    ]
+    points = re.findall(r'aria-roledescription="point"[^>]*><title>([^<]*)</title>', dom)
+    assert len(points) == 40
+    assert points[2] == "00:00:06 – 00:00:08: 6 lookups, hit ratio 38.90% (3,072 of 7,897 tokens)"
     shot = tmp_path / "demo-report.png"
     proc = _browser(tmp_path, "--window-size=1100,2400", f"--screenshot={shot}", page.as_uri())
     assert proc.returncode == 0, proc.stderr[-2000:]

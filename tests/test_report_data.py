@@ -67,9 +67,9 @@ def test_timeline_by_seq_without_timestamps() -> None:
         (4.0, 1.0, 1, 100, 100),
     ]
     assert [p.label for p in points] == [
-        "seq 0: 1 lookups, hit ratio 50.00% (50 of 100 tokens)",
-        "seq 2: 1 lookups, hit ratio 0.00% (0 of 100 tokens)",
-        "seq 4: 1 lookups, hit ratio 100.00% (100 of 100 tokens)",
+        "seq 0: 1 lookup, hit ratio 50.00% (50 of 100 tokens)",
+        "seq 2: 1 lookup, hit ratio 0.00% (0 of 100 tokens)",
+        "seq 4: 1 lookup, hit ratio 100.00% (100 of 100 tokens)",
     ]
 
 

@@ -126,8 +126,9 @@ def test_report_without_trace_says_so(tmp_path: Path, trace_43559: Path) -> None
     out = tmp_path / "r.html"
     res = invoke_report([results, "-o", out])
     note = (
-        f"trace t43559.parquet not found next to r.results.parquet (looked for "
-        f"{elsewhere / 't43559.parquet'}); pass --trace to add the explain tables"
+        f"trace t43559.parquet not found: looked for {tmp_path / 't43559.parquet'} (where the "
+        f"results lead) and {elsewhere / 't43559.parquet'} (beside them); pass --trace to add "
+        "the explain tables"
     )
     assert (res.exit_code, res.output) == (0, f"wrote {out} ({note})\n")
     page = out.read_text()

@@ -65,6 +65,13 @@ def test_sweep_chart_renders_in_chromium(tmp_path: Path) -> None:
     assert lines.count("concat_0") == 2 and lines.count("concat_1") == 6
     assert "unbounded ceiling" in dom and "trace's capacity" in dom
     assert "capacity (blocks, log scale)" in dom
+    # Each run's point shows its numbers on hover (a <title>, no script).
+    tips = re.findall(r'aria-roledescription="point"[^>]*><title>([^<]*)</title>', dom)
+    assert len(tips) == 2 * 5 + 2 * 5 * 3  # the runs, then p50/p90/p99 of each
+    assert (
+        tips[0]
+        == "eviction: lru; blocks: 100; hit ratio: 10.01%; hit tokens: 1,312; evicted blocks: 688"
+    )
     shot = tmp_path / "sweep.png"
     proc = _browser(tmp_path, "--window-size=900,1400", f"--screenshot={shot}", page.as_uri())
     assert proc.returncode == 0, proc.stderr[-2000:]

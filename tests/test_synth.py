@@ -259,11 +259,11 @@ def test_synth_store_options(tmp_path: Path) -> None:
     [
         (
             ["--retention-interval", "-16"],
-            "--retention-interval: expected an integer from 0 to 2147483647 or 'none', got '-16'",
+            "--retention-interval '-16': expected a whole number from 0 to 2,147,483,647 or 'none'",
         ),
         (
             ["--retention-interval", "some"],
-            "--retention-interval: expected an integer from 0 to 2147483647 or 'none', got 'some'",
+            "--retention-interval 'some': expected a whole number from 0 to 2,147,483,647 or 'none'",
         ),
         (
             ["--retention-interval", "40"],
@@ -271,7 +271,7 @@ def test_synth_store_options(tmp_path: Path) -> None:
         ),
         (
             ["--max-num-batched-tokens", "0"],
-            "--max-num-batched-tokens: expected an integer from 1 to 2147483647, got '0'",
+            "--max-num-batched-tokens '0': expected a whole number from 1 to 2,147,483,647, k/M/G/T suffixes allowed",
         ),
         (
             ["--max-num-batched-tokens", "8"],

@@ -304,7 +304,7 @@ def test_report_finds_a_directory_trace_beside_its_results(demo_dir: Path) -> No
     result = run_cli(["report", str(results), "-o", str(out), "--format", "md"])
     assert result.exit_code == 0, result.stderr
     text = out.read_text()
-    assert "not found next to" not in text
+    assert "not found: looked for" not in text
     flagged = result_flags(replay_trace(DEMO, policy="pre-49502"))["request_id"][0]
     assert "replay explain" in text and flagged in text
 

@@ -33,24 +33,33 @@ from replay.base.units import (
     ],
 )
 def test_counts_take_suffixes_exactly(text: str, value: int) -> None:
-    assert parse_count(text) == value
+    assert parse_count(text, "-n") == value
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
+    "text",
     [
-        ("1.5", "'1.5': is not a whole number"),
-        ("10x", "expected a count"),
-        ("", "expected a count"),
-        ("0", "must be at least 1"),
-        ("-3", "expected a count"),
-        ("1.0001k", "not a whole number"),
+        "1.5",
+        "10x",
+        "",
+        "0",
+        "-3",
+        "1.0001k",
+        "1e3",
+        "0x10",
+        "²",
+        "1" * 41,
+        "1125899906842625",
     ],
 )
-def test_bad_counts_are_one_line(text: str, message: str) -> None:
-    with pytest.raises(ReplayError, match=message) as info:
-        parse_count(text, "--opt")
-    assert str(info.value).startswith("--opt: ") and "\n" not in str(info.value)
+def test_bad_counts_are_one_line(text: str) -> None:
+    with pytest.raises(ReplayError) as info:
+        parse_count(text, "--opt", least=1, most=1 << 50)
+    shown = repr(text if len(text) <= 40 else text[:40] + "…")
+    assert str(info.value) == (
+        f"--opt {shown}: expected a whole number from 1 to 1,125,899,906,842,624, "
+        "k/M/G/T suffixes allowed"
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,14 +75,17 @@ def test_bad_counts_are_one_line(text: str, message: str) -> None:
     ],
 )
 def test_bytes(text: str, value: int) -> None:
-    assert parse_bytes(text) == value
+    assert parse_bytes(text, "-b") == value
 
 
 def test_bytes_refuse_fractions_of_a_byte_and_zero() -> None:
-    with pytest.raises(ReplayError, match="not a whole number of bytes"):
-        parse_bytes("1.0001KB")
-    with pytest.raises(ReplayError, match="must be positive"):
-        parse_bytes("0GiB")
+    for text in ("1.0001KB", "0GiB"):
+        with pytest.raises(ReplayError) as info:
+            parse_bytes(text, "-b")
+        assert str(info.value) == (
+            f"-b {text!r}: expected a whole number of bytes from 1 to 9,223,372,036,854,775,807, "
+            "such as 4096, 500MB or 64GiB"
+        )
 
 
 def test_capacities_keep_their_unit_and_resolve_to_blocks() -> None:

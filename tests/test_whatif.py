@@ -184,7 +184,7 @@ def test_belady_hits_at_least_as_much_as_lru_for_full_attention(cache: str, tmp_
 
 
 def test_parse_bytes() -> None:
-    from replay.cli.options import parse_bytes
+    from replay.base.units import parse_bytes
 
     assert parse_bytes("64GiB", "--capacity-bytes") == 64 * 2**30
     assert parse_bytes("500MB", "--capacity-bytes") == 500 * 10**6
@@ -266,8 +266,11 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
     [
         (["--capacity-blocks", "10", "--capacity-bytes", "1GiB"], "exactly one of"),
         ([], "exactly one of"),
-        (["--capacity-blocks", "10,x"], "--capacity-blocks: 'x': expected a count such as"),
-        (["--capacity-blocks", "10,1.5"], "--capacity-blocks: '1.5': is not a whole number"),
+        (["--capacity-blocks", "10,x"], "--capacity-blocks 'x': expected a whole number from 1 to"),
+        (
+            ["--capacity-blocks", "10,1.5"],
+            "--capacity-blocks '1.5': expected a whole number from 1",
+        ),
         (["--capacity", "10,10%"], "--capacity: '10%' is in percent, '10' in blocks"),
         (["--capacity", "1GiB"], "bytes need the groups' page sizes"),
         (["--points", "3", "--min", "10k"], "--points, --min and --max go together"),

@@ -127,8 +127,9 @@ def test_no_single_pass_over_capacities_can_be_exact_for_hybrid_models(tmp_path:
     hybrid pool it does not: a larger pool keeps other blocks, the fixed
     point settles elsewhere, the request stores other states. So the sweep
     runs every capacity (compiled); a single full-attention group keeps the
-    order on these streams, the necessary condition, but no single pass is
-    built for it (see the module docstring of ``replay.whatif.kernel``)."""
+    order on these streams, the necessary condition, and the one pass is
+    built for it where it is exact (``replay.whatif.stack``,
+    ``tests/test_whatif_stack.py``)."""
     for model in ("full+mamba", "full+swa"):
         broken, checked = _breaks(model, 8, tmp_path)
         assert broken > 0, model

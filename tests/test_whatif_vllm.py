@@ -183,20 +183,10 @@ def whatif_hits(
     """The same requests through ``replay whatif``'s own path: a trace of
     the lookups (vLLM's hashes), one ``gpu``/``lru`` run emitted as a trace;
     per lookup the emitted hit, and the run's hit tokens."""
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": units,
-            "max_length": len(tokens) - 1,
-            "num_tokens": len(tokens),
-        }
-        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
-    ]
-    trace = write_trace(tmp / "lookups.parquet", config, rows)
+    requests = _lookups(tmp / "lookups.parquet", config, prompts, hashes)
     emitted = tmp / "run.parquet"
     row = simulate(
-        load_requests(trace),
+        requests,
         RunSpec(
             cache="gpu",
             eviction="lru",
@@ -222,20 +212,10 @@ def compiled_hits(
     """The same requests through the compiled what-if (``replay.whatif.kernel``,
     what ``replay whatif --cache gpu`` runs): per request its hit, None when
     not admitted, ``PREEMPTED``."""
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": units,
-            "max_length": len(tokens) - 1,
-            "num_tokens": len(tokens),
-        }
-        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
-    ]
-    trace = write_trace(tmp / "compiled.parquet", config, rows)
+    requests = _lookups(tmp / "compiled.parquet", config, prompts, hashes)
     assert supported(config, "gpu") is None
     row = simulate(
-        load_requests(trace),
+        requests,
         RunSpec(
             cache="gpu",
             eviction="lru",
@@ -357,3 +337,123 @@ def test_block_pool_matches_vllm_on_random_sessions(
             f"evicted, {admitted_off} requests not admitted, {preempted} preempted)"
         )
     assert evicted_total > 1000 and admitted_off > 0
+
+
+def _vllm_hits(
+    v: SimpleNamespace, config: TraceConfig, capacity: int, prompts: list[list[int]]
+) -> tuple[list[int | None], list[list[bytes]]]:
+    """vLLM's ``KVCacheManager`` alone: per request its hit (None: not
+    admitted) and its block hashes."""
+    engine = Engine(v, config, capacity, 8192, 0)
+    hits: list[int | None] = []
+    hashes: list[list[bytes]] = []
+    for i, tokens in enumerate(prompts):
+        request = engine.request(f"r{i}", tokens)
+        hashes.append([bytes(h) for h in request.block_hashes])
+        hits.append(engine.prefill(request))
+    return hits, hashes
+
+
+def _lookups(
+    path: Path, config: TraceConfig, prompts: list[list[int]], hashes: list[list[bytes]]
+) -> Any:
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": units,
+            "max_length": len(tokens) - 1,
+            "num_tokens": len(tokens),
+        }
+        for i, (tokens, units) in enumerate(zip(prompts, hashes, strict=True))
+    ]
+    return load_requests(write_trace(path, config, rows))
+
+
+def test_one_lru_pass_matches_vllm_at_every_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24 item 2 against vLLM itself: the Mooncake rows on one
+    full-attention group (no prompt a whole number of blocks, so the lookup
+    cap never recomputes a present block), six capacities from the largest
+    prompt to one that never evicts: every capacity from the one pass, and
+    every request's hit is vLLM's."""
+    from replay.whatif.sweep import sweep
+
+    v = _vllm()
+    config = archetype_config("full", 64, 64, False)
+    prompts = [p if len(p) % 64 else p[:-1] for p in mooncake_prompts(REQUESTS)]
+    longest = max(-(-len(p) // 64) for p in prompts)
+    total = sum(-(-len(p) // 64) for p in prompts)
+    capacities = [longest, 2 * longest, total // 8, total // 4, total // 2, total]
+    per_capacity = [_vllm_hits(v, config, c, prompts) for c in capacities]
+    requests = _lookups(tmp_path / "full.parquet", config, prompts, per_capacity[0][1])
+    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=c) for c in capacities]
+    rows = sweep(requests, specs)
+    assert [r["method"] for r in rows] == ["one-pass"] * len(capacities)
+    for c, row, (theirs, _) in zip(capacities, rows, per_capacity, strict=True):
+        assert row["_hits"].tolist() == theirs, c
+    totals = [row["hit_tokens"] for row in rows]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+    with capsys.disabled():
+        print(
+            f"\none LRU pass: {len(capacities)} capacities x {len(prompts)} requests agree "
+            f"with vLLM (hit tokens {totals[0]:,} .. {totals[-1]:,})"
+        )
+
+
+def test_a_duplicate_copy_in_vllm_is_what_a_plain_stack_cannot_see(tmp_path: Path) -> None:
+    """The stream of ``tests/test_whatif_stack.py``'s duplicate case through
+    vLLM's own pool of 3 blocks (4-token blocks): request 4 resends a
+    block-aligned prompt, vLLM recomputes and caches its block a second
+    time, and request 6 finds its first block evicted: 0 hit tokens, where a
+    plain stack over the keys says 4. The one pass, which counts the stale
+    copy, gives vLLM's hits."""
+    from replay.whatif import stack
+    from replay.whatif.sweep import sweep
+    from tests.test_whatif_stack import DUPLICATE_PROMPTS
+
+    v = _vllm()
+    config = archetype_config("full", 4, 4, False)
+    theirs, hashes = _vllm_hits(v, config, 3, DUPLICATE_PROMPTS)
+    assert theirs == [0, 0, 0, 0, 0, 0]
+    requests = _lookups(tmp_path / "dup.parquet", config, DUPLICATE_PROMPTS, hashes)
+    plain = stack.run_stack(requests, [3], copies=False)
+    assert plain.why.tolist() == [[stack.DUPLICATE, 3]]
+    assert plain.hits[0].tolist() == [0, 0, 0, 0, 0, 4]
+    specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=c) for c in (3, 4)]
+    (row, _) = sweep(requests, specs)
+    assert row["method"] == "one-pass" and row["_hits"].tolist() == theirs
+
+
+def test_one_lru_pass_with_second_copies_matches_vllm_on_random_streams(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Random full-attention streams with block-aligned resends (vLLM
+    recomputes their last block and caches a second copy), four capacities
+    each: every sweep row is vLLM's, request by request, and most come
+    from the one pass (the second copies counted)."""
+    from replay.whatif.sweep import sweep
+
+    v = _vllm()
+    rng = random.Random(2425)
+    rows_checked = one_pass = 0
+    for case in range(12):
+        config = archetype_config("full", 16, 16, False)
+        prompts = random_prompts(rng, 16, 60)
+        longest = max(-(-len(p) // 16) for p in prompts)
+        capacities = sorted({rng.randrange(longest, 6 * longest) for _ in range(4)})
+        per_capacity = [_vllm_hits(v, config, c, prompts) for c in capacities]
+        requests = _lookups(tmp_path / f"r{case}.parquet", config, prompts, per_capacity[0][1])
+        specs = [RunSpec(cache="gpu", eviction="lru", capacity_blocks=c) for c in capacities]
+        for c, row, (theirs, _) in zip(
+            capacities, sweep(requests, specs), per_capacity, strict=True
+        ):
+            assert row["_hits"].tolist() == theirs, (case, c, row["method"])
+            rows_checked += 1
+            one_pass += row["method"] == "one-pass"
+    with capsys.disabled():
+        print(
+            f"\nrandom dense streams: {rows_checked} capacities agree with vLLM, {one_pass} one-pass"
+        )
+    assert one_pass >= rows_checked // 2

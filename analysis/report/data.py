@@ -185,8 +185,8 @@ def timeline(res: pl.DataFrame) -> tuple[str, list[Point]]:
                 lookups=int(r["n"]),
                 hit_tokens=int(r["hit"]),
                 prompt_tokens=int(r["prompt"]),
-                label=f"{where}: {r['n']} lookups, hit ratio {pct(ratio)} "
-                f"({r['hit']} of {r['prompt']} tokens)",
+                label=f"{where}: {r['n']:,} lookup{'s' if r['n'] != 1 else ''}, hit ratio {pct(ratio)} "
+                f"({r['hit']:,} of {r['prompt']:,} tokens)",
             )
         )
     if use_time:

@@ -4,6 +4,7 @@ in the results' metadata), checked to be that trace."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,14 @@ def resolve_trace(
         )
     candidate = results_path.parent / str(name)
     if not candidate.exists():  # a file, or a trace directory
+        looked = f"{candidate} (beside them)"
+        rel = info.get("trace_path")
+        if isinstance(rel, str) and rel:
+            led = Path(os.path.normpath(results_path.parent / rel))
+            if led != candidate:
+                looked = f"{led} (where the results lead) and {looked}"
         return None, (
-            f"trace {name} not found next to {results_path.name} (looked for {candidate}); "
-            "pass --trace to add the explain tables"
+            f"trace {name} not found: looked for {looked}; pass --trace to add the explain tables"
         )
     try:
         reader = open_trace(candidate)

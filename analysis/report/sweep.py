@@ -11,7 +11,7 @@ from markupsafe import Markup
 from analysis.flags import FLAG_KINDS
 from analysis.report.fmt import pct
 from analysis.report.vega import data as inline_data
-from analysis.report.vega import render_svg
+from analysis.report.vega import render_svg, tooltip
 
 
 def sweep_table(frame: pl.DataFrame) -> tuple[list[str], list[list[str]]]:
@@ -118,55 +118,61 @@ def sweep_chart_spec(frame: pl.DataFrame, meta: dict[str, Any]) -> dict[str, Any
     )
     x = alt.X("x:Q", scale=alt.Scale(type="log"), title=title)
     base = alt.Chart(inline_data(data))
-    tooltip = [
-        alt.Tooltip("eviction:N"),
-        alt.Tooltip("capacity_blocks:Q", title="blocks", format=","),
-        alt.Tooltip("hit_ratio:Q", format=".2%"),
-        alt.Tooltip("hit_tokens:Q", format=","),
-        alt.Tooltip("evicted:Q", title="evicted blocks", format=","),
-    ]
     ratio = alt.Y("hit_ratio:Q", title="hit ratio", axis=alt.Axis(format="%"))
+    run = [
+        ("eviction", "eviction", ""),
+        ("blocks", "capacity_blocks", ","),
+        ("hit ratio", "hit_ratio", ".2%"),
+        ("hit tokens", "hit_tokens", ","),
+        ("evicted blocks", "evicted", ","),
+    ]
     layers: list[Any] = [
-        base.mark_line(point=True).encode(x=x, y=ratio, color=colour, tooltip=tooltip)
+        base.mark_line(aria=False).encode(x=x, y=ratio, color=colour),
+        tooltip(base.mark_point(filled=True, opacity=1), run).encode(x=x, y=ratio, color=colour),
     ]
     ceiling = meta.get("ceiling")
     if ceiling:
         rule = alt.Chart(inline_data([{"y": ceiling["hit_ratio"], "label": "unbounded ceiling"}]))
-        layers.append(rule.mark_rule(strokeDash=[6, 4], color="#444").encode(y="y:Q"))
+        layers.append(rule.mark_rule(strokeDash=[6, 4], color="#444", aria=False).encode(y="y:Q"))
         layers.append(
-            rule.mark_text(align="left", dx=4, dy=-6, color="#444").encode(
+            rule.mark_text(align="left", dx=4, dy=-6, color="#444", aria=False).encode(
                 y="y:Q", text="label:N", x=alt.value(4)
             )
         )
     own = _own_capacity(meta)
     if own is not None:
         mark = alt.Chart(inline_data([{"x": own * factor, "label": "trace's capacity"}]))
-        layers.append(mark.mark_rule(color="#d62728").encode(x="x:Q"))
+        layers.append(mark.mark_rule(color="#d62728", aria=False).encode(x="x:Q"))
         layers.append(
-            mark.mark_text(align="left", dx=4, y=8, color="#d62728").encode(x="x:Q", text="label:N")
+            mark.mark_text(align="left", dx=4, y=8, color="#d62728", aria=False).encode(
+                x="x:Q", text="label:N"
+            )
         )
     top = alt.layer(*layers).properties(
         width=640, height=300, title="Hit ratio against cache capacity"
     )
-    percentiles = (
+    folded = (
         base.transform_fold(
             ["hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99"], as_=["percentile", "value"]
         )
         .transform_calculate(percentile="replace(datum.percentile, 'hit_ratio_', '')")
-        .mark_line(point=True)
         .encode(
             x=x,
             y=alt.Y("value:Q", title="per-request hit ratio", axis=alt.Axis(format="%")),
             color=colour,
-            strokeDash=alt.StrokeDash("percentile:N", legend=alt.Legend(orient="bottom")),
-            tooltip=[
-                alt.Tooltip("eviction:N"),
-                alt.Tooltip("percentile:N"),
-                alt.Tooltip("value:Q", format=".2%"),
-            ],
         )
-        .properties(width=640, height=200, title="Per-request hit ratio: p50, p90, p99")
     )
+    share = [
+        ("eviction", "eviction", ""),
+        ("percentile", "percentile", ""),
+        ("hit ratio", "value", ".2%"),
+    ]
+    percentiles = alt.layer(
+        folded.mark_line(aria=False).encode(
+            strokeDash=alt.StrokeDash("percentile:N", legend=alt.Legend(orient="bottom"))
+        ),
+        tooltip(folded.mark_point(filled=True, opacity=1), share),
+    ).properties(width=640, height=200, title="Per-request hit ratio: p50, p90, p99")
     chart = alt.vconcat(top, percentiles).resolve_scale(color="shared")
     spec: dict[str, Any] = chart.to_dict()
     return spec

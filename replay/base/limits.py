@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import IO, AnyStr
 
 from replay.base.errors import ReplayError
+from replay.base.units import parse_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +35,12 @@ class Limit:
         text = os.environ.get(self.env)
         if text is None:
             return self.default
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 1:
-            raise ReplayError(f"{self.env}={text!r}: expected a whole number of at least 1")
-        return value
+        return parse_count(text, self.env, least=1)
 
-    def refuse(self, where: str, found: int) -> ReplayError:
-        """The one-line refusal: ``where`` (e.g. ``"t.parquet: seq 5: block_hashes holds"``)
-        then ``found`` and what is over the limit."""
-        return ReplayError(
+    def refuse(self, where: str, found: int, error: type[ReplayError] = ReplayError) -> ReplayError:
+        """The one-line refusal (an ``error``): ``where`` (e.g. ``"t.parquet:
+        seq 5: block_hashes holds"``) then ``found`` and what is over the limit."""
+        return error(
             f"{where} {found:,} {self.what}, above the limit of {self.value():,} "
             f"(`replay {self.option} N ...` raises it)"
         )
@@ -57,17 +52,33 @@ ROW_HASHES = Limit("--max-row-hashes", "REPLAY_MAX_ROW_HASHES", 1 << 22, "hashes
 GROUP_HASHES = Limit(
     "--max-group-hashes", "REPLAY_MAX_GROUP_HASHES", 1 << 26, "hashes in one row group"
 )
-#: Bytes of one hash. The store's table gives every key the words of the
-#: widest hash folded so far (the kernel's layout), so one long hash among
-#: short ones costs its width in every slot: a 65,000-byte hash among
-#: 200,000 9-byte ones took 23 GB. vLLM's digests are 32 bytes.
+#: Bytes of one hash. vLLM's digests are 32 bytes; a longer hash is kept out
+#: of the store's slots (replay.engine.kernels), so one long hash among short
+#: ones costs its own bytes only, but a trace of them is likely a mistake.
 HASH_BYTES = Limit("--max-hash-bytes", "REPLAY_MAX_HASH_BYTES", 128, "bytes in one hash")
 #: What the store's keys can hold at all (replay.kernels).
 MAX_HASH_BYTES = 65534
 #: Bytes of one line of a JSONL input.
 LINE_BYTES = Limit("--max-line-bytes", "REPLAY_MAX_LINE_BYTES", 64 << 20, "bytes in one line")
 
-LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES)
+#: Bytes of one record of a binary input (a KV-event dump's length-prefixed
+#: msgpack record), checked against its length prefix before it is read.
+RECORD_BYTES = Limit(
+    "--max-record-bytes", "REPLAY_MAX_RECORD_BYTES", 64 << 20, "bytes in one record"
+)
+
+#: KV-cache groups of a trace's config (vLLM's models have a handful): a
+#: config of 5,000 groups took 2.5 GB and half a minute to replay 50 blocks.
+GROUPS = Limit("--max-groups", "REPLAY_MAX_GROUPS", 1024, "KV-cache groups")
+
+#: Bytes of a text column (request_id, medium) in one Parquet row group, as
+#: the footer declares them: one 256 MiB request_id (a few KB compressed)
+#: took 2.2 GB to validate and 2.8 GB to replay.
+TEXT_BYTES = Limit(
+    "--max-text-bytes", "REPLAY_MAX_TEXT_BYTES", 64 << 20, "bytes of text in one row group"
+)
+
+LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES, RECORD_BYTES, GROUPS, TEXT_BYTES)
 
 
 def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:
@@ -77,7 +88,10 @@ def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:
     limit = LINE_BYTES.value()
     line_no = 0
     while True:
-        line = fh.readline(limit + 1)
+        try:
+            line = fh.readline(limit + 1)
+        except OSError as exc:  # a file that is no file (/proc/self/mem) names itself
+            raise ReplayError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if not line:
             return
         line_no += 1

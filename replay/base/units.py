@@ -12,99 +12,163 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
 from replay.base.errors import ReplayError
 
-#: Decimal count suffixes (``k``/``K`` both mean 1000) and binary ones.
-COUNT_SUFFIXES = {
-    "": 1,
-    "k": 10**3,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-}
-#: Byte units, case-insensitive: ``KB`` = 1000, ``KiB`` = 1024.
-BYTE_UNITS = {
-    "b": 1,
-    **{p + "b": 1000**i for i, p in enumerate("kmgtp", start=1)},
-    **{p + "ib": 1024**i for i, p in enumerate("kmgtp", start=1)},
-}
+# ---------------------------------------------------------------- numbers
+#
+# Every number a user types (an option, a limit's environment variable, a
+# capacity) is parsed here, exactly (integers and decimal fractions, never a
+# float on the way) and range-checked, so nothing a user gives reaches
+# int(), float() or numpy unchecked. Each error is one line:
+# ``OPTION 'TEXT': expected ...``. The command line's click types
+# (``replay.cli.options``) wrap these functions.
 
-# ASCII digits only ("²" or "٣" are not numbers here), and at most
-# _MAX_CHARS characters: a 400-digit size is refused before it is read.
-_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-_COUNT = re.compile(rf"^{_NUMBER}\s*([kKMGT]i?)?$", re.ASCII)
-_BYTES = re.compile(rf"^{_NUMBER}\s*([kKmMgGtTpP]?[iI]?[bB])$", re.ASCII)
-_PERCENT = re.compile(rf"^{_NUMBER}\s*%$", re.ASCII)
-_MAX_CHARS = 40
-#: The largest count (2**50) and byte size (what int64 holds) taken; a
-#: what-if pool beyond what its requests can fill runs at what they fill.
+#: The largest count, byte size or seed most options take: what int64 holds.
+INT64_MAX = (1 << 63) - 1
+#: The largest capacity in blocks (2**50); a what-if pool beyond what its
+#: requests can fill runs at what they fill.
 MAX_COUNT = 1 << 50
-MAX_BYTES = (1 << 63) - 1
+#: Longer text is refused before it is read as a number (a 400-digit size).
+_MAX_CHARS = 40
+#: A decimal number (ASCII digits only: "²" and other Unicode digits are not
+#: numbers here), an optional fraction, an optional unit.
+_NUMBER = re.compile(r"([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z%]*)", re.ASCII)
+
+#: Count suffixes, case-insensitive: k/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024.
+COUNT_UNITS: dict[str, int] = {
+    "": 1,
+    **{u: 1000 ** "_kmgt".index(u) for u in "kmgt"},
+    **{f"{u}i": 1024 ** "_kmgt".index(u) for u in "kmgt"},
+}
+#: Byte units, case-insensitive: ``KB`` and ``k`` = 1000, ``KiB`` and ``Ki`` = 1024.
+BYTE_UNITS: dict[str, int] = {
+    "": 1,
+    **{u: 1000 ** "_kmgtp".index(u) for u in "kmgtp"},
+    **{f"{u}i": 1024 ** "_kmgtp".index(u) for u in "kmgtp"},
+}
+BYTE_UNITS = {**BYTE_UNITS, **{f"{u}b": f for u, f in BYTE_UNITS.items()}}
+SECOND_UNITS: dict[str, int | Fraction] = {
+    "": 1, "s": 1, "ms": Fraction(1, 1000), "m": 60, "min": 60, "h": 3600, "d": 86400
+}  # fmt: skip
+PERCENT_UNITS = {"%": Fraction(1, 100)}
 
 Unit = Literal["blocks", "bytes", "percent"]
 
 
-def _label(option: str, text: str) -> str:
-    given = text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS] + "…"
-    return f"{option}: {given!r}" if option else repr(given)
+def shown(text: str) -> str:
+    """How an error quotes what the user typed (a 400-digit value, cut)."""
+    given = text.strip()
+    return repr(given if len(given) <= _MAX_CHARS else given[:_MAX_CHARS] + "…")
 
 
-def parse_count(text: str, option: str = "", *, least: int = 1) -> int:
-    """``10k``, ``1.5M``, ``2Gi``, ``4096``: a whole count of at least ``least``."""
-    m = _COUNT.match(text.strip()) if len(text) <= _MAX_CHARS else None
-    if m is None:
-        raise ReplayError(f"{_label(option, text)}: expected a count such as 4096, 10k, 1.5M or 2G")
-    value = Fraction(m.group(1)) * COUNT_SUFFIXES[m.group(2) or ""]
-    if value.denominator != 1:
-        raise ReplayError(f"{_label(option, text)}: is not a whole number ({float(value):g})")
-    if value < least:
-        raise ReplayError(f"{_label(option, text)}: must be at least {least}")
-    if value > MAX_COUNT:
-        raise ReplayError(f"{_label(option, text)}: must be at most {MAX_COUNT:,}")
+def _exact(text: str, units: Mapping[str, int | Fraction]) -> Fraction | None:
+    """``text`` as an exact number in ``units``, or None."""
+    given = text.strip()
+    m = _NUMBER.fullmatch(given) if len(given) <= _MAX_CHARS else None
+    unit = m.group(3).lower() if m is not None else ""
+    if m is None or unit not in units:
+        return None
+    whole, frac = m.group(1), m.group(2) or ""
+    return Fraction(int(whole + frac), 10 ** len(frac)) * Fraction(units[unit])
+
+
+def parse_count(
+    text: str, option: str, *, least: int = 0, most: int = INT64_MAX, units: bool = True
+) -> int:
+    """A whole number, optionally with a suffix (k/M/G/T: powers of 1000,
+    Ki/Mi/Gi/Ti: of 1024): ``1000``, ``64k``, ``2M``, ``1.5k``, ``2Gi``;
+    from ``least`` to ``most``."""
+    value = _exact(text, COUNT_UNITS if units else {"": 1})
+    if value is None or value.denominator != 1 or not least <= value <= most:
+        suffixes = ", k/M/G/T suffixes allowed" if units else ""
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a whole number from {least:,} to {most:,}{suffixes}"
+        )
     return int(value)
 
 
-def parse_bytes(text: str, option: str = "") -> int:
-    """``64GiB``, ``500MB``, ``1.5KiB``, ``4096``: a positive whole byte count
-    (``KB`` = 1000, ``KiB`` = 1024; a bare number is bytes)."""
-    t = text.strip()
-    if len(t) > _MAX_CHARS:
-        raise ReplayError(f"{_label(option, text)}: expected a size such as 4096, 500MB or 64GiB")
-    m = _BYTES.match(t)
-    if m is not None:
-        value = Fraction(m.group(1)) * BYTE_UNITS[m.group(2).lower()]
-    elif re.fullmatch(_NUMBER, t, re.ASCII):
-        value = Fraction(t)
-    else:
-        raise ReplayError(f"{_label(option, text)}: expected a size such as 4096, 500MB or 64GiB")
-    if value.denominator != 1:
-        raise ReplayError(f"{_label(option, text)}: is not a whole number of bytes")
-    if value <= 0:
-        raise ReplayError(f"{_label(option, text)}: must be positive")
-    if value > MAX_BYTES:
-        raise ReplayError(f"{_label(option, text)}: must be at most {MAX_BYTES:,} bytes")
+def parse_bytes(text: str, option: str, *, least: int = 1, most: int = INT64_MAX) -> int:
+    """A byte size: ``4096``, ``500MB`` (powers of 1000), ``64GiB`` (powers
+    of 1024), ``1.5KiB``; a whole number of bytes from ``least`` to ``most``."""
+    value = _exact(text, BYTE_UNITS)
+    if value is None or value.denominator != 1 or not least <= value <= most:
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a whole number of bytes from {least:,} to "
+            f"{most:,}, such as 4096, 500MB or 64GiB"
+        )
     return int(value)
 
 
-def parse_percent(text: str, option: str = "") -> Fraction:
-    """``10%``, ``0.5%``, ``150%``: a positive fraction (0.1 for ``10%``)."""
-    m = _PERCENT.match(text.strip()) if len(text) <= _MAX_CHARS else None
-    if m is None:
-        raise ReplayError(f"{_label(option, text)}: expected a percentage such as 10%")
-    value = Fraction(m.group(1)) / 100
-    if value <= 0:
-        raise ReplayError(f"{_label(option, text)}: must be positive")
+def parse_seconds(text: str, option: str, *, most: int = 366 * 86400) -> float:
+    """A positive duration: seconds (``30``, ``2.5``) or with a unit (``ms``,
+    ``s``, ``m``/``min``, ``h``, ``d``); at most ``most`` seconds."""
+    value = _exact(text, SECOND_UNITS)
+    if value is None or not 0 < value <= most:
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a duration above 0 and up to {most:,} "
+            "seconds, such as 30, 2.5s, 10m or 1h"
+        )
+    return float(value)
+
+
+def parse_seed(text: str, option: str = "--seed") -> int:
+    """A random seed: a whole number from 0 to 2**64 - 1."""
+    return parse_count(text, option, least=0, most=(1 << 64) - 1, units=False)
+
+
+def parse_integer(text: str, option: str, *, least: int, most: int) -> int:
+    """A plain integer, negative ones too (a seq), from ``least`` to ``most``."""
+    given = text.strip()
+    negative = given.startswith("-")
+    body = given[1:] if given[:1] in "+-" else given
+    value = _exact(body, {"": 1})
+    number = None if value is None else -int(value) if negative else int(value)
+    if number is None or not least <= number <= most:
+        raise ReplayError(f"{option} {shown(text)}: expected an integer from {least:,} to {most:,}")
+    return number
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """A fraction above 0 and at most 1, as a decimal (``0.1``, ``1``)."""
+    value = _exact(text, {"": 1})
+    if value is None or not 0 < value <= 1:
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a fraction above 0 and up to 1, such as 0.1"
+        )
+    return float(value)
+
+
+def parse_percent(text: str, option: str) -> Fraction:
+    """``10%``, ``0.5%``, ``150%``: a positive fraction (0.1 for ``10%``), at
+    most 1,000,000%."""
+    value = _exact(text, PERCENT_UNITS)
+    if value is None or not 0 < value <= 10**4:
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a percentage above 0% and up to 1,000,000%, "
+            "such as 10%"
+        )
     return value
+
+
+#: The most values a comma-separated option takes, and the most capacities
+#: a log-spaced range (``--points``) makes.
+MAX_LIST = 1000
+MAX_POINTS = 10_000
+
+
+def split_list(text: str, option: str) -> list[str]:
+    """The non-empty parts of a comma-separated option, at most :data:`MAX_LIST`."""
+    parts = [p for p in (s.strip() for s in text.split(",")) if p]
+    if not parts:
+        raise ReplayError(f"{option} {shown(text)}: expected at least one value")
+    if len(parts) > MAX_LIST:
+        raise ReplayError(f"{option}: at most {MAX_LIST:,} values, got {len(parts):,}")
+    return parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,18 +208,15 @@ def parse_capacity(text: str, option: str = "--capacity") -> Capacity:
     t = text.strip()
     if t.endswith("%"):
         return Capacity("percent", parse_percent(t, option), t)
-    if t[-1:] in "bB":
+    if t[-1:] in ("b", "B"):
         return Capacity("bytes", Fraction(parse_bytes(t, option)), t)
-    return Capacity("blocks", Fraction(parse_count(t, option)), t)
+    return Capacity("blocks", Fraction(parse_count(t, option, least=1, most=MAX_COUNT)), t)
 
 
 def parse_capacities(text: str, option: str = "--capacity") -> list[Capacity]:
     """A comma-separated list of capacities, all in one unit, duplicates dropped."""
-    parts = [p for p in (s.strip() for s in text.split(",")) if p]
-    if not parts:
-        raise ReplayError(f"{option}: no capacity given")
     out: list[Capacity] = []
-    for part in parts:
+    for part in split_list(text, option):
         cap = parse_capacity(part, option)
         if out and cap.unit != out[0].unit:
             raise ReplayError(
@@ -175,8 +236,8 @@ def log_spaced(
     to the nearest whole number, duplicates after rounding dropped."""
     if low.unit != high.unit:
         raise ReplayError(f"--min {low.text!r} and --max {high.text!r} are in different units")
-    if points < 2:
-        raise ReplayError(f"{option}: a range needs at least 2 points, got {points}")
+    if not 2 <= points <= MAX_POINTS:
+        raise ReplayError(f"{option}: a range takes 2 to {MAX_POINTS:,} points, got {points:,}")
     if high.value <= low.value:
         raise ReplayError(f"--max {high.text!r} must be larger than --min {low.text!r}")
     ratio = math.log(high.value / low.value)

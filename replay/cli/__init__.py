@@ -25,9 +25,10 @@ from typing import Any
 import click
 
 from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
+from replay.base.units import INT64_MAX
 from replay.cli import analysis, guard, inspect, run, scale, sources, synth, whatif
 from replay.cli.common import Group, run_main
-from replay.cli.options import INT64_MAX, count_type
+from replay.cli.options import count_type
 
 # The sections of `replay --help`, in the order a user meets them.
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (

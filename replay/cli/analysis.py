@@ -73,8 +73,7 @@ def diff(
     """
     from analysis.diff import diff_inputs, write_diff
     from analysis.diff_text import render_text
-    from replay.cli.outputs import NAMES, PARQUET, TEXT_REPORT, output_format
-    from replay.format.paths import check_outputs
+    from replay.format.paths import NAMES, PARQUET, TEXT_REPORT, check_outputs, output_format
 
     check_outputs({"-o": output}, list(inputs), text=fmt in ("md", "html"))
     fmt = output_format("-o", output, {**PARQUET, **TEXT_REPORT}, given=fmt, default="parquet")
@@ -195,8 +194,7 @@ def report(
     SWEEP file (replay whatif): hit ratio against capacity per eviction
     policy, and the table (-o x.md: Markdown)."""
     from analysis.report import build_report, default_report_path, write_report
-    from replay.cli.outputs import TEXT_REPORT, output_format
-    from replay.format.paths import check_input, check_outputs
+    from replay.format.paths import TEXT_REPORT, check_input, check_outputs, output_format
     from replay.format.sweepfile import is_sweep_file
 
     if output is not None:  # an input given as the output is said first

@@ -38,6 +38,35 @@ class UserError(click.ClickException):
         click.echo(f"error: {printable(readable_name(self.format_message()))}", err=True)
 
 
+class UsageLine(click.UsageError):
+    """click's own usage error (an unknown option, a missing argument, a bad
+    choice, an extra argument, no such command) as one line naming the
+    command, with the hint where its options are listed: exit status 2."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        where = self.where
+        message = " ".join(self.format_message().split()).rstrip(".")
+        message = message[:1].lower() + message[1:]
+        line = f"{where}: {message} (try '{where} --help')"
+        click.echo(f"error: {printable(readable_name(line))}", err=True)
+
+
+def _one_line(
+    exc: click.UsageError, info_name: str | None, parent: click.Context | None
+) -> click.UsageError:
+    """``exc``, raised while the command ``info_name`` under ``parent`` was
+    parsed, as a :class:`UsageLine`; a group given no command still shows
+    its help."""
+    if isinstance(exc, (UsageLine, click.exceptions.NoArgsIsHelpError)):
+        return exc
+    where = " ".join(n for n in (parent.command_path if parent else "", info_name or "") if n)
+    return UsageLine(exc.format_message(), where or "replay")
+
+
 def fail(message: str) -> UserError:
     """The error to raise; whitespace is folded so it stays on one line."""
     return UserError(" ".join(message.split()))
@@ -149,7 +178,24 @@ def command_guard() -> Iterator[None]:
             raise exit_on_signal(exc.signum) from None
 
 
-class Command(click.Command):
+class _UsageInOneLine(click.Command):
+    """click's usage errors, raised while a command's arguments are parsed,
+    as :class:`UsageLine`."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc, info_name, parent) from None
+
+
+class Command(_UsageInOneLine):
     """A `replay` command: its callback runs under :func:`command_guard`, so
     it behaves the same on its own (a test, ``python -c``) as under the
     ``replay`` group."""
@@ -164,12 +210,20 @@ class Command(click.Command):
             return super().invoke(ctx)
 
 
-class Group(click.Group):
+class Group(_UsageInOneLine, click.Group):
     """A group of `replay` commands; the commands and groups it makes are
     of these classes too."""
 
     command_class = Command
     group_class = type
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            raise _one_line(exc, ctx.info_name, ctx.parent) from None
 
 
 def command(name: str | None = None, **attrs: Any) -> Callable[[Callable[..., Any]], Command]:

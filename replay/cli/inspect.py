@@ -58,12 +58,9 @@ def info(trace: Path, as_json: bool) -> None:
 def state(trace: Path, at: int | None, group: int | None, output: Path | None, show: int) -> None:
     """Present (group_id, hash) keys at a point of the log."""
     from replay.engine.replay import state_at
-    from replay.format.paths import check_outputs
+    from replay.format.paths import PARQUET, check_outputs
 
-    check_outputs({"-o": output}, [trace])
-    from replay.cli.outputs import PARQUET, output_format
-
-    output_format("-o", output, PARQUET, default="parquet")
+    check_outputs({"-o": output}, [trace], formats={"-o": PARQUET})
     config, store = state_at(trace, at)
     if group is not None and not 0 <= group < config.num_groups:
         raise fail(f"--group {group}: the trace has groups 0..{config.num_groups - 1}")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
-from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from replay.base.errors import ReplayError
+from replay.base.units import (
+    INT64_MAX,
+    parse_bytes,
+    parse_count,
+    parse_fraction,
+    parse_integer,
+    parse_seconds,
+    parse_seed,
+    shown,
+)
 from replay.cli.common import fail
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.sources.archetypes import ARCHETYPES
@@ -22,120 +30,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # ---------------------------------------------------------------- numbers
 #
-# Every number a user types is parsed here, exactly (integers and decimal
-# fractions, never a float on the way) and range-checked, so nothing a user
-# gives reaches int(), float() or numpy unchecked. The parsers are plain
-# functions raising ReplayError (reusable by any command); the click types
-# below wrap them.
-
-#: The largest count, byte size or seed any option takes: what int64 holds.
-INT64_MAX = (1 << 63) - 1
-#: Longer text is refused before it is read as a number (a 400-digit size).
-_MAX_CHARS = 40
-#: A decimal number (ASCII digits only: "²" and other Unicode digits are not
-#: numbers here), an optional fraction, an optional unit.
-_NUMBER = re.compile(r"([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)", re.ASCII)
-
-COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-BYTE_UNITS = {
-    **{u: f for u, f in COUNT_UNITS.items()},
-    "p": 10**15,
-    **{f"{u}i": 1024 ** "_kmgtp".index(u) for u in "kmgtp"},
-}
-BYTE_UNITS = {**BYTE_UNITS, **{f"{u}b": f for u, f in BYTE_UNITS.items()}}
-SECOND_UNITS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "m": 60, "min": 60, "h": 3600, "d": 86400}
-
-
-def _shown(text: str) -> str:
-    """How an error quotes what the user typed (a 400-digit value, cut)."""
-    given = text.strip()
-    return repr(given if len(given) <= _MAX_CHARS else given[:_MAX_CHARS] + "…")
-
-
-def _exact(text: str, units: dict[str, Any]) -> Fraction | None:
-    """``text`` as an exact number in ``units``, or None."""
-    given = text.strip()
-    m = _NUMBER.fullmatch(given) if len(given) <= _MAX_CHARS else None
-    unit = m.group(3).lower() if m is not None else ""
-    if m is None or unit not in units:
-        return None
-    whole, frac = m.group(1), m.group(2) or ""
-    return Fraction(int(whole + frac), 10 ** len(frac)) * Fraction(units[unit])
-
-
-def parse_count(
-    text: str, option: str, *, least: int = 0, most: int = INT64_MAX, units: bool = True
-) -> int:
-    """A whole number, optionally with a k/M/G/T suffix (powers of 1000):
-    ``1000``, ``64k``, ``2M``, ``1.5k``; from ``least`` to ``most``."""
-    value = _exact(text, COUNT_UNITS if units else {"": 1})
-    if value is None or value.denominator != 1 or not least <= value <= most:
-        suffixes = ", k/M/G/T suffixes allowed" if units else ""
-        raise ReplayError(
-            f"{option} {_shown(text)}: expected a whole number from {least:,} to {most:,}{suffixes}"
-        )
-    return int(value)
-
-
-def parse_bytes(text: str, option: str, *, least: int = 1, most: int = INT64_MAX) -> int:
-    """A byte size: ``4096``, ``500MB`` (powers of 1000), ``64GiB`` (powers
-    of 1024), ``1.5KiB``; a whole number of bytes from ``least`` to ``most``."""
-    value = _exact(text, BYTE_UNITS)
-    if value is None or value.denominator != 1 or not least <= value <= most:
-        raise ReplayError(
-            f"{option} {_shown(text)}: expected a whole number of bytes from {least:,} to "
-            f"{most:,}, such as 4096, 500MB or 64GiB"
-        )
-    return int(value)
-
-
-def parse_seconds(text: str, option: str, *, most: int = 366 * 86400) -> float:
-    """A positive duration: seconds (``30``, ``2.5``) or with a unit (``ms``,
-    ``s``, ``m``/``min``, ``h``, ``d``); at most ``most`` seconds."""
-    value = _exact(text, SECOND_UNITS)
-    if value is None or not 0 < value <= most:
-        raise ReplayError(
-            f"{option} {_shown(text)}: expected a duration above 0 and up to {most:,} "
-            "seconds, such as 30, 2.5s, 10m or 1h"
-        )
-    return float(value)
-
-
-def parse_seed(text: str, option: str = "--seed") -> int:
-    """A random seed: a whole number from 0 to 2**64 - 1."""
-    return parse_count(text, option, least=0, most=(1 << 64) - 1, units=False)
-
-
-def parse_integer(text: str, option: str, *, least: int, most: int) -> int:
-    """A plain integer, negative ones too (a seq), from ``least`` to ``most``."""
-    given = text.strip()
-    negative = given.startswith("-")
-    body = given[1:] if given[:1] in "+-" else given
-    value = _exact(body, {"": 1})
-    number = None if value is None else -int(value) if negative else int(value)
-    if number is None or not least <= number <= most:
-        raise ReplayError(
-            f"{option} {_shown(text)}: expected an integer from {least:,} to {most:,}"
-        )
-    return number
-
-
-def parse_fraction(text: str, option: str) -> float:
-    """A fraction above 0 and at most 1, as a decimal (``0.1``, ``1``)."""
-    value = _exact(text, {"": 1})
-    if value is None or not 0 < value <= 1:
-        raise ReplayError(
-            f"{option} {_shown(text)}: expected a fraction above 0 and up to 1, such as 0.1"
-        )
-    return float(value)
-
-
-def parse_list(text: str, option: str, parse: Callable[[str, str], int]) -> list[int]:
-    """Comma-separated values of ``parse`` (e.g. ``--capacity-blocks 100,1k``)."""
-    parts = text.split(",")
-    if len(parts) > 1000:
-        raise ReplayError(f"{option}: at most 1000 values, got {len(parts)}")
-    return [parse(part, option) for part in parts]
+# Every number is parsed by the one set of exact parsers in replay.base.units
+# (no float on the way, ranges checked, one-line errors); the click types
+# below only wrap them.
 
 
 class _Parsed(click.ParamType):  # type: ignore[type-arg]
@@ -228,30 +125,20 @@ CAPACITY_BLOCKS = count_option(
 MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in ARCHETYPES.values())
 
 
-def retention_interval(text: str) -> int | None:
+def retention_interval(text: str, option: str = "--retention-interval") -> int | None:
     """``--retention-interval N|none``: vLLM's prefix_cache_retention_interval."""
     if text.strip().lower() == "none":
         return None
     try:
-        return parse_count(text, "--retention-interval", most=SIZE_LIMIT)
+        return parse_count(text, option, most=SIZE_LIMIT)
     except ReplayError:
-        raise fail(
-            f"--retention-interval: expected an integer from 0 to {SIZE_LIMIT} or 'none', "
-            f"got {text!r}"
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a whole number from 0 to {SIZE_LIMIT:,} or 'none'"
         ) from None
 
 
-def _retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int | None:
-    return retention_interval(value)
-
-
-def _budget(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    try:
-        return parse_count(value, "--max-num-batched-tokens", least=1, most=SIZE_LIMIT)
-    except ReplayError:
-        raise fail(
-            f"--max-num-batched-tokens: expected an integer from 1 to {SIZE_LIMIT}, got {value!r}"
-        ) from None
+#: The click type of ``--retention-interval``.
+RETENTION = _Parsed("N|none", retention_interval)
 
 
 def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -260,7 +147,7 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     return value
 
 
-def _optional_retention(
+def optional_retention(
     _ctx: click.Context, _param: click.Parameter, value: str | None
 ) -> int | str | None:
     return "release" if value is None else retention_interval(value)
@@ -353,16 +240,15 @@ def store_options(fn: F) -> F:
             click.option(
                 "--retention-interval",
                 default=None,
-                callback=_optional_retention,
+                callback=optional_retention,
                 metavar="N|none",
                 help=RETENTION_HELP,
             ),
             click.option(
                 "--max-num-batched-tokens",
-                default="8192",
+                default=8192,
                 show_default=True,
-                callback=_budget,
-                metavar="N",
+                type=count_type(1, SIZE_LIMIT),
                 help="vLLM's token budget per step: the longest prefill chunk (Mamba "
                 "states are kept only at chunk ends).",
             ),

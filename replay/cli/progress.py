@@ -63,8 +63,8 @@ class Bar:
         self.count(
             p.events,
             p.total_events,
-            f"{p.events}/{p.total_events} events {p.events * rate:,.0f}/s  "
-            f"{p.lookups} lookups {p.lookups * rate:,.0f}/s",
+            f"{p.events:,}/{p.total_events:,} events {p.events * rate:,.0f}/s  "
+            f"{p.lookups:,} lookups {p.lookups * rate:,.0f}/s",
         )
 
     def steps(self, unit: str, total: int | None = None) -> Callable[[int], None]:

@@ -142,15 +142,13 @@ def run(
     )
     from analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
-    from replay.format.paths import check_outputs, staged_outputs
+    from replay.format.paths import PARQUET, check_outputs, output_format, staged_outputs
 
     policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
-    if output is not None:
-        from replay.cli.outputs import PARQUET, output_format
-
+    if output is not None:  # the name the user gave; each variant's name keeps its suffix
         output_format("-o", output, PARQUET, default="parquet")
     with progress_bar(quiet or as_json) as bar:
         options = ReplayOptions(
@@ -470,8 +468,7 @@ def minimize(
     with its expectation (per policy) in the metadata: ready for traces/.
     Given a RESULTS file, shrinks its trace under its policy and cache."""
     from analysis.flags import FLAG_KINDS, add_flags
-    from replay.cli.outputs import PARQUET, output_format
-    from replay.format.paths import check_outputs
+    from replay.format.paths import PARQUET, check_outputs
     from replay.tools.minimize import minimize as run_minimize
 
     if flag is not None and flag not in FLAG_KINDS:
@@ -479,8 +476,7 @@ def minimize(
 
     given = trace
     trace, policy, cache = _followed(trace, policy, cache)
-    check_outputs({"-o": output}, [given, trace])
-    output_format("-o", output, PARQUET, default="parquet")
+    check_outputs({"-o": output}, [given, trace], formats={"-o": PARQUET})
     with progress_bar() as bar:
         info = run_minimize(
             trace,

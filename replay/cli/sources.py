@@ -24,7 +24,7 @@ from replay.cli.options import (
     store_settings,
 )
 from replay.cli.progress import progress_bar
-from replay.format.paths import check_outputs
+from replay.format.paths import KV_DUMP, PARQUET, check_outputs
 from replay.sources.archetypes import ARCHETYPES
 from replay.tools.render import ingest_summary_text, record_summary_text, recorded_text
 
@@ -169,7 +169,11 @@ def record(
     from replay.sources.record import EmptyRecording, stop_on_signals
     from replay.sources.record import record as record_stream
 
-    check_outputs({"-o": output, "--dump": dump}, [config_path])
+    check_outputs(
+        {"-o": output, "--dump": dump},
+        [config_path],
+        formats={"-o": PARQUET, "--dump": KV_DUMP},
+    )
     config = _optional_config(config_path, block_size, lookups)
     stop = threading.Event()
     with progress_bar() as bar, stop_on_signals(stop) as received:
@@ -246,7 +250,7 @@ def ingest_kv_events(
     # What the import reports (skipped messages, gaps, a torn last record) is
     # shown once it succeeded: a failed import is its one error line.
     notes: list[str] = []
-    check_outputs({"-o": output}, [*files, lookups, config_path])
+    check_outputs({"-o": output}, [*files, lookups, config_path], formats={"-o": PARQUET})
     config = _optional_config(config_path, block_size, lookups)
     summary = ingest_dumps(
         list(files), output, config, media=media or None, lookups=lookups, report=notes.append
@@ -270,7 +274,7 @@ def ingest_merge(trace: str, lookups: str, output: str) -> None:
     """
     from replay.sources.lookup_log import merge_lookups
 
-    check_outputs({"-o": output}, [trace, lookups])
+    check_outputs({"-o": output}, [trace, lookups], formats={"-o": PARQUET})
     summary = merge_lookups(trace, lookups, output)
     _say(f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged")
 
@@ -313,7 +317,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
     ) -> None:
         from replay.sources.mooncake import ingest as run_ingest
 
-        check_outputs({"-o": output}, [trace])
+        check_outputs({"-o": output}, [trace], formats={"-o": PARQUET})
         with progress_bar() as bar:
             summary = run_ingest(
                 format_name,

@@ -19,7 +19,7 @@ from replay.cli.options import (
     store_settings,
 )
 from replay.cli.progress import progress_bar
-from replay.format.paths import check_outputs
+from replay.format.paths import PARQUET, check_outputs
 from replay.sources.archetypes import ARCHETYPES
 from replay.tools.render import synth_summary_text
 
@@ -79,7 +79,7 @@ def synth(
         retention_interval, max_num_batched_tokens, cache, policy, vllm_version
     )
 
-    check_outputs({"-o": output}, [])
+    check_outputs({"-o": output}, [], formats={"-o": PARQUET})
     with progress_bar() as bar:
         summary = synth_trace(
             output,

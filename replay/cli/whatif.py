@@ -12,18 +12,18 @@ from typing import Any
 
 import click
 
-from replay.base.units import Capacity, log_spaced, parse_capacities, parse_capacity
+from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
     count_option,
     fraction_type,
+    optional_retention,
     output_option,
     release_choice,
     release_retention,
 )
-from replay.cli.options import retention_interval as parse_retention
 from replay.cli.progress import Bar, progress_bar
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
@@ -122,10 +122,10 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     "--capacity-blocks", default=None, help="Cache sizes in blocks (--capacity in blocks)."
 )
 @click.option("--capacity-bytes", default=None, help="Cache sizes in bytes (--capacity in bytes).")
-@click.option(
+@count_option(
     "--points",
-    type=click.IntRange(min=2),
-    default=None,
+    least=2,
+    most=MAX_POINTS,
     help="With --min and --max: this many capacities, log-spaced, both ends included.",
 )
 @click.option(
@@ -180,6 +180,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     "--retention-interval",
     default=None,
     metavar="N|none",
+    callback=optional_retention,
     help=RETENTION_HELP,
 )
 @count_option(
@@ -221,7 +222,7 @@ def whatif(
     cache: str | None,
     policy: str | None,
     vllm_version: str | None,
-    retention_interval: str | None,
+    retention_interval: int | str | None,
     max_num_batched_tokens: int,
     output: Path,
     emit_traces: Path | None,
@@ -236,24 +237,28 @@ def whatif(
     make for that hit, evicting per the policy. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
-    per-request hit-ratio percentiles, and the unbounded cache's ceiling in
-    its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    per-request hit-ratio percentiles and its method (gpu LRU capacities
+    come from one stack-distance pass where that is exact, one-pass, else
+    per-capacity), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache
-    from replay.format.paths import check_outputs, staged_outputs
+    from replay.format.paths import PARQUET, check_outputs, staged_outputs
     from replay.whatif.requests import load_requests
     from replay.whatif.sizes import block_bytes, page_sizes
     from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
-    check_outputs({"-o": output}, [trace], directories={"--emit-traces": emit_traces})
+    check_outputs(
+        {"-o": output},
+        [trace],
+        directories={"--emit-traces": emit_traces},
+        formats={"-o": PARQUET},
+    )
     names = _names(evictions)
     policy, vllm_version = release_choice(policy, vllm_version)
-    retention = release_retention(
-        "release" if retention_interval is None else parse_retention(retention_interval), policy
-    )
+    retention = release_retention(retention_interval, policy)
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)

@@ -23,7 +23,7 @@ brings a longer hash than any before.
 
 Everything here is ``nogil``: the reader's prefetch thread decodes the next
 batch while a batch folds. The machine code is kept on disk where there is
-a place for it (``replay.engine.jit``), so only the first run after an
+a place for it (``replay.format.jit``, shared with the what-if's kernel), so only the first run after an
 install compiles.
 """
 
@@ -39,7 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from replay.base.errors import ReplayError
-from replay.engine.jit import jit
+from replay.format.jit import jit
 
 if TYPE_CHECKING:
     from replay.format.hashwords import HashWords
@@ -64,8 +64,11 @@ MAX_HASH_BYTES = 0xFFFE
 # the keys, then resume at hash h).
 _REBUILD, _EMPTIED, _WIDEN = -1, -2, -3
 
-# info[] fields
-_CAP, _COUNT, _W, _M = 0, 1, 2, 3
+# info[] fields: slots, keys, key words per slot, group-bit words, heap
+# words used, and heap words a store asked for (0 once the heap has them).
+_CAP, _COUNT, _W, _M, _HEAP_USED, _HEAP_NEED = 0, 1, 2, 3, 4, 5
+#: The widest key kept in its slot, in words; a wider one lives in the heap.
+_INLINE_WORDS = 4
 
 
 @intrinsic
@@ -152,9 +155,19 @@ def _home(meta: Any, cap: int) -> Any:
 
 @jit(nogil=True)
 def _find(
-    slots: Any, cap: int, stride: int, m: int, meta: Any, words: Any, start: int, nwords: int
+    slots: Any,
+    heap: Any,
+    cap: int,
+    stride: int,
+    m: int,
+    meta: Any,
+    words: Any,
+    start: int,
+    nwords: int,
 ) -> Any:
-    """The slot holding the key, or -(the empty slot where it would go) - 1."""
+    """The slot holding the key, or -(the empty slot where it would go) - 1.
+    A key wider than ``_INLINE_WORDS`` is compared with its words in ``heap``
+    (the meta word, which holds the width, already agreed)."""
     i = _home(meta, cap)
     while True:
         base = i * stride
@@ -164,10 +177,17 @@ def _find(
         if (sm & _KEY_BITS) == meta:
             k = base + 1 + m
             same = True
-            for j in range(nwords):
-                if slots[k + j] != words[start + j]:
-                    same = False
-                    break
+            if nwords > _INLINE_WORDS:
+                at = np.int64(slots[k])
+                for j in range(nwords):
+                    if heap[at + j] != words[start + j]:
+                        same = False
+                        break
+            else:
+                for j in range(nwords):
+                    if slots[k + j] != words[start + j]:
+                        same = False
+                        break
             if same:
                 return i
         i += 1
@@ -312,6 +332,7 @@ def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any
 @jit(nogil=True)
 def fold_batch(
     slots: Any,
+    heap: Any,
     info: Any,
     kinds: Any,
     gids: Any,
@@ -334,7 +355,8 @@ def fold_batch(
     it, ``(row, _REBUILD)`` to rebuild it (a group was cleared),
     ``(row, _EMPTIED)`` to start it afresh (every group was cleared),
     ``(row, _WIDEN - hash)`` to widen its keys (a store of a hash longer
-    than any before).
+    than any before), ``(row, hash)`` with ``info[_HEAP_NEED]`` set to grow
+    the heap (a key wider than ``_INLINE_WORDS`` has no room there).
 
     Row ``r`` owns hashes ``row_off[r]:row_off[r + 1]``; hash ``h`` is laid
     out in ``words`` as ``_span`` reads ``voff``, ``base``, ``stride`` and
@@ -374,24 +396,37 @@ def fold_batch(
             if h + _AHEAD < hi:
                 _prefetch(slots, _home(metas[h + _AHEAD], cap) * stride_w)
             s, nw, nb = _span(voff, base, stride, width, h)
-            if nw > info[_W]:
-                if kind == STORE or nb > MAX_HASH_BYTES:
+            if nb > MAX_HASH_BYTES:
+                return r, _WIDEN - h
+            if info[_W] < nw <= _INLINE_WORDS:
+                if kind == STORE:
                     return r, _WIDEN - h
                 continue  # longer than every stored key: absent everywhere
             if kind == STORE:
                 if (info[_COUNT] + 1) * _MAX_LOAD_DEN > cap * _MAX_LOAD_NUM:
                     return r, h
-                i = _find(slots, cap, stride_w, m, meta, words, s, nw)
+                i = _find(slots, heap, cap, stride_w, m, meta, words, s, nw)
                 if i < 0:
+                    out_of_line = nw > _INLINE_WORDS
+                    if out_of_line and info[_HEAP_USED] + nw > heap.shape[0]:
+                        info[_HEAP_NEED] = nw
+                        return r, h
                     i = -i - 1
                     b = i * stride_w
                     slots[b] = meta
-                    for j in range(nw):
-                        slots[b + 1 + m + j] = words[s + j]
+                    if out_of_line:
+                        at = info[_HEAP_USED]
+                        for j in range(nw):
+                            heap[at + j] = words[s + j]
+                        info[_HEAP_USED] = at + nw
+                        slots[b + 1 + m] = np.uint64(at)
+                    else:
+                        for j in range(nw):
+                            slots[b + 1 + m + j] = words[s + j]
                     info[_COUNT] += 1
                 _set_bit(slots, i * stride_w, m, g, adds)
             elif kind == REMOVE:
-                i = _find(slots, cap, stride_w, m, meta, words, s, nw)
+                i = _find(slots, heap, cap, stride_w, m, meta, words, s, nw)
                 if i < 0:
                     continue  # removing an absent key is not an error (the format)
                 b = i * stride_w
@@ -399,7 +434,7 @@ def fold_batch(
                 if not _live(slots, b, m):
                     _delete(slots, info, i)
             elif kind == LOOKUP:
-                i = _find(slots, cap, stride_w, m, meta, words, s, nw)
+                i = _find(slots, heap, cap, stride_w, m, meta, words, s, nw)
                 if i < 0:
                     continue  # out is zeroed: absent in every group
                 u = h - row_off[r]
@@ -421,6 +456,46 @@ def _group_counts(slots: Any, info: Any, num_groups: int) -> Any:
             if _bit(slots, base, m, g):
                 counts[g] += 1
     return counts
+
+
+@jit(nogil=True)
+def _heap_live(slots: Any, info: Any) -> Any:
+    """The heap words the table's keys use (removed keys' words are not)."""
+    cap, w, m = info[_CAP], info[_W], info[_M]
+    stride = 1 + m + w
+    live = np.int64(0)
+    for i in range(cap):
+        meta = slots[i * stride]
+        nw = ((np.int64((meta >> np.uint64(16)) & np.uint64(0xFFFF)) - 1) + 7) >> 3
+        if meta != 0 and nw > _INLINE_WORDS:
+            live += nw
+    return live
+
+
+@jit(nogil=True)
+def _compact_heap(slots: Any, info: Any, heap: Any, new: Any) -> Any:
+    """Copy the heap words of every key in the table (the out-of-line ones)
+    into ``new``, in slot order, pointing their slots there; the words of
+    removed keys are left behind. Returns the words copied."""
+    cap, w, m = info[_CAP], info[_W], info[_M]
+    stride = 1 + m + w
+    used = np.int64(0)
+    for i in range(cap):
+        base = i * stride
+        meta = slots[base]
+        if meta == 0:
+            continue
+        nb = np.int64((meta >> np.uint64(16)) & np.uint64(0xFFFF)) - 1
+        nw = (nb + 7) >> 3
+        if nw <= _INLINE_WORDS:
+            continue
+        at = np.int64(slots[base + 1 + m])
+        for j in range(nw):
+            new[used + j] = heap[at + j]
+        slots[base + 1 + m] = np.uint64(used)
+        used += nw
+    info[_HEAP_USED] = used
+    return used
 
 
 def _zeroed_map(nbytes: int) -> mmap.mmap | None:
@@ -447,15 +522,17 @@ class KeyTable:
     trace: 0.4-0.9 s of system time); extended in place it faults in only
     the new half and the old and new tables never coexist."""
 
-    __slots__ = ("_mem", "_metas", "info", "num_groups", "slots")
+    __slots__ = ("_mem", "_metas", "heap", "info", "num_groups", "slots")
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
         mask_words = 0 if num_groups <= _INLINE_GROUPS else (num_groups + 63) // 64
-        self.info = np.array([_INITIAL_SLOTS, 0, 1, mask_words], dtype=np.int64)
+        self.info = np.array([_INITIAL_SLOTS, 0, 1, mask_words, 0, 0], dtype=np.int64)
         self._mem: mmap.mmap | None = None
         self._metas = np.zeros(0, dtype=np.uint64)
         self.slots = self._zeros(_INITIAL_SLOTS * (2 + mask_words))
+        # The words of keys wider than _INLINE_WORDS (none until one comes).
+        self.heap = np.zeros(0, dtype=np.uint64)
 
     def _zeros(self, words: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
         """A zeroed table of ``words`` words in memory of its own (the old
@@ -504,6 +581,7 @@ class KeyTable:
         while row >= 0:
             row, at = fold_batch(
                 self.slots,
+                self.heap,
                 self.info,
                 kinds,
                 gids,
@@ -527,7 +605,11 @@ class KeyTable:
                 # Back to the initial size: a cleared store gives its memory back.
                 self.slots = self._zeros(_INITIAL_SLOTS * (1 + int(self.info[_M]) + w))
                 self.info[_CAP], self.info[_COUNT] = _INITIAL_SLOTS, 0
+                self.heap = np.zeros(0, dtype=np.uint64)
+                self.info[_HEAP_USED] = 0
                 at = 0
+            elif self.info[_HEAP_NEED]:
+                self._grow_heap(int(self.info[_HEAP_NEED]))
             elif at == _REBUILD:
                 self._rebuild(cap, w)
                 at = 0
@@ -538,11 +620,26 @@ class KeyTable:
                         f"a block hash of {widest} bytes: longer than {MAX_HASH_BYTES} "
                         "bytes, the most the store keys"
                     )
-                self._rebuild(cap, (widest + 7) // 8)
+                # The widest key kept in its slot: a wider one goes to the heap.
+                inline = words.nbytes[words.nbytes <= 8 * _INLINE_WORDS]
+                need = (int(inline.max()) + 7) // 8 if inline.shape[0] else 1
+                self._rebuild(cap, max(w, need))
                 at = _WIDEN - at
             else:
                 self._extend(2 * cap * (1 + int(self.info[_M]) + w))
                 _double_in_place(self.slots, self.info)
+
+    def _grow_heap(self, need: int) -> None:
+        """Room for ``need`` more heap words: the live keys' words copied
+        into a heap of twice what they and ``need`` take (removed keys'
+        words are dropped on the way), so the heap holds at most twice
+        what its keys ever took."""
+        live = int(_heap_live(self.slots, self.info)) if self.info[_HEAP_USED] else 0
+        grown = np.zeros(max(1024, 2 * (live + need)), dtype=np.uint64)
+        if self.info[_HEAP_USED]:
+            _compact_heap(self.slots, self.info, self.heap, grown)
+        self.heap = grown
+        self.info[_HEAP_NEED] = 0
 
     def _rebuild(self, cap: int, w: int) -> None:
         """Rehash the live slots into a fresh table of ``cap`` slots of key
@@ -567,7 +664,7 @@ class KeyTable:
 
     @property
     def nbytes(self) -> int:
-        return int(self.slots.nbytes)
+        return int(self.slots.nbytes + self.heap.nbytes)
 
 
 _NO_SLOTS = np.zeros(0, dtype=np.uint64)

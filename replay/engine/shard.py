@@ -42,9 +42,9 @@ from replay.engine.answers import (
     Progress,
     ReplayResult,
 )
-from replay.engine.jit import jit
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
 from replay.format.hashwords import HashWords, hash_words
+from replay.format.jit import jit
 from replay.format.schema import TraceBatch
 from replay.format.trace import TraceReader, prefetched
 

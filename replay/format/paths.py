@@ -105,6 +105,63 @@ class OutputTarget:
     real: Path
 
 
+#: What each output extension means: an output's format is named by its
+#: extension (or by ``--format`` where a command offers several, and the
+#: extension must agree). ``-``, ``/dev/stdout`` and ``/dev/null`` have no
+#: extension and take the command's format.
+PARQUET = {".parquet": "parquet"}
+TEXT_REPORT = {".md": "md", ".markdown": "md", ".html": "html", ".htm": "html"}
+KV_DUMP = {".kvdump": "kvdump"}
+NAMES = {"parquet": "Parquet", "md": "Markdown", "html": "HTML", "kvdump": "KV-event dump"}
+#: Extensions that name a file: never the name of an output directory.
+FILE_EXTENSIONS = {**PARQUET, **TEXT_REPORT, **KV_DUMP, ".json": "JSON", ".jsonl": "JSON lines"}
+_NO_EXTENSION = (*STDOUT_NAMES, os.devnull)
+
+
+def output_format(
+    option: str,
+    path: PathLike | None,
+    formats: Mapping[str, str],
+    *,
+    given: str | None = None,
+    default: str,
+) -> str:
+    """The format ``path`` is written in: ``given`` (``--format``) or the one
+    its extension names, else ``default`` for a path without one of its own
+    (standard output, /dev/null, no ``-o``). Refused, before any work: an
+    extension that names no format of the command, or another format than
+    ``given``."""
+    if path is None or os.fspath(path) in _NO_EXTENSION:
+        return given or default
+    p = Path(path)
+    ext = p.suffix.lower()
+    named = formats.get(ext)
+    if named is None:
+        choices = ", ".join(f"{e} ({NAMES[f]})" for e, f in formats.items())
+        said = "has no extension" if not ext else f"{ext} is not an extension this command writes"
+        raise ReplayError(f"{option} {p}: {said}; name it with one of {choices}")
+    if given is not None and given != named:
+        want = next(e for e, f in formats.items() if f == given)
+        raise ReplayError(
+            f"{option} {p}: a {ext} name for {NAMES[given]} (--format {given}); "
+            f"name it {p.with_suffix(want).name} or drop --format"
+        )
+    return named
+
+
+def _check_directory_name(option: str, path: PathLike) -> None:
+    """An output directory's name does not say it is a file (``.parquet``,
+    ``.md``, ...): ``split -o t.parquet`` would otherwise make a directory
+    where a file was meant."""
+    p = Path(path)
+    ext = p.suffix.lower()
+    if ext in FILE_EXTENSIONS:
+        raise ReplayError(
+            f"{option} {p}: {ext} names a file, this option writes a directory; "
+            f"name it without an extension (e.g. {p.with_suffix('').name})"
+        )
+
+
 def _is_dev_null(st: os.stat_result) -> bool:
     try:
         null = os.stat(os.devnull)
@@ -407,10 +464,11 @@ def remove_leftovers() -> None:
             _LIVE.pop(tmp, None)
 
 
-def _new_file_mode() -> int:
+def _new_file_mode(directory: bool = False) -> int:
+    """The mode ``open`` or ``mkdir`` gives a new file or directory."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if directory else 0o666) & ~umask
 
 
 class Staging:
@@ -455,7 +513,9 @@ class Staging:
                 name = tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
             except OSError as exc:
                 raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
-            self._items.append((Path(name), real, os.fspath(path), True, 0o777 & _new_file_mode()))
+            # A directory's mode has its x bits (a 0644 directory cannot be
+            # entered: its parts were unreadable to anyone but root).
+            self._items.append((Path(name), real, os.fspath(path), True, _new_file_mode(True)))
             _LIVE[Path(name)] = True
         return Path(name)
 
@@ -471,7 +531,7 @@ class Staging:
         with signals_held():
             for tmp, real, given, is_dir, mode in self._items:
                 try:
-                    os.chmod(tmp, mode | (0o111 & mode if is_dir else 0))
+                    os.chmod(tmp, mode)
                     if is_dir:
                         with contextlib.suppress(FileNotFoundError):
                             real.rmdir()  # empty (checked): the rename replaces it
@@ -552,16 +612,24 @@ def check_outputs(
     text: bool = False,
     what: str = "Parquet",
     directories: Mapping[str, PathLike | None] | None = None,
+    formats: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
-    """Everything a command checks before it does any work: each output
-    (keyed by its option) is a place it can write (:func:`output_target`;
-    ``directories``: a new or empty directory whose parent exists), and
-    none is an input, lies inside an input directory or is another output
-    (:func:`refuse_overwriting_inputs`)."""
+    """Everything a command checks before it does any work: no output
+    (keyed by its option) is an input, lies inside an input directory or is
+    another output (:func:`refuse_overwriting_inputs`); each is a place it
+    can write (:func:`output_target`; ``directories``: a new or empty
+    directory whose parent exists) and is named for a format it writes
+    (``formats``, by option: :func:`output_format`; ``directories``: a
+    name without a file's extension)."""
     refuse_overwriting_inputs(outputs, inputs, directories)
     for option, path in (directories or {}).items():
         if path is not None:
             _check_new_directory(option, path)
-    for path in outputs.values():
+            _check_directory_name(option, path)
+    for option, path in outputs.items():
         if path is not None:
             output_target(path, text=text, what=what)
+            if formats is not None and option in formats:
+                output_format(
+                    option, path, formats[option], default=next(iter(formats[option].values()))
+                )

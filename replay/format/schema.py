@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, TraceError
+from replay.base.limits import GROUPS
 from replay.base.spec import TraceConfig
 from replay.rules.coordinator import check_config, trace_cache
 
@@ -225,7 +226,10 @@ SIZE_LIMIT = (1 << 31) - 1
 
 
 def check_config_limits(config: TraceConfig, where: str) -> TraceConfig:
-    """``config`` if every size in it is at most :data:`SIZE_LIMIT` tokens."""
+    """``config`` if every size in it is at most :data:`SIZE_LIMIT` tokens
+    and its groups are at most the groups limit."""
+    if config.num_groups > GROUPS.value():
+        raise GROUPS.refuse(f"{where}: kv_cache_groups holds", config.num_groups, TraceError)
     sizes: list[tuple[str, int | None]] = [("hash_block_size", config.hash_block_size)]
     sizes.append(("scheduler_block_size", config.scheduler_block_size))
     for gid, g in enumerate(config.groups):
@@ -241,6 +245,11 @@ def check_config_limits(config: TraceConfig, where: str) -> TraceConfig:
 
 def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
     obj = _json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
+    groups = obj.get("kv_cache_groups") if isinstance(obj, dict) else None
+    if isinstance(groups, list) and len(groups) > GROUPS.value():  # before they are built
+        raise GROUPS.refuse(
+            f"{path}: replay.trace metadata: kv_cache_groups holds", len(groups), TraceError
+        )
     try:
         config = TraceConfig.from_json(obj)
         # A trace must be answerable by the cache its events describe.

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
-from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES
+from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES, TEXT_BYTES
 from replay.base.spec import TraceConfig
 from replay.base.text import utf8_path
 from replay.format.paths import check_input
@@ -55,8 +55,11 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         except ReplayError as exc:
             raise TraceError(str(exc)) from None
         source = p
-        with open(p, "rb") as fh:
-            size, head, tail = _ends(fh)
+        try:
+            with open(p, "rb") as fh:
+                size, head, tail = _ends(fh)
+        except OSError as exc:  # a file that cannot seek (/proc/self/mem) names itself
+            raise TraceError(f"{p}: cannot read ({exc.strerror or exc})") from None
     else:
         source = path
         p = stream_name(path)
@@ -157,8 +160,21 @@ def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
         raise HASH_BYTES.refuse(f"{path}: column 'block_hashes' holds hashes of", width.byte_width)
     meta = pf.metadata
     per_row, per_group = ROW_HASHES.value(), GROUP_HASHES.value()
+    text = TEXT_BYTES.value()
+    texts = {
+        f.name
+        for f in pf.schema_arrow
+        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+    }
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            if col.path_in_schema in texts and col.total_uncompressed_size > text:
+                raise TEXT_BYTES.refuse(
+                    f"{path}: row group {i} column {col.path_in_schema!r} declares",
+                    col.total_uncompressed_size,
+                )
         declared = _declared_hashes(rg)
         if declared > per_group:
             raise GROUP_HASHES.refuse(f"{path}: row group {i} declares", declared)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from replay.base.errors import ReplayError, TraceError
-from replay.format.paths import check_outputs, file_kind, staged_outputs
+from replay.format.paths import PARQUET, check_outputs, file_kind, staged_outputs
 from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
 from replay.format.trace import TraceReader
 from replay.format.writer import TraceWriter
@@ -225,7 +225,7 @@ def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
 def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
     """Write every event of ``trace`` (a directory, or a file) into the one
     file ``out``. Returns the rows written."""
-    check_outputs({"-o": out}, [trace])
+    check_outputs({"-o": out}, [trace], formats={"-o": PARQUET})
     reader = open_trace(trace)
     with TraceWriter(out, reader.config) as writer:
         for batch in reader.iter_batches(prefetch=True):

@@ -23,6 +23,7 @@ from typing import Self
 import msgspec
 
 from replay.base.errors import ReplayError
+from replay.base.limits import RECORD_BYTES
 from replay.format.paths import check_input, output_target, signals_held
 from replay.sources.values import Report, to_stderr
 
@@ -43,6 +44,8 @@ class DumpWriter:
         target = output_target(self.path, text=False, what="a KV-event dump")
         self.records = 0
         self._encoder = msgspec.msgpack.Encoder()
+        # The file written (None: /dev/null), removed if nothing came.
+        self._real: Path | None = None
         if target.kind == "null":
             self._fh = open(os.devnull, "wb")  # noqa: SIM115 (closed by close())
             return
@@ -59,6 +62,7 @@ class DumpWriter:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         self._fh = os.fdopen(fd, "ab")
+        self._real = target.real
 
     def write(self, frames: Sequence[bytes], origin: str, recv_ts: float) -> None:
         data = self._encoder.encode([recv_ts, origin, [bytes(f) for f in frames]])
@@ -75,8 +79,13 @@ class DumpWriter:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
+        if exc_type is not None and self.records == 0 and self._real is not None:
+            # An error or a signal before any message: the dump would hold
+            # nothing but its magic, so none is left.
+            with signals_held():
+                self._real.unlink(missing_ok=True)
 
 
 def _umask() -> int:
@@ -96,8 +105,11 @@ class DumpRecord:
 
 def check_dump(path: Path) -> None:
     check_input(path, "a KV-event dump")
-    with open(path, "rb") as fh:
-        magic = fh.read(len(DUMP_MAGIC))
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(len(DUMP_MAGIC))
+    except OSError as exc:  # a file that is no file (/proc/self/mem) names itself
+        raise ReplayError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if magic != DUMP_MAGIC:
         if magic[:7] == DUMP_MAGIC[:7] and len(magic) == 8:
             raise ReplayError(
@@ -117,6 +129,7 @@ def read_dump(path: str | os.PathLike[str], report: Report = to_stderr) -> Itera
     p = Path(path)
     check_dump(p)
     decoder = msgspec.msgpack.Decoder()
+    most = RECORD_BYTES.value()
     with open(p, "rb") as fh:
         fh.seek(len(DUMP_MAGIC))
         offset = len(DUMP_MAGIC)
@@ -129,6 +142,8 @@ def read_dump(path: str | os.PathLike[str], report: Report = to_stderr) -> Itera
             data = b""
             if len(head) == 4:
                 (length,) = struct.unpack(">I", head)
+                if length > most:  # refused before it is read
+                    raise RECORD_BYTES.refuse(f"{where}: its length prefix declares", length)
                 data = fh.read(length)
             if len(head) < 4 or len(data) < length:
                 torn = len(head) + len(data)

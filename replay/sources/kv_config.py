@@ -16,6 +16,10 @@ class GroupMismatch(ConfigError):
     have, or a group of another kind). Fatal: the config is wrong."""
 
 
+#: A KV-cache config JSON is a few KB: a larger file is read no further.
+_MAX_CONFIG_BYTES = 16 << 20
+
+
 def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> TraceConfig:
     """The KV-cache config for a recording: a JSON file holding the
     ``replay.trace`` metadata object (or a trace, whose config is taken), or
@@ -31,11 +35,18 @@ def load_config(path: str | os.PathLike[str] | None, block_size: int | None) -> 
             p = check_input(path, "a KV-cache config JSON")
         except ReplayError as exc:
             raise ConfigError(str(exc)) from None
-        with open(p, "rb") as fh:  # opened once: a trace is read from it as it is
-            parquet = fh.read(4) == b"PAR1"
-            fh.seek(0)
-            data = b"" if parquet else fh.read()
-            config = TraceReader(fh).config if parquet else None
+        try:
+            with open(p, "rb") as fh:  # opened once: a trace is read from it as it is
+                parquet = fh.read(4) == b"PAR1"
+                fh.seek(0)
+                data = b"" if parquet else fh.read(_MAX_CONFIG_BYTES + 1)
+                config = TraceReader(fh).config if parquet else None
+        except OSError as exc:  # a file that is no file (/proc/self/mem) names itself
+            raise ConfigError(f"{p}: cannot read ({exc.strerror or exc})") from None
+        if len(data) > _MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{p}: larger than {_MAX_CONFIG_BYTES:,} bytes, not a KV-cache config JSON"
+            )
         if config is None:
             obj = parse_json(
                 data,

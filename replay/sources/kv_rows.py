@@ -21,6 +21,8 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
+from replay.base.errors import ReplayError
+from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
@@ -44,6 +46,23 @@ _SPEC_KINDS: dict[str, GroupKind] = {
     "chunked_local_attention": GroupKind.CHUNKED_LOCAL_ATTENTION,
     "mamba": GroupKind.MAMBA,
 }
+
+
+class EventOverLimit(ReplayError):
+    """An event holding more hashes, or a longer hash, than the limits allow
+    (the trace written would be one no reader accepts): the import stops."""
+
+
+def check_limits(event: BlockStored | BlockRemoved) -> None:
+    """The row and hash limits (``replay.base.limits``) of one event."""
+    name = type(event).__name__
+    if len(event.block_hashes) > ROW_HASHES.value():
+        raise ROW_HASHES.refuse(
+            f"{name} block_hashes holds", len(event.block_hashes), EventOverLimit
+        )
+    widest = max((len(h) for h in event.block_hashes if isinstance(h, bytes)), default=0)
+    if widest > HASH_BYTES.value():
+        raise HASH_BYTES.refuse(f"{name} block_hashes holds a hash of", widest, EventOverLimit)
 
 
 def medium_key(medium: str | None) -> str:
@@ -143,6 +162,7 @@ class EventConverter:
             if self.media is not None and medium_key(event.medium) not in self.media:
                 self.filtered_events += 1
                 continue
+            check_limits(event)
             gid = self._group(event)
             # An integer hash and its 8 bytes are one trace key.
             hashes = trace_hashes(event.block_hashes)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.errors import ConfigError, ReplayError
+from replay.base.limits import bounded_lines
 from replay.base.spec import TraceConfig
 from replay.sources.lookup_log import LookupRecord, parse_lookup
 from replay.sources.values import Report, Row, msgpack_type
@@ -73,9 +74,10 @@ def plugin_config(engine: Mapping[str, Any], where: str) -> TraceConfig:
 
 def is_plugin_log(path: str | os.PathLike[str]) -> bool:
     """Whether a lookup file was written by the plugin (its first object has a
-    ``type`` of ``engine`` or ``lookup``) rather than being a lookup log."""
+    ``type`` of ``engine`` or ``lookup``) rather than being a lookup log.
+    Lines are read as the readers read them (bounded)."""
     with open(path, "rb") as fh:
-        for raw in fh:
+        for _line, raw in bounded_lines(fh, path):
             if raw.strip():
                 try:
                     obj = json.loads(raw)
@@ -101,25 +103,25 @@ def read_plugin_log(path: str | os.PathLike[str], config: TraceConfig | None) ->
         raise ReplayError(f"{p}: no such file (expected the vLLM plugin's lookup file)")
     objs: list[tuple[int, dict[str, Any]]] = []
     with open(p, "rb") as fh:
-        lines = fh.read().split(b"\n")
-    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            if i == last and i == len(lines) - 1:
-                break  # the last line, cut short (no newline yet)
-            raise ReplayError(f"{p}: line {i + 1}: not valid JSON ({exc})") from None
-        except RecursionError:
-            raise ReplayError(f"{p}: line {i + 1}: JSON nested too deeply") from None
-        if not isinstance(obj, dict) or obj.get("type") not in PLUGIN_RECORD_TYPES:
-            raise ReplayError(
-                f"{p}: line {i + 1}: expected a plugin record (a JSON object with "
-                f"'type' engine or lookup)"
-            )
-        objs.append((i + 1, obj))
+        # Line by line, each bounded (replay.base.limits): a file of one
+        # endless line is refused once the limit is read, never held whole.
+        for line, raw in bounded_lines(fh, p):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                if not raw.endswith(b"\n"):
+                    break  # the last line, cut short (no newline yet)
+                raise ReplayError(f"{p}: line {line}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise ReplayError(f"{p}: line {line}: JSON nested too deeply") from None
+            if not isinstance(obj, dict) or obj.get("type") not in PLUGIN_RECORD_TYPES:
+                raise ReplayError(
+                    f"{p}: line {line}: expected a plugin record (a JSON object with "
+                    f"'type' engine or lookup)"
+                )
+            objs.append((line, obj))
     engines = [(line, obj) for line, obj in objs if obj["type"] == "engine"]
     if config is None:
         if not engines:

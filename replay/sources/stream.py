@@ -44,7 +44,7 @@ from typing import Any
 
 from replay.base.spec import TraceConfig
 from replay.sources.kv_config import GroupMismatch
-from replay.sources.kv_rows import EventConverter, medium_key
+from replay.sources.kv_rows import EventConverter, EventOverLimit, medium_key
 from replay.sources.kv_wire import KVBatch, MalformedBatch, decode_batch
 from replay.sources.plugin_log import LookupPlacer
 from replay.sources.values import Report, Row, to_stderr
@@ -367,8 +367,8 @@ class StreamProcessor:
                 self._place(seq, batch)
                 return
             rows = self.converter.convert(batch)
-        except GroupMismatch as exc:
-            raise GroupMismatch(f"{at}: {exc}") from None
+        except (GroupMismatch, EventOverLimit) as exc:
+            raise type(exc)(f"{at}: {exc}") from None
         self._emit(rows)
 
     def _place(self, seq: int, batch: KVBatch) -> None:

@@ -199,25 +199,25 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
         start = datetime.fromisoformat(span["first"]).timestamp()
         end = datetime.fromisoformat(span["last"]).timestamp()
         when = (
-            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:.1f} s; "
+            f"time: {elapsed(start)} .. {elapsed(end)} elapsed ({span['seconds']:,.1f} s; "
             "the trace's clock starts at zero)"
         )
     else:
-        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:.1f} s)"
+        when = f"time: {span['first']} .. {span['last']} ({span['seconds']:,.1f} s)"
     lines = [
         f"trace: {path}",
         *config_lines(config, cache),
-        f"events: {info['events']} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
+        f"events: {info['events']:,} ({kinds_text(info['events_by_kind'])}), seq {first}..{last}",
         when,
-        f"hash entries: {info['hash_entries']}",
+        f"hash entries: {info['hash_entries']:,}",
     ]
     lines += [
-        f"distinct keys stored, group {group_label(config, gid)}: {n}"
+        f"distinct keys stored, group {group_label(config, gid)}: {n:,}"
         for gid, n in enumerate(info["distinct_keys_per_group"])
     ]
     lines.append(
-        f"lookups: {info['lookups']}, prompt tokens {info['lookup_prompt_tokens']}, "
-        f"max_length tokens {info['lookup_max_length_tokens']}"
+        f"lookups: {info['lookups']:,}, prompt tokens {info['lookup_prompt_tokens']:,}, "
+        f"max_length tokens {info['lookup_max_length_tokens']:,}"
     )
     return lines
 
@@ -227,15 +227,16 @@ def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     ``examples`` and the ``results`` path; ``flags_text`` words its flag
     counts (``analysis.flags.counts_text``)."""
     lines = [
-        f"replayed {s['events']} events ({kinds_text(s['events_by_kind'])}) with "
+        f"replayed {s['events']:,} events ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
-        f"lookups: {s['lookups']} ({s['lookups_with_hit']} with a hit)",
-        f"prompt tokens: {s['prompt_tokens']}, hit tokens: {s['hit_tokens']} "
+        f"lookups: {s['lookups']:,} ({s['lookups_with_hit']:,} with a hit)",
+        f"prompt tokens: {s['prompt_tokens']:,}, hit tokens: {s['hit_tokens']:,} "
         f"(hit ratio {percent(s['hit_ratio'])})",
     ]
     lines += [
         f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded "
-        f"{g['loaded_blocks']} blocks ({g['loaded_tokens']} tokens), skipped {g['skipped_blocks']}"
+        f"{g['loaded_blocks']:,} blocks ({g['loaded_tokens']:,} tokens), "
+        f"skipped {g['skipped_blocks']:,}"
         for g in s["groups"]
     ]
     observed = s["observed"]
@@ -282,7 +283,9 @@ def minimize_lines(
     trace: Path, output: Path, info: Mapping[str, Any], request_id: str
 ) -> list[str]:
     """``replay minimize``: the sizes, and the expectation per policy."""
-    lines = [f"{trace}: {info['events_before']} events -> {output}: {info['events_after']} events"]
+    lines = [
+        f"{trace}: {info['events_before']:,} events -> {output}: {info['events_after']:,} events"
+    ]
     for e in info["expect"]:
         flags = ", ".join(e["flags"]) or "no flags"
         lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")

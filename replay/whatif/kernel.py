@@ -19,17 +19,16 @@ count and the evicted blocks to be equal; the vLLM differential tests run
 the compiled path against vLLM's own ``KVCacheManager``. What the kernel
 does not cover (``supported`` says why) runs the Python model.
 
-All capacities in one pass (stack distances) is not built: it is exact only
-where every request's hit grows with the capacity, and in a hybrid pool it
-does not (a larger pool keeps other blocks, the fixed point settles
-elsewhere, the request stores other Mamba states or window tails):
-``tests/test_whatif_kernel.py`` finds such a request on random streams for
-full + Mamba and full + sliding window. For a single full-attention group
-the hits do grow on the same streams, the necessary condition, but the
-pool's duplicate copies (a recomputed block whose key is cached), its
-unhashed blocks freed to the front and its admission (a prompt larger than
-the pool is never scheduled) keep the block count per capacity from being
-one stack's depth. Every capacity is simulated, compiled, on its own.
+All capacities in one pass (stack distances) is ``replay.whatif.stack``, and
+only where it is exact: LRU, one full-attention group, no EAGLE drop, every
+prompt fitting the pool, chained hashes and at most two copies of a key (a
+recomputed present block: the pass counts the stale copy). In a
+hybrid pool a request's hit need not even grow with the capacity (a larger
+pool keeps other blocks, the fixed point settles elsewhere, the request
+stores other Mamba states or window tails): ``tests/test_whatif_kernel.py``
+finds such a request on random streams for full + Mamba and full + sliding
+window. Everything outside that class is simulated, compiled, capacity by
+capacity.
 """
 
 from __future__ import annotations
@@ -38,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from replay.base.spec import GroupKind, TraceConfig
+from replay.format.jit import jit
 from replay.rules.coordinator import Coordinator, get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
@@ -206,12 +205,12 @@ def compile_config(
 # ---------------------------------------------------------------- helpers
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
     """The first request after ``now`` whose prompt holds hash ``key``."""
     lo, hi = use_starts[key], use_starts[key + 1]
@@ -249,7 +248,7 @@ S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
 # total order of (priority, stamp, item), whatever the layout.
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_down(heap: Any, i: int, n: int) -> None:
     p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
     while True:
@@ -278,7 +277,7 @@ def _heap_down(heap: Any, i: int, n: int) -> None:
     heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     i = st[_HSIZE]
     st[_HSIZE] = i + 1
@@ -295,7 +294,7 @@ def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
     heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     n = st[_HSIZE] - 1
     top = (heap[0, 0], heap[0, 1], heap[0, 2])
@@ -305,7 +304,7 @@ def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
     return top
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _heap_compact(heap: Any, st: Any, side: Any) -> None:
     """Rebuild the heap from the live entries (the pop order is the same:
     entries are totally ordered by (priority, stamp, item))."""
@@ -319,7 +318,7 @@ def _heap_compact(heap: Any, st: Any, side: Any) -> None:
         _heap_down(heap, i, n)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: Any, now: int) -> int:
     if ev == FIFO:
         return int(side[item, S_BORN])
@@ -329,7 +328,7 @@ def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: An
     return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lru_append(st: Any, blk: Any, item: int) -> None:
     if blk[item, B_INLIST]:
         return
@@ -345,7 +344,7 @@ def _lru_append(st: Any, blk: Any, item: int) -> None:
     st[_LEN] += 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     if not blk[item, B_INLIST]:
         return
@@ -362,7 +361,7 @@ def _lru_unlink(st: Any, blk: Any, item: int) -> None:
     st[_LEN] -= 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_add(
     ev: int, item: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any
 ) -> None:
@@ -381,7 +380,7 @@ def _order_add(
         _heap_compact(heap, st, side)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
     if ev == LRU:
         _lru_unlink(st, blk, item)
@@ -391,7 +390,7 @@ def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
         st[_LIVE] -= 1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any) -> int:
     if ev == LRU:
         item = st[_HEAD]
@@ -418,7 +417,7 @@ def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_
 # ---------------------------------------------------------------- finders
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_full(view: Any, u: int, max_length: int, drop: bool, align: int, bs: int) -> Any:
     head = min(max_length // bs, u)
     blocks = head
@@ -434,7 +433,7 @@ def _find_full(view: Any, u: int, max_length: int, drop: bool, align: int, bs: i
     return 0, min(blocks, _cdiv(hit, bs)), hit, matched
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_swa(
     view: Any, u: int, max_length: int, drop: bool, align: int, bs: int, window: int
 ) -> Any:
@@ -470,7 +469,7 @@ def _find_swa(
     return min(nulls, length), max(0, length - nulls), length * bs, matched
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _find_mamba(view: Any, u: int, max_length: int, align: int, bs: int) -> Any:
     max_blocks = min(max_length // bs, u)
     step = max(1, align // bs)
@@ -485,7 +484,7 @@ def _find_mamba(view: Any, u: int, max_length: int, align: int, bs: int) -> Any:
     return 0, 0, 0, 0
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _call(specs: Any, s: int, merged: Any, u: int, bound: int, drop: bool, align: int) -> Any:
     kind, bs = specs[s, 0], specs[s, 1]
     view = merged[s]
@@ -496,7 +495,7 @@ def _call(specs: Any, s: int, merged: Any, u: int, bound: int, drop: bool, align
     return _find_mamba(view, u, bound, align, bs)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _lookup(
     params: Any,
     specs: Any,
@@ -556,7 +555,7 @@ def _lookup(
 # ---------------------------------------------------------------- facts
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _first_absent(view: Any, u: int, lo: int, hi: int) -> int:
     if lo >= hi:
         return -1
@@ -566,7 +565,7 @@ def _first_absent(view: Any, u: int, lo: int, hi: int) -> int:
     return max(lo, u) if hi > u else -1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _facts(
     params: Any,
     groups: Any,
@@ -630,7 +629,7 @@ def _facts(
 # ---------------------------------------------------------------- store rules
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _cacheable(params: Any, groups: Any, g: int, tokens: int, hashed: int) -> int:
     if params[P_UNITARY]:
         out = tokens
@@ -642,7 +641,7 @@ def _cacheable(params: Any, groups: Any, g: int, tokens: int, hashed: int) -> in
     return min(out, hashed)
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, out: Any) -> int:
     a = params[P_A]
     k = 0
@@ -664,7 +663,7 @@ def _boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, 
     return k
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     a, budget = params[P_A], params[P_BUDGET]
     last_cache = n // a * a - a if params[P_ANY_EAGLE] else (n - 1) // a * a
@@ -695,7 +694,7 @@ def _chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     return k
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _stores(
     params: Any,
     groups: Any,
@@ -778,7 +777,7 @@ def _stores(
 # ---------------------------------------------------------------- the run
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def run_gpu(
     params: Any,
     groups: Any,
@@ -1158,7 +1157,7 @@ def run_gpu(
     return -1
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _free(
     freed: Any,
     nf: int,
@@ -1203,7 +1202,7 @@ def _free(
             freed[j] = 0
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _ring_after_free(ring: Any, rmod: int, rhead: int, rlen: int, freed: Any, nf: int) -> Any:
     """``unhashed.extendleft(reversed(front))``: the freed unhashed blocks
     (``-b`` in ``freed``) go to the front, the first of them first."""
@@ -1219,16 +1218,21 @@ def _ring_after_free(ring: Any, rmod: int, rhead: int, rlen: int, freed: Any, nf
 # ---------------------------------------------------------------- interning
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _hash_at(words: Any, voff: Any, base: int, stride: int, width: int, h: int) -> Any:
     """Hash ``h``'s first word, its words and its bytes, as
     ``replay.format.hashwords.HashWords`` lays them out."""
     nb = np.int64(width) if voff.shape[0] == 0 else np.int64(voff[h + 1]) - np.int64(voff[h])
-    start = (np.int64(voff[h]) - base) >> 3 if stride == 0 else np.int64(h) * stride
+    if stride < 0:  # mixed widths, packed: voff's second half holds each hash's first word
+        start = np.int64(voff[(voff.shape[0] >> 1) + h])
+    elif stride == 0:
+        start = (np.int64(voff[h]) - base) >> 3
+    else:
+        start = np.int64(h) * stride
     return start, (nb + 7) >> 3, nb
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _fingerprint(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     """A 64-bit mix of a hash's bytes (its table slot; equality compares
     every word): each word rotated by its position, then a murmur finaliser."""
@@ -1241,7 +1245,7 @@ def _fingerprint(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     return acc ^ (acc >> np.uint64(32))
 
 
-@njit(cache=True, nogil=True)
+@jit(nogil=True)
 def _intern(
     words: Any, voff: Any, base: int, stride: int, width: int, n: int, ids: Any, first: Any
 ) -> int:

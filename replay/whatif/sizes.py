@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.base.units import model_page_bytes, parse_bytes
 
+#: A model's config.json is a few KB: a larger file is read no further.
+_MAX_CONFIG_BYTES = 16 << 20
 #: The largest page a group's block may take (1 TiB): a size beyond it is a typo.
 MAX_PAGE_BYTES = 1 << 40
 
@@ -34,9 +35,20 @@ def page_sizes(
         import json
 
         try:
-            data = json.loads(Path(model_config).read_text())
-        except (OSError, ValueError) as exc:
-            raise ReplayError(f"--model-config {model_config}: {exc}") from None
+            with open(model_config, "rb") as fh:
+                text = fh.read(_MAX_CONFIG_BYTES + 1)
+            if len(text) > _MAX_CONFIG_BYTES:
+                raise ReplayError(
+                    f"--model-config {model_config}: larger than {_MAX_CONFIG_BYTES:,} bytes, "
+                    "not a config.json"
+                )
+            data = json.loads(text)
+        except OSError as exc:
+            raise ReplayError(
+                f"--model-config {model_config}: cannot read ({exc.strerror or exc})"
+            ) from None
+        except (ValueError, RecursionError) as exc:
+            raise ReplayError(f"--model-config {model_config}: not JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ReplayError(f"--model-config {model_config}: expected a JSON object")
         page = model_page_bytes(data, config.groups[0].block_size, f"--model-config {model_config}")

@@ -62,6 +62,7 @@ from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.whatif import kernel as whatif_kernel
+from replay.whatif import stack as whatif_stack
 from replay.whatif.requests import Requests
 
 PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
@@ -87,7 +88,11 @@ SWEEP_COLUMNS = (
     *SWEEP_BASE_COLUMNS[:_RATIO_AT],
     *PERCENTILE_COLUMNS,
     *SWEEP_BASE_COLUMNS[_RATIO_AT:],
+    "method",
 )
+#: How a row was computed (its ``method``): its own simulation, or the one
+#: pass over every LRU capacity (``replay.whatif.stack``, where it is exact).
+PER_CAPACITY, ONE_PASS = "per-capacity", "one-pass"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -320,8 +325,10 @@ def _row(
     preempted: int,
     started: float,
     facts: pl.DataFrame,
+    method: str = PER_CAPACITY,
 ) -> dict[str, Any]:
-    """One run's row of the sweep (the Python model's and the kernel's alike)."""
+    """One run's row of the sweep (the Python model's, the kernel's and the
+    one pass's alike)."""
     return {
         "capacity_blocks": spec.capacity_blocks,
         "capacity_bytes": spec.capacity_bytes,
@@ -337,6 +344,7 @@ def _row(
         "preempted": preempted,
         "seconds": time.perf_counter() - started,
         **hit_ratio_percentiles(hits, requests.arrays()[2]),
+        "method": method,
         "facts": facts,
         "_hits": hits,
     }
@@ -558,6 +566,26 @@ def sweep(
     on_row: Callable[[int, dict[str, Any]], None] | None = None,
     poll: float = 0.2,
 ) -> list[dict[str, Any]]:
+    """Every run, in ``specs`` order: the LRU gpu capacities the one pass
+    answers exactly from it (``_sweep_one_pass``), the others each simulated
+    (``_sweep_runs``)."""
+    check_specs(requests, specs)
+    if len(one_pass_specs(requests, specs)) >= 2:
+        return _sweep_one_pass(
+            requests, specs, jobs=jobs, progress=progress, on_row=on_row, poll=poll
+        )
+    return _sweep_runs(requests, specs, jobs=jobs, progress=progress, on_row=on_row, poll=poll)
+
+
+def _sweep_runs(
+    requests: Requests,
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int = 1,
+    progress: SweepProgress | None = None,
+    on_row: Callable[[int, dict[str, Any]], None] | None = None,
+    poll: float = 0.2,
+) -> list[dict[str, Any]]:
     """Every run, in ``specs`` order. Compiled runs go ``jobs`` at a time on
     threads (the kernel holds no GIL), reporting each request done; the
     others in ``jobs`` worker processes, each sent the requests once
@@ -566,7 +594,6 @@ def sweep(
     as it finishes; on a signal (any ``BaseException``) the compiled runs
     still going are stopped at their next request and the exception goes on,
     so a caller can keep the runs ``on_row`` heard of."""
-    check_specs(requests, specs)
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     jobs = max(1, min(jobs, len(specs)))
     n = len(requests)
@@ -694,6 +721,7 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "not_admitted": pl.Int64,
         "preempted": pl.Int64,
         "seconds": pl.Float64,
+        "method": pl.String,
     }
     counts = [
         c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
@@ -710,3 +738,118 @@ def write_sweep(
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
     return str(Path(directory) / f"whatif-{spec.label()}.parquet")
+
+
+# ---------------------------------------------------------------- one pass (issue 24 item 2)
+
+
+def one_pass_specs(requests: Requests, specs: Sequence[RunSpec]) -> list[int]:
+    """The runs the one pass may answer: LRU on the gpu cache, compiled, no
+    emitted trace, a configuration in ``replay.whatif.stack``'s exact class
+    (the pass then checks the stream at each capacity)."""
+    config = requests.config
+    return [
+        k
+        for k, spec in enumerate(specs)
+        if spec.eviction == "lru"
+        and runs_compiled(requests, spec)
+        and whatif_stack.exact_config(config, spec.policy) is None
+    ]
+
+
+def _sweep_one_pass(
+    requests: Requests,
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int,
+    progress: SweepProgress | None,
+    on_row: Callable[[int, dict[str, Any]], None] | None,
+    poll: float,
+) -> list[dict[str, Any]]:
+    """The one pass over the capacities ``one_pass_specs`` picks (on a
+    thread, the main thread sleeping: a signal stops it at its next
+    request), its rows for the capacities it answered exactly (``method``
+    one-pass), then every other run simulated on its own (per-capacity)."""
+    covered = one_pass_specs(requests, specs)
+    n, total = len(requests), len(requests) * len(specs)
+    useful = requests.useful_blocks()
+    control = np.zeros(2, dtype=np.int64)
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["run"] = whatif_stack.run_stack(
+                requests, [min(specs[k].capacity_blocks, useful) for k in covered], control
+            )
+        except BaseException as exc:  # handed to the main thread
+            box["error"] = exc
+
+    started = time.perf_counter()
+    thread = threading.Thread(target=work, daemon=True)
+    try:
+        thread.start()
+        while thread.is_alive():
+            if progress is not None:
+                progress(int(control[0]) * len(covered), total, 0, len(specs))
+            time.sleep(poll)
+    except BaseException:
+        control[1] = 1
+        thread.join()
+        raise
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    run: whatif_stack.StackRun = box["run"]
+    seconds = time.perf_counter() - started
+    rows: dict[int, dict[str, Any]] = {}
+    prompt_tokens = int(requests.arrays()[2].sum())
+    config = requests.config
+    alignment = FactRules(config, "gpu").alignment
+    for j, k in enumerate(covered):
+        if run.why[j, 0] != whatif_stack.EXACT:
+            continue
+        hits = run.hits[j]
+        row = _row(
+            requests,
+            specs[k],
+            hits,
+            prompt_tokens=prompt_tokens,
+            hit_tokens=int(hits.sum()),
+            evicted=int(run.evicted[j]),
+            not_admitted=0,
+            preempted=0,
+            started=started,
+            facts=facts_frame(
+                requests, whatif_stack.facts_of(hits, config.groups[0].block_size), alignment
+            ),
+            method=ONE_PASS,
+        )
+        # The pass's time, shared by every row it answered.
+        row["seconds"] = seconds
+        rows[k] = row
+        if on_row is not None:
+            on_row(k, row)
+    rest = [k for k in range(len(specs)) if k not in rows]
+    done = len(rows)
+
+    def rest_progress(d: int, _t: int, r: int, _a: int) -> None:
+        if progress is not None:
+            progress(done * n + d, total, done + r, len(specs))
+
+    def rest_row(j: int, row: dict[str, Any]) -> None:
+        rows[rest[j]] = row
+        if on_row is not None:
+            on_row(rest[j], row)
+
+    if rest:
+        _sweep_runs(
+            requests,
+            [specs[k] for k in rest],
+            jobs=jobs,
+            progress=rest_progress,
+            on_row=rest_row,
+            poll=poll,
+        )
+    elif progress is not None:
+        progress(total, total, len(specs), len(specs))
+    return [rows[k] for k in sorted(rows)]

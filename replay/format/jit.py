@@ -1,5 +1,7 @@
-"""How the compiled kernels keep their machine code: ``njit`` with an
-on-disk cache where there is a place to keep it.
+"""How the compiled kernels (the engine's fold, the what-if's pool) keep
+their machine code: ``njit`` with an on-disk cache where there is a place to
+keep it. Here, below both, so that the what-if's kernel no longer asks for
+``cache=True`` itself (importing it alone killed a read-only install).
 
 numba caches beside the module (``__pycache__``), else in the user's cache
 directory; when neither is writable (a system-wide or container install
