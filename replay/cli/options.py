@@ -150,7 +150,9 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 def optional_retention(
     _ctx: click.Context, _param: click.Parameter, value: str | None
 ) -> int | str | None:
-    return "release" if value is None else retention_interval(value)
+    """``--retention-interval`` parsed (``RETENTION``), or ``"release"`` when
+    not given: the release's default, resolved once the release is known."""
+    return "release" if value is None else RETENTION.convert(value, _param, _ctx)
 
 
 def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, str | None]:
