@@ -301,8 +301,10 @@ class StoreRules:
         self.mirror_any_eagle = any(eagle_of["mooncake"])
         self.engine_any_eagle = config.use_eagle
         #: whether the engine's replay boundaries are EAGLE's
-        self.engine_boundary_eagle = config.use_eagle or (
-            release.boundaries_from_flags and any(g.is_eagle_group for g in config.groups)
+        flagged = any(g.is_eagle_group for g in config.groups)
+        self.engine_boundary_eagle = config.use_eagle or (release.boundaries_from_flags and flagged)
+        self.mamba_boundary_eagle = config.use_eagle or (
+            release.mamba_boundaries_from_flags and flagged
         )
         # The store widens a window by ``extra_retained_tokens`` from 0.33.0.
         widen = policy.mooncake is not None and policy.mooncake.widen_window
@@ -399,7 +401,7 @@ class StoreRules:
     def _mamba(self, group: _Group, req: _Request, ends: Sequence[int]) -> Blocks:
         bs, hit_tokens = group.block_size, req.hit
         boundaries = self._boundaries(
-            req.num_tokens, self.engine_boundary_eagle, group, req.junction
+            req.num_tokens, self.mamba_boundary_eagle, group, req.junction
         )
         cached = hit_tokens // bs
         out: list[int] = []
@@ -441,6 +443,8 @@ class StoreRules:
             start = min(end, cdiv(hit_tokens, bs))
             window, eagle = group.mirror_window, group.mirror_eagle
             boundaries = self._boundaries(n, self.mirror_any_eagle, group, 0)
+            if not self.release.mirror_eagle_replay_boundaries:
+                boundaries = [n - 1]
             if not self.release.mirror_retention:
                 r = None
             if group.kind is GroupKind.MAMBA:

@@ -52,6 +52,12 @@ class Stores:
     #: even with ``use_eagle`` off (``bool(eagle_group_ids)``, 0.30-0.32);
     #: 0.33.0 asks whether any group drops (``drop_eagle_group_ids``).
     boundaries_from_flags: bool = False
+    #: Mamba states follow the flagged boundaries too (0.30-0.31); from
+    #: 0.32.0 the Mamba checkpoints follow ``use_eagle`` alone.
+    mamba_boundaries_from_flags: bool = False
+    #: The Mooncake store's mask keeps EAGLE's replay boundaries (0.32.0 on);
+    #: before, the one boundary ``N - 1``.
+    mirror_eagle_replay_boundaries: bool = True
     #: The shared-prefix junction (``shared_prefix_boundary``, 0.26.0 on)
     #: ends a Mamba prefill chunk and pins an engine sliding-window tail.
     junction: bool = True
@@ -106,7 +112,9 @@ class Stores:
 
 STORES_033 = Stores()
 _S32 = STORES_033.but(junction_eagle_block=False, boundaries_from_flags=True)
-_S30 = _S32.but(mamba_checkpoint=False)
+_S30 = _S32.but(
+    mamba_checkpoint=False, mamba_boundaries_from_flags=True, mirror_eagle_replay_boundaries=False
+)
 _S29 = _S30.but(eagle_replay_boundaries=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
 # 0.23.0-0.25.1 is one lookup range but not one store range: the rules follow
