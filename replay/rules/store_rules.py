@@ -403,6 +403,11 @@ class StoreRules:
         boundaries = self._boundaries(
             req.num_tokens, self.mamba_boundary_eagle, group, req.junction
         )
+        if self.release.mamba_checkpoint:
+            # The checkpoint's state is kept (0.33.0: one of the boundaries).
+            boundaries.append(
+                checkpoint_position(req.num_tokens, self.alignment, self.engine_any_eagle)
+            )
         cached = hit_tokens // bs
         out: list[int] = []
         prev = hit_tokens

@@ -52,8 +52,7 @@ class Stores:
     #: even with ``use_eagle`` off (``bool(eagle_group_ids)``, 0.30-0.32);
     #: 0.33.0 asks whether any group drops (``drop_eagle_group_ids``).
     boundaries_from_flags: bool = False
-    #: Mamba states follow the flagged boundaries too (0.30-0.31); from
-    #: 0.32.0 the Mamba checkpoints follow ``use_eagle`` alone.
+    #: Mamba states follow the flagged boundaries too (0.30-0.32).
     mamba_boundaries_from_flags: bool = False
     #: The Mooncake store's mask keeps EAGLE's replay boundaries (0.32.0 on);
     #: before, the one boundary ``N - 1``.
@@ -64,7 +63,8 @@ class Stores:
     #: An EAGLE group also keeps the tail one block below the junction (0.33.0).
     junction_eagle_block: bool = True
     #: The last Mamba state a prefill stops at is the reusable checkpoint
-    #: below ``N - 1`` (``get_mamba_prefill_checkpoint_position``, 0.32.0 on);
+    #: below ``N - 1`` (``get_mamba_prefill_checkpoint_position``, 0.32.0 on),
+    #: and its state is always kept (in 0.33.0 it is a replay boundary anyway);
     #: before, the scheduler stopped at ``N`` floored to the block (one block
     #: lower with EAGLE).
     mamba_checkpoint: bool = True
@@ -111,10 +111,10 @@ class Stores:
 
 
 STORES_033 = Stores()
-_S32 = STORES_033.but(junction_eagle_block=False, boundaries_from_flags=True)
-_S30 = _S32.but(
-    mamba_checkpoint=False, mamba_boundaries_from_flags=True, mirror_eagle_replay_boundaries=False
+_S32 = STORES_033.but(
+    junction_eagle_block=False, boundaries_from_flags=True, mamba_boundaries_from_flags=True
 )
+_S30 = _S32.but(mamba_checkpoint=False, mirror_eagle_replay_boundaries=False)
 _S29 = _S30.but(eagle_replay_boundaries=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
 # 0.23.0-0.25.1 is one lookup range but not one store range: the rules follow
