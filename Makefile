@@ -33,7 +33,7 @@ demo: $(STAMP)
 	@echo "== replay run, vLLM 0.33 semantics (the default policy): clean"
 	$(BIN)/replay run $(DEMO_TRACE) -o out/demo.vllm-0.33.results.parquet
 	@echo
-	@echo "== replay run --policy pre-49502: the #43559 overrun is flagged"
+	@echo "== replay run --policy pre-49502 (the releases before the Mamba gate; here the mirror of vLLM 0.26): the #43559 overrun is flagged"
 	$(BIN)/replay run $(DEMO_TRACE) --policy pre-49502 -o out/demo.pre-49502.results.parquet --examples 2
 	@echo
 	@echo "== replay check, as CI runs it: exit 1 when a lookup has a corruption flag (--fail-on to choose)"

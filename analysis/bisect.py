@@ -2,6 +2,10 @@
 trace, from one fold, and the releases at which a lookup's hit, load masks or
 flags change.
 
+Every modelled release is answered (``--from``/``--to`` narrow the range);
+the release that recorded the trace (``source.vllm_version``) is named in
+``trace_release`` and its column is marked ``(trace)``.
+
 One fold of the store answers every release policy in both caches (a cache
 a release did not have, or a configuration a release refuses, is listed with
 the reason instead). A lookup *changes* at a release when its hit, any
@@ -23,7 +27,7 @@ from replay.engine.options import ReplayOptions
 from replay.engine.run import replay
 from replay.format.tracedir import open_trace
 from replay.rules.coordinator import RELEASES, Coordinator, Policy
-from replay.rules.coordinator.policy import version_key
+from replay.rules.coordinator.policy import recorded_release, version_key
 
 
 def releases_between(first: str | None, last: str | None) -> list[Policy]:
@@ -85,6 +89,7 @@ def bisect(
     """Every release's answers and the changes, as one JSON-able object."""
     reader = open_trace(trace)
     config = reader.config
+    recorded = recorded_release(config.source)
     releases = releases_between(first, last)
     variants: list[tuple[str, str | None, str]] = []
     skipped: dict[str, dict[str, str]] = {c: {} for c in caches}
@@ -153,7 +158,13 @@ def bisect(
                 "changing_lookups": sum(1 for lk in lookups if lk["changes"]),
             }
         )
-    return {"trace": str(trace), "request_id": request_id, "caches": out_caches}
+    return {
+        "trace": str(trace),
+        "request_id": request_id,
+        "trace_vllm_version": (config.source or {}).get("vllm_version") if recorded else None,
+        "trace_release": None if recorded is None else recorded[0].name,
+        "caches": out_caches,
+    }
 
 
 def markdown(report: dict[str, Any], *, limit: int | None = None) -> list[str]:
@@ -169,8 +180,9 @@ def markdown(report: dict[str, Any], *, limit: int | None = None) -> list[str]:
         if cache["not_modelled"]:
             lines.append("")
         changing = [lk for lk in cache["lookups"] if lk["changes"]]
+        n, k = len(cache["lookups"]), len(changing)
         lines.append(
-            f"{len(cache['lookups'])} lookups, {len(changing)} change between "
+            f"{n} lookup{'s' * (n != 1)}, {k} changing between "
             f"{releases[0]['first'] if releases else '-'} and "
             f"{releases[-1]['last'] if releases else '-'}"
             " (cells: hit [skipped+loaded blocks per group] flags)"
@@ -180,7 +192,9 @@ def markdown(report: dict[str, Any], *, limit: int | None = None) -> list[str]:
             continue
         shown = changing if limit is None else changing[:limit]
         names = [r["policy"] for r in releases]
-        lines.append("| seq | request | " + " | ".join(names) + " |")
+        own = report.get("trace_release")
+        heads = [f"{n} (trace)" if n == own else n for n in names]
+        lines.append("| seq | request | " + " | ".join(heads) + " |")
         lines.append("|---|---|" + "---|" * len(names))
         for lk in shown:
             cells = " | ".join(lk["cells"][n] for n in names)

@@ -18,22 +18,25 @@ answers (default: the trace's own). Any may be left out.
 
 One engine for both faces, ``replay test`` and the pytest plugin: every
 expectation of a trace is checked from one fold of its store. Under the
-``vllm`` coordinator only the expectations of the policy that models the
-installed vLLM are checked (``replay.format.backends.vllm.installed_policy``); the
-others are skipped with the reason.
+``vllm`` coordinator only the expectations whose policy answers as the
+installed vLLM's release in their cache are checked
+(``replay.format.backends.vllm.installed_policy``); the others are skipped
+with the reason. An entry without ``policy`` is checked under the release
+that recorded the trace (``source.vllm_version``), else the default.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
 from replay.format.schema import EXPECT_META_KEY
 from replay.format.trace import TraceReader
 
@@ -96,12 +99,18 @@ def expectation_traces(paths: Sequence[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def entry_policy(entry: dict[str, Any]) -> str:
-    return str(entry.get("policy", "vllm-0.33"))
+def entry_policy(entry: dict[str, Any], source: Mapping[str, Any] | None = None) -> str:
+    """The policy an expectation is checked under: its own, else (the one
+    rule of every command, ``choose_policies``) the release that recorded
+    the trace (``source.vllm_version``), else the default."""
+    from replay.rules.coordinator import choose_policies
+
+    given = (str(entry["policy"]),) if entry.get("policy") is not None else ()
+    return choose_policies(given, source=source).policies[0]
 
 
-def entry_label(entry: dict[str, Any]) -> str:
-    label = entry_policy(entry)
+def entry_label(entry: dict[str, Any], source: Mapping[str, Any] | None = None) -> str:
+    label = entry_policy(entry, source)
     if entry.get("cache"):
         label += f"-{entry['cache']}"
     return label
@@ -289,42 +298,12 @@ def check_trace(
     skipped, and vLLM raising during a replay fails the expectations it
     answers (the exception is the finding, not bad input). ``only``: check
     that one entry alone (the pytest plugin's item)."""
-    from replay.engine.answers import Variant, resolve_cache
+    from replay.engine.answers import Variant
     from replay.engine.run import ReplayOptions, replay
     from replay.format.tracedir import open_trace
-    from replay.rules.coordinator import POLICIES
 
-    entries = read_expectations(path)
-    if entries is None:
-        raise ReplayError(
-            f"{path}: not a trace with expectations (no replay.expect metadata entry)"
-        )
     reader = open_trace(path)
-    config = reader.config
-    wanted_caches = None if caches is None else set(caches)
-    match: str | None = None
-    skip_reason = ""
-    if coordinator == "vllm":
-        from replay.format.backends.vllm import installed_policy
-
-        match, skip_reason = installed_policy()
-    verdicts: list[Verdict] = []
-    for entry in entries if only is None else [only]:
-        policy = entry_policy(entry)
-        if policy not in POLICIES:
-            raise ReplayError(
-                f"{path}: replay.expect names policy {policy!r}; known: {', '.join(POLICIES)}"
-            )
-        try:
-            cache = resolve_cache(config, entry.get("cache"))
-        except ReplayError as exc:
-            raise ReplayError(f"{path}: replay.expect: {exc}") from None
-        if wanted_caches is not None and cache not in wanted_caches:
-            continue
-        verdict = Verdict(path, entry, policy, cache)
-        if coordinator == "vllm" and policy != match:
-            verdict.skipped = skip_reason.format(policy=policy)
-        verdicts.append(verdict)
+    verdicts = planned_verdicts(path, reader.config, coordinator, caches, only)
     todo = [v for v in verdicts if v.skipped is None]
     variants = list(
         dict.fromkeys(
@@ -364,6 +343,53 @@ def check_trace(
                 if coordinator != "vllm" or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
+    return verdicts
+
+
+def planned_verdicts(
+    path: Path,
+    config: TraceConfig,
+    coordinator: str,
+    caches: Iterable[str] | None = None,
+    only: dict[str, Any] | None = None,
+) -> list[Verdict]:
+    """The expectations of the trace at ``path`` to check (its entries, or
+    ``only``), each with its policy and cache, and the reason when it is
+    skipped: under ``vllm``, an expectation whose policy answers otherwise
+    than the installed vLLM's release in its cache (an alias is checked in
+    the cache where it means the installed release)."""
+    from replay.engine.answers import resolve_cache
+    from replay.rules.coordinator import POLICIES, same_rules
+
+    entries = read_expectations(path) if only is None else [only]
+    if entries is None:
+        raise ReplayError(
+            f"{path}: not a trace with expectations (no replay.expect metadata entry)"
+        )
+    wanted_caches = None if caches is None else set(caches)
+    match: str | None = None
+    skip_reason = ""
+    if coordinator == "vllm":
+        from replay.format.backends.vllm import installed_policy
+
+        match, skip_reason = installed_policy()
+    verdicts: list[Verdict] = []
+    for entry in entries:
+        policy = entry_policy(entry, config.source)
+        if policy not in POLICIES:
+            raise ReplayError(
+                f"{path}: replay.expect names policy {policy!r}; known: {', '.join(POLICIES)}"
+            )
+        try:
+            cache = resolve_cache(config, entry.get("cache"))
+        except ReplayError as exc:
+            raise ReplayError(f"{path}: replay.expect: {exc}") from None
+        if wanted_caches is not None and cache not in wanted_caches:
+            continue
+        verdict = Verdict(path, entry, policy, cache)
+        if coordinator == "vllm" and (match is None or not same_rules(policy, match, cache)):
+            verdict.skipped = skip_reason.format(policy=policy)
+        verdicts.append(verdict)
     return verdicts
 
 

@@ -5,8 +5,11 @@ expectation (a policy and a cache). The schema and the checking live in
 ``pytest traces/`` checks the expectations against this project's
 coordinator; ``pytest --replay-coordinator vllm traces/`` (or
 ``REPLAY_COORDINATOR=vllm``) against the installed vLLM's own coordinators,
-where only the expectations of the policy that models the installed vLLM
-are checked and the others are skipped with the reason. Registered through
+where only the expectations whose policy answers as the installed vLLM's
+release in their cache are checked and the others are skipped with the
+reason. An expectation without a policy takes the release that recorded the
+trace (``source.vllm_version``), else the default, as every command does.
+Registered through
 the ``pytest11`` entry point, so ``pip install cache-trace-replay`` then
 ``pytest traces/`` runs a corpus.
 
@@ -26,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from analysis.expectations import entry_label, entry_policy, read_expectations
+from analysis.expectations import entry_label, read_expectations
 
 __all__ = ["read_expectations"]
 
@@ -88,22 +91,21 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
 
 class TraceFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        coordinator = _coordinator(self.config)
-        match: str | None = None
-        reason = ""
-        if coordinator == "vllm":
-            from replay.format.backends.vllm import installed_policy
+        from analysis.expectations import planned_verdicts
+        from replay.format.tracedir import open_trace
 
-            match, reason = installed_policy()
-        for entry in read_expectations(self.path) or []:
+        coordinator = _coordinator(self.config)
+        config = open_trace(self.path).config
+        for verdict in planned_verdicts(self.path, config, coordinator):
             item = TraceItem.from_parent(
                 self,
-                name=f"{self.path.stem}[{entry_label(entry)}]",
-                entry=entry,
+                name=f"{self.path.stem}[{entry_label(verdict.entry, config.source)}]",
+                entry=verdict.entry,
                 coordinator=coordinator,
+                policy=verdict.policy,
             )
-            if coordinator == "vllm" and entry_policy(entry) != match:
-                item.add_marker(pytest.mark.skip(reason=reason.format(policy=item.policy)))
+            if verdict.skipped is not None:
+                item.add_marker(pytest.mark.skip(reason=verdict.skipped))
             yield item
 
 
@@ -112,11 +114,14 @@ class ExpectationMismatch(Exception):
 
 
 class TraceItem(pytest.Item):
-    def __init__(self, *, entry: dict[str, Any], coordinator: str, **kwargs: Any) -> None:
+    def __init__(
+        self, *, entry: dict[str, Any], coordinator: str, policy: str, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.entry = entry
         self.coordinator = coordinator
-        self.policy = entry_policy(entry)
+        #: the entry's policy, else the trace's recorded release's (``entry_policy``)
+        self.policy = policy
         #: the cache that answers; unset: the trace's own (``source.cache``)
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 

@@ -659,3 +659,15 @@ def scenario_rows(scenario: Scenario) -> list[dict[str, Any]]:
         )
         before = list(store)
     return rows
+
+
+def answerable(config: TraceConfig, policy: str, cache: str) -> bool:
+    """Whether ``policy`` answers this configuration in ``cache`` (the cache
+    existed in its releases, and they take the configuration)."""
+    from replay.rules.coordinator import Coordinator
+
+    try:
+        Coordinator(config, policy, cache)
+    except ConfigError:
+        return False
+    return True

@@ -9,7 +9,7 @@ from typing import Any
 import polars as pl
 
 from replay.base.spec import GroupKind, TraceConfig
-from replay.rules.coordinator import build_spec_groups, hit_alignment, partial_hits
+from replay.rules.coordinator import Cache, build_spec_groups, hit_alignment, partial_hits
 from tests.builders import hand_fold
 
 FULL = GroupKind.FULL_ATTENTION
@@ -26,7 +26,7 @@ def _fold(rows: list[dict[str, Any]], num_groups: int) -> dict[int, list[list[bo
 
 
 def plain_flags(
-    rows: list[dict[str, Any]], results: pl.DataFrame, config: TraceConfig, cache: str
+    rows: list[dict[str, Any]], results: pl.DataFrame, config: TraceConfig, cache: str | Cache
 ) -> set[tuple[int, str, int | None]]:
     units_at = _fold(rows, config.num_groups)
     hbs = config.hash_block_size

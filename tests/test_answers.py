@@ -15,6 +15,7 @@ from replay.engine.shard import replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from tests.builders import (
+    answerable,
     chain,
     full_mamba,
     issue_43559_rows,
@@ -38,10 +39,13 @@ def test_every_variant_from_one_fold_is_its_own_replay(
     config = random_config(rng)
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 25))
     reader = open_trace(path)
-    answers = Answers(config, VARIANTS, unit_present=True, where=reader.name)
+    # pre-49502 where its releases take the configuration (they refuse some).
+    variants = [v for v in VARIANTS if answerable(config, v.policy, v.cache)]
+    assert len(variants) >= 2
+    answers = Answers(config, variants, unit_present=True, where=reader.name)
     got = replay_answers(reader, answers, shards=shards)
     assert [(r.policy, r.cache, r.coordinator) for r in got] == [
-        (v.policy, v.cache, "reference") for v in VARIANTS
+        (v.policy, v.cache, "reference") for v in variants
     ]
     for r in got:
         options = ReplayOptions(policies=(r.policy,), caches=(r.cache,), unit_present=True)

@@ -84,18 +84,54 @@ def test_range_request_and_cache_options() -> None:
     assert mooncake["changing_lookups"] == 1
 
 
-def test_markdown_names_each_release_and_change() -> None:
-    result = run_cli(["bisect", ISSUE, "--cache", "mooncake"])
-    assert result.exit_code == 0
-    lines = result.stdout.splitlines()
-    assert (
-        "| seq | request | vllm-0.22 | vllm-0.23 | vllm-0.26 | vllm-0.27 | vllm-0.28 | vllm-0.29 | vllm-0.30 | vllm-0.32 | vllm-0.33 |"
-        in lines
-    )
-    assert (
-        "- seq 2 (req-43559): at vllm-0.27 (vLLM 0.27.0): hit 64 -> 48; masks 0+3 3+1 -> "
-        "0+3 2+1; flags -mamba_overrun -eagle_not_dropped"
-    ) in lines
+OVER, FIXED = "64 [0+3 3+1] mamba_overrun,eagle_not_dropped", "48 [0+3 2+1]"
+
+
+def test_markdown_is_the_whole_report() -> None:
+    """The Markdown of issue-43559, every line: a table per cache whose rows
+    have one cell per header, the releases each cache did not have, and
+    where the answer changes (the engine's overrun from 0.20 to 0.23, the
+    mirror's from its creation to 0.26)."""
+    result = run_cli(["bisect", ISSUE])
+    assert (result.exit_code, result.stderr) == (0, "")
+    gpu = ["vllm-0.16", "vllm-0.20", "vllm-0.22", "vllm-0.23", "vllm-0.26", "vllm-0.27"]
+    gpu += ["vllm-0.28", "vllm-0.29", "vllm-0.30", "vllm-0.32", "vllm-0.33"]
+    mirror = gpu[2:]
+    no_mirror = "has no Mooncake store mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
+    change = "hit {} -> {}; masks 0+3 {}+1 -> 0+3 {}+1; flags {}mamba_overrun {}eagle_not_dropped"
+    assert result.stdout.splitlines() == [
+        f"# replay bisect {ISSUE}",
+        "",
+        "## gpu cache",
+        "",
+        "1 lookup, 1 changing between 0.16.0 and 0.33.0 (cells: hit [skipped+loaded blocks "
+        "per group] flags)",
+        "",
+        "| seq | request | " + " | ".join(gpu) + " |",
+        "|---|---|" + "---|" * 11,
+        "| 2 | req-43559 | " + " | ".join([FIXED] + [OVER] * 3 + [FIXED] * 7) + " |",
+        "",
+        "- seq 2 (req-43559): at vllm-0.20 (vLLM 0.20.0): " + change.format(48, 64, 2, 3, "+", "+"),
+        "- seq 2 (req-43559): at vllm-0.26 (vLLM 0.26.0): " + change.format(64, 48, 3, 2, "-", "-"),
+        "",
+        "## mooncake cache",
+        "",
+        f"- vllm-0.16: not answered: policy vllm-0.16 (vLLM 0.16.0 - 0.19.1) {no_mirror}",
+        f"- vllm-0.20: not answered: policy vllm-0.20 (vLLM 0.20.0 - 0.21.0) {no_mirror}",
+        "",
+        "1 lookup, 1 changing between 0.22.0 and 0.33.0 (cells: hit [skipped+loaded blocks "
+        "per group] flags)",
+        "",
+        "| seq | request | " + " | ".join(mirror) + " |",
+        "|---|---|" + "---|" * 9,
+        "| 2 | req-43559 | " + " | ".join([OVER] * 3 + [FIXED] * 6) + " |",
+        "",
+        "- seq 2 (req-43559): at vllm-0.27 (vLLM 0.27.0): " + change.format(64, 48, 3, 2, "-", "-"),
+        "",
+    ]
+    # Each table's rows are as wide as its header: valid Markdown.
+    tables = [t for t in result.stdout.split("\n\n") if t.startswith("|")]
+    assert [{row.count("|") for row in t.splitlines()} for t in tables] == [{14}, {12}]
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from replay.cli.analysis import diff
 from replay.format.results import read_results, write_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.format.writer import write_trace
+from replay.rules.coordinator import get_policy
 from tests.builders import full_mamba, issue_43559_rows, replay_trace
 
 BLOCK = 16
@@ -114,7 +115,9 @@ def write_workload(path: Path, **kwargs: Any) -> Path:
 def test_diff_policies_43559(trace_43559: Path) -> None:
     res = invoke([trace_43559, "--policy", "vllm-0.33", "--policy", "pre-49502"])
     assert res.exit_code == 0, res.output
-    lines = res.output.splitlines()
+    # The alias says what it means, on stderr, once the diff is printed.
+    assert res.stderr.splitlines() == [get_policy("pre-49502").alias_note]
+    lines = res.stdout.splitlines()
     assert lines[0] == "diff of trace t43559.parquet"
     assert lines[3] == "lookups: 1 compared, 1 with a different hit (B higher on 1, lower on 0)"
     assert lines[4] == "hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)"
@@ -149,7 +152,7 @@ def test_diff_policies_43559(trace_43559: Path) -> None:
 def test_diff_json_43559(trace_43559: Path) -> None:
     res = invoke([trace_43559, "--policy", "vllm-0.33", "--policy", "pre-49502", "--json"])
     assert res.exit_code == 0, res.output
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)
     assert [v["policy"] for v in data["variants"]] == ["vllm-0.33", "pre-49502"]
     assert (data["lookups"], data["changed"], data["gained"], data["lost"], data["net"]) == (
         1,
@@ -216,7 +219,7 @@ def test_diff_output_parquet(tmp_path: Path, trace_43559: Path) -> None:
     out = tmp_path / "diff.parquet"
     res = invoke([trace_43559, "--policy", "vllm-0.33", "--policy", "pre-49502", "-o", out])
     assert res.exit_code == 0, res.output
-    assert res.output.splitlines()[-1] == f"wrote 1 changed lookups to {out}"
+    assert res.stdout.splitlines()[-1] == f"wrote 1 changed lookups to {out}"
     table = pq.read_table(out)
     meta = json.loads(table.schema.metadata[DIFF_META_KEY])
     assert (meta["changed"], meta["net"], meta["trace"]) == (1, 16, "t43559.parquet")
@@ -230,7 +233,7 @@ def test_diff_output_parquet(tmp_path: Path, trace_43559: Path) -> None:
 
 def test_diff_same_policy_twice_is_empty(trace_43559: Path) -> None:
     res = invoke([trace_43559, "--policy", "pre-49502", "--policy", "pre-49502", "--json"])
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)
     assert (res.exit_code, data["changed"], data["net"], data["reasons"]) == (0, 0, 0, [])
 
 

@@ -5,6 +5,7 @@ plain-Python restatement of the definitions on random traces."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ import polars as pl
 import pytest
 
 from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
+from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.schema import FACT_COLUMNS
 from replay.format.writer import write_trace
+from replay.rules.coordinator import Coordinator, policy_rules
 from tests import builders
 from tests.builders import (
     MAMBA,
@@ -58,8 +61,9 @@ def test_mamba_overrun_43559_flagged_under_pre_49502_only(tmp_path: Path) -> Non
             "group 1 resumes Mamba state at 64, 16 tokens past the attention KV loaded for "
             "48 tokens"
         )
-    # pre-32802 drops once more per pass, but a simple hybrid stops after one.
-    assert _flags(tmp_path, full_mamba(), issue_43559_rows(), "pre-32802").height == 0
+    # pre-32802 (vllm-0.16, engine only) drops once more per pass, but a
+    # simple hybrid stops after one.
+    assert _flags(tmp_path, full_mamba(), issue_43559_rows(), "pre-32802", "gpu").height == 0
 
 
 def test_check_cli_exit_codes_and_json(trace_43559: Path) -> None:
@@ -197,7 +201,9 @@ def test_eagle_not_dropped_when_nothing_is_recomputed(tmp_path: Path) -> None:
 
 def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) -> None:
     """Mamba (block 8) + full attention (block 16), partial hits, EAGLE.
-    Under pre-49502 full attention verifies 8 tokens (its drop of one unit),
+    No release had partial hits and Mamba's margin together (both changed in
+    #46384 and #49502); vLLM 0.33.0 with the gate removed (the mutants'
+    emulation) does. Full attention verifies 8 tokens (its drop of one unit),
     Mamba peeks to 16, and the hit is 16: full attention loads its block 0
     (tokens 0..16), Mamba resumes at 16. The store-based definition called
     this an overrun (state 16 past the verified 8); the resumed state is
@@ -219,7 +225,7 @@ def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) 
         {"kind": "lookup", "request_id": "r", "block_hashes": hs, "max_length": 23},
     ]
     path = write_trace(tmp_path / "t.parquet", config, rows)
-    pre = replay_trace(path, policy="pre-49502")
+    pre = replay_trace(path, policy="vllm-0.33-no-mamba-gate")
     assert pre.results.select("hit_tokens", "mask_blocks", "group_hit_tokens").rows() == [
         (16, [2, 1], [16, 8])
     ]
@@ -231,7 +237,7 @@ def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) 
     assert result_flags(fixed).height == 0
 
 
-def test_swa_mamba_overrun_under_pre_49502(tmp_path: Path) -> None:
+def test_swa_mamba_overrun_past_an_unaligned_hit(tmp_path: Path) -> None:
     config = builders.config(sw(16, 32), mb(16), eagle=True, check=None)
     hs = chain(6)
     rows = [
@@ -240,9 +246,16 @@ def test_swa_mamba_overrun_under_pre_49502(tmp_path: Path) -> None:
         {"kind": "lookup", "request_id": "r", "block_hashes": hs[:5], "max_length": 79},
     ]
     assert _flags(tmp_path, config, rows).height == 0
-    pre = _flags(tmp_path, config, rows, "pre-49502")
-    # Before #49502 the hit is the unaligned bound 79 and Mamba resumes at
-    # 80, past both the hit and the 64 tokens the window's KV covers.
+    # The releases with the overrun (pre-49502) capped the peek at
+    # max_length: nothing to flag here. vLLM 0.33.0 without the Mamba gate
+    # (the mutants' emulation) peeks to the hashed 80: the hit is the
+    # unaligned bound 79 and Mamba resumes at 80, past both the hit and the
+    # 64 tokens the window's KV covers.
+    assert replay_trace(
+        write_trace(tmp_path / "t.parquet", config, rows), policy="pre-49502"
+    ).results.select("hit_tokens", "group_hit_tokens").rows() == [(64, [64, 64])]
+    assert _flags(tmp_path, config, rows, "pre-49502").height == 0
+    pre = _flags(tmp_path, config, rows, "vllm-0.33-no-mamba-gate")
     assert pre.select("flag", "group_id", "actual", "expected").rows() == [
         ("mamba_overrun", 1, 80, 64),
         ("mamba_state_mismatch", 1, 80, 79),
@@ -275,14 +288,26 @@ def test_pre_32802_spirals_the_hit_down(tmp_path: Path) -> None:
     ]
     path = write_trace(tmp_path / "t.parquet", config, rows)
     assert replay_trace(path).results["hit_tokens"].to_list() == [112]
-    assert replay_trace(path, policy="pre-32802").results["hit_tokens"].to_list() == [0]
-    for cache in ("mooncake", "gpu"):
-        assert result_flags(replay_trace(path, policy="pre-32802", cache=cache)).height == 0
+    assert replay_trace(path, policy="pre-32802", cache="gpu").results["hit_tokens"].to_list() == [
+        0
+    ]
+    assert result_flags(replay_trace(path, policy="pre-32802", cache="gpu")).height == 0
+    with pytest.raises(ConfigError, match=r"pre-32802 .* has no Mooncake store mirror"):
+        replay_trace(path, policy="pre-32802", cache="mooncake")
 
 
 @pytest.mark.parametrize("seed", seeds(60))
-@pytest.mark.parametrize("policy", ["vllm-0.33", "pre-49502", "pre-32802"])
-@pytest.mark.parametrize("cache", ["mooncake", "gpu"])
+@pytest.mark.parametrize(
+    ("cache", "policy"),
+    [
+        *(
+            (c, p)
+            for c in ("mooncake", "gpu")
+            for p in ("vllm-0.33", "pre-49502", "vllm-0.33-no-mamba-gate")
+        ),
+        ("gpu", "pre-32802"),
+    ],
+)
 def test_flags_agree_with_plain_python_on_random_traces(
     tmp_path: Path, seed: int, policy: str, cache: str
 ) -> None:
@@ -290,16 +315,25 @@ def test_flags_agree_with_plain_python_on_random_traces(
     config = random_config(rng)
     rows = random_rows(rng, config, 16)
     path = write_trace(tmp_path / "r.parquet", config, rows)
+    try:
+        Coordinator(config, policy, cache)
+    except ConfigError as exc:  # a configuration these releases refuse: said as such
+        with pytest.raises(ConfigError, match=re.escape(str(exc))):
+            replay_trace(path, policy=policy, cache=cache)
+        return
     result = replay_trace(path, policy=policy, cache=cache, unit_present=True)
     flags = result_flags(result)
     got = {(s, f, g) for s, f, g in flags.select("seq", "flag", "group_id").rows()}
-    assert got == plain_flags(rows, result.results, config, cache)
+    # Judged by the rules of the policy that answered (its alignment, its
+    # partial hits), as the replay's facts are.
+    rules = policy_rules(policy, cache)
+    assert got == plain_flags(rows, result.results, config, rules)
     assert set(flags["flag"].unique()) <= set(FLAG_KINDS)
     if policy == "vllm-0.33":
         # vLLM 0.33 never overruns: the #49502 fix holds on any store state.
         assert "mamba_overrun" not in flags["flag"].to_list()
     # What the replay wrote is what the checker computes from the results.
-    assert recompute_flags(result.results, config, cache).equals(flags)
+    assert recompute_flags(result.results, config, rules).equals(flags)
 
 
 def test_flag_column_lists_each_lookups_flags(tmp_path: Path) -> None:

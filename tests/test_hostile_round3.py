@@ -155,3 +155,53 @@ def test_a_request_id_of_65_mib_is_refused_from_the_footer(tmp_path: Path) -> No
         tmp_path,
         peak_mib=400,
     )
+
+
+def test_a_results_file_with_a_65_mib_request_id_is_refused_from_the_footer(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """The text limit holds for results files too (check, report, explain of
+    results): the footer is read, no row is decoded."""
+    import pyarrow as pa
+
+    from tests.test_limits_records import refused_within
+
+    good = tmp_path / "r.results.parquet"
+    assert run_cli(["run", str(trace_43559), "-o", str(good), "-q"]).exit_code == 0
+    table = pq.read_table(str(good))
+    i = table.schema.get_field_index("request_id")
+    big = ["a" * (65 << 20), *table.column(i).to_pylist()[1:]]
+    table = table.set_column(i, table.schema.field(i), pa.array(big))
+    path = tmp_path / "bomb.results.parquet"
+    pq.write_table(table, str(path), compression="zstd")
+    del table, big
+    assert path.stat().st_size < 200_000
+    declared = pq.ParquetFile(str(path)).metadata.row_group(0).column(i).total_uncompressed_size
+    refused_within(
+        ["check", str(path)],
+        f"{path}: row group 0 column 'request_id' declares {declared:,} bytes of text in one "
+        "row group, above the limit of 67,108,864 (`replay --max-text-bytes N ...` raises it)",
+        tmp_path,
+        peak_mib=400,
+    )
+
+
+def test_a_footer_over_16_mib_is_refused_before_pyarrow_parses_it(
+    tmp_path: Path, trace_43559: Path
+) -> None:
+    """The footer's length is the file's last eight bytes: a trace whose
+    metadata is 17 MiB (a config of hundreds of thousands of groups, or any
+    junk key) is refused from them; --max-footer-bytes raises the limit."""
+    table = pq.read_table(str(trace_43559))
+    meta = dict(table.schema.metadata or {})
+    meta[b"junk"] = b"x" * (17 << 20)
+    path = tmp_path / "fat.parquet"
+    pq.write_table(table.replace_schema_metadata(meta), str(path), compression="zstd")
+    footer = int.from_bytes(path.read_bytes()[-8:-4], "little")
+    _only(
+        ["validate", str(path)],
+        f"{path}: its footer declares {footer:,} bytes of Parquet footer, above the limit "
+        "of 16,777,216 (`replay --max-footer-bytes N ...` raises it)",
+        tmp_path,
+    )
+    assert run_cli(["--max-footer-bytes", "64M", "validate", str(path)]).exit_code == 0

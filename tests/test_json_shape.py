@@ -169,3 +169,60 @@ def test_diff_of_a_trace_and_of_two_results(tmp_path: Path) -> None:
     assert list(files) == list(data)
     assert files["trace"] == "issue-43559.parquet"
     assert [v["results"] for v in files["variants"]] == [str(a), str(b)]
+
+
+def test_bisect() -> None:
+    data = _json(["bisect", TRACE, "--json", "--from", "0.26.0", "--to", "0.27.1"])
+    assert list(data) == [
+        "version",
+        "command",
+        "trace",
+        "request_id",
+        "trace_vllm_version",
+        "trace_release",
+        "caches",
+    ]
+    assert (data["version"], data["command"], data["trace"]) == (1, "bisect", str(TRACE))
+    assert (data["request_id"], data["trace_vllm_version"], data["trace_release"]) == (None,) * 3
+    gpu, mooncake = data["caches"]
+    assert list(mooncake) == [
+        "cache",
+        "releases",
+        "not_modelled",
+        "lookups",
+        "changing_lookups",
+    ]
+    assert mooncake["releases"] == [
+        {"policy": "vllm-0.26", "first": "0.26.0", "last": "0.26.0", "prs": "#46384"},
+        {"policy": "vllm-0.27", "first": "0.27.0", "last": "0.27.1", "prs": "#49502"},
+    ]
+    (lookup,) = mooncake["lookups"]
+    assert list(lookup) == ["seq", "request_id", "answers", "cells", "changes"]
+    assert lookup["answers"] == {
+        "vllm-0.26": {
+            "hit_tokens": 64,
+            "masks": [[0, 3], [3, 1]],
+            "flags": ["mamba_overrun", "eagle_not_dropped"],
+        },
+        "vllm-0.27": {"hit_tokens": 48, "masks": [[0, 3], [2, 1]], "flags": []},
+    }
+    assert lookup["cells"] == {
+        "vllm-0.26": "64 [0+3 3+1] mamba_overrun,eagle_not_dropped",
+        "vllm-0.27": "48 [0+3 2+1]",
+    }
+    assert lookup["changes"] == [
+        {
+            "policy": "vllm-0.27",
+            "release": "0.27.0",
+            "changes": [
+                "hit 64 -> 48",
+                "masks 0+3 3+1 -> 0+3 2+1",
+                "flags -mamba_overrun -eagle_not_dropped",
+            ],
+        }
+    ]
+    # The engine's gate came with 0.26.0: nothing changes in this range.
+    assert (gpu["cache"], gpu["changing_lookups"], gpu["not_modelled"]) == ("gpu", 0, {})
+    # Every key but the policy names keying answers, cells and not_modelled.
+    named = {p["policy"] for c in data["caches"] for p in c["releases"]}
+    assert _keys(data) - named <= _documented("bisect")

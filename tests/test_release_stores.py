@@ -39,11 +39,13 @@ def _stores(
     return [[int(b) for b in blocks] for blocks in got]
 
 
-def test_every_release_policy_has_its_stores_and_the_emulations_store_as_033() -> None:
+def test_every_release_policy_has_its_stores_and_an_alias_its_releases() -> None:
     assert set(RELEASE_STORES) == {p.name for p in RELEASES}
     assert policy_stores("vllm-0.33") == STORES_033
-    assert policy_stores("pre-49502") == STORES_033
-    assert policy_stores("pre-32802") == STORES_033
+    # An alias stores as the release it stands for, per cache.
+    assert policy_stores("pre-49502", "gpu") == RELEASE_STORES["vllm-0.23"]
+    assert policy_stores("pre-49502", "mooncake") == RELEASE_STORES["vllm-0.26"]
+    assert policy_stores("pre-32802", "gpu") == RELEASE_STORES["vllm-0.16"]
     # Identical to 0.33.0 nowhere else: each older range departs in a field.
     assert all(policy_stores(p.name) != STORES_033 for p in RELEASES[:-1])
 
@@ -171,7 +173,7 @@ def test_synth_refuses_a_cache_or_retention_the_release_lacked(tmp_path: Path) -
     assert not out.exists()
     both = run_cli([*base, "--vllm", "0.26.0", "--policy", "vllm-0.26"])
     assert both.exit_code == 2
-    assert "--vllm and --policy both choose the release: give one" in both.output
+    assert "--vllm and --policy both choose the policy: give one" in both.output
 
 
 def test_synth_by_policy_records_it_and_run_follows(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,8 @@ OVERRUN = {
     "vllm-0.32": {"gpu": 48, "mooncake": 48},
     "vllm-0.33": {"gpu": 48, "mooncake": 48},
     "pre-49502": {"gpu": 64, "mooncake": 64},
-    "pre-32802": {"gpu": 48, "mooncake": 48},
+    "pre-32802": {"gpu": 48},
+    "vllm-0.33-no-mamba-gate": {"gpu": 64, "mooncake": 64},
 }
 
 
@@ -121,7 +123,32 @@ def test_each_release_departs_from_the_next_in_some_rule() -> None:
         assert (older.gpu, older.mooncake) != (newer.gpu, newer.mooncake), older.name
     assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
     assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
-    assert get_policy("pre-49502").alias_note.startswith("policy pre-49502 is vLLM 0.33.0")
+
+
+def test_the_aliases_are_the_release_rules_they_mean() -> None:
+    """pre-49502: the newest rules with the #43559 overrun in each cache;
+    pre-32802: the releases before #40860, engine only."""
+    pre_49502, pre_32802 = get_policy("pre-49502"), get_policy("pre-32802")
+    assert pre_49502.gpu is get_policy("vllm-0.23").gpu
+    assert pre_49502.mooncake is get_policy("vllm-0.26").mooncake
+    assert [pre_49502.release(c).name for c in ("gpu", "mooncake")] == ["vllm-0.23", "vllm-0.26"]
+    assert pre_32802.gpu is get_policy("vllm-0.16").gpu and pre_32802.mooncake is None
+    with pytest.raises(ConfigError, match=r"^policy pre-32802 \(vLLM 0.16.0 - 0.19.1\) has no "):
+        pre_32802.rules("mooncake")
+    # The newest: the next release has the gate in that cache.
+    assert policy_rules("vllm-0.23", "gpu").mamba_peek_margin is True
+    assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
+    assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
+    assert policy_rules("vllm-0.27", "mooncake").mamba_peek_margin is False
+    assert pre_49502.alias_note == (
+        "policy pre-49502 means vllm-0.23 (vLLM 0.23.0 - 0.25.1) in the gpu cache, whose "
+        "Mamba gate came with #46384 in 0.26.0, and vllm-0.26 (vLLM 0.26.0) in the mooncake "
+        "cache, whose gate came with #49502 in 0.27.0"
+    )
+    assert pre_32802.alias_note == (
+        "policy pre-32802 means vllm-0.16 (vLLM 0.16.0 - 0.19.1): #32802 is the issue, "
+        "#40860 in 0.20.0 the fix; the Mooncake mirror did not exist yet"
+    )
 
 
 def _trace(tmp_path: Path, version: str | None) -> Path:
@@ -180,8 +207,49 @@ def test_run_refuses_with_one_line(tmp_path: Path, args: list[str], message: str
     assert not out.exists()
 
 
-def test_an_emulation_says_what_it_stands_for(tmp_path: Path) -> None:
+def test_an_alias_says_what_it_means(tmp_path: Path) -> None:
     trace, out = _trace(tmp_path, None), tmp_path / "r.parquet"
-    result = run_cli(["run", trace, "-o", out, "--policy", "pre-32802", "--json"])
+    result = run_cli(["run", trace, "-o", out, "--policy", "pre-32802", "--cache", "gpu", "--json"])
     assert result.exit_code == 0
     assert result.stderr.splitlines() == [get_policy("pre-32802").alias_note]
+    assert _hit(out) == ("pre-32802", 48)
+    # Its releases had no Mooncake mirror: the one line, nothing written.
+    refused = run_cli(["run", trace, "-o", out, "--policy", "pre-32802", "-q"])
+    assert (refused.exit_code, refused.stderr) == (
+        2,
+        f"error: {trace}: replay.trace metadata: policy pre-32802 (vLLM 0.16.0 - 0.19.1) has "
+        "no Mooncake store mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu\n",
+    )
+
+
+TRACES = sorted((Path(__file__).resolve().parents[1] / "traces").glob("*.parquet"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
+def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -> None:
+    """pre-49502 answers every lookup of every bundled trace as vllm-0.23 in
+    the engine and vllm-0.26 in the mirror, pre-32802 as vllm-0.16 in the
+    engine (hit, masks, group hits, facts), and each refuses what its
+    release refuses."""
+    from replay.engine.run import ReplayOptions, replay
+    from replay.format.tracedir import open_trace
+
+    config = open_trace(trace).config
+    variants = []
+    for alias, release, cache in (("pre-49502", "vllm-0.23", "gpu"), ("pre-49502", "vllm-0.26", "mooncake"), ("pre-32802", "vllm-0.16", "gpu")):  # fmt: skip
+        try:
+            Coordinator(config, release, cache)
+        except ConfigError as exc:
+            with pytest.raises(ConfigError, match=re.escape(str(exc).split(": ")[-1])):
+                Coordinator(config, alias, cache)
+            continue
+        variants += [(alias, cache, "reference"), (release, cache, "reference")]
+    if not variants:
+        return
+    results = replay(trace, ReplayOptions(variants=tuple(variants)))
+    for by_alias, by_release in zip(results[::2], results[1::2], strict=True):
+        assert by_alias.policy.startswith("pre-") and by_alias.cache == by_release.cache
+        assert by_alias.results.height > 0
+        mine, theirs = (r.results.drop("policy") for r in (by_alias, by_release))
+        assert mine.equals(theirs), (trace.name, by_alias.policy, by_alias.cache)

@@ -52,7 +52,13 @@ from replay.rules.coordinator import (
     policy_for_version,
     policy_rules,
 )
-from tests.builders import mutate_store, random_chain, random_hybrid_config, random_max_length
+from tests.builders import (
+    full_mamba,
+    mutate_store,
+    random_chain,
+    random_hybrid_config,
+    random_max_length,
+)
 from tests.contracts.coordinator import CoordinatorContract
 
 pytestmark = pytest.mark.vllm
@@ -525,3 +531,29 @@ class TestVllmCoordinator(CoordinatorContract):
         if ALL_POLICIES[policy].alias_note:
             return Coordinator(cfg, policy)
         return VllmCoordinator(cfg, policy)
+
+
+@pytest.mark.parametrize(
+    ("cache", "release", "last"),
+    [("gpu", "0.23.0 - 0.25.1", "0.25.1"), ("mooncake", "0.26.0", "0.26.0")],
+)
+def test_an_alias_is_answered_where_its_release_is_installed(
+    cache: str, release: str, last: str
+) -> None:
+    """pre-49502 means vllm-0.23 in the engine and vllm-0.26 in the mirror:
+    vLLM answers it where that release is installed (the #43559 overrun,
+    64), and elsewhere refuses in one line naming the release to install."""
+    config = full_mamba()
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    contains = [set(hashes).__contains__] * 2
+    if INSTALLED.rules(cache) == ALL_POLICIES["pre-49502"].rules(cache):
+        got = VllmCoordinator(config, "pre-49502", cache).lookup(hashes, 64, contains)
+        assert (got.hit_tokens, got.mamba_state_tokens) == (64, 64)
+        return
+    with pytest.raises(ReplayError) as refused:
+        VllmCoordinator(config, "pre-49502", cache)
+    assert str(refused.value) == (
+        f"--coordinator vllm answers as the installed vLLM {VERSION} (policy {INSTALLED.name}); "
+        f"policy pre-49502 models vLLM {release} in the {cache} cache: run it in that "
+        f"release's environment (make test-vllm VLLM={last})"
+    )

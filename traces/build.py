@@ -19,7 +19,14 @@ from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.format.writer import write_trace
 from replay.rules.coordinator import CACHES, check_config
-from tests.builders import Scenario, chain, full_mamba, issue_43559_rows, scenario_rows
+from tests.builders import (
+    Scenario,
+    answerable,
+    chain,
+    full_mamba,
+    issue_43559_rows,
+    scenario_rows,
+)
 
 HERE = Path(__file__).parent
 
@@ -84,13 +91,15 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                 # No peek margin before #32802: full attention's bound is 79, it
                 # matches four blocks and drops one, 48.
                 {"policy": "pre-32802", "flags": {}, "hits": {"r79": 48}},
+                # The releases with the overrun cap the peek at max_length: the
+                # margin takes Mamba's state at 64 past attention's 48.
                 {
                     "policy": "pre-49502",
-                    "flags": {"mamba_overrun": 1, "mamba_state_mismatch": 1, "hit_misaligned": 1},
-                    "hits": {"r79": 79},
+                    "flags": {"mamba_overrun": 1},
+                    "hits": {"r79": 64},
                 },
             ],
-            "pre-#49502: Mamba peeks to 80 > max_length 79, the loop breaks and keeps the unaligned bound 79 as the hit",
+            "an unaligned max_length (79): vllm-0.33 hits 64; the releases with #43559 (pre-49502) peek up to max_length and give Mamba's state at 64 past attention's 48, an overrun",
         ),
         "mamba-state-without-attention": (
             [
@@ -103,9 +112,11 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                     "num_tokens": 48,
                 },
                 # A request that does hit, beside it: attention holds three
-                # blocks, Mamba its states at 16 and 32. Its drop lands on a
-                # stored state under every policy (no flag); pre-32802's
-                # bound of 47 drops a second block.
+                # blocks, Mamba its states at 16 and 32. vllm-0.33 peeks to
+                # the hashed 48 and its drop lands on a stored state (no
+                # flag); the older releases bound at max_length 47, so
+                # attention keeps 16: pre-32802 drops a second block (16),
+                # pre-49502's margin puts Mamba's state at 32 (an overrun).
                 {"kind": "store", "group_id": 0, "block_hashes": both},
                 {"kind": "store", "group_id": 1, "block_hashes": both[:2]},
                 {
@@ -121,7 +132,7 @@ def hand_made() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], s
                 {"policy": "pre-32802", "flags": {}, "hits": {"m1": 0, "m2": 16}},
                 {
                     "policy": "pre-49502",
-                    "flags": {"mamba_overrun": 1, "eagle_not_dropped": 1},
+                    "flags": {"mamba_overrun": 2, "eagle_not_dropped": 1},
                     "hits": {"m1": 16, "m2": 32},
                 },
             ],
@@ -230,8 +241,14 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     cases["eagle-reverified-after-shrink"] = reverified_after_shrink()
     for name, (config, rows, by_hand, what) in cases.items():
         # The hand-written truths hold in both of vLLM's caches: each entry
-        # is pinned for every cache the configuration is valid for.
-        expect = [{**e, "cache": c} for c in valid_caches(config) for e in by_hand]
+        # is pinned for every cache the configuration is valid for and its
+        # policy answers in (pre-32802's releases had no Mooncake mirror).
+        expect = [
+            {**e, "cache": c}
+            for c in valid_caches(config)
+            for e in by_hand
+            if answerable(config, e["policy"], c)
+        ]
         for entry in expect:
             # One lookup per request in these traces: the total is their sum.
             entry["hit_tokens"] = sum(entry["hits"].values())
@@ -321,15 +338,18 @@ def valid_caches(config: TraceConfig) -> list[str]:
 def replayed_results(
     trace: TraceSource, config: TraceConfig, policies: Sequence[str] | None = None
 ) -> dict[tuple[str, str], Any]:
-    """Each (policy, cache)'s ``ReplayResult``, every valid cache, from one
-    fold of ``trace``."""
+    """Each (policy, cache)'s ``ReplayResult``, every valid cache the policy
+    answers in, from one fold of ``trace``."""
     from replay.engine.run import ReplayOptions, replay
     from replay.rules.coordinator import POLICIES
 
-    options = ReplayOptions(
-        policies=tuple(policies or POLICIES), caches=tuple(valid_caches(config))
+    variants = tuple(
+        (p, c, "reference")
+        for p in (policies or POLICIES)
+        for c in valid_caches(config)
+        if answerable(config, p, c)
     )
-    return {(r.policy, r.cache): r for r in replay(trace, options)}
+    return {(r.policy, r.cache): r for r in replay(trace, ReplayOptions(variants=variants))}
 
 
 def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[str, Any]]:
@@ -337,10 +357,11 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
     from analysis.flags import flag_counts, result_flags
-    from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
+    from replay.rules.coordinator import pinned_policies
 
-    # The current release and the emulations of the bugs the corpus pins.
-    pinned = [DEFAULT_POLICY, *(p.name for p in ALIASES)]
+    # The current release and the aliases (the releases of the bugs the
+    # corpus pins), in order; each where it answers.
+    pinned = pinned_policies("gpu")
     out = []
     for (policy, cache), result in replayed_results(trace, config, pinned).items():
         res = result.results
@@ -419,8 +440,11 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "`--replay-coordinator vllm` checks the installed vLLM's answers instead.",
         "Every trace pins both of vLLM's caches (`gpu`: the engine's prefix cache,",
         "`mooncake`: the store's mirror) wherever its configuration is valid for",
-        "both. Rebuild with `make traces`; the hand-made expectations are written",
-        "by hand in `build.py` (and must replay in both caches), the synthetic ones",
+        "both, under `vllm-0.33` and the aliases `pre-49502` (`vllm-0.23` in the",
+        "engine, `vllm-0.26` in the mirror: the releases with the #43559 overrun)",
+        "and `pre-32802` (`vllm-0.16`, engine only), each where its releases answer",
+        "the configuration (else the cell says `(not pinned)`). Rebuild with `make traces`; the hand-made expectations are written",
+        "by hand in `build.py` (and must replay in each cache they pin), the synthetic ones",
         "pin the replay at build time (review the diff of this table when they change).",
         "",
         "## The `expect` schema",
@@ -435,7 +459,8 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         '], "pins": "what the trace is for"}',
         "```",
         "",
-        "- `policy`: a policy name (`replay run --help` lists them).",
+        "- `policy`: a policy name (`replay run --help` lists them); when left out,",
+        "  the release that recorded the trace (`source.vllm_version`), else `vllm-0.33`.",
         "- `flags`: the exact number of flagged lookups per flag kind; `{}` means clean.",
         "- `hit_tokens`: the total replayed hit over every lookup.",
         "- `group_hit_tokens`: per group_id, the total of that group's own finder hit",
@@ -475,24 +500,6 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
 RANDOM_SEED = 0x49502
 
 
-def _hits_everywhere(sc: Scenario) -> bool:
-    """Every policy in every cache hits somewhere, in every group: a trace
-    whose answers are all zero cannot tell a coordinator that never hits."""
-    from replay.rules.coordinator import POLICIES, Coordinator
-
-    for cache in sc.caches:
-        for policy in POLICIES:
-            coord = Coordinator(sc.config, policy, cache)
-            per_group = [0] * len(sc.config.groups)
-            for store, hashes, max_length in sc.steps:
-                out = coord.lookup(list(hashes), max_length, [s.__contains__ for s in store])
-                for g in out.groups:
-                    per_group[g.group_id] += g.hit_tokens
-            if not all(per_group):
-                return False
-    return True
-
-
 def _partial(sc: Scenario) -> bool:
     from replay.rules.coordinator import engine_derives_partial_hits
 
@@ -517,23 +524,32 @@ def _evictions(sc: Scenario) -> bool:
     return hits and removes >= 3
 
 
-ENGINE_SHAPES: dict[str, tuple[Any, str]] = {
+#: name -> (the shape it has, its scenario index, what it pins). The
+#: scenarios are frozen as first chosen (the first of the stream with the
+#: shape that hit in every group under every policy and cache of then), so
+#: the corpus does not move when a policy is added or an alias changes
+#: meaning; the build checks each still has its shape.
+ENGINE_SHAPES: dict[str, tuple[Any, int, str]] = {
     "engine-partial-hits": (
         _partial,
+        6,
         "the engine derives hash-unit partial hits (a Mamba block above the hash unit): hits "
         "inside a block, the fine-grained EAGLE margin",
     ),
     "engine-spec-groups": (
         _spec_groups,
+        14,
         "three or more spec groups: the fixed point's later passes",
     ),
     "engine-draft-shares-target": (
         _draft,
+        2,
         "an EAGLE draft group with the target's full-attention spec: one spec group, the drop "
         "decided for both",
     ),
     "engine-evictions-between-lookups": (
         _evictions,
+        21,
         "blocks removed between lookups of one request's prefix: hits shrink and regrow",
     ),
 }
@@ -573,10 +589,37 @@ RANDOM: dict[str, tuple[int, str]] = {
     ),
 }
 
-#: Beside them, the first scenarios of the stream that hit in every group
-#: under every policy and cache, as they come: the mutants' random judge in
-#: small (each a few kilobytes, a fraction of a second through vLLM).
-RANDOM_BATCH = 24
+#: Beside them, the first 24 scenarios of the stream that hit in every group
+#: under every policy and cache when the batch was chosen (vllm-0.33 and the
+#: two emulations the aliases replaced), frozen like the shapes above: the
+#: mutants' random judge in small (each a few kilobytes, a fraction of a
+#: second through vLLM).
+RANDOM_BATCH = (
+    1,
+    2,
+    6,
+    8,
+    10,
+    12,
+    13,
+    14,
+    16,
+    20,
+    21,
+    23,
+    24,
+    26,
+    27,
+    28,
+    29,
+    30,
+    33,
+    34,
+    36,
+    40,
+    42,
+    44,
+)
 
 
 def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
@@ -584,36 +627,24 @@ def build_random() -> list[tuple[str, str, list[dict[str, Any]]]]:
 
     from tests.builders import random_scenarios
 
-    wanted = {name: index for name, (index, _) in RANDOM.items()}
-    shapes = dict(ENGINE_SHAPES)
-    chosen: dict[str, Scenario] = {}
-    last = max(wanted.values(), default=0)
-    batch: list[Scenario] = []
-    for sc in random_scenarios(RANDOM_SEED, 100_000):
-        if len(batch) < RANDOM_BATCH and _hits_everywhere(sc):
-            batch.append(sc)
-        for name, index in wanted.items():
-            if sc.index == index:
-                chosen[name] = sc
-        for name, (pick, _) in list(shapes.items()):
-            if (
-                pick(sc)
-                and all(c.index != sc.index for c in chosen.values())
-                and _hits_everywhere(sc)
-            ):
-                chosen[name] = sc
-                del shapes[name]
-        if not shapes and sc.index >= last and len(batch) >= RANDOM_BATCH:
-            break
-    built = []
-    notes = {name: what for name, (_, what) in ENGINE_SHAPES.items()}
+    wanted = {name: index for name, (_, index, _) in ENGINE_SHAPES.items()}
+    wanted |= {name: index for name, (index, _) in RANDOM.items()}
+    wanted |= {f"random-{index:04d}": index for index in RANDOM_BATCH}
+    notes = {name: what for name, (_, _, what) in ENGINE_SHAPES.items()}
     notes.update({name: what for name, (_, what) in RANDOM.items()})
-    for sc in batch:
-        name = f"random-{sc.index:04d}"
-        chosen.setdefault(name, sc)
-        notes[name] = f"random scenario {sc.index} of the mutants' judge (seed {RANDOM_SEED:#x})"
-    for name in [*ENGINE_SHAPES, *RANDOM, *(f"random-{sc.index:04d}" for sc in batch)]:
-        sc = chosen[name]
+    for index in RANDOM_BATCH:
+        notes[f"random-{index:04d}"] = (
+            f"random scenario {index} of the mutants' judge (seed {RANDOM_SEED:#x})"
+        )
+    by_index: dict[int, Scenario] = {}
+    for sc in random_scenarios(RANDOM_SEED, max(wanted.values()) + 1):
+        by_index[sc.index] = sc
+    built = []
+    for name, index in wanted.items():
+        sc = by_index[index]
+        shape = ENGINE_SHAPES.get(name)
+        if shape is not None and not shape[0](sc):
+            raise SystemExit(f"{name}: scenario {index} no longer has its shape")
         rows = scenario_rows(sc)
         config = replace(sc.config, source={"tool": "traces/build.py", "kind": "random"})
         draft = io.BytesIO()

@@ -78,7 +78,24 @@ TEXT_BYTES = Limit(
     "--max-text-bytes", "REPLAY_MAX_TEXT_BYTES", 64 << 20, "bytes of text in one row group"
 )
 
-LIMITS = (ROW_HASHES, GROUP_HASHES, HASH_BYTES, LINE_BYTES, RECORD_BYTES, GROUPS, TEXT_BYTES)
+#: Bytes of a Parquet file's footer (its schema, the key-value metadata that
+#: holds a trace's config, and the row-group index), read from the file's
+#: last eight bytes before pyarrow parses it: a 400,000-group config in the
+#: metadata took 759 MB to parse before the group limit could refuse it.
+FOOTER_BYTES = Limit(
+    "--max-footer-bytes", "REPLAY_MAX_FOOTER_BYTES", 16 << 20, "bytes of Parquet footer"
+)
+
+LIMITS = (
+    ROW_HASHES,
+    GROUP_HASHES,
+    HASH_BYTES,
+    LINE_BYTES,
+    RECORD_BYTES,
+    GROUPS,
+    TEXT_BYTES,
+    FOOTER_BYTES,
+)
 
 
 def bounded_lines(fh: IO[AnyStr], path: object) -> Iterator[tuple[int, AnyStr]]:

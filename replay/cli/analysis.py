@@ -7,10 +7,17 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import command
-from replay.cli.options import count_option, output_option, repeated_choice
+from replay.cli.common import command, fail, note_at_end
+from replay.cli.options import (
+    chosen_policies,
+    count_option,
+    output_option,
+    repeated_choice,
+    vllm_option,
+)
 from replay.cli.progress import progress_bar
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
+from replay.rules.coordinator.policy import recorded_release
 
 
 @command("diff")
@@ -19,8 +26,10 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
     "--policy",
     "policies",
     POLICIES,
-    "With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 --policy pre-49502).",
+    "With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 --policy pre-49502). "
+    "Default: a results file's own, else the trace's source.vllm_version, else vllm-0.33.",
 )
+@vllm_option(multiple=True)
 @repeated_choice(
     "--coordinator",
     "coordinators",
@@ -50,6 +59,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
 def diff(
     inputs: tuple[Path, ...],
     policies: tuple[str, ...],
+    vllm_versions: tuple[str, ...],
     coordinators: tuple[str, ...],
     caches: tuple[str, ...],
     as_json: bool,
@@ -80,7 +90,12 @@ def diff(
     if len(inputs) == 1:  # a results file replays the trace it leads to
         from replay.format.link import trace_of
 
-        inputs = (trace_of(inputs[0])[0],)
+        trace, info = trace_of(inputs[0])
+        inputs = (trace,)
+        own = None if info is None else str(info.get("policy"))
+        policies = chosen_policies(trace, policies, vllm_versions, results_policy=own, most=2)
+    elif vllm_versions:
+        raise fail("--vllm replays a trace; two results files are compared as they are")
     with progress_bar(as_json) as bar:
         result = diff_inputs(
             list(inputs),
@@ -143,12 +158,12 @@ def bisect(
       replay bisect TRACE                          every release, both caches
       replay bisect TRACE --request ID --from 0.22.0 --to 0.28.0
 
-    Prints a Markdown table per cache (--json: every lookup and release).
+    Prints a Markdown table per cache (--json: every lookup and release),
+    the column of the release that recorded the trace (its
+    source.vllm_version) marked (trace).
     A cache a release did not have is listed with the reason. Exit status 0
     (a report), 2 on bad input.
     """
-    import json
-
     from analysis.bisect import bisect as run_bisect
     from analysis.bisect import markdown
 
@@ -159,8 +174,13 @@ def bisect(
         last=last,
         request_id=request_id,
     )
+    recorded = recorded_release({"vllm_version": report["trace_vllm_version"]})
+    if recorded is not None:
+        note_at_end(f"{recorded[1]}; its column is marked (trace)")
     if as_json:
-        click.echo(json.dumps(report, indent=2, default=str))
+        from replay.cli import payloads
+
+        payloads.echo("bisect", report)
         return
     for line in markdown(report, limit=max(limit, 0)):
         click.echo(line)

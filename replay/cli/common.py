@@ -207,7 +207,28 @@ class Command(_UsageInOneLine):
         import polars  # noqa: F401
 
         with command_guard():
-            return super().invoke(ctx)
+            try:
+                result = super().invoke(ctx)
+            except SystemExit:  # `replay check` failing is a result too
+                _say_notes(ctx)
+                raise
+            _say_notes(ctx)
+            return result
+
+
+_NOTES = "replay.notes"
+
+
+def note_at_end(*lines: str) -> None:
+    """Lines for standard error once the command has done its work (what
+    was inferred, e.g. the policy of the trace's release): after the
+    output, and never before an error, which stays the one line."""
+    click.get_current_context().find_root().meta.setdefault(_NOTES, []).extend(lines)
+
+
+def _say_notes(ctx: click.Context) -> None:
+    for line in dict.fromkeys(ctx.find_root().meta.pop(_NOTES, [])):
+        click.echo(line, err=True)
 
 
 class Group(_UsageInOneLine, click.Group):

@@ -19,8 +19,8 @@ from replay.base.units import (
     parse_seed,
     shown,
 )
-from replay.cli.common import fail
-from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
+from replay.cli.common import fail, note_at_end
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES, choose_policies
 from replay.sources.archetypes import ARCHETYPES
 
 if TYPE_CHECKING:
@@ -156,19 +156,17 @@ def optional_retention(
 
 
 def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, str | None]:
-    """The release whose stores a source or what-if produces: ``--policy``,
-    else ``--vllm``'s release policy, else the default; with the version
-    given (recorded in the trace's ``source.vllm_version``)."""
-    from replay.rules.coordinator import policy_for_version
-
-    if policy is not None and vllm_version is not None:
-        raise fail("--vllm and --policy both choose the release: give one")
-    if vllm_version is None:
-        return policy or DEFAULT_POLICY, None
+    """The release whose stores a source or what-if produces, by the one
+    policy rule (``choose_policies``: ``--policy``, else ``--vllm``'s release,
+    else the default); with the version given (recorded in the trace's
+    ``source.vllm_version``)."""
     try:
-        return policy_for_version(vllm_version).name, vllm_version
+        chosen = choose_policies(
+            (policy,) if policy else (), vllm=(vllm_version,) if vllm_version else ()
+        )
     except ReplayError as exc:
-        raise fail(f"--vllm: {exc}") from None
+        raise fail(str(exc)) from None
+    return chosen.policies[0], vllm_version
 
 
 def release_retention(given: int | str | None, policy: str) -> int | None:
@@ -267,3 +265,48 @@ def store_options(fn: F) -> F:
     ):
         fn = decorator(fn)
     return release_options(fn)
+
+
+# ---------------------------------------------------------------- policies
+
+
+def vllm_option(multiple: bool = False) -> Callable[[F], F]:
+    """``--vllm VERSION``: answer as that vLLM release (its policy), wherever
+    ``--policy`` is taken; repeatable where ``--policy`` is."""
+    return click.option(
+        "--vllm",
+        "vllm_versions",
+        metavar="VERSION",
+        multiple=True,
+        help="Answer as this vLLM release (e.g. 0.26.0): the policy that models it"
+        + ("; repeatable like --policy" if multiple else "")
+        + ". Default: the trace's source.vllm_version (the release that recorded it), "
+        f"else {DEFAULT_POLICY}.",
+    )
+
+
+def chosen_policies(
+    trace: Path | None,
+    given: Iterable[str] = (),
+    vllm: Iterable[str] = (),
+    *,
+    results_policy: str | None = None,
+    quiet: bool = False,
+    most: int | None = 1,
+) -> tuple[str, ...]:
+    """The policies a command answers with (``choose_policies``: ``--policy``,
+    ``--vllm``, a results file's own, the trace's recorded release, the
+    default); what was inferred, and what an alias means, goes to stderr
+    when the command is done (an error stays the one line)."""
+    given, vllm = tuple(given), tuple(vllm)
+    if most is not None and len(vllm) > most:
+        raise fail(f"--vllm given {len(vllm)} times, expected at most {most}")
+    source = None
+    if not given and not vllm and results_policy is None and trace is not None:
+        from replay.format.tracedir import open_trace
+
+        source = open_trace(trace).config.source
+    chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+    if not quiet:
+        note_at_end(*chosen.notes)
+    return chosen.policies

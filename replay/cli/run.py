@@ -10,9 +10,16 @@ from pathlib import Path
 
 import click
 
-from replay.base.errors import ReplayError
 from replay.cli.common import command, fail
-from replay.cli.options import TRACE, count_option, integer_type, output_option, repeated_choice
+from replay.cli.options import (
+    TRACE,
+    chosen_policies,
+    count_option,
+    integer_type,
+    output_option,
+    repeated_choice,
+    vllm_option,
+)
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import (
@@ -20,9 +27,6 @@ from replay.rules.coordinator import (
     COORDINATORS,
     DEFAULT_POLICY,
     POLICIES,
-    get_policy,
-    policy_for_version,
-    trace_policy,
 )
 from replay.tools.render import (
     check_lines,
@@ -33,19 +37,12 @@ from replay.tools.render import (
     run_summary_lines,
 )
 
-
-def _given(name: str) -> bool:
-    """Whether the user gave option ``name`` (not its default)."""
-    source = click.get_current_context().get_parameter_source(name)
-    return source not in (None, click.core.ParameterSource.DEFAULT)
-
-
 POLICY = click.option(
     "--policy",
     type=click.Choice(list(POLICIES)),
-    default=DEFAULT_POLICY,
-    show_default=True,
-    help="Coordinator semantics: "
+    default=None,
+    help="Coordinator semantics (default: a results file's own, else the trace's "
+    f"source.vllm_version, else {DEFAULT_POLICY}): "
     + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
 )
 CACHE = click.option(
@@ -92,14 +89,7 @@ SEQ = click.option(
     "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
     "repeat it for one results file per cache from the same fold.",
 )
-@click.option(
-    "--vllm",
-    "vllm_version",
-    metavar="VERSION",
-    default=None,
-    help="Answer as this vLLM release (e.g. 0.26.0): its policy. Default: the trace's "
-    f"source.vllm_version (recorded by the vLLM plugin), else {DEFAULT_POLICY}.",
-)
+@vllm_option(multiple=True)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -117,7 +107,7 @@ def run(
     output: Path | None,
     policies: tuple[str, ...],
     caches: tuple[str, ...],
-    vllm_version: str | None,
+    vllm_versions: tuple[str, ...],
     coordinator: str,
     workers: int | None,
     ray_address: str | None,
@@ -144,7 +134,9 @@ def run(
     from replay.engine.run import ReplayOptions, replay
     from replay.format.paths import PARQUET, check_outputs, output_format, staged_outputs
 
-    policies = _run_policies(trace, tuple(dict.fromkeys(policies)), vllm_version, quiet)
+    policies = chosen_policies(
+        trace, dict.fromkeys(policies), dict.fromkeys(vllm_versions), quiet=quiet, most=None
+    )
     used: tuple[str | None, ...] = tuple(dict.fromkeys(caches)) or (None,)
     outs = results_paths(trace, output, policies, used)
     check_outputs({"-o" if len(outs) == 1 else f"-o ({out.name})": out for out in outs}, [trace])
@@ -221,45 +213,19 @@ def run(
 TRACE_OR_RESULTS = click.argument("trace", metavar="TRACE|RESULTS", type=click.Path(path_type=Path))
 
 
-def _followed(path: Path, policy: str | None, cache: str | None) -> tuple[Path, str, str | None]:
+def _followed(
+    path: Path, policy: str | None, vllm: tuple[str, ...], cache: str | None
+) -> tuple[Path, str, str | None]:
     """A trace as it is; a results file: the trace it leads to, and its
-    policy and cache unless the options name others."""
+    policy and cache unless the options name others. The policy is chosen
+    by the one rule (``chosen_policies``)."""
     from replay.format.link import trace_of
     from replay.format.results import results_cache
 
     trace, info = trace_of(path)
-    if info is None:
-        return trace, policy or DEFAULT_POLICY, cache
-    return trace, policy or str(info.get("policy", DEFAULT_POLICY)), cache or results_cache(info)
-
-
-def _run_policies(
-    trace: Path, given: tuple[str, ...], vllm_version: str | None, quiet: bool
-) -> tuple[str, ...]:
-    """The policies to answer with: ``--policy``, else ``--vllm``'s release,
-    else the trace's recorded release, else the default. What is inferred,
-    and what an emulation stands for, is said on stderr."""
-    from replay.format.tracedir import open_trace
-
-    notes: list[str] = []
-    if vllm_version is not None:
-        if given:
-            raise fail("--vllm and --policy both choose the policy: give one")
-        try:
-            policy = policy_for_version(vllm_version)
-        except ReplayError as exc:
-            raise fail(f"--vllm: {exc}") from None
-        given = (policy.name,)
-        notes.append(f"policy {policy.name}: vLLM {vllm_version} (vLLM {policy.releases})")
-    elif not given:
-        recorded = trace_policy(open_trace(trace).config.source)
-        given = (recorded[0],) if recorded else (DEFAULT_POLICY,)
-        notes.extend(recorded[1:] if recorded else ())
-    notes.extend(get_policy(p).alias_note for p in given if get_policy(p).alias_note)
-    if not quiet:
-        for note in notes:
-            click.echo(note, err=True)
-    return given
+    own = None if info is None else str(info.get("policy", DEFAULT_POLICY))
+    (chosen,) = chosen_policies(trace, (policy,) if policy else (), vllm, results_policy=own)
+    return trace, chosen, cache or (None if info is None else results_cache(info))
 
 
 @command()
@@ -270,9 +236,11 @@ def _run_policies(
     "--policy",
     type=click.Choice(list(POLICIES)),
     default=None,
-    help=f"Coordinator semantics (default: the results' own, else {DEFAULT_POLICY}): "
+    help="Coordinator semantics (default: the results' own, else the trace's "
+    f"source.vllm_version, else {DEFAULT_POLICY}): "
     + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
 )
+@vllm_option()
 @CACHE
 @COORDINATOR
 def explain(
@@ -280,6 +248,7 @@ def explain(
     request_id: str,
     seq: int | None,
     policy: str | None,
+    vllm_versions: tuple[str, ...],
     cache: str | None,
     coordinator: str,
 ) -> None:
@@ -291,7 +260,7 @@ def explain(
     from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
 
-    trace, policy, cache = _followed(trace, policy, cache)
+    trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -333,6 +302,7 @@ IGNORE = click.option(
 @command()
 @click.argument("path", type=click.Path(path_type=Path))
 @POLICY
+@vllm_option()
 @CACHE
 @COORDINATOR
 @FAIL_ON
@@ -341,7 +311,8 @@ IGNORE = click.option(
 @count_option("--examples", default=10, help="Flagged lookups to list.")
 def check(
     path: Path,
-    policy: str,
+    policy: str | None,
+    vllm_versions: tuple[str, ...],
     cache: str | None,
     coordinator: str,
     fail_on: tuple[str, ...],
@@ -360,13 +331,20 @@ def check(
     from analysis.check import check_path
     from analysis.flags import counts_text, flag_counts, flag_examples
     from analysis.selection import failing, select_flags, selection_text
+    from replay.format.results import is_results_file, results_info
 
     selected = select_flags(fail_on, ignore)
     chosen = selection_text(fail_on, ignore)
+    # A results file: its own policy (another one given is refused); a trace:
+    # the one rule.
+    own = str(results_info(path).get("policy")) if is_results_file(path) else None
+    (asked,) = chosen_policies(
+        None if own else path, (policy,) if policy else (), vllm_versions, results_policy=own
+    )
     with progress_bar(as_json) as bar:
         flags, policy_used = check_path(
             path,
-            policy=policy if _given("policy") else None,
+            policy=asked,
             coordinator=coordinator,
             cache=cache,
             progress=None if bar is None else bar.replay,
@@ -375,7 +353,7 @@ def check(
     fails = failing(counts, selected)
     if as_json:
         from replay.engine.answers import resolve_cache
-        from replay.format.results import is_results_file, results_cache, results_info
+        from replay.format.results import results_cache
         from replay.format.tracedir import open_trace
 
         if is_results_file(path):
@@ -451,8 +429,10 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
     "--policy",
     type=click.Choice(list(POLICIES)),
     default=None,
-    help=f"Policy under which the flag fires (default: the results' own, else {DEFAULT_POLICY}).",
+    help="Policy under which the flag fires (default: the results' own, else the trace's "
+    f"source.vllm_version, else {DEFAULT_POLICY}).",
 )
+@vllm_option()
 @CACHE
 @output_option("The small trace to write.", required=True)
 def minimize(
@@ -461,6 +441,7 @@ def minimize(
     seq: int | None,
     flag: str | None,
     policy: str | None,
+    vllm_versions: tuple[str, ...],
     cache: str | None,
     output: Path,
 ) -> None:
@@ -475,7 +456,7 @@ def minimize(
         raise fail(f"--flag: unknown flag {flag!r}, expected one of {', '.join(FLAG_KINDS)}")
 
     given = trace
-    trace, policy, cache = _followed(trace, policy, cache)
+    trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
     check_outputs({"-o": output}, [given, trace], formats={"-o": PARQUET})
     with progress_bar() as bar:
         info = run_minimize(

@@ -29,7 +29,7 @@ from replay.format.schema import (
     _string_ok,
     check_config_limits,
 )
-from replay.format.trace import _open_parquet
+from replay.format.trace import _open_parquet, check_declared_text
 from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars, utc_ts
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE
@@ -326,6 +326,7 @@ def read_results(
             "come together, or not at all in a file from before them)"
         )
     config = results_config(info, path)
+    check_declared_text(pf, str(path))
     try:
         table = pf.read()
     except (pa.ArrowException, OSError) as exc:

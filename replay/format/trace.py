@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
-from replay.base.limits import GROUP_HASHES, HASH_BYTES, ROW_HASHES, TEXT_BYTES
+from replay.base.limits import FOOTER_BYTES, GROUP_HASHES, HASH_BYTES, ROW_HASHES, TEXT_BYTES
 from replay.base.spec import TraceConfig
 from replay.base.text import utf8_path
 from replay.format.paths import check_input
@@ -37,12 +37,13 @@ from replay.rules.coordinator import check_config, trace_cache
 
 
 def _ends(fh: BinaryIO) -> tuple[int, bytes, bytes]:
-    """A seekable file's size and its first and last four bytes."""
+    """A seekable file's size, its first four bytes and its last eight (the
+    footer's length, then the magic)."""
     size = fh.seek(0, os.SEEK_END)
     fh.seek(0)
     head = fh.read(4)
-    fh.seek(max(0, size - 4))
-    tail = fh.read(4)
+    fh.seek(max(0, size - 8))
+    tail = fh.read(8)
     fh.seek(0)
     return size, head, tail
 
@@ -73,8 +74,11 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
         raise TraceError(f"{p}: empty file, expected a Parquet file")
     if head != b"PAR1":
         raise TraceError(f"{p}: not a Parquet file (no PAR1 magic at the start)")
-    if tail != b"PAR1":
+    if tail[-4:] != b"PAR1":
         raise TraceError(f"{p}: truncated Parquet file (no PAR1 magic at the end)")
+    footer = int.from_bytes(tail[:4], "little") if len(tail) == 8 else 0
+    if footer > FOOTER_BYTES.value():
+        raise FOOTER_BYTES.refuse(f"{p}: its footer declares", footer, TraceError)
     owned: BinaryIO | None = None
     if isinstance(source, str) and not utf8_path(source):
         # Arrow takes only UTF-8 names: any other is read through Python,
@@ -149,6 +153,33 @@ def _declared_hashes(rg: Any) -> int:
     return 0
 
 
+def _is_text(typ: pa.DataType) -> bool:
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return True
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        return _is_text(typ.value_type)
+    return False
+
+
+def check_declared_text(pf: pq.ParquetFile, path: str) -> None:
+    """Before any row is decoded: no text column (strings, or lists of them,
+    as a results file's flags) declares more than ``--max-text-bytes`` in one
+    row group. Traces and results files alike."""
+    text = TEXT_BYTES.value()
+    texts = {f.name for f in pf.schema_arrow if _is_text(f.type)}
+    meta = pf.metadata
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            name = col.path_in_schema.split(".", 1)[0]
+            if name in texts and col.total_uncompressed_size > text:
+                raise TEXT_BYTES.refuse(
+                    f"{path}: row group {i} column {col.path_in_schema!r} declares",
+                    col.total_uncompressed_size,
+                )
+
+
 def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
     """Before any row is decoded: the sizes the footer declares are within
     the limits of ``replay.base.limits`` (hashes per row group, per row on
@@ -160,21 +191,9 @@ def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
         raise HASH_BYTES.refuse(f"{path}: column 'block_hashes' holds hashes of", width.byte_width)
     meta = pf.metadata
     per_row, per_group = ROW_HASHES.value(), GROUP_HASHES.value()
-    text = TEXT_BYTES.value()
-    texts = {
-        f.name
-        for f in pf.schema_arrow
-        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
-    }
+    check_declared_text(pf, path)
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            if col.path_in_schema in texts and col.total_uncompressed_size > text:
-                raise TEXT_BYTES.refuse(
-                    f"{path}: row group {i} column {col.path_in_schema!r} declares",
-                    col.total_uncompressed_size,
-                )
         declared = _declared_hashes(rg)
         if declared > per_group:
             raise GROUP_HASHES.refuse(f"{path}: row group {i} declares", declared)

@@ -120,7 +120,7 @@ class StoreSettings:
     @property
     def stores(self) -> Stores:
         """The release's store rules."""
-        return policy_stores(self.policy)
+        return policy_stores(self.policy, self.cache)
 
     def as_source(self) -> dict[str, object]:
         """The fields a trace's ``source`` metadata records."""

@@ -21,13 +21,14 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.engine.answers import resolve_cache
 from replay.engine.replay import iter_events
 from replay.engine.run import ReplayOptions, replay
 from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import ALIASES, DEFAULT_POLICY
+from replay.rules.coordinator import pinned_policies
 
 Row = dict[str, Any]
 
@@ -182,10 +183,10 @@ def minimize(
     ]
     events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
     final = [*events, target]
-    # The default's and the emulations' expectations from one fold of the
-    # final rows (the release policies are `replay bisect`'s: a regression
-    # trace pins the current release and the bug's emulation).
-    pinned = (DEFAULT_POLICY, *(p.name for p in ALIASES))
+    # The expectations, from one fold of the final rows, of the policy it was
+    # shrunk under, the default release and the aliases (the bugs' releases)
+    # that have this cache; every other release is `replay bisect`'s.
+    pinned = pinned_policies(resolve_cache(config, cache), (policy,))
     options = ReplayOptions(policies=pinned, caches=(cache,))
     expect = []
     for result in replay(_candidate(config, final), options):

@@ -359,11 +359,12 @@ class VllmCoordinator(LookupCoordinator):
         version = installed_vllm_version()
         installed = policy_for_version(version)
         if installed.rules(self.cache.name) != self.cache:
+            modelled = self.policy.release(self.cache.name)
             raise ReplayError(
                 f"--coordinator vllm answers as the installed vLLM {version} (policy "
                 f"{installed.name}); policy {self.policy.name} models vLLM "
-                f"{self.policy.releases} in the {self.cache.name} cache: run it in that "
-                f"release's environment (make test-vllm VLLM={self.policy.last})"
+                f"{modelled.releases} in the {self.cache.name} cache: run it in that "
+                f"release's environment (make test-vllm VLLM={modelled.last})"
             )
         self._module: Any = module
         self._utils: Any = utils

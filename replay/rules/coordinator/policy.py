@@ -7,14 +7,17 @@ behaviour change in vLLM becomes a new policy here (new field values, and a
 new field when the change is new in kind), never a fork of the fixed-point
 code. The boundaries were read from the release wheels (docs/releases.md).
 
-``pre-49502`` and ``pre-32802`` are the emulations that came before (0.33.0
-with one rule turned back); they stay, and say which releases they stand for.
+``pre-49502`` and ``pre-32802`` are the names the tool had before, named
+after a PR and an issue; they are aliases of the release rules they mean
+(cache by cache) and say so when used. ``choose_policies`` is the one rule by
+which every command picks its policy (given, ``--vllm``, a results file's
+own, the trace's recorded release, the default).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +36,10 @@ class Policy(Entry):
     #: before the mirror existed)
     gpu: Cache
     mooncake: Cache | None
-    #: for an emulation: which releases it stands for, printed when it is used
+    #: for an alias or an emulation: what it means, printed when it is used;
+    #: for an alias, the release policy whose rules it takes in each cache
     alias_note: str = ""
+    stands_for: tuple[tuple[str, str], ...] = ()
 
     @property
     def releases(self) -> str:
@@ -53,6 +58,19 @@ class Policy(Entry):
                 "mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
             )
         return self.mooncake
+
+    def release(self, cache: str | Cache) -> Policy:
+        """The release policy whose rules this one takes in ``cache`` (itself
+        unless it is an alias)."""
+        name = dict(self.stands_for).get(get_cache(cache).name)
+        return self if name is None else _BY_NAME[name]
+
+
+def version_key(version: str) -> tuple[int, int, int]:
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if m is None:
+        raise ReplayError(f"vLLM version {version!r}: expected MAJOR.MINOR[.PATCH]")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
 
 
 # The engine's rules, newest first: each release range departs from the next.
@@ -197,54 +215,89 @@ RELEASES: tuple[Policy, ...] = (
 )
 _BY_NAME = by_name(*RELEASES)
 
-# The two emulations the tool had before it modelled releases: vLLM 0.33.0's
-# code with one rule turned back. The corpus and its expectations are pinned
-# on them, so they keep their meaning; using one prints which releases really
-# behaved that way (``alias_note``).
+# The two names the tool had before it modelled releases, named after a PR
+# (#49502) and an issue (#32802). Each is now the real rules of the newest
+# releases that still behaved as the name says, cache by cache, and says so
+# when used (``alias_note``).
+
+
+def _alias(name: str, gpu: str, mooncake: str | None, prs: str, what: str, note: str) -> Policy:
+    engine, mirror = _BY_NAME[gpu], None if mooncake is None else _BY_NAME[mooncake]
+    return Policy(
+        name=name,
+        description=f"alias: {what}",
+        first=engine.first,
+        last=engine.last if mirror is None else max(engine.last, mirror.last, key=version_key),
+        prs=prs,
+        gpu=engine.gpu,
+        mooncake=None if mirror is None else mirror.mooncake,
+        alias_note=note,
+        stands_for=(("gpu", engine.name),)
+        + (() if mirror is None else (("mooncake", mirror.name),)),
+    )
+
+
 ALIASES: tuple[Policy, ...] = (
-    Policy(
-        name="pre-49502",
-        description="emulation: vLLM 0.33.0 with Mamba given the EAGLE peek margin "
-        "(#43559); the releases that had it: vllm-0.26 and older (mirror), "
-        "vllm-0.23 and older (engine)",
-        first="0.33.0",
-        last="0.33.0",
-        prs="#46384 (engine), #49502 (mirror)",
-        gpu=_E33.but(mamba_peek_margin=True),
-        mooncake=_M33.but(mamba_peek_margin=True),
-        alias_note="policy pre-49502 is vLLM 0.33.0 with the Mamba gate removed; the "
-        "releases without the gate are vllm-0.23 (0.23.0-0.25.1) in the gpu cache, "
-        "whose gate came with #46384 in 0.26.0, and vllm-0.26 (0.26.0) in the mooncake "
-        "cache, whose gate came with #49502 in 0.27.0",
+    _alias(
+        "pre-49502",
+        "vllm-0.23",
+        "vllm-0.26",
+        "ended by #46384 (engine, 0.26.0) and #49502 (mirror, 0.27.0)",
+        "the newest releases with the #43559 overrun (Mamba given the EAGLE peek margin): "
+        "vllm-0.23 in the gpu cache, vllm-0.26 in the mooncake cache",
+        "policy pre-49502 means vllm-0.23 (vLLM 0.23.0 - 0.25.1) in the gpu cache, whose "
+        "Mamba gate came with #46384 in 0.26.0, and vllm-0.26 (vLLM 0.26.0) in the "
+        "mooncake cache, whose gate came with #49502 in 0.27.0",
     ),
-    Policy(
-        name="pre-32802",
-        description="emulation: vLLM 0.33.0 with the EAGLE drop on every finder call "
-        "and no peek margin; the releases that had it: vllm-0.16 (0.16.0-0.19.1)",
-        first="0.33.0",
-        last="0.33.0",
-        prs="#40860",
-        gpu=_E33.but(verify_eagle_once=False),
-        mooncake=_M33.but(verify_eagle_once=False),
-        alias_note="policy pre-32802 is vLLM 0.33.0 with the EAGLE drop on every finder "
-        "call; #32802 is the issue, #40860 (0.20.0) the fix: the releases before it are "
-        "vllm-0.16 (0.16.0-0.19.1, gpu cache only)",
+    _alias(
+        "pre-32802",
+        "vllm-0.16",
+        None,
+        "ended by #40860 (0.20.0)",
+        "the releases with the EAGLE drop on every finder call and no peek margin: "
+        "vllm-0.16 (gpu cache only; the mirror came in 0.22.0)",
+        "policy pre-32802 means vllm-0.16 (vLLM 0.16.0 - 0.19.1): #32802 is the issue, "
+        "#40860 in 0.20.0 the fix; the Mooncake mirror did not exist yet",
     ),
 )
 
-POLICIES: dict[str, Policy] = by_name(*RELEASES, *ALIASES)
+# Not a release and not an alias: vLLM 0.33.0's structure with the Mamba
+# gates taken out, what `make mutants` makes of vLLM 0.33.0 with its
+# engine-no-mamba-gate and mirror-no-mamba-gate mutants. No release ever
+# answered so (0.33.0's peek cap on the hashed length with Mamba's margin
+# can leave a hit past max_length's alignment); it stays for the flags'
+# tests of such facts and says so when used.
+EMULATIONS: tuple[Policy, ...] = (
+    Policy(
+        name="vllm-0.33-no-mamba-gate",
+        description="emulation, no release: vLLM 0.33.0 with the Mamba gates of #46384 "
+        "(engine) and #49502 (mirror) removed, as make mutants' no-mamba-gate mutants",
+        first="0.33.0",
+        last="0.33.0",
+        prs="#46384 and #49502 taken out",
+        gpu=_E33.but(mamba_peek_margin=True),
+        mooncake=_M33.but(mamba_peek_margin=True),
+        alias_note="policy vllm-0.33-no-mamba-gate is an emulation, no vLLM release: 0.33.0 "
+        "with the Mamba gate removed; the releases with the #43559 overrun are pre-49502",
+    ),
+)
+
+POLICIES: dict[str, Policy] = by_name(*RELEASES, *ALIASES, *EMULATIONS)
 DEFAULT_POLICY = "vllm-0.33"
+
+
+def pinned_policies(cache: str | Cache, also: Sequence[str] = ()) -> tuple[str, ...]:
+    """What a regression trace pins in ``cache`` (``traces/build.py``,
+    ``replay minimize``): the default release, the aliases (the releases
+    of the bugs the corpus is about) and ``also``, each only where it has
+    that cache (``pre-32802`` has no Mooncake mirror)."""
+    names = dict.fromkeys((DEFAULT_POLICY, *(p.name for p in ALIASES), *also))
+    engine = get_cache(cache).name == "gpu"
+    return tuple(n for n in names if engine or get_policy(n).mooncake is not None)
 
 
 def get_policy(name: str | Policy) -> Policy:
     return name if isinstance(name, Policy) else named(POLICIES, name, "policy")
-
-
-def version_key(version: str) -> tuple[int, int, int]:
-    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
-    if m is None:
-        raise ReplayError(f"vLLM version {version!r}: expected MAJOR.MINOR[.PATCH]")
-    return int(m[1]), int(m[2]), int(m[3] or 0)
 
 
 def policy_rules(policy: str | Policy, cache: str | Cache) -> Cache:
@@ -252,26 +305,91 @@ def policy_rules(policy: str | Policy, cache: str | Cache) -> Cache:
     return get_policy(policy).rules(cache)
 
 
-def trace_policy(source: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """The policy of the vLLM release a trace was recorded from
-    (``source.vllm_version``) and a line saying so, or None."""
-    version = None if source is None else source.get("vllm_version")
-    if not isinstance(version, str):
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """The policies a command answers with, and the lines that say what was
+    inferred (and what an alias means), for standard error."""
+
+    policies: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+def choose_policies(
+    given: Sequence[str] = (),
+    *,
+    vllm: Sequence[str] = (),
+    source: Mapping[str, Any] | None = None,
+    results_policy: str | None = None,
+) -> Chosen:
+    """Every command's one rule for its policies: ``--policy`` (``given``),
+    else each ``--vllm`` release's policy, else a results file's own policy,
+    else the release that recorded the trace (``source.vllm_version``), else
+    :data:`DEFAULT_POLICY`. Giving both ``--policy`` and ``--vllm`` is an
+    error; an alias among the chosen policies adds the line saying what it
+    means."""
+    notes: list[str] = []
+    chosen = tuple(given)
+    if vllm:
+        if chosen:
+            raise ReplayError("--vllm and --policy both choose the policy: give one")
+        releases = []
+        for version in vllm:
+            try:
+                release = policy_for_version(version)
+            except ReplayError as exc:
+                raise ReplayError(f"--vllm: {exc}") from None
+            releases.append(release.name)
+            notes.append(f"policy {release.name}: vLLM {version} (vLLM {release.releases})")
+        chosen = tuple(releases)
+    elif not chosen and results_policy is not None:
+        chosen = (results_policy,)
+    elif not chosen:
+        recorded = recorded_release(source)
+        chosen = (DEFAULT_POLICY,) if recorded is None else (recorded[0].name,)
+        if recorded is not None:
+            notes.append(f"{recorded[1]}; --policy or --vllm overrides")
+    notes.extend(
+        p.alias_note for p in map(POLICIES.get, dict.fromkeys(chosen)) if p and p.alias_note
+    )
+    return Chosen(chosen, tuple(notes))
+
+
+def recorded_release(source: Mapping[str, Any] | None) -> tuple[Policy, str] | None:
+    """The release policy of the vLLM that recorded a trace
+    (``source.vllm_version``) and the note's words for it; None when the
+    trace does not say."""
+    recorded = None if source is None else source.get("vllm_version")
+    if not isinstance(recorded, str):
         # A generated or imported trace records the release whose stores it
-        # holds (``StoreSettings.as_source``) by its policy.
+        # holds by its policy (``StoreSettings.as_source``).
         named_policy = None if source is None else source.get("policy")
         if isinstance(named_policy, str) and named_policy in POLICIES:
-            return named_policy, (
-                f"policy {named_policy}: the trace's stores are vLLM "
-                f"{POLICIES[named_policy].releases}'s (source.policy); --policy or --vllm "
-                "overrides"
+            policy = POLICIES[named_policy]
+            return policy, (
+                f"policy {policy.name}: the trace's stores are vLLM {policy.releases}'s "
+                "(source.policy)"
             )
         return None
-    policy = policy_for_version(version)
-    return policy.name, (
-        f"policy {policy.name}: the trace's vLLM {version} (source.vllm_version, vLLM "
-        f"{policy.releases}); --policy or --vllm overrides"
+    try:
+        release = policy_for_version(recorded)
+    except ReplayError as exc:
+        raise ReplayError(
+            f"the trace's source.vllm_version: {exc}; choose one with --policy"
+        ) from None
+    return release, (
+        f"policy {release.name}: the trace's vLLM {recorded} (source.vllm_version, "
+        f"vLLM {release.releases})"
     )
+
+
+def same_rules(a: str | Policy, b: str | Policy, cache: str | Cache) -> bool:
+    """Whether two policies answer alike in ``cache`` (an alias and the
+    release it means there); a cache one of them lacks: whether both do."""
+    pa, pb = get_policy(a), get_policy(b)
+    try:
+        return pa.rules(cache) == pb.rules(cache)
+    except ConfigError:
+        return pa.release(cache).mooncake is None and pb.release(cache).mooncake is None
 
 
 def policy_for_version(version: str) -> Policy:

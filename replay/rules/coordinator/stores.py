@@ -149,6 +149,7 @@ RELEASE_STORES: dict[str, Stores] = {
 }
 
 
-def policy_stores(policy: str | Policy) -> Stores:
-    """The store rules of a policy's releases (0.33.0's for an emulation)."""
-    return RELEASE_STORES.get(get_policy(policy).name, STORES_033)
+def policy_stores(policy: str | Policy, cache: str = "gpu") -> Stores:
+    """The store rules of a policy's releases; an alias (``pre-49502``) takes
+    those of the release it stands for in ``cache``."""
+    return RELEASE_STORES[get_policy(policy).release(cache).name]
