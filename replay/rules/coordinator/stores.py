@@ -151,5 +151,6 @@ RELEASE_STORES: dict[str, Stores] = {
 
 def policy_stores(policy: str | Policy, cache: str = "gpu") -> Stores:
     """The store rules of a policy's releases; an alias (``pre-49502``) takes
-    those of the release it stands for in ``cache``."""
-    return RELEASE_STORES[get_policy(policy).release(cache).name]
+    those of the release it stands for in ``cache``, an emulation of 0.33.0
+    with one lookup rule turned back (``vllm-0.33-no-mamba-gate``) 0.33.0's."""
+    return RELEASE_STORES.get(get_policy(policy).release(cache).name, STORES_033)
