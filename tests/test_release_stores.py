@@ -5,6 +5,7 @@ and ``synth``/importers/``whatif`` producing a named release's stores."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,54 @@ def test_mamba_stops_at_the_checkpoint_below_n_minus_1_from_032() -> None:
     # Dense, both releases keep the state at 64; 0.32.0 also the one at 48.
     assert _stores("full+mamba", "vllm-0.32", "gpu", n=64, hit=0, retention=None)[1] == [2, 3]
     assert _stores("full+mamba", "vllm-0.30", "gpu", n=64, hit=0, retention=None)[1] == [3]
+
+
+def test_the_kept_checkpoint_state_is_the_tail_hash_unit_from_032() -> None:
+    # Full attention + sliding window (flagged, EAGLE off) + Mamba, 16-token
+    # blocks, retention 0, 80 tokens a step: the flagged replay boundaries sit
+    # one block below the checkpoint (272 for 299 tokens, 96 for 124), and
+    # the scheduler stops at the checkpoint (288, 112). The engine keys the
+    # state at the prompt's last reusable *hash unit*: with 16-token units
+    # that is the stop, kept; with 8-token units it is mid-block (296, 120)
+    # and the stop's state is dropped, junction or not.
+    def mamba(hbs: int, n: int, junction: int = 0) -> list[int]:
+        config = archetype_config(
+            "full+swa+mamba", 16, hbs, False, sliding_window=128, extra_retained_tokens=8
+        )
+        groups = list(config.groups)
+        groups[1] = replace(groups[1], is_eagle_group=True)
+        settings = StoreSettings(
+            retention_interval=0, max_num_batched_tokens=80, cache="gpu", policy="vllm-0.32"
+        )
+        rules = StoreRules(replace(config, groups=tuple(groups)), settings)
+        got = rules.stores(num_tokens=n, hit_tokens=0, junction_tokens=junction)
+        return [int(b) for b in got[2]]
+
+    assert mamba(16, 299) == [17]
+    assert mamba(16, 124) == [6]
+    assert mamba(8, 299) == []
+    assert mamba(8, 124) == []
+    # The two requests of vLLM 0.32.0's writer differential: only the
+    # junction's state (64: block 3; 16: block 0) and a boundary that is a
+    # chunk end (96: block 5).
+    assert mamba(8, 299, junction=64) == [3]
+    assert mamba(8, 124, junction=16) == [0, 5]
+    # A tail unit on a block edge is kept: 100 tokens, 8-token units, 96.
+    assert mamba(8, 100) == [4, 5]
+
+
+@pytest.mark.parametrize("policy", ["vllm-0.32", "vllm-0.33"])
+def test_with_eagle_the_tail_hash_unit_is_a_block_above_the_checkpoint(policy: str) -> None:
+    # EAGLE, 8-token units, 16 tokens a step, retention 0, 40 tokens: the
+    # scheduler's checkpoint is 16 (block 0, also the replay boundary), the
+    # tail unit 32 (40 floored to a unit, one unit lower); the step ending at
+    # 32 keys that state too (vLLM 0.32.0 and 0.33.0 store blocks 0 and 1).
+    config = archetype_config("full+swa+mamba", 16, 8, True, sliding_window=128)
+    settings = StoreSettings(
+        retention_interval=0, max_num_batched_tokens=16, cache="gpu", policy=policy
+    )
+    got = StoreRules(config, settings).stores(num_tokens=40, hit_tokens=0)
+    assert [int(b) for b in got[2]] == [0, 1]
 
 
 def test_sliding_window_keeps_the_eagle_replay_boundaries_from_030() -> None:

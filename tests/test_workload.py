@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -94,4 +95,40 @@ def test_writer_stores_from_the_hit_the_request_gets() -> None:
         ("store", 1, "a", [4, 5]),
         ("store", 0, "b", b[6:12]),
         ("store", 1, "b", [b[10]]),
+    ]
+
+
+def test_a_mid_block_tail_keeps_no_mamba_state_with_a_finer_hash_unit() -> None:
+    # The writer-against-engine case vLLM 0.32.0 caught: full attention +
+    # sliding window (flagged as EAGLE's draft group, EAGLE off) + Mamba,
+    # 16-token blocks, 8-token hash units, retention 0, 80 tokens a step.
+    config = archetype_config(
+        "full+swa+mamba", 16, 8, False, sliding_window=128, extra_retained_tokens=8
+    )
+    groups = list(config.groups)
+    groups[1] = replace(groups[1], is_eagle_group=True)
+    config = replace(config, groups=tuple(groups))
+    # "a": 100 tokens (units 0..11, a block's key its second unit). The
+    # flagged boundaries are 80 (block 4) and the tail unit 96 is a whole
+    # block (5): both states kept. "b": 299 tokens sharing a's first 64;
+    # full attention alone hits 64, so the hit is 0 with the junction at 64
+    # (block 3). Its tail unit, 296, is mid-block: the scheduler still stops
+    # at 288, but that state (block 17, key 39) is not kept.
+    a = list(range(12))
+    b = list(range(8)) + list(range(12, 41))
+    rows = _store_rows(
+        config,
+        [("a", a, 100), ("b", b, 299)],
+        retention_interval=0,
+        max_num_batched_tokens=80,
+        cache="gpu",
+        policy="vllm-0.32",
+    )
+    assert rows == [
+        ("store", 0, "a", a[1::2]),
+        ("store", 1, "a", a[1::2]),
+        ("store", 2, "a", [9, 11]),
+        ("store", 0, "b", list(range(13, 41, 2))),
+        ("store", 1, "b", [13, *range(23, 41, 2)]),
+        ("store", 2, "b", [7]),
     ]

@@ -42,7 +42,9 @@ exists only at a chunk end, and the manager caches it when the end is a whole
 block, falls within what the coordinator lets it cache, and the retention
 mask keeps it: every state when dense, the ``r``-multiples when ``r > 0``,
 plus the replay boundaries and the junction (and, for an EAGLE group, one
-block below the junction) otherwise.
+block below the junction) otherwise. From 0.32.0 the state at the prompt's
+last reusable hash unit (``checkpoint_position`` in hash units) is kept
+whatever the retention, when it is a whole block whose state is live.
 
 The prefill is stepped as if the request ran alone: in a busy engine the
 budget is shared, chunks can end earlier, and a dense retention keeps the
@@ -403,16 +405,23 @@ class StoreRules:
         boundaries = self._boundaries(
             req.num_tokens, self.mamba_boundary_eagle, group, req.junction
         )
-        if self.release.mamba_checkpoint:
-            # The checkpoint's state is kept (0.33.0: one of the boundaries).
-            boundaries.append(
-                checkpoint_position(req.num_tokens, self.alignment, self.engine_any_eagle)
-            )
+        # The prompt's tail state, keyed at the last hash unit a later hit can
+        # resume from (``_cache_partial_tail_block``: the checkpoint position
+        # in *hash* units, whatever the retention); a whole-block one is a
+        # block entry. It equals the scheduler's checkpoint stop when the hash
+        # unit is the block, but with a finer unit it is often mid-block
+        # (then not a block entry), or with EAGLE a block above the stop.
+        tail = (
+            checkpoint_position(req.num_tokens, self.config.hash_block_size, self.engine_any_eagle)
+            if self.release.mamba_checkpoint
+            else 0
+        )
         cached = hit_tokens // bs
-        out: list[int] = []
+        out: set[int] = set()
         prev = hit_tokens
         for end in ends:
-            full = self._cacheable(group, end, req.hashed) // bs
+            cacheable = self._cacheable(group, end, req.hashed)
+            full = cacheable // bs
             if full > cached:
                 # The table holds two live states: this chunk's and the one it
                 # was copied from (freed only at the next step).
@@ -421,13 +430,23 @@ class StoreRules:
                     if (
                         pos % bs == 0
                         and cached <= block < full
-                        and (not out or out[-1] < block)
                         and self._mamba_keeps(block, group, boundaries)
                     ):
-                        out.append(block)
+                        out.add(block)
                 cached = full
+            # Every step re-keys the tail block once the cacheable prefix
+            # reaches it, provided the block still holds a live state (the
+            # others are null) and the hit did not already bring it.
+            if (
+                tail
+                and cacheable == tail
+                and tail % bs == 0
+                and tail > hit_tokens
+                and tail in (prev, end)
+            ):
+                out.add(tail // bs - 1)
             prev = end
-        return np.array(out, dtype=np.int64)
+        return np.array(sorted(out), dtype=np.int64)
 
     def _attention(self, gid: int, group: _Group, req: _Request) -> Blocks:
         bs, n, a = group.block_size, req.num_tokens, self.alignment

@@ -64,9 +64,10 @@ class Stores:
     junction_eagle_block: bool = True
     #: The last Mamba state a prefill stops at is the reusable checkpoint
     #: below ``N - 1`` (``get_mamba_prefill_checkpoint_position``, 0.32.0 on),
-    #: and its state is always kept (in 0.33.0 it is a replay boundary anyway);
-    #: before, the scheduler stopped at ``N`` floored to the block (one block
-    #: lower with EAGLE).
+    #: and the state at the same checkpoint in hash units is always kept
+    #: (``_cache_partial_tail_block``; the stop's own when the hash unit is the
+    #: block, in 0.33.0 a replay boundary anyway); before, the scheduler
+    #: stopped at ``N`` floored to the block (one block lower with EAGLE).
     mamba_checkpoint: bool = True
     #: The engine's EAGLE groups cache one block past the aligned end (0.23.0
     #: on); before, every group cached up to the aligned end.
