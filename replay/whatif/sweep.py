@@ -62,6 +62,7 @@ from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.whatif import kernel as whatif_kernel
+from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
 from replay.whatif.requests import Requests
 
@@ -403,11 +404,14 @@ class Stopped(Exception):
 
 
 def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
-    """Whether ``simulate`` runs ``spec`` compiled."""
+    """Whether ``simulate`` runs ``spec`` compiled (the gpu block pool,
+    ``replay.whatif.kernel``, or the Mooncake store, ``replay.whatif.mooncake_kernel``)."""
+    if spec.emit is not None:
+        return False
+    if spec.cache == "mooncake":
+        return mooncake_kernel.supported(requests.config, spec.policy) is None
     return (
-        spec.emit is None
-        and spec.cache == "gpu"
-        and whatif_kernel.supported(requests.config, "gpu", spec.policy) is None
+        spec.cache == "gpu" and whatif_kernel.supported(requests.config, "gpu", spec.policy) is None
     )
 
 
@@ -491,7 +495,20 @@ def _simulate_compiled(
     started: float,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    hits, facts, evicted = run_hits(requests, spec, control)
+    if spec.cache == "mooncake":
+        if spec.capacity_bytes is not None:
+            assert spec.page_bytes is not None
+            capacity, costs = spec.capacity_bytes, spec.page_bytes
+        else:
+            capacity, costs = spec.capacity_blocks, (1,) * requests.config.num_groups
+        run = mooncake_kernel.run_store(
+            requests, spec.policy, spec.store_policy(), spec.eviction, capacity, costs, control
+        )
+        if run is None:
+            raise Stopped
+        hits, facts, evicted = run
+    else:
+        hits, facts, evicted = run_hits(requests, spec, control)
     served = hits >= 0
     prompt_tokens = int(requests.arrays()[2].sum())
     hit_tokens = int(hits[served].sum())
@@ -751,6 +768,7 @@ def one_pass_specs(requests: Requests, specs: Sequence[RunSpec]) -> list[int]:
         k
         for k, spec in enumerate(specs)
         if spec.eviction == "lru"
+        and spec.cache == "gpu"
         and runs_compiled(requests, spec)
         and whatif_stack.exact_config(config, spec.policy) is None
     ]

@@ -1,0 +1,141 @@
+"""The compiled Mooncake what-if (``replay.whatif.mooncake_kernel``) against
+the Python model it ports (the ``mooncake`` branch of
+``replay.whatif.sweep.simulate``): random full-attention and full + Mamba
+traces, with and without EAGLE (and flagged draft groups), every policy the
+kernel takes, capacities from one entry to unbounded, in entries and in
+bytes, under every eviction order; every field of every row, every
+request's hit and every lookup's facts must be equal."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.format.writer import write_trace
+from replay.rules.coordinator import POLICIES
+from replay.rules.store_rules import StorePolicy
+from replay.sources.archetypes import archetype_config
+from replay.whatif import mooncake_kernel
+from replay.whatif.requests import Requests, load_requests
+from replay.whatif.sweep import RunSpec, runs_compiled, simulate, sweep
+from tests.builders import random_prompts, unit_hashes
+
+EVICTIONS = ("lru", "fifo", "lfu", "belady")
+
+
+def _config(rng: random.Random) -> TraceConfig:
+    model = rng.choice(["full", "full+mamba", "full+mamba"])
+    bs = rng.choice((16, 32))
+    config = archetype_config(model, bs, bs, rng.random() < 0.6)
+    if config.num_groups > 1 and rng.random() < 0.3:
+        groups = list(config.groups)
+        gid = rng.randrange(len(groups))
+        groups[gid] = replace(groups[gid], is_eagle_group=True)
+        config = replace(config, groups=tuple(groups))
+    return config
+
+
+def _requests(tmp: Path, rng: random.Random, count: int) -> Requests:
+    config = _config(rng)
+    a = config.scheduler_block_size
+    prompts = random_prompts(rng, a, count)
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": unit_hashes(p, config.hash_block_size),
+            "max_length": len(p) - 1 - (rng.randrange(a) if rng.random() < 0.1 else 0),
+            "num_tokens": len(p),
+        }
+        for i, p in enumerate(prompts)
+    ]
+    rows = [r for r in rows if r["max_length"] >= 0]
+    return load_requests(write_trace(tmp / "t.parquet", config, rows))
+
+
+def _capacity(rng: random.Random, working_set: int) -> int:
+    return rng.choice(
+        (
+            1,
+            rng.randrange(1, 8),
+            rng.randrange(1, max(2, working_set // 4)),
+            rng.randrange(max(1, working_set // 4), working_set + 2),
+            10**15,
+        )
+    )
+
+
+def _assert_same(mine: dict[str, Any], theirs: dict[str, Any], why: Any) -> None:
+    assert mine["_hits"].tolist() == theirs["_hits"].tolist(), why
+    assert mine["facts"].equals(theirs["facts"]), why
+    for column in theirs:
+        if column not in ("seconds", "_hits", "facts"):
+            assert mine[column] == theirs[column], (column, why)
+    assert set(mine) == set(theirs), why
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_mooncake_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    checked = evicted = 0
+    for k in range(4):
+        (tmp_path / str(k)).mkdir()
+        requests = _requests(tmp_path / str(k), rng, 50)
+        config = requests.config
+        assert mooncake_kernel.supported(config) is None, config.to_json()
+        a = config.scheduler_block_size
+        sparse = config.num_groups > 1
+        working = requests.working_set_blocks()
+        policies = [p for p in POLICIES if mooncake_kernel.supported(config, p) is None]
+        for eviction in EVICTIONS:
+            in_bytes = rng.random() < 0.3
+            pages = tuple(rng.choice((1, 3, 100)) for _ in config.groups)
+            capacity = _capacity(rng, working)
+            spec = RunSpec(
+                cache="mooncake",
+                eviction=eviction,
+                capacity_blocks=capacity,
+                capacity_bytes=capacity * rng.choice((1, 50, 100)) if in_bytes else None,
+                page_bytes=pages if in_bytes else None,
+                policy=rng.choice(policies),
+                retention_interval=rng.choice((0, None, 2 * a)) if sparse else 0,
+                max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
+            )
+            try:
+                StorePolicy(
+                    cache="mooncake",
+                    retention_interval=spec.retention_interval,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                )
+            except ReplayError:
+                continue
+            assert runs_compiled(requests, spec)
+            mine = simulate(requests, spec)
+            theirs = simulate(requests, spec, compiled=False)
+            _assert_same(mine, theirs, (config.to_json(), spec))
+            checked += 1
+            evicted += theirs["evicted_blocks"]
+    assert checked >= 12 and evicted > 0
+
+
+def test_sweep_runs_mooncake_compiled_and_the_rest_in_python(tmp_path: Path) -> None:
+    """A sweep over a supported trace runs its Mooncake runs compiled, to the
+    Python model's rows; a sliding-window trace falls back to the model."""
+    rng = random.Random(7)
+    requests = _requests(tmp_path, rng, 40)
+    specs = [
+        RunSpec(cache="mooncake", eviction=e, capacity_blocks=c)
+        for e in EVICTIONS
+        for c in (4, 40, 10**9)
+    ]
+    rows = sweep(requests, specs, jobs=2)
+    for spec, row in zip(specs, rows, strict=True):
+        _assert_same(row, simulate(requests, spec, compiled=False), spec)
+    swa = archetype_config("full+swa", 16, 16, False, sliding_window=32)
+    assert mooncake_kernel.supported(swa) == "sliding_window groups"
