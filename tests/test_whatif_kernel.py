@@ -20,7 +20,7 @@ from replay.rules.coordinator import POLICIES
 from replay.rules.store_rules import StorePolicy
 from replay.whatif.kernel import supported
 from replay.whatif.requests import load_requests
-from replay.whatif.sweep import RunSpec, simulate
+from replay.whatif.sweep import RunSpec, runs_compiled, simulate
 from tests.builders import random_archetype_config, random_prompts, unit_hashes
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
@@ -80,8 +80,10 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             # Every lookup's facts (what the flags are judged from), column by column.
             assert mine["facts"].equals(theirs["facts"]), (config.to_json(), spec)
             for column in theirs:
-                if column not in ("seconds", "_hits", "facts"):
+                if column not in ("seconds", "simulator", "_hits", "facts"):
                     assert mine[column] == theirs[column], (column, config.to_json(), spec)
+            compiled = "compiled" if runs_compiled(requests, spec) else "python"
+            assert (mine["simulator"], theirs["simulator"]) == (compiled, "python")
             checked += 1
             evicted += theirs["evicted_blocks"]
     assert checked >= 10

@@ -59,6 +59,21 @@ def _requests(tmp: Path, rng: random.Random, count: int) -> Requests:
     return load_requests(write_trace(tmp / "t.parquet", config, rows))
 
 
+def swa_requests(tmp: Path, config: TraceConfig) -> Requests:
+    prompts = random_prompts(random.Random(3), config.scheduler_block_size, 12)
+    rows = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": unit_hashes(p, config.hash_block_size),
+            "max_length": len(p) - 1,
+            "num_tokens": len(p),
+        }
+        for i, p in enumerate(prompts)
+    ]
+    return load_requests(write_trace(tmp / "swa.parquet", config, rows))
+
+
 def _capacity(rng: random.Random, working_set: int) -> int:
     return rng.choice(
         (
@@ -75,8 +90,9 @@ def _assert_same(mine: dict[str, Any], theirs: dict[str, Any], why: Any) -> None
     assert mine["_hits"].tolist() == theirs["_hits"].tolist(), why
     assert mine["facts"].equals(theirs["facts"]), why
     for column in theirs:
-        if column not in ("seconds", "_hits", "facts"):
+        if column not in ("seconds", "simulator", "_hits", "facts"):
             assert mine[column] == theirs[column], (column, why)
+    assert (mine["simulator"], theirs["simulator"]) == ("compiled", "python"), why
     assert set(mine) == set(theirs), why
 
 
@@ -139,3 +155,6 @@ def test_sweep_runs_mooncake_compiled_and_the_rest_in_python(tmp_path: Path) -> 
         _assert_same(row, simulate(requests, spec, compiled=False), spec)
     swa = archetype_config("full+swa", 16, 16, False, sliding_window=32)
     assert mooncake_kernel.supported(swa) == "sliding_window groups"
+    rows = sweep(swa_requests(tmp_path, swa), specs[:2])
+    assert [r["simulator"] for r in rows] == ["python", "python"]
+    assert [r["method"] for r in rows] == ["per-capacity", "per-capacity"]

@@ -90,10 +90,15 @@ SWEEP_COLUMNS = (
     *PERCENTILE_COLUMNS,
     *SWEEP_BASE_COLUMNS[_RATIO_AT:],
     "method",
+    "simulator",
 )
 #: How a row was computed (its ``method``): its own simulation, or the one
 #: pass over every LRU capacity (``replay.whatif.stack``, where it is exact).
 PER_CAPACITY, ONE_PASS = "per-capacity", "one-pass"
+#: Which code computed a row (its ``simulator``): a compiled kernel
+#: (``replay.whatif.kernel``, ``mooncake_kernel``, ``stack``) or the Python
+#: model (the configurations, policies or emitted traces they do not cover).
+COMPILED, PYTHON = "compiled", "python"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -326,6 +331,7 @@ def _row(
     started: float,
     facts: pl.DataFrame,
     method: str = PER_CAPACITY,
+    simulator: str = PYTHON,
 ) -> dict[str, Any]:
     """One run's row of the sweep (the Python model's, the kernel's and the
     one pass's alike)."""
@@ -345,6 +351,7 @@ def _row(
         "seconds": time.perf_counter() - started,
         **hit_ratio_percentiles(hits, requests.arrays()[2]),
         "method": method,
+        "simulator": simulator,
         "facts": facts,
         "_hits": hits,
     }
@@ -524,6 +531,7 @@ def _simulate_compiled(
         preempted=int((hits == whatif_kernel.PREEMPTED).sum()),
         started=started,
         facts=facts_frame(requests, facts, alignment),
+        simulator=COMPILED,
     )
 
 
@@ -738,6 +746,7 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "preempted": pl.Int64,
         "seconds": pl.Float64,
         "method": pl.String,
+        "simulator": pl.String,
     }
     counts = [
         c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
@@ -840,6 +849,7 @@ def _sweep_one_pass(
                 requests, whatif_stack.facts_of(hits, config.groups[0].block_size), alignment
             ),
             method=ONE_PASS,
+            simulator=COMPILED,
         )
         # The pass's time, shared by every row it answered.
         row["seconds"] = seconds
