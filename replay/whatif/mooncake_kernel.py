@@ -22,7 +22,7 @@ traces, capacities and evictions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,6 +66,9 @@ from replay.whatif.kernel import (
     S_USED,
     KernelConfig,
 )
+
+if TYPE_CHECKING:
+    from replay.whatif.requests import Requests
 
 _KINDS = {GroupKind.FULL_ATTENTION: FA, GroupKind.MAMBA: MAMBA}
 
@@ -169,7 +172,7 @@ def _priority(
         return int(side[item, S_BORN])
     if ev == LFU:
         return int(side[item, S_USED])
-    return -gk._next_use(uses, use_starts, item // groups, now)
+    return -int(gk._next_use(uses, use_starts, item // groups, now))
 
 
 @jit(nogil=True)
@@ -431,7 +434,7 @@ def run_mooncake(
 
 
 def run_store(
-    requests: Any,
+    requests: Requests,
     policy: str,
     store_policy: StorePolicy,
     eviction: str,
