@@ -21,7 +21,7 @@ from replay.rules.store_rules import StorePolicy
 from replay.whatif.kernel import supported
 from replay.whatif.requests import load_requests
 from replay.whatif.sweep import RunSpec, runs_compiled, simulate
-from tests.builders import random_archetype_config, random_prompts, unit_hashes
+from tests.builders import lookup_rows, random_archetype_config, random_prompts, unit_hashes
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 
@@ -30,17 +30,7 @@ def _trace(tmp: Path, rng: random.Random, count: int) -> tuple[Path, int]:
     config = random_archetype_config(rng)
     a = config.scheduler_block_size
     prompts = random_prompts(rng, a, count)
-    rows: list[dict[str, Any]] = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, config.hash_block_size),
-            "max_length": len(p) - 1 - (rng.randrange(a) if rng.random() < 0.1 else 0),
-            "num_tokens": len(p),
-        }
-        for i, p in enumerate(prompts)
-    ]
-    rows = [r for r in rows if r["max_length"] >= 0]
+    rows = lookup_rows(config, prompts, rng)
     longest = max(len(p) for p in prompts) // config.groups[0].block_size + 1
     return write_trace(tmp / "t.parquet", config, rows), longest * config.num_groups
 

@@ -9,14 +9,12 @@ request's hit and every lookup's facts must be equal."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from replay.base.errors import ReplayError
-from replay.base.spec import TraceConfig
 from replay.format.writer import write_trace
 from replay.rules.coordinator import POLICIES
 from replay.rules.store_rules import StorePolicy
@@ -24,54 +22,15 @@ from replay.sources.archetypes import archetype_config
 from replay.whatif import mooncake_kernel
 from replay.whatif.requests import Requests, load_requests
 from replay.whatif.sweep import RunSpec, runs_compiled, simulate, sweep
-from tests.builders import random_prompts, unit_hashes
+from tests.builders import lookup_rows, random_archetype_config, random_prompts
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 
 
-def _config(rng: random.Random) -> TraceConfig:
-    model = rng.choice(["full", "full+mamba", "full+mamba"])
-    bs = rng.choice((16, 32))
-    config = archetype_config(model, bs, bs, rng.random() < 0.6)
-    if config.num_groups > 1 and rng.random() < 0.3:
-        groups = list(config.groups)
-        gid = rng.randrange(len(groups))
-        groups[gid] = replace(groups[gid], is_eagle_group=True)
-        config = replace(config, groups=tuple(groups))
-    return config
-
-
 def _requests(tmp: Path, rng: random.Random, count: int) -> Requests:
-    config = _config(rng)
-    a = config.scheduler_block_size
-    prompts = random_prompts(rng, a, count)
-    rows: list[dict[str, Any]] = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, config.hash_block_size),
-            "max_length": len(p) - 1 - (rng.randrange(a) if rng.random() < 0.1 else 0),
-            "num_tokens": len(p),
-        }
-        for i, p in enumerate(prompts)
-    ]
-    rows = [r for r in rows if r["max_length"] >= 0]
+    config = random_archetype_config(rng, ("full", "full+mamba", "full+mamba"))
+    rows = lookup_rows(config, random_prompts(rng, config.scheduler_block_size, count), rng)
     return load_requests(write_trace(tmp / "t.parquet", config, rows))
-
-
-def swa_requests(tmp: Path, config: TraceConfig) -> Requests:
-    prompts = random_prompts(random.Random(3), config.scheduler_block_size, 12)
-    rows = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, config.hash_block_size),
-            "max_length": len(p) - 1,
-            "num_tokens": len(p),
-        }
-        for i, p in enumerate(prompts)
-    ]
-    return load_requests(write_trace(tmp / "swa.parquet", config, rows))
 
 
 def _capacity(rng: random.Random, working_set: int) -> int:
@@ -155,6 +114,8 @@ def test_sweep_runs_mooncake_compiled_and_the_rest_in_python(tmp_path: Path) -> 
         _assert_same(row, simulate(requests, spec, compiled=False), spec)
     swa = archetype_config("full+swa", 16, 16, False, sliding_window=32)
     assert mooncake_kernel.supported(swa) == "sliding_window groups"
-    rows = sweep(swa_requests(tmp_path, swa), specs[:2])
+    prompts = random_prompts(rng, swa.scheduler_block_size, 12)
+    trace = write_trace(tmp_path / "swa.parquet", swa, lookup_rows(swa, prompts))
+    rows = sweep(load_requests(trace), specs[:2])
     assert [r["simulator"] for r in rows] == ["python", "python"]
     assert [r["method"] for r in rows] == ["per-capacity", "per-capacity"]

@@ -125,10 +125,10 @@ def compile_mooncake(
         ],
         dtype=np.int64,
     )
-    members = np.zeros((len(specs), config.num_groups), dtype=np.int64)
-    for sg in specs:
-        for gid in sg.group_ids:
-            members[sg.index, gid] = 1
+    members = np.array(
+        [[gid in sg.group_ids for gid in range(config.num_groups)] for sg in specs],
+        dtype=np.int64,
+    )
     return KernelConfig(params=params, groups=groups, specs=spec_rows, members=members)
 
 
