@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.jit import jit
@@ -207,208 +208,169 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@jit(nogil=True)
-def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
-    """The first request after ``now`` whose prompt holds hash ``key``."""
-    lo, hi = use_starts[key], use_starts[key + 1]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if uses[mid] <= now:
-            lo = mid + 1
-        else:
-            hi = mid
-    return uses[lo] if lo < use_starts[key + 1] else NEVER
-
-
 # ---------------------------------------------------------------- eviction order
 #
-# ``st`` holds the order's scalars: [0] LRU head, [1] LRU tail, [2] LRU length,
-# [3] stamp, [4] heap size, [5] live entries, [6] now.
-_HEAD, _TAIL, _LEN, _STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3, 4, 5, 6
+# ``st`` holds the order's scalars: [0] LRU head, [1] LRU tail, [2] cached
+# free blocks (every order's length), [3] fifo's arrival counter, [4] the
+# requests of the run, [5] the levels of the bucket bitset, [6:14] each
+# level's offset in ``bits``.
+_HEAD, _TAIL, _LEN, _STAMP, _REQUESTS, _LEVELS, _LOFF = 0, 1, 2, 3, 4, 5, 6
+ST_LEN = _LOFF + 8
 
 
 # Columns of ``blk`` (one row per block, its fields side by side).
 B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV, B_LPREV, B_LNEXT, B_INLIST = 0, 1, 2, 3, 4, 5, 6, 7
 B_COLS = 8
-# Columns of ``side`` (heap orders only, int64): the live heap entry's
-# priority and stamp (0: none), the arrival stamp and the use count.
-S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
+# Columns of ``side`` (fifo and lfu only, int64): the block's arrival
+# (fifo) and its use count (lfu).
+S_BORN, S_USED = 0, 1
+#: numba's count of a word's trailing zero bits (untyped for mypy)
+trailing_zeros: Any = _trailing_zeros
 # The helpers take the few 2-D arrays, not one view per field, and the LRU
 # queue's per-block steps are written out where they run: every array
 # argument of a call costs two atomic reference counts (numba's inlining
 # keeps them), which measured 60% of a run when a call per freed block
 # passed fifteen.
-
-
-# The heap's comparisons are written out (no call per level: see above).
-# Entries are unique (every add takes a new stamp), so the pop order is the
-# total order of (priority, stamp, item), whatever the layout.
+#
+# fifo, lfu and belady are bucket queues, O(1) per add, discard and pop
+# (bounded by the bitset's few levels): a bucket per priority value, each
+# a doubly linked list of its blocks in the order they were added (through
+# ``B_LPREV`` / ``B_LNEXT``, 0 ends a list: block 0 is never queued;
+# ``B_INLIST`` holds the block's bucket + 1, 0 when not queued), and a
+# bitset of the buckets that hold a block, 64-ary, its levels one word per
+# 64 words below, so the first nonempty bucket is one trailing-zero count
+# per level. The Python model's order is (priority, add stamp): a later add
+# goes after every block already queued at its priority, so a bucket's list
+# is that order exactly. Buckets: fifo the arrival (its counter), lfu the
+# use count, belady ``requests - next use`` (0: never used again), so the
+# furthest next use comes first. Their steps are inlined into the run
+# (``inline="always"``: measured faster than a call per block).
 
 
 @jit(nogil=True)
-def _heap_down(heap: Any, i: int, n: int) -> None:
-    p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
+def _universe(ev: int, ids: Any, offsets: Any, num_groups: int, num_keys: int) -> int:
+    """The buckets an order needs for a run over these requests: lfu one
+    per use count (a block is used at most once per appearance of its
+    key), fifo one per arrival (at most one per unit and group), belady one
+    per request and never."""
+    if ev == LFU:
+        counts = np.zeros(num_keys, dtype=np.int32)
+        most = 0
+        for p in range(offsets[-1]):
+            counts[ids[p]] += 1
+            most = max(most, counts[ids[p]])
+        return most + 2
+    if ev == FIFO:
+        return int(offsets[-1]) * num_groups + 2
+    if ev == BELADY:
+        return int(offsets.shape[0]) + 1
+    return 1
+
+
+@jit(nogil=True)
+def _bits_init(st: Any, universe: int) -> Any:
+    """The bitset's level offsets (into ``st``) and its zeroed words."""
+    levels = 0
+    total = 0
+    n = universe
     while True:
-        c = 2 * i + 1
-        if c >= n:
+        w = _cdiv(n, 64)
+        st[_LOFF + levels] = total
+        total += w
+        levels += 1
+        if w == 1:
             break
-        r = c + 1
-        if r < n and (
-            heap[r, 0] < heap[c, 0]
-            or (
-                heap[r, 0] == heap[c, 0]
-                and (
-                    heap[r, 1] < heap[c, 1]
-                    or (heap[r, 1] == heap[c, 1] and heap[r, 2] < heap[c, 2])
-                )
-            )
-        ):
-            c = r
-        if heap[c, 0] < p0 or (
-            heap[c, 0] == p0 and (heap[c, 1] < p1 or (heap[c, 1] == p1 and heap[c, 2] < p2))
-        ):
-            heap[i, 0], heap[i, 1], heap[i, 2] = heap[c, 0], heap[c, 1], heap[c, 2]
-            i = c
-        else:
-            break
-    heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
+        n = w
+    st[_LEVELS] = levels
+    return np.zeros(total, dtype=np.uint64)
 
 
-@jit(nogil=True)
-def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
-    i = st[_HSIZE]
-    st[_HSIZE] = i + 1
-    while i > 0:
-        q = (i - 1) >> 1
-        if prio < heap[q, 0] or (
-            prio == heap[q, 0]
-            and (stamp < heap[q, 1] or (stamp == heap[q, 1] and item < heap[q, 2]))
-        ):
-            heap[i, 0], heap[i, 1], heap[i, 2] = heap[q, 0], heap[q, 1], heap[q, 2]
-            i = q
-        else:
-            break
-    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
+@jit(nogil=True, inline="always")
+def _bits_set(st: Any, bits: Any, i: int) -> None:
+    for lv in range(st[_LEVELS]):
+        w = i >> 6
+        at = st[_LOFF + lv] + w
+        word = bits[at]
+        bits[at] = word | (np.uint64(1) << np.uint64(i & 63))
+        if word != 0:
+            return
+        i = w
 
 
-@jit(nogil=True)
-def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
-    n = st[_HSIZE] - 1
-    top = (heap[0, 0], heap[0, 1], heap[0, 2])
-    heap[0, 0], heap[0, 1], heap[0, 2] = heap[n, 0], heap[n, 1], heap[n, 2]
-    st[_HSIZE] = n
-    _heap_down(heap, 0, n)
-    return top
+@jit(nogil=True, inline="always")
+def _bits_clear(st: Any, bits: Any, i: int) -> None:
+    for lv in range(st[_LEVELS]):
+        w = i >> 6
+        at = st[_LOFF + lv] + w
+        word = bits[at] & ~(np.uint64(1) << np.uint64(i & 63))
+        bits[at] = word
+        if word != 0:
+            return
+        i = w
 
 
-@jit(nogil=True)
-def _heap_compact(heap: Any, st: Any, side: Any) -> None:
-    """Rebuild the heap from the live entries (the pop order is the same:
-    entries are totally ordered by (priority, stamp, item))."""
-    n = 0
-    for it in range(side.shape[0]):
-        if side[it, S_LIVE_S] != 0:
-            heap[n, 0], heap[n, 1], heap[n, 2] = side[it, S_LIVE_P], side[it, S_LIVE_S], it
-            n += 1
-    st[_HSIZE] = n
-    for i in range(n // 2 - 1, -1, -1):
-        _heap_down(heap, i, n)
+@jit(nogil=True, inline="always")
+def _bits_first(st: Any, bits: Any) -> int:
+    """The lowest bucket holding a block (the queue is not empty)."""
+    i = 0
+    for lv in range(st[_LEVELS] - 1, -1, -1):
+        word = bits[st[_LOFF + lv] + i]
+        i = (i << 6) + int(trailing_zeros(word))
+    return i
 
 
-@jit(nogil=True)
-def _priority(ev: int, item: int, blk: Any, side: Any, uses: Any, use_starts: Any, now: int) -> int:
+@jit(nogil=True, inline="always")
+def _bq_add(st: Any, blk: Any, qh: Any, bits: Any, item: int, bucket: int) -> None:
+    """Queue ``item`` last in ``bucket`` (it is not queued)."""
+    blk[item, B_INLIST] = bucket + 1
+    t = qh[bucket, 1]
+    blk[item, B_LPREV] = t
+    blk[item, B_LNEXT] = 0
+    if t:
+        blk[t, B_LNEXT] = item
+    else:
+        qh[bucket, 0] = item
+        _bits_set(st, bits, bucket)
+    qh[bucket, 1] = item
+    st[_LEN] += 1
+
+
+@jit(nogil=True, inline="always")
+def _bq_unlink(st: Any, blk: Any, qh: Any, bits: Any, item: int) -> None:
+    if not blk[item, B_INLIST]:
+        return
+    bucket = blk[item, B_INLIST] - 1
+    blk[item, B_INLIST] = 0
+    p, n = blk[item, B_LPREV], blk[item, B_LNEXT]
+    if p:
+        blk[p, B_LNEXT] = n
+    else:
+        qh[bucket, 0] = n
+        if not n:
+            _bits_clear(st, bits, bucket)
+    if n:
+        blk[n, B_LPREV] = p
+    else:
+        qh[bucket, 1] = p
+    st[_LEN] -= 1
+
+
+@jit(nogil=True, inline="always")
+def _bq_pop(st: Any, blk: Any, qh: Any, bits: Any) -> int:
+    item = int(qh[_bits_first(st, bits), 0])
+    _bq_unlink(st, blk, qh, bits, item)
+    return item
+
+
+@jit(nogil=True, inline="always")
+def _bucket(ev: int, item: int, st: Any, blk: Any, side: Any, knext: Any) -> int:
+    """The bucket ``item`` is queued in now (see above)."""
     if ev == FIFO:
         return int(side[item, S_BORN])
     if ev == LFU:
         return int(side[item, S_USED])
-    k = blk[item, B_KEY]
-    return -(NEVER if k < 0 else _next_use(uses, use_starts, k, now))
-
-
-@jit(nogil=True)
-def _lru_append(st: Any, blk: Any, item: int) -> None:
-    if blk[item, B_INLIST]:
-        return
-    blk[item, B_INLIST] = 1
-    t = st[_TAIL]
-    blk[item, B_LPREV] = t
-    blk[item, B_LNEXT] = -1
-    if t >= 0:
-        blk[t, B_LNEXT] = item
-    else:
-        st[_HEAD] = item
-    st[_TAIL] = item
-    st[_LEN] += 1
-
-
-@jit(nogil=True)
-def _lru_unlink(st: Any, blk: Any, item: int) -> None:
-    if not blk[item, B_INLIST]:
-        return
-    blk[item, B_INLIST] = 0
-    p, n = blk[item, B_LPREV], blk[item, B_LNEXT]
-    if p >= 0:
-        blk[p, B_LNEXT] = n
-    else:
-        st[_HEAD] = n
-    if n >= 0:
-        blk[n, B_LPREV] = p
-    else:
-        st[_TAIL] = p
-    st[_LEN] -= 1
-
-
-@jit(nogil=True)
-def _order_add(
-    ev: int, item: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any
-) -> None:
-    if ev == LRU:
-        _lru_append(st, blk, item)
-        return
-    st[_STAMP] += 1
-    stamp = st[_STAMP]
-    prio = _priority(ev, item, blk, side, uses, use_starts, st[_NOW])
-    if side[item, S_LIVE_S] == 0:
-        st[_LIVE] += 1
-    side[item, S_LIVE_P] = prio
-    side[item, S_LIVE_S] = stamp
-    _heap_push(heap, st, prio, stamp, item)
-    if st[_HSIZE] > 2 * st[_LIVE] + 4096:
-        _heap_compact(heap, st, side)
-
-
-@jit(nogil=True)
-def _order_discard(ev: int, item: int, st: Any, blk: Any, side: Any) -> None:
-    if ev == LRU:
-        _lru_unlink(st, blk, item)
-        return
-    if side[item, S_LIVE_S] != 0:
-        side[item, S_LIVE_S] = 0
-        st[_LIVE] -= 1
-
-
-@jit(nogil=True)
-def _order_pop(ev: int, st: Any, blk: Any, side: Any, heap: Any, uses: Any, use_starts: Any) -> int:
-    if ev == LRU:
-        item = st[_HEAD]
-        _lru_unlink(st, blk, item)
-        return int(item)
-    while True:
-        prio, stamp, item = _heap_pop(heap, st)
-        if side[item, S_LIVE_S] != stamp or side[item, S_LIVE_P] != prio:
-            continue
-        if ev == BELADY and -prio <= st[_NOW]:
-            # Filed under a use that has come without touching it: re-file.
-            p = _priority(ev, item, blk, side, uses, use_starts, st[_NOW])
-            side[item, S_LIVE_P] = p
-            _heap_push(heap, st, p, stamp, item)
-            continue
-        side[item, S_LIVE_S] = 0
-        st[_LIVE] -= 1
-        if ev in (FIFO, LFU):
-            side[item, S_BORN] = 0
-            side[item, S_USED] = 0
-        return int(item)
+    nu = knext[blk[item, B_KEY]]
+    return 0 if nu >= NEVER else int(st[_REQUESTS] - nu)
 
 
 # ---------------------------------------------------------------- finders
@@ -784,8 +746,7 @@ def run_gpu(
     offsets: Any,
     num_tokens: Any,
     max_length: Any,
-    uses: Any,
-    use_starts: Any,
+    future: Any,
     hits: Any,
     facts: Any,
     stats: Any,
@@ -795,7 +756,8 @@ def run_gpu(
     done (for a progress display); a nonzero ``control[1]`` stops the run
     (returns ``STOPPED``). ``hits[i]``: the request's hit
     tokens, ``NOT_ADMITTED`` or ``PREEMPTED``; ``stats``: evicted blocks.
-    Returns -1, or the request whose first chunk found too few blocks (the
+    ``future`` (belady only): per unit of ``ids``, the next request whose
+    prompt holds its hash (``NEVER``: none). Returns -1, or the request whose first chunk found too few blocks (the
     Python model raises there too)."""
     num_groups = groups.shape[0]
     num_specs = specs.shape[0]
@@ -822,8 +784,7 @@ def run_gpu(
     hprev = blk[:, B_HPREV]
     lprev = blk[:, B_LPREV]
     lnext = blk[:, B_LNEXT]
-    side = np.zeros((nblocks if ev != LRU else 1, 4), dtype=np.int64)
-    live_s = side[:, S_LIVE_S]
+    side = np.zeros((nblocks if ev in (FIFO, LFU) else 1, 2), dtype=np.int64)
     born = side[:, S_BORN]
     nused = side[:, S_USED]
     for b in range(nblocks):
@@ -844,11 +805,17 @@ def run_gpu(
         ring[rlen] = b
         rlen += 1
     # the cached order
-    st = np.zeros(8, dtype=np.int64)
+    st = np.zeros(ST_LEN, dtype=np.int64)
     st[_HEAD] = -1
     st[_TAIL] = -1
-    heap_cap = 2 * nblocks + 4096 + 8 if ev != LRU else 1
-    heap = np.zeros((heap_cap, 3), dtype=np.int64)
+    st[_REQUESTS] = requests
+    universe = _universe(ev, ids, offsets, num_groups, num_keys)
+    # per bucket its first and last block (0: empty), and the bitset
+    qh = np.zeros((universe, 2), dtype=np.int32)
+    bits = _bits_init(st, universe)
+    # belady: per key, its next use after the request running (or the
+    # last one that held it: the same request)
+    knext = np.full(num_keys if ev == BELADY else 1, NEVER, dtype=np.int64)
     evicted = 0
     # --- per-request scratch
     present = np.zeros((num_groups, max_u + 1), dtype=np.uint8)
@@ -875,7 +842,6 @@ def run_gpu(
         u = offsets[i + 1] - o
         n = num_tokens[i]
         ml = max_length[i]
-        st[_NOW] = i
         # --- presence, merged per spec group
         for g in range(num_groups):
             for x in range(u):
@@ -898,14 +864,35 @@ def run_gpu(
             mask[g] = res[s, 0] + res[s, 1]
         _facts(params, groups, present, u, hit, mask, loaded, facts, i)
         if ev == BELADY:
-            for g in range(num_groups):
-                for x in range(u):
-                    b = kt[2 * (ids[o + x] * num_groups + g)]
-                    while b >= 0:
-                        if live_s[b] != 0:
-                            _order_discard(ev, b, st, blk, side)
-                            _order_add(ev, b, st, blk, side, heap, uses, use_starts)
-                        b = hnext[b]
+            # Every copy of the prompt's keys is re-filed under its next
+            # use, in the model's order: by group, unit, then copy. Between
+            # requests every cached block is queued, and a block is filed
+            # under its key's next use, re-filed when that use comes: so the
+            # copies are exactly the bucket of this request's use, which is
+            # emptied whole (its blocks still marked with it until re-filed;
+            # every other bucket is lower: a later use or none).
+            for x in range(u):
+                knext[ids[o + x]] = future[o + x]
+            now = requests - i
+            if qh[now, 0]:
+                qh[now, 0] = 0
+                qh[now, 1] = 0
+                _bits_clear(st, bits, now)
+                for g in range(num_groups):
+                    for x in range(u):
+                        b = kt[2 * (ids[o + x] * num_groups + g)]
+                        if b < 0:
+                            continue
+                        nu = future[o + x]
+                        bucket = 0 if nu >= NEVER else requests - nu
+                        while b >= 0:
+                            if blk[b, B_INLIST] == now + 1:
+                                st[_LEN] -= 1  # out of the emptied bucket
+                            else:
+                                # a hash twice in the prompt: re-filed again
+                                _bq_unlink(st, blk, qh, bits, b)
+                            _bq_add(st, blk, qh, bits, b, bucket)
+                            b = hnext[b]
         # --- admission (get_num_blocks_to_allocate, whole prompt)
         need = 0
         for g in range(num_groups):
@@ -933,7 +920,7 @@ def run_gpu(
                 b = kt[2 * (ids[o + x] * num_groups + g)]
                 if ref[b] == 0:
                     need += 1
-        if need > rlen + (st[_LEN] if ev == LRU else st[_LIVE]):
+        if need > rlen + st[_LEN]:
             hits[i] = NOT_ADMITTED
             continue
         junction = longest if (params[P_USES_JUNCTION] and longest > hit) else 0
@@ -972,13 +959,13 @@ def run_gpu(
                                     tables[g, x] = 0
                             tretired[g] = last
                     if nf:
-                        _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
+                        _free(freed, nf, ev, st, blk, side, qh, bits, knext)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     idx = tlast[g]
                     if idx >= 0 and idx < _cdiv(start, bs) - 1 and tables[g, idx]:
                         freed[0] = tables[g, idx]
                         tables[g, idx] = 0
-                        _free(freed, 1, ev, st, blk, side, heap, uses, use_starts)
+                        _free(freed, 1, ev, st, blk, side, qh, bits, knext)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, 1)
                     continue
                 if skipped <= 0:
@@ -991,9 +978,9 @@ def run_gpu(
                     nf += 1
                     tables[g, x] = 0
                 if nf:
-                    _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
+                    _free(freed, nf, ev, st, blk, side, qh, bits, knext)
                     rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
-            num_free = rlen + (st[_LEN] if ev == LRU else st[_LIVE])
+            num_free = rlen + st[_LEN]
             if start != hit:
                 # _running_blocks
                 want = 0
@@ -1007,7 +994,7 @@ def run_gpu(
                         for x in range(tlen[g] - 1, -1, -1):
                             freed[nf] = tables[g, x]
                             nf += 1
-                        _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
+                        _free(freed, nf, ev, st, blk, side, qh, bits, knext)
                         rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
                     outcome = PREEMPTED
                     break
@@ -1048,7 +1035,7 @@ def run_gpu(
                                             st[_TAIL] = p_
                                         st[_LEN] -= 1
                                 else:
-                                    _order_discard(ev, b, st, blk, side)
+                                    _bq_unlink(st, blk, qh, bits, b)
                             ref[b] += 1
                             if ev in (FIFO, LFU):
                                 nused[b] += 1
@@ -1068,7 +1055,7 @@ def run_gpu(
                         tables[g, tlen[g]] = 0
                         tlen[g] += 1
                 count = required - tlen[g]
-                if count > rlen + (st[_LEN] if ev == LRU else st[_LIVE]):
+                if count > rlen + st[_LEN]:
                     return i
                 for _ in range(count):
                     if rlen > 0:
@@ -1091,7 +1078,10 @@ def run_gpu(
                                 st[_TAIL] = p_
                             st[_LEN] -= 1
                     else:
-                        b = _order_pop(ev, st, blk, side, heap, uses, use_starts)
+                        b = _bq_pop(st, blk, qh, bits)
+                        if ev != BELADY:
+                            born[b] = 0
+                            nused[b] = 0
                     if key[b] >= 0:
                         # _strip
                         kk = 2 * (np.int64(key[b]) * num_groups + kgroup[b])
@@ -1146,7 +1136,7 @@ def run_gpu(
             for x in range(tlen[g] - 1, -1, -1):
                 freed[nf] = tables[g, x]
                 nf += 1
-            _free(freed, nf, ev, st, blk, side, heap, uses, use_starts)
+            _free(freed, nf, ev, st, blk, side, qh, bits, knext)
             rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
         hits[i] = hit
     stats[0] = evicted
@@ -1162,9 +1152,9 @@ def _free(
     st: Any,
     blk: Any,
     side: Any,
-    heap: Any,
-    uses: Any,
-    use_starts: Any,
+    qh: Any,
+    bits: Any,
+    knext: Any,
 ) -> None:
     """``BlockPool.free`` of ``freed[:nf]``, first-to-evict first: the blocks
     reaching no reference go to the order's tail (cached) or, left in
@@ -1194,7 +1184,7 @@ def _free(
                         st[_TAIL] = b
                         st[_LEN] += 1
                 else:
-                    _order_add(ev, b, st, blk, side, heap, uses, use_starts)
+                    _bq_add(st, blk, qh, bits, b, _bucket(ev, b, st, blk, side, knext))
         else:
             freed[j] = 0
 

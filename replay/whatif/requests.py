@@ -182,6 +182,12 @@ class Requests:
         assert self._use_starts is not None
         return self._uses, self._use_starts
 
+    def next_uses(self) -> npt.NDArray[np.int64]:
+        """Per unit of ``ids``, the next request whose prompt holds its hash
+        (``NEVER``: none): Belady's future, computed once per trace."""
+        self._future()
+        return self._after
+
     def next_use(self, key: Hashable, now: int) -> int:
         """The first request after ``now`` whose prompt holds ``key``."""
         uses, starts = self._future()

@@ -438,10 +438,7 @@ def run_hits(
         min(spec.capacity_blocks, requests.useful_blocks()),
         len(requests.digests),
     )
-    if spec.eviction == "belady":
-        uses, starts = requests._future()
-    else:
-        uses = starts = np.zeros(1, dtype=np.int64)
+    future = requests.next_uses() if spec.eviction == "belady" else np.zeros(1, dtype=np.int64)
     hits = np.zeros(len(requests), dtype=np.int64)
     width = whatif_kernel.FACT_GROUPS + whatif_kernel.FACT_WIDTH * config.num_groups
     facts = np.zeros((len(requests), width), dtype=np.int64)
@@ -450,7 +447,7 @@ def run_hits(
     if control is None:
         control = np.zeros(2, dtype=np.int64)
     bad = whatif_kernel.run_gpu(
-        k.params, k.groups, k.specs, k.members, *arrays, uses, starts, hits, facts, stats, control
+        k.params, k.groups, k.specs, k.members, *arrays, future, hits, facts, stats, control
     )
     if bad == whatif_kernel.STOPPED:
         raise Stopped
@@ -628,6 +625,8 @@ def _sweep_runs(
         if on_row is not None:
             on_row(k, row)
 
+    if any(spec.eviction == "belady" for spec in specs):
+        requests.next_uses()  # once, before the runs share it
     if all(runs_compiled(requests, spec) for spec in specs):
         # Plain threads and a sleeping main thread: a signal raised in the
         # main thread never interrupts a lock that a worker needs next.
