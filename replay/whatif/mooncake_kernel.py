@@ -41,10 +41,6 @@ from replay.rules.coordinator.cache import MIRROR
 from replay.rules.store_rules import StorePolicy
 from replay.whatif import kernel as gk
 from replay.whatif.kernel import (
-    _HSIZE,
-    _LIVE,
-    _NOW,
-    _STAMP,
     BELADY,
     EVICTION_CODES,
     FA,
@@ -60,10 +56,6 @@ from replay.whatif.kernel import (
     P_SINGLE,
     P_USES_JUNCTION,
     P_VERIFY_ONCE,
-    S_BORN,
-    S_LIVE_P,
-    S_LIVE_S,
-    S_USED,
     KernelConfig,
 )
 
@@ -135,8 +127,77 @@ def compile_mooncake(
 # ---------------------------------------------------------------- the order
 #
 # Items are ``key * groups + group`` (the Python model's). LRU: a doubly
-# linked list (``links[item] = prev, next``; ``lst`` head, tail); the others
-# the gpu kernel's heap over ``side`` (``S_*`` columns) and ``st``.
+# linked list (``links[item] = prev, next``; ``lst`` head, tail). The others:
+# ``EvictionOrder``'s heap of (priority, stamp, item) with lazy deletion,
+# ``side`` per item (the ``S_*`` columns), ``st`` its scalars. Entries are
+# unique (every add takes a new stamp), so the pop order is the total order
+# of the entries, whatever the heap's layout (and compaction keeps it).
+_STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3
+#: the live entry's priority and stamp (0: none), the arrival stamp, the uses
+S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
+
+
+@jit(nogil=True)
+def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
+    """The first request after ``now`` whose prompt holds hash ``key``."""
+    lo, hi = use_starts[key], use_starts[key + 1]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if uses[mid] <= now:
+            lo = mid + 1
+        else:
+            hi = mid
+    return int(uses[lo]) if lo < use_starts[key + 1] else NEVER
+
+
+@jit(nogil=True)
+def _before(heap: Any, i: int, p0: int, p1: int, p2: int) -> bool:
+    """Entry ``i`` of the heap comes before (p0, p1, p2)."""
+    return bool(
+        heap[i, 0] < p0
+        or (heap[i, 0] == p0 and (heap[i, 1] < p1 or (heap[i, 1] == p1 and heap[i, 2] < p2)))
+    )
+
+
+@jit(nogil=True)
+def _heap_down(heap: Any, i: int, n: int) -> None:
+    p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and _before(heap, c + 1, heap[c, 0], heap[c, 1], heap[c, 2]):
+            c += 1
+        if not _before(heap, c, p0, p1, p2):
+            break
+        heap[i, 0], heap[i, 1], heap[i, 2] = heap[c, 0], heap[c, 1], heap[c, 2]
+        i = c
+    heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
+
+
+@jit(nogil=True)
+def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
+    i = st[_HSIZE]
+    st[_HSIZE] = i + 1
+    while i > 0:
+        q = (i - 1) >> 1
+        if not _before(heap, q, prio, stamp, item):
+            # the parent comes after the new entry: move it down
+            heap[i, 0], heap[i, 1], heap[i, 2] = heap[q, 0], heap[q, 1], heap[q, 2]
+            i = q
+        else:
+            break
+    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
+
+
+@jit(nogil=True)
+def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
+    n = st[_HSIZE] - 1
+    top = (heap[0, 0], heap[0, 1], heap[0, 2])
+    heap[0, 0], heap[0, 1], heap[0, 2] = heap[n, 0], heap[n, 1], heap[n, 2]
+    st[_HSIZE] = n
+    _heap_down(heap, 0, n)
+    return top
 
 
 @jit(nogil=True)
@@ -172,7 +233,7 @@ def _priority(
         return int(side[item, S_BORN])
     if ev == LFU:
         return int(side[item, S_USED])
-    return -int(gk._next_use(uses, use_starts, item // groups, now))
+    return -int(_next_use(uses, use_starts, item // groups, now))
 
 
 @jit(nogil=True)
@@ -187,7 +248,7 @@ def _compact(heap: Any, st: Any, side: Any) -> None:
             n += 1
     st[_HSIZE] = n
     for i in range(n // 2 - 1, -1, -1):
-        gk._heap_down(heap, i, n)
+        _heap_down(heap, i, n)
 
 
 @jit(nogil=True)
@@ -213,7 +274,7 @@ def _add(
         st[_LIVE] += 1
     side[item, S_LIVE_P] = prio
     side[item, S_LIVE_S] = stamp
-    gk._heap_push(heap, st, prio, stamp, item)
+    _heap_push(heap, st, prio, stamp, item)
     if st[_HSIZE] > 2 * st[_LIVE] + 4096:
         _compact(heap, st, side)
 
@@ -245,14 +306,14 @@ def _pop(
         _lru_unlink(links, lst, item)
         return int(item)
     while True:
-        prio, stamp, item = gk._heap_pop(heap, st)
+        prio, stamp, item = _heap_pop(heap, st)
         if side[item, S_LIVE_S] != stamp or side[item, S_LIVE_P] != prio:
             continue
         if ev == BELADY and -prio <= st[_NOW]:
             # Filed under a use that has come without touching it: re-file.
             p = _priority(ev, item, groups, side, uses, use_starts, st[_NOW])
             side[item, S_LIVE_P] = p
-            gk._heap_push(heap, st, p, stamp, item)
+            _heap_push(heap, st, p, stamp, item)
             continue
         side[item, S_LIVE_S] = 0
         st[_LIVE] -= 1
