@@ -110,13 +110,14 @@ smoke:
 # The differential tests against the real vLLM coordinators of one release,
 # in a CPU virtualenv built once per release by tools/vllm-env.sh (a few
 # minutes the first time). 0.33.0 runs every vLLM test; another release runs
-# the lookup differential in both caches against the policy that models it.
+# the lookup and the store differentials in the caches it has, against the
+# policy that models it.
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
 	touch $(VLLM_STAMP)
 
-VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py)
+VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py tests/test_store_rules_vllm.py)
 
 # Then (for the release CI runs) the regression corpus through the installed
 # vLLM's own coordinators (the pytest route, as a vLLM developer runs it on

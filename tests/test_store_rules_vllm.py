@@ -1,4 +1,11 @@
-"""The store rules (``replay.rules.store_rules``) against vLLM 0.33.0 itself.
+"""The store rules (``replay.rules.store_rules``) against the installed vLLM.
+
+The rules run under the release policy that models the installed release
+(``policy_for_version``), so ``make test-vllm VLLM=X`` checks that release's
+stores; the release's API differences are detected, nothing of vLLM's is
+patched (retention is the environment variable before 0.29.0, the config
+field after; the Mooncake store takes Mamba states by hand-offs from 0.29.0,
+by its store mask before).
 
 Per request and per group, the blocks the rules say a prefill leaves behind
 are compared with what vLLM's own code leaves behind for the same prompt
@@ -24,8 +31,12 @@ vLLM accepts one, EAGLE on and off. Seeded; the agreement table is printed
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -38,13 +49,20 @@ pytest.importorskip(
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.backends.vllm import vllm_groups
-from replay.rules.coordinator import Coordinator
+from replay.format.backends.vllm import installed_vllm_version, vllm_groups
+from replay.rules.coordinator import RELEASES, Coordinator, policy_for_version
+from replay.rules.coordinator.stores import policy_stores
 from replay.rules.store_rules import StoreRules, StoreSettings
 from replay.sources.archetypes import ARCHETYPES, archetype_config
 from tests.vllm_modules import split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
+
+VERSION = installed_vllm_version()
+POLICY = policy_for_version(VERSION)
+STORES = policy_stores(POLICY)
+#: the caches this release has (the Mooncake store from 0.22.0)
+CACHES = ("gpu", "mooncake") if POLICY.mooncake is not None else ("gpu",)
 
 REQUESTS_PER_SESSION = 24
 
@@ -66,6 +84,32 @@ class Session:
 _vllm = vllm_modules
 
 
+def _has_extra_retained() -> bool:
+    from vllm.v1 import kv_cache_interface as iface
+
+    return "extra_retained_tokens" in getattr(iface.SlidingWindowSpec, "__dataclass_fields__", {})
+
+
+_HAS_EXTRA = _has_extra_retained()
+
+
+@contextlib.contextmanager
+def retention_env(retention: int | None) -> Iterator[None]:
+    """Before 0.29.0 vLLM reads the retention interval from
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (unset: dense) when a
+    coordinator is built: set it for that, then restore the environment."""
+    name = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+    saved = os.environ.pop(name, None)
+    if retention is not None and STORES.retention == "env":
+        os.environ[name] = str(retention)
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def random_session(rng: random.Random, model: str, retention: str, eagle: bool) -> Session:
     bs = rng.choice((16, 32))
     kinds = ARCHETYPES[model].kinds
@@ -83,7 +127,7 @@ def random_session(rng: random.Random, model: str, retention: str, eagle: bool) 
         hbs,
         eagle,
         sliding_window=rng.choice((bs + 1, 2 * bs, 3 * bs - 5, 100, 128, 256)),
-        extra_retained_tokens=rng.choice((0, 0, bs // 2, bs)),
+        extra_retained_tokens=rng.choice((0, 0, bs // 2, bs)) if _HAS_EXTRA else 0,
         attention_chunk_size=rng.choice((2, 4, 8)) * bs,
         mamba_block_size=mamba_bs,
     )
@@ -112,31 +156,50 @@ class Engine:
         self.v, self.s = v, s
         cfg = s.config
         self.groups = vllm_groups(cfg, v.iface, v.torch)
+        # The retention interval: a config field from 0.29.0, before it the
+        # environment variable (unset: dense) read when the coordinator is built.
+        field = "prefix_cache_retention_interval"
+        retention = (
+            {field: s.retention}
+            if field in getattr(v.iface.KVCacheConfig, "__dataclass_fields__", {})
+            else {}
+        )
         kv_config = v.iface.KVCacheConfig(
-            num_blocks=50_000,
-            kv_cache_tensors=[],
-            kv_cache_groups=self.groups,
-            prefix_cache_retention_interval=s.retention,
+            num_blocks=50_000, kv_cache_tensors=[], kv_cache_groups=self.groups, **retention
         )
-        self.manager = v.KVCacheManager(
-            kv_config,
-            max_model_len=1 << 16,
-            scheduler_block_size=cfg.scheduler_block_size,
-            hash_block_size=cfg.hash_block_size,
-            enable_caching=True,
-            use_eagle=cfg.use_eagle,
-            enable_kv_cache_events=True,
+        # The manager takes a scheduler block size from 0.23.0 (before, hits
+        # align to the lcm of the block sizes, which the sessions equal).
+        params = inspect.signature(v.KVCacheManager).parameters
+        scheduler = (
+            {"scheduler_block_size": cfg.scheduler_block_size}
+            if "scheduler_block_size" in params
+            else {}
         )
+        with retention_env(s.retention):
+            self.manager = v.KVCacheManager(
+                kv_config,
+                max_model_len=1 << 16,
+                hash_block_size=cfg.hash_block_size,
+                enable_caching=True,
+                use_eagle=cfg.use_eagle,
+                enable_kv_cache_events=True,
+                **scheduler,
+            )
         self.hasher = v.utils.get_request_block_hasher(cfg.hash_block_size, v.sha256)
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
         self.split_state = split_state(cfg, s.budget)
-        self.mooncake = v.Mooncake(
-            self.groups,
-            cfg.scheduler_block_size,
-            cfg.hash_block_size,
-            use_eagle=cfg.use_eagle,
-            retention_interval=s.retention,
-        )
+        self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
+        self.mooncake: Any = None
+        if v.Mooncake is not None:
+            # The store takes the retention interval from 0.25.
+            takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
+            self.mooncake = v.Mooncake(
+                self.groups,
+                cfg.scheduler_block_size,
+                cfg.hash_block_size,
+                use_eagle=cfg.use_eagle,
+                **({"retention_interval": s.retention} if takes else {}),
+            )
 
     def _positions(self, request: Any) -> list[dict[Any, int]]:
         """Per group: event hash -> the token position the entry ends at (a
@@ -151,14 +214,19 @@ class Engine:
     def prefill(
         self, rid: str, tokens: list[int]
     ) -> tuple[int, int, list[set[int]], list[set[int]]]:
-        """(hit, junction, gpu stores, mamba hand-offs) per group, as token ends."""
+        """(hit, junction, gpu stores, mamba hand-offs) per group, as token ends;
+        ``self.hit_blocks``: per group, the blocks the lookup handed the request."""
         v, mgr = self.v, self.manager
         n = len(tokens)
         request = v.Request(
             rid, tokens, v.SamplingParams(max_tokens=1), None, block_hasher=self.hasher
         )
-        blocks, hit, junction = mgr.get_computed_blocks(request)
-        request.shared_prefix_boundary = junction
+        found = mgr.get_computed_blocks(request)
+        blocks, hit = found[0], found[1]
+        junction = found[2] if len(found) > 2 else 0  # from 0.26.0
+        self.hit_blocks = [len(b) for b in blocks.blocks]
+        if hasattr(request, "shared_prefix_boundary"):
+            request.shared_prefix_boundary = junction
         positions = self._positions(request)
         stored: list[set[int]] = [set() for _ in self.groups]
         handed: list[set[int]] = [set() for _ in self.groups]
@@ -181,9 +249,24 @@ class Engine:
             request.num_computed_tokens += local + todo
             local, first = 0, False
             for event in mgr.take_events():
-                if type(event).__name__ == "BlockStored":
+                if type(event).__name__ != "BlockStored":
+                    continue
+                # Before 0.20 an event does not say its group: it goes to every
+                # group of its block size (compared per block size, ``_same_size``).
+                gids = (
+                    [event.group_idx]
+                    if hasattr(event, "group_idx")
+                    else [
+                        i
+                        for i, g in enumerate(self.s.config.groups)
+                        if g.block_size == event.block_size
+                    ]
+                )
+                for gid in gids:
                     for h in event.block_hashes:
-                        stored[event.group_idx].add(positions[event.group_idx][h])
+                        stored[gid].add(positions[gid][h])
+            if not self.handoffs:
+                continue  # before 0.29.0 the store saves Mamba per its mask
             for entries in mgr.take_boundary_state_offloads().values():
                 for gid, _block, boundary in entries:
                     if boundary <= n:  # the connector's filter: past the prompt, dropped
@@ -195,14 +278,24 @@ class Engine:
     def store_mask(self, n: int, hit: int) -> list[set[int] | None]:
         """Attention groups' Mooncake stores as token ends (None for Mamba)."""
         a = self.s.config.scheduler_block_size
-        masks = self.mooncake.store_mask(n // a * a, hit, num_prompt_tokens=n)
+        if self.mooncake is None:
+            return [None for _ in self.s.config.groups]
+        suffix = "start_token" in inspect.signature(self.mooncake.store_mask).parameters
+        if suffix:
+            masks = self.mooncake.store_mask(n // a * a, hit, num_prompt_tokens=n)
+        else:
+            # Before 0.25 the mask covers the whole prefix and the worker
+            # skips the keys the store holds: the hit's, for these prompts.
+            masks = self.mooncake.store_mask(n // a * a)
         out: list[set[int] | None] = []
         for g, mask in zip(self.s.config.groups, masks, strict=True):
-            if g.kind is GroupKind.MAMBA:
+            if g.kind is GroupKind.MAMBA and self.handoffs:
                 out.append(None)
                 continue
             bs = g.block_size
             first = min(n // a * a // bs, -(-hit // bs))
+            if not suffix:
+                mask = mask[first:]
             count = n // a * a // bs - first
             keep = [True] * count if mask is None else mask
             out.append({(first + i + 1) * bs for i, k in enumerate(keep) if k})
@@ -211,6 +304,22 @@ class Engine:
 
 def _ends(blocks: Any, block_size: int) -> set[int]:
     return {(int(b) + 1) * block_size for b in blocks}
+
+
+def _has_group_idx() -> bool:
+    from vllm.distributed.kv_events import BlockStored
+
+    return "group_idx" in getattr(BlockStored, "__struct_fields__", ())
+
+
+#: ``BlockStored`` names its KV-cache group from 0.20 on.
+GROUPED_EVENTS = _has_group_idx()
+
+
+def _same_size(config: TraceConfig, got: Any, gid: int) -> set[int]:
+    """The token ends the rules store over every group of ``gid``'s block size."""
+    bs = config.groups[gid].block_size
+    return {e for i, g in enumerate(config.groups) if g.block_size == bs for e in _ends(got[i], bs)}
 
 
 def vllm_ends(
@@ -230,7 +339,8 @@ def vllm_ends(
     if cache == "gpu":
         theirs = {e for e in gpu[gid] if e % g.block_size == 0}
         return theirs, len(gpu[gid]) - len(theirs)
-    return (handed[gid] if g.kind is GroupKind.MAMBA else mask[gid] or set()), 0
+    handoff = g.kind is GroupKind.MAMBA and STORES.mirror_mamba_handoffs
+    return (handed[gid] if handoff else mask[gid] or set()), 0
 
 
 def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[int]]:
@@ -268,12 +378,41 @@ def sessions(rng: random.Random) -> list[Session]:
     out = []
     for model, arch in ARCHETYPES.items():
         sparse = any(k in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA) for k in arch.kinds)
-        retentions = ("0", "dense", "interval") if sparse else ("0", "dense")
+        retentions: tuple[str, ...] = ("0", "dense", "interval") if sparse else ("0", "dense")
+        if STORES.retention == "none":
+            retentions = ("dense",)  # no retention setting before 0.23.0
+        elif STORES.retention == "env":
+            # Set, the variable needs a sparse group (a Mamba one from 0.25).
+            counted = (GroupKind.SLIDING_WINDOW,) + (
+                (GroupKind.MAMBA,) if STORES.mamba_retention else ()
+            )
+            if not any(k in counted for k in arch.kinds):
+                retentions = ("dense",)
         for retention in retentions:
             for eagle in (False, True) if _runs_with_eagle(model) else (False,):
                 for _ in range(2):
                     out.append(random_session(rng, model, retention, eagle))
     return out
+
+
+NEWEST = RELEASES[-1].name
+
+
+def release_rules(s: Session, policy: str = POLICY.name) -> dict[str, StoreRules]:
+    """A release's store rules for a session (the installed one's by
+    default), per cache the installed release has."""
+    return {
+        cache: StoreRules(
+            s.config,
+            StoreSettings(
+                retention_interval=s.retention,
+                max_num_batched_tokens=s.budget,
+                cache=cache,
+                policy=policy,
+            ),
+        )
+        for cache in CACHES
+    }
 
 
 def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,18 +423,23 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     failures: list[str] = []
     partial_tails = 0
     shape: Counter[str] = Counter()
+    unstatable = 0
+    differs: Counter[str] = Counter()
     for s in sessions(rng):
+        try:
+            rules = release_rules(s)
+        except ReplayError:
+            # A configuration the release cannot run without partial hash
+            # hits (0.26-0.28 turn them on for a Mamba block above the hash
+            # unit), which the rules do not model: counted, not compared.
+            unstatable += 1
+            continue
         engine = Engine(v, s)
         session_rng = random.Random(s.seed)
-        rules = {
-            cache: StoreRules(
-                s.config,
-                StoreSettings(
-                    retention_interval=s.retention, max_num_batched_tokens=s.budget, cache=cache
-                ),
-            )
-            for cache in ("gpu", "mooncake")
-        }
+        newest = None
+        if POLICY.name != NEWEST:
+            with contextlib.suppress(ReplayError):
+                newest = release_rules(s, NEWEST)
         for i, tokens in enumerate(prompts(session_rng, s.config, REQUESTS_PER_SESSION)):
             n = len(tokens)
             hit, junction, gpu, handed = engine.prefill(f"r{i}", tokens)
@@ -309,16 +453,33 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
             shape["EAGLE"] += s.config.use_eagle
             shape["a flagged draft group"] += any(g.is_eagle_group for g in s.config.groups)
             shape["several prefill chunks"] += n - hit > s.budget
-            for cache in ("gpu", "mooncake"):
-                got = rules[cache].stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
+            for cache in CACHES:
+                # The boundary is visible: the newest release's stores, compared too.
+                if newest is not None and cache in newest:
+                    other = newest[cache].stores(
+                        num_tokens=n, hit_tokens=hit, junction_tokens=junction
+                    )
+                    differs[cache] += any(
+                        _ends(other[gid], g.block_size)
+                        != vllm_ends(s.config, cache, gid, gpu, handed, mask)[0]
+                        for gid, g in enumerate(s.config.groups)
+                    )
+                got = rules[cache].stores(
+                    num_tokens=n,
+                    hit_tokens=hit,
+                    junction_tokens=junction,
+                    hit_blocks=engine.hit_blocks,
+                )
                 ok = True
                 for gid, g in enumerate(s.config.groups):
                     mine = _ends(got[gid], g.block_size)
+                    if cache == "gpu" and not GROUPED_EVENTS:
+                        mine = _same_size(s.config, got, gid)
                     theirs, tails = vllm_ends(s.config, cache, gid, gpu, handed, mask)
                     partial_tails += tails
                     if mine != theirs:
                         ok = False
-                        if len(failures) < 8:
+                        if len(failures) < 12:
                             failures.append(
                                 f"{cache} {s.model} r={s.retention} eagle={s.config.use_eagle} "
                                 f"bs={[x.block_size for x in s.config.groups]} "
@@ -329,19 +490,28 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                 if ok:
                     agree[(*key, cache)] += 1
     with capsys.disabled():
-        print("\nstore agreement with vLLM 0.33.0 (requests whose every group agrees):")
+        print(
+            f"\nstore agreement with vLLM {VERSION} under {POLICY.name} "
+            "(requests whose every group agrees):"
+        )
         for (model, retention), n in sorted(total.items()):
-            gpu_ok = agree[(model, retention, "gpu")]
-            moon_ok = agree[(model, retention, "mooncake")]
-            print(
-                f"  {model:15s} retention {retention:8s} mooncake {moon_ok}/{n}  gpu {gpu_ok}/{n}"
-            )
+            counts = "  ".join(f"{c} {agree[(model, retention, c)]}/{n}" for c in CACHES)
+            print(f"  {model:15s} retention {retention:8s} {counts}")
         print(f"  (gpu partial-tail entries not compared: {partial_tails})")
+        print(f"  sessions this release runs with partial hash hits, not compared: {unstatable}")
+        if POLICY.name != NEWEST:
+            print(
+                f"  requests on which {NEWEST}'s stores differ from this release's: "
+                + ", ".join(f"{c} {differs[c]}" for c in CACHES)
+            )
         print("  requests with: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
-    assert sum(total.values()) >= 500
-    # The cases the rules exist for must each occur many times.
-    assert min(shape.values()) >= 50, shape
     assert not failures, "\n".join(failures)
+    assert sum(total.values()) >= 500
+    # The cases the rules exist for must each occur many times (the junction
+    # from 0.26.0, the release that has it).
+    if not STORES.junction:
+        assert shape.pop("shared-prefix junction") == 0
+    assert min(shape.values()) >= 50, shape
 
 
 def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixture[str]) -> None:
@@ -359,7 +529,7 @@ def test_writer_emits_the_engines_block_stored_events(capsys: pytest.CaptureFixt
             f"\nwriter vs engine: {same}/{compared} requests add the same keys "
             f"({differ_hit} with a different hit not compared)"
         )
-    assert compared >= 300
+    assert compared >= 250  # dense only before 0.23.0: fewer sessions
     assert differ_hit == 0, f"{differ_hit} requests: the engine coordinator's hit differs"
     assert not mismatches, "\n".join(mismatches)
 
@@ -377,9 +547,16 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
     same = differ_hit = compared = 0
     mismatches: list[str] = []
     for s in chosen:
+        try:
+            release_rules(s)
+        except ReplayError:
+            continue  # partial hash hits in this release (see test_store_rules_match_vllm)
         engine = Engine(v, s)
         settings = StoreSettings(
-            retention_interval=s.retention, max_num_batched_tokens=s.budget, cache="gpu"
+            retention_interval=s.retention,
+            max_num_batched_tokens=s.budget,
+            cache="gpu",
+            policy=POLICY.name,
         )
         rows: list[Any] = []
         writer = WorkloadWriter(
@@ -392,7 +569,7 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
         dense: dict[bytes, int] = {}
         present: list[set[int]] = [set() for _ in s.config.groups]
         written: list[set[int]] = [set() for _ in s.config.groups]
-        reference = Coordinator(s.config, cache="gpu")
+        reference = Coordinator(s.config, policy=POLICY.name, cache="gpu")
         hbs = s.config.hash_block_size
         for i, tokens in enumerate(prompts(random.Random(s.seed), s.config, REQUESTS_PER_SESSION)):
             n = len(tokens)
@@ -416,6 +593,7 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
             for gid, keys in enumerate(mine):
                 written[gid] |= keys
             theirs: list[set[int]] = []
+            before = [set(p) for p in present]
             for gid, g in enumerate(s.config.groups):
                 ends = {e for e in gpu[gid] if e % g.block_size == 0}
                 keys = {units[e // hbs - 1] for e in ends} - present[gid]
@@ -425,6 +603,16 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
                 differ_hit += 1
                 continue
             compared += 1
+            if not GROUPED_EVENTS:
+                # Events without their group: compared per block size, the
+                # keys new to every group of that size.
+                sizes = [g.block_size for g in s.config.groups]
+                mine = [
+                    set().union(*(m for m, b in zip(mine, sizes, strict=True) if b == bs))
+                    - before[sizes.index(bs)]
+                    for bs in sizes
+                ]
+                theirs = [theirs[sizes.index(bs)] for bs in sizes]
             if mine == theirs:
                 same += 1
             elif len(mismatches) < 5:
@@ -474,11 +662,16 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
     from replay.format.tracedir import open_trace
     from replay.sources.mooncake import ingest
 
+    if "mooncake" not in CACHES:
+        pytest.skip(f"vLLM {VERSION} has no Mooncake store (from 0.22.0)")
+
     rows = mooncake_rows(random.Random(300), 300)
     src = tmp_path / "mooncake.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     interval = 0 if retention == "0" else None
-    settings = StoreSettings(retention_interval=interval)
+    if STORES.retention == "none":
+        interval = None  # no retention setting before 0.23.0
+    settings = StoreSettings(retention_interval=interval, policy=POLICY.name)
     ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=settings)
     frame = open_trace(tmp_path / "t.parquet").read_frame()
     config = archetype_config("full+mamba", 16, None, True)
@@ -506,7 +699,8 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
         )
         mask = engine.store_mask(n, hit)
         theirs: list[set[int]] = []
-        for gid, stored_ends in enumerate((mask[0] or set(), handed[1])):
+        mamba = handed[1] if STORES.mirror_mamba_handoffs else (mask[1] or set())
+        for gid, stored_ends in enumerate((mask[0] or set(), mamba)):
             new = {
                 e
                 for e in stored_ends

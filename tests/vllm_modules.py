@@ -4,6 +4,7 @@ module imports without vLLM; the tests that call it are skipped there)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 from replay.base.spec import TraceConfig
 
@@ -11,15 +12,27 @@ from replay.base.spec import TraceConfig
 def vllm_modules() -> SimpleNamespace:
     """The KV-cache manager, scheduler, request and spec classes of the vLLM
     in this environment, with the block hasher's seed set as the engine does."""
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1 import kv_cache_interface as iface
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        # torch and vLLM warn about their own deprecations on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch
+
+        try:  # the Mooncake store exists from vLLM 0.22.0
+            coordinator: Any = importlib.import_module(
+                "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
+            )
+        except ModuleNotFoundError:
+            coordinator = None
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1 import kv_cache_interface as iface
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import Request
 
     kv_cache_utils.init_none_hash(sha256)
     return SimpleNamespace(
@@ -31,7 +44,7 @@ def vllm_modules() -> SimpleNamespace:
         Scheduler=Scheduler,
         Request=Request,
         SamplingParams=SamplingParams,
-        Mooncake=coordinator.MooncakeStoreCoordinator,
+        Mooncake=None if coordinator is None else coordinator.MooncakeStoreCoordinator,
     )
 
 
@@ -45,10 +58,12 @@ def split_state(config: TraceConfig, budget: int) -> SimpleNamespace:
         hash_block_size=config.hash_block_size,
         mamba_partial_cache_hit=False,
         use_eagle_block_drop=config.use_eagle,
+        use_eagle=config.use_eagle,  # the name before 0.30.0
         num_hash_lookahead_tokens=0,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
         max_num_scheduled_tokens=budget,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         mamba_shared_prefix_checkpoint=False,
+        mamba_fine_grained_prefix_cache=False,  # 0.30-0.31 read it (off by default)
     )

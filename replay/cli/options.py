@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -20,8 +20,11 @@ from replay.base.units import (
     shown,
 )
 from replay.cli.common import fail, note_at_end
-from replay.rules.coordinator import CACHES, DEFAULT_POLICY, choose_policies
+from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES, choose_policies
 from replay.sources.archetypes import ARCHETYPES
+
+if TYPE_CHECKING:
+    from replay.rules.store_rules import StoreSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,18 +147,102 @@ def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     return value
 
 
+def optional_retention(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> int | str | None:
+    """``--retention-interval`` parsed (``RETENTION``), or ``"release"`` when
+    not given: the release's default, resolved once the release is known."""
+    return "release" if value is None else RETENTION.convert(value, _param, _ctx)
+
+
+def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, str | None]:
+    """The release whose stores a source or what-if produces, by the one
+    policy rule (``choose_policies``: ``--policy``, else ``--vllm``'s release,
+    else the default); with the version given (recorded in the trace's
+    ``source.vllm_version``)."""
+    try:
+        chosen = choose_policies(
+            (policy,) if policy else (), vllm=(vllm_version,) if vllm_version else ()
+        )
+    except ReplayError as exc:
+        raise fail(str(exc)) from None
+    return chosen.policies[0], vllm_version
+
+
+def release_retention(given: int | str | None, policy: str) -> int | None:
+    """``--retention-interval`` as given, else the release's default (0 from
+    vLLM 0.29.0, dense before: the setting was an unset environment variable)."""
+    from replay.rules.coordinator.stores import policy_stores
+
+    if given == "release":
+        return policy_stores(policy).default_retention
+    assert not isinstance(given, str)
+    return given
+
+
+def store_settings(
+    retention: int | str | None,
+    max_num_batched_tokens: int,
+    cache: str,
+    policy: str | None,
+    vllm_version: str | None,
+) -> StoreSettings:
+    """A source's store settings from ``store_options``: the release chosen by
+    ``--policy``/``--vllm``, its default retention unless one is given."""
+    from replay.rules.store_rules import StoreSettings
+
+    name, version = release_choice(policy, vllm_version)
+    return StoreSettings(
+        retention_interval=release_retention(retention, name),
+        max_num_batched_tokens=max_num_batched_tokens,
+        cache=cache,
+        policy=name,
+        vllm_version=version,
+    )
+
+
+RETENTION_HELP = (
+    "vLLM's prefix_cache_retention_interval: 0 keeps only the states and sliding-window "
+    "tails a replay can resume at, N also one per N tokens, none all of them (dense). "
+    "[default: the release's: 0 from vLLM 0.29.0, none before]"
+)
+
+
+def release_options(fn: F) -> F:
+    """``--policy`` / ``--vllm VERSION``: whose stores (and lookups) to produce."""
+    for decorator in reversed(
+        [
+            click.option(
+                "--policy",
+                type=click.Choice(list(POLICIES)),
+                default=None,
+                help=f"The vLLM release policy whose stores and hits to produce [default: "
+                f"{DEFAULT_POLICY}]; recorded in the trace's source.",
+            ),
+            click.option(
+                "--vllm",
+                "vllm_version",
+                metavar="VERSION",
+                default=None,
+                help="Produce what this vLLM release (e.g. 0.26.0) stores: its policy; "
+                "recorded as the trace's source.vllm_version.",
+            ),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
 def store_options(fn: F) -> F:
     """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
     for decorator in reversed(
         [
             click.option(
                 "--retention-interval",
-                default="0",
-                show_default=True,
-                type=RETENTION,
-                help="vLLM's prefix_cache_retention_interval: 0 keeps only the states and "
-                "sliding-window tails a replay can resume at (vLLM's default), N also one "
-                "per N tokens, none all of them (dense).",
+                default=None,
+                callback=optional_retention,
+                metavar="N|none",
+                help=RETENTION_HELP,
             ),
             click.option(
                 "--max-num-batched-tokens",
@@ -177,7 +264,7 @@ def store_options(fn: F) -> F:
         ]
     ):
         fn = decorator(fn)
-    return fn
+    return release_options(fn)
 
 
 # ---------------------------------------------------------------- policies

@@ -21,6 +21,7 @@ from replay.cli.options import (
     output_option,
     seconds_type,
     store_options,
+    store_settings,
 )
 from replay.cli.progress import progress_bar
 from replay.format.paths import KV_DUMP, PARQUET, check_outputs
@@ -308,11 +309,12 @@ def _importer(format_name: str, doc: str) -> click.Command:
         block_size: int,
         eagle: bool,
         capacity_blocks: int | None,
-        retention_interval: int | None,
+        retention_interval: int | str | None,
         max_num_batched_tokens: int,
         cache: str,
+        policy: str | None,
+        vllm_version: str | None,
     ) -> None:
-        from replay.rules.store_rules import StorePolicy
         from replay.sources.mooncake import ingest as run_ingest
 
         check_outputs({"-o": output}, [trace], formats={"-o": PARQUET})
@@ -325,10 +327,8 @@ def _importer(format_name: str, doc: str) -> click.Command:
                 block_size=block_size,
                 eagle=eagle,
                 capacity_blocks=capacity_blocks,
-                policy=StorePolicy(
-                    retention_interval=retention_interval,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    cache=cache,
+                policy=store_settings(
+                    retention_interval, max_num_batched_tokens, cache, policy, vllm_version
                 ),
                 progress=None if bar is None else bar.steps("rows"),
             )

@@ -16,6 +16,7 @@ from replay.cli.options import (
     count_option,
     output_option,
     store_options,
+    store_settings,
 )
 from replay.cli.progress import progress_bar
 from replay.format.paths import PARQUET, check_outputs
@@ -65,12 +66,18 @@ def synth(
     hash_block_size: int | None,
     inject_overrun: int,
     clear_every: int | None,
-    retention_interval: int | None,
+    retention_interval: int | str | None,
     max_num_batched_tokens: int,
     cache: str,
+    policy: str | None,
+    vllm_version: str | None,
 ) -> None:
     """Generate a production-style synthetic trace, reproducible from --seed."""
     from replay.sources.synth import synth_trace
+
+    settings = store_settings(
+        retention_interval, max_num_batched_tokens, cache, policy, vllm_version
+    )
 
     check_outputs({"-o": output}, [], formats={"-o": PARQUET})
     with progress_bar() as bar:
@@ -85,9 +92,7 @@ def synth(
             hash_block_size=hash_block_size,
             inject_overrun=inject_overrun,
             clear_every=clear_every,
-            retention_interval=retention_interval,
-            max_num_batched_tokens=max_num_batched_tokens,
-            cache=cache,
+            settings=settings,
             progress=None if bar is None else bar.steps("requests", requests),
         )
     click.echo(synth_summary_text(summary))

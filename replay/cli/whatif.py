@@ -15,11 +15,14 @@ import click
 from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
-    RETENTION,
+    RETENTION_HELP,
     SIZE_LIMIT,
     count_option,
     fraction_type,
+    optional_retention,
     output_option,
+    release_choice,
+    release_retention,
 )
 from replay.cli.progress import Bar, progress_bar
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
@@ -162,17 +165,23 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 @click.option(
     "--policy",
     type=click.Choice(list(POLICIES)),
-    default=DEFAULT_POLICY,
-    show_default=True,
-    help="Coordinator semantics that compute each hit.",
+    default=None,
+    help=f"The vLLM release policy: the semantics that compute each hit, and the "
+    f"stores each request leaves behind [default: {DEFAULT_POLICY}].",
+)
+@click.option(
+    "--vllm",
+    "vllm_version",
+    metavar="VERSION",
+    default=None,
+    help="Simulate this vLLM release (e.g. 0.26.0): its policy's hits and stores.",
 )
 @click.option(
     "--retention-interval",
-    default="0",
-    show_default=True,
-    type=RETENTION,
-    help="vLLM's prefix_cache_retention_interval: 0, a multiple of the scheduler block "
-    "size, or none (dense).",
+    default=None,
+    metavar="N|none",
+    callback=optional_retention,
+    help=RETENTION_HELP,
 )
 @count_option(
     "--max-num-batched-tokens",
@@ -211,8 +220,9 @@ def whatif(
     model_config: Path | None,
     evictions: tuple[str, ...],
     cache: str | None,
-    policy: str,
-    retention_interval: int | None,
+    policy: str | None,
+    vllm_version: str | None,
+    retention_interval: int | str | None,
     max_num_batched_tokens: int,
     output: Path,
     emit_traces: Path | None,
@@ -248,7 +258,8 @@ def whatif(
         formats={"-o": PARQUET},
     )
     names = _names(evictions)
-    retention = retention_interval
+    policy, vllm_version = release_choice(policy, vllm_version)
+    retention = release_retention(retention_interval, policy)
     requests = load_requests(trace)
     config = requests.config
     cache_name = resolve_cache(config, cache)
@@ -319,6 +330,7 @@ def whatif(
             "trace_config": config.to_json(),
             "cache": cache_name,
             "policy": policy,
+            "vllm_version": vllm_version,
             "retention_interval": retention,
             "max_num_batched_tokens": max_num_batched_tokens,
             "page_bytes": list(pages) if pages else None,

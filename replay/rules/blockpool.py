@@ -315,6 +315,15 @@ class GpuCache:
         sp = store_policy or StoreSettings(cache="gpu")
         if sp.cache != "gpu":
             raise ReplayError("the GPU block pool caches by the gpu store rules")
+        free_order = sp.stores.free_order
+        if free_order != "unhashed-front":
+            # The model keeps the unhashed blocks apart from the cached ones;
+            # before 0.25 a freed unhashed block could sit among cached ones.
+            raise ConfigError(
+                f"the GPU block-pool model covers vLLM 0.25 and later (policy {sp.policy} "
+                f"frees blocks {free_order.replace('-', ' ')}, not unhashed first): use "
+                "--cache mooncake or a newer release"
+            )
         self.config = config
         self.rules = StoreRules(config, sp)
         self.coordinator = Coordinator(config, policy, "gpu")

@@ -68,11 +68,15 @@ import numpy.typing as npt
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator import (
+    DEFAULT_POLICY,
     LookupOutcome,
     build_spec_groups,
     engine_derives_partial_hits,
     get_cache,
+    get_policy,
+    partial_hits,
 )
+from replay.rules.coordinator.stores import Stores, policy_stores
 
 Blocks = range | npt.NDArray[np.int64]
 """One group's stored block indices, ascending: a ``range`` when contiguous."""
@@ -97,6 +101,11 @@ class StoreSettings:
     #: Which cache's stores: ``mooncake`` (the store connector's saves) or
     #: ``gpu`` (the block pool's BlockStored events); ``replay.rules.coordinator.CACHES``.
     cache: str = "mooncake"
+    #: The vLLM release policy whose stores these are (``replay.rules.coordinator.
+    #: stores``): its store rules, and its lookup rules for the hits.
+    policy: str = DEFAULT_POLICY
+    #: The vLLM version the user named (``--vllm``), recorded with the policy.
+    vllm_version: str | None = None
 
     def __post_init__(self) -> None:
         r = self.retention_interval
@@ -106,14 +115,27 @@ class StoreSettings:
         if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
             raise ReplayError(f"max_num_batched_tokens must be a positive integer, got {m!r}")
         get_cache(self.cache)  # an unknown name is refused with the known ones
+        get_policy(self.policy).rules(self.cache)  # a cache the release lacked is refused
+
+    @property
+    def stores(self) -> Stores:
+        """The release's store rules."""
+        return policy_stores(self.policy, self.cache)
 
     def as_source(self) -> dict[str, object]:
         """The fields a trace's ``source`` metadata records."""
-        return {
+        out: dict[str, object] = {
             "cache": self.cache,
             "retention_interval": self.retention_interval,
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
+        # The release whose stores these are, so ``replay run`` answers as it
+        # (0.33.0's, the default, is not recorded: runs default to it anyway).
+        if self.policy != DEFAULT_POLICY:
+            out["policy"] = self.policy
+        if self.vllm_version is not None:
+            out["vllm_version"] = self.vllm_version
+        return out
 
 
 #: Deprecated name of ``StoreSettings``, kept while the CLI and the what-if
@@ -171,6 +193,8 @@ class _Request:
     junction: int
     #: tokens covered by the prompt's full hash units
     hashed: int
+    #: per group, the blocks the lookup handed the request (None: the hit's)
+    hit_blocks: Sequence[int] | None = None
 
 
 def _sliding_mask(
@@ -216,7 +240,15 @@ class StoreRules:
     def __init__(self, config: TraceConfig, settings: StoreSettings | None = None) -> None:
         self.config = config
         self.settings = settings = settings or StoreSettings()
-        if config.enable_partial_hash_hits or engine_derives_partial_hits(config):
+        policy = get_policy(settings.policy)
+        releases_partial = any(
+            partial_hits(config, rules) for rules in (policy.gpu, policy.mooncake) if rules
+        )
+        if (
+            config.enable_partial_hash_hits
+            or engine_derives_partial_hits(config)
+            or releases_partial
+        ):
             raise ReplayError(
                 "the store rules do not model partial hash hits (vLLM enables them for a "
                 f"Mamba block larger than the {config.hash_block_size}-token hash block): "
@@ -224,8 +256,13 @@ class StoreRules:
             )
         a = config.scheduler_block_size
         kinds = {g.kind for g in config.groups}
-        sparse = bool(kinds & {GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
+        self.release = release = settings.stores
+        sparse_kinds = {GroupKind.SLIDING_WINDOW, GroupKind.MAMBA}
+        if not release.mamba_retention:
+            sparse_kinds.discard(GroupKind.MAMBA)
+        sparse = bool(kinds & sparse_kinds)
         r = settings.retention_interval
+        release.check_retention(r, sparse, policy.releases)
         # vLLM refuses these at start-up (``_validate_prefix_cache_retention_interval``).
         if r and not sparse:
             raise ReplayError(
@@ -246,8 +283,10 @@ class StoreRules:
         self.unitary = config.num_groups == 1
         #: Whether the shared-prefix junction can change a store: it ends a
         #: Mamba chunk, and pins a tail in the engine's sliding-window groups.
-        self.uses_junction = not self.unitary and (
-            self.has_mamba or (settings.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds)
+        self.uses_junction = (
+            release.junction
+            and not self.unitary
+            and (self.has_mamba or (settings.cache == "gpu" and GroupKind.SLIDING_WINDOW in kinds))
         )
         # Which groups drop for EAGLE, as each cache's coordinator merges and
         # flags them (the one rule: ``build_spec_groups``): the engine drops
@@ -255,18 +294,27 @@ class StoreRules:
         eagle_of: dict[str, list[bool]] = {}
         for cache in ("mooncake", "gpu"):
             eagle_of[cache] = [False] * config.num_groups
-            for sg in build_spec_groups(config, cache):
+            rules = policy.gpu if cache == "gpu" else (policy.mooncake or cache)
+            for sg in build_spec_groups(config, rules):
                 for gid in sg.group_ids:
                     eagle_of[cache][gid] = sg.eagle
         self.mirror_any_eagle = any(eagle_of["mooncake"])
         self.engine_any_eagle = config.use_eagle
+        #: whether the engine's replay boundaries are EAGLE's
+        flagged = any(g.is_eagle_group for g in config.groups)
+        self.engine_boundary_eagle = config.use_eagle or (release.boundaries_from_flags and flagged)
+        self.mamba_boundary_eagle = config.use_eagle or (
+            release.mamba_boundaries_from_flags and flagged
+        )
+        # The store widens a window by ``extra_retained_tokens`` from 0.33.0.
+        widen = policy.mooncake is not None and policy.mooncake.widen_window
         self.groups = tuple(
             _Group(
                 kind=g.kind,
                 block_size=g.block_size,
                 mirror_eagle=eagle_of["mooncake"][gid],
                 engine_eagle=eagle_of["gpu"][gid],
-                mirror_window=g.coverage_window or 0,
+                mirror_window=(g.coverage_window if widen else g.sliding_window) or 0,
                 engine_window=g.sliding_window or 0,
             )
             for gid, g in enumerate(config.groups)
@@ -280,7 +328,11 @@ class StoreRules:
         without Mamba, plain budget-sized chunks."""
         n, a = num_tokens, self.alignment
         budget = self.settings.max_num_batched_tokens
-        last_cache = checkpoint_position(n, a, self.engine_any_eagle)
+        if self.release.mamba_checkpoint:
+            last_cache = checkpoint_position(n, a, self.engine_any_eagle)
+        else:
+            # Before 0.30.0: the prompt floored to the block, one lower with EAGLE.
+            last_cache = max(n // a * a - (a if self.engine_any_eagle else 0), 0)
         ends: list[int] = []
         start = hit_tokens
         while start < n:
@@ -306,10 +358,10 @@ class StoreRules:
     def cacheable_tokens(self, group: _Group, tokens: int) -> int:
         """Tokens of the prompt the engine lets a group cache after ``tokens``
         computed ones (``get_num_cacheable_tokens``)."""
-        if self.unitary:
+        if self.unitary or not self.release.aligned_cache:
             return tokens
         out = tokens // self.alignment * self.alignment
-        if group.engine_eagle and out > 0:
+        if group.engine_eagle and out > 0 and self.release.eagle_cache_block:
             # EAGLE matches one block past the aligned boundary and drops it.
             out = min(tokens, out + group.block_size)
         return out
@@ -318,10 +370,26 @@ class StoreRules:
         """:meth:`cacheable_tokens`, capped at the prompt's hashed tokens."""
         return min(self.cacheable_tokens(group, tokens), hashed)
 
+    def _boundaries(
+        self, num_tokens: int, any_eagle: bool, group: _Group, junction: int
+    ) -> list[int]:
+        """The positions whose tail or state a sparse retention keeps anyway:
+        the replay boundaries, and in the engine the junction (and, for an
+        EAGLE group in 0.33.0, the block below it)."""
+        if self.release.eagle_replay_boundaries:
+            boundaries = list(replay_boundaries(num_tokens, self.alignment, any_eagle))
+        else:
+            boundaries = [num_tokens - 1]
+        if junction:
+            boundaries.append(junction)
+            if group.engine_eagle and self.release.junction_eagle_block:
+                boundaries.append(junction - group.block_size)
+        return boundaries
+
     def _mamba_keeps(self, block: int, group: _Group, boundaries: Sequence[int]) -> bool:
         """``MambaManager.reachable_block_mask`` for one state block."""
         r = self.settings.retention_interval
-        if r is None:
+        if r is None or not self.release.mamba_retention:
             return True
         bs, a = group.block_size, self.alignment
         if r:
@@ -331,12 +399,15 @@ class StoreRules:
         return any(b // a * a // bs - 1 == block for b in boundaries)
 
     def _mamba(self, group: _Group, req: _Request, ends: Sequence[int]) -> Blocks:
-        bs, hit_tokens, junction = group.block_size, req.hit, req.junction
-        boundaries = list(replay_boundaries(req.num_tokens, self.alignment, self.engine_any_eagle))
-        if junction:
-            boundaries.append(junction)
-            if group.engine_eagle:
-                boundaries.append(junction - bs)
+        bs, hit_tokens = group.block_size, req.hit
+        boundaries = self._boundaries(
+            req.num_tokens, self.mamba_boundary_eagle, group, req.junction
+        )
+        if self.release.mamba_checkpoint:
+            # The checkpoint's state is kept (0.33.0: one of the boundaries).
+            boundaries.append(
+                checkpoint_position(req.num_tokens, self.alignment, self.engine_any_eagle)
+            )
         cached = hit_tokens // bs
         out: list[int] = []
         prev = hit_tokens
@@ -358,25 +429,39 @@ class StoreRules:
             prev = end
         return np.array(out, dtype=np.int64)
 
-    def _attention(self, group: _Group, req: _Request) -> Blocks:
+    def _attention(self, gid: int, group: _Group, req: _Request) -> Blocks:
         bs, n, a = group.block_size, req.num_tokens, self.alignment
         hit_tokens, junction = req.hit, req.junction
         r = self.settings.retention_interval
         if self.settings.cache == "gpu":
             start = hit_tokens // bs
+            if req.hit_blocks is not None:
+                # A manager caches from the blocks it was handed: fewer than
+                # the hit under the #43559 overrun (the Mamba peek margin in
+                # the engine before 0.26), whose dropped block is recomputed.
+                start = min(start, req.hit_blocks[gid])
             end = self._cacheable(group, n, req.hashed) // bs
             window, eagle = group.engine_window, group.engine_eagle
-            boundaries = list(replay_boundaries(n, a, self.engine_any_eagle))
-            if junction:
-                boundaries.append(junction)
-                if eagle:
-                    boundaries.append(junction - bs)
+            boundaries = self._boundaries(n, self.engine_boundary_eagle, group, junction)
         else:
             end = min(n // a * a, req.hashed) // bs
             start = min(end, cdiv(hit_tokens, bs))
             window, eagle = group.mirror_window, group.mirror_eagle
-            boundaries = list(replay_boundaries(n, a, self.mirror_any_eagle))
-        if group.kind is not GroupKind.SLIDING_WINDOW:
+            boundaries = self._boundaries(n, self.mirror_any_eagle, group, 0)
+            if not self.release.mirror_eagle_replay_boundaries:
+                boundaries = [n - 1]
+            if not self.release.mirror_retention:
+                r = None
+            if group.kind is GroupKind.MAMBA:
+                # Before the hand-offs (0.29.0) the store saved Mamba states
+                # like attention blocks, per the Mamba manager's mask.
+                return np.array(
+                    [b for b in range(start, end) if self._mamba_keeps(b, group, boundaries)],
+                    dtype=np.int64,
+                )
+        if group.kind is not GroupKind.SLIDING_WINDOW or (
+            self.settings.cache == "gpu" and not self.release.aligned_cache
+        ):
             return range(start, max(start, end))
         return _sliding_mask(
             start,
@@ -390,13 +475,20 @@ class StoreRules:
         )
 
     def stores(
-        self, *, num_tokens: int, hit_tokens: int, junction_tokens: int = 0
+        self,
+        *,
+        num_tokens: int,
+        hit_tokens: int,
+        junction_tokens: int = 0,
+        hit_blocks: Sequence[int] | None = None,
     ) -> tuple[Blocks, ...]:
         """Per group, the block indices the request's prefill caches.
 
         ``hit_tokens``: the hit the request's lookup got (where its prefill
         starts); ``junction_tokens``: the shared-prefix junction its lookup
-        found (``junction_tokens(outcome)``), 0 for none."""
+        found (``junction_tokens(outcome)``), 0 for none; ``hit_blocks``: per
+        group, the blocks the lookup handed the request (``GroupOutcome.
+        mask_blocks``), when it may be fewer than the hit's."""
         if num_tokens <= 0:
             raise ReplayError(f"num_tokens must be positive, got {num_tokens}")
         if not 0 <= hit_tokens < num_tokens:
@@ -405,16 +497,22 @@ class StoreRules:
                 f"got {hit_tokens}"
             )
         hbs = self.config.hash_block_size
+        if not self.release.junction:
+            junction_tokens = 0  # no shared-prefix junction before 0.26.0
         req = _Request(
             num_tokens=num_tokens,
             hit=hit_tokens,
             junction=junction_tokens,
             hashed=num_tokens // hbs * hbs,
+            hit_blocks=hit_blocks,
         )
         ends = self.chunk_ends(num_tokens, hit_tokens, junction_tokens) if self.has_mamba else []
+        handoffs = self.settings.cache == "gpu" or self.release.mirror_mamba_handoffs
         return tuple(
-            self._mamba(g, req, ends) if g.kind is GroupKind.MAMBA else self._attention(g, req)
-            for g in self.groups
+            self._mamba(g, req, ends)
+            if g.kind is GroupKind.MAMBA and handoffs
+            else self._attention(gid, g, req)
+            for gid, g in enumerate(self.groups)
         )
 
 

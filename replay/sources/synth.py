@@ -253,6 +253,7 @@ def synth_trace(
     retention_interval: int | None = 0,
     max_num_batched_tokens: int = 8192,
     cache: str = "mooncake",
+    settings: StoreSettings | None = None,
     hash_bytes: int = 16,
     session_model: SessionModel | None = None,
     progress: Callable[[int], None] | None = None,
@@ -264,7 +265,9 @@ def synth_trace(
     two more lookups. ``capacity_blocks`` bounds the store (None: unbounded),
     ``clear_every`` emits a ``clear`` row before every that-many-th request.
     ``retention_interval``, ``max_num_batched_tokens`` and ``cache`` choose
-    the store rules (``replay.rules.store_rules.StoreSettings``). ``progress`` is
+    the store rules (``replay.rules.store_rules.StoreSettings``), or
+    ``settings`` gives them whole (with the release policy whose stores to
+    produce: ``settings.policy``). ``progress`` is
     called with the number of requests done since its last call."""
     if requests < 0:
         raise ReplayError(f"requests must be >= 0, got {requests}")
@@ -273,7 +276,7 @@ def synth_trace(
     if hash_bytes not in (16, 32):
         raise ReplayError(f"hash_bytes must be 16 or 32, got {hash_bytes}")
     sm = session_model or SessionModel()
-    settings = StoreSettings(
+    settings = settings or StoreSettings(
         retention_interval=retention_interval,
         max_num_batched_tokens=max_num_batched_tokens,
         cache=cache,

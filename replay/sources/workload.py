@@ -124,7 +124,9 @@ class WorkloadWriter:
         self.rules = StoreRules(config, self.settings)
         # The hit each request's prefill starts from, as a lookup of the cache
         # finds it (``explain`` for the steps that give the junction).
-        self._coordinator = Coordinator(config, cache=self.settings.cache)
+        self._coordinator = Coordinator(
+            config, policy=self.settings.policy, cache=self.settings.cache
+        )
         self._cache = MooncakeCache.dense_lru(config.num_groups, capacity_blocks)
         self.stats = WorkloadStats(stored_keys=[0] * config.num_groups)
         self.requests = 0
@@ -247,11 +249,15 @@ class WorkloadWriter:
         hit_tokens: int = 0,
         junction_tokens: int = 0,
         extra_blocks: Mapping[int, Sequence[int]] | None = None,
+        hit_blocks: Sequence[int] | None = None,
     ) -> list[npt.NDArray[np.int64]]:
         """Per group, the block indices the request's prefill stores (the store
         rules, ``replay.rules.store_rules``), plus any ``extra_blocks``, ascending."""
         chosen = self.rules.stores(
-            num_tokens=num_tokens, hit_tokens=hit_tokens, junction_tokens=junction_tokens
+            num_tokens=num_tokens,
+            hit_tokens=hit_tokens,
+            junction_tokens=junction_tokens,
+            hit_blocks=hit_blocks,
         )
         out = []
         for gid, sel in enumerate(chosen):
@@ -323,7 +329,9 @@ class WorkloadWriter:
         )
         hit = outcome.hit_tokens
         junction = junction_tokens(outcome) if self.rules.uses_junction else 0
-        chosen = self.stored_indices(num_tokens, hit, junction, extra_blocks)
+        chosen = self.stored_indices(
+            num_tokens, hit, junction, extra_blocks, [g.mask_blocks for g in outcome.groups]
+        )
         # Touch the groups last to first, so the first group's head is the
         # most recently used entry; the prefix the hit used is refreshed, the
         # blocks the prefill computes are stored.

@@ -44,6 +44,7 @@ from replay.format.jit import jit
 from replay.rules.coordinator import Coordinator, get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
+from replay.rules.coordinator.stores import STORES_033, policy_stores
 from replay.rules.store_rules import StorePolicy, StoreRules
 
 FA, SWA, MAMBA = 0, 1, 2
@@ -110,6 +111,8 @@ def supported(config: TraceConfig, cache: str, policy: str | None = None) -> str
         rules = get_policy(policy).rules("gpu")
         if rules.but(verify_eagle_once=True, mamba_peek_margin=False) != ENGINE:
             return f"policy {policy}'s engine rules"
+        if policy_stores(policy) != STORES_033:
+            return f"policy {policy}'s store rules"
     if partial_hits(config, cache):
         return "partial hash hits"
     for g in config.groups:

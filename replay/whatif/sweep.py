@@ -119,6 +119,7 @@ class RunSpec:
             retention_interval=self.retention_interval,
             max_num_batched_tokens=self.max_num_batched_tokens,
             cache=self.cache,
+            policy=self.policy,
         )
 
     def label(self) -> str:

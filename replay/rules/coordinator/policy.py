@@ -360,6 +360,15 @@ def recorded_release(source: Mapping[str, Any] | None) -> tuple[Policy, str] | N
     trace does not say."""
     recorded = None if source is None else source.get("vllm_version")
     if not isinstance(recorded, str):
+        # A generated or imported trace records the release whose stores it
+        # holds by its policy (``StoreSettings.as_source``).
+        named_policy = None if source is None else source.get("policy")
+        if isinstance(named_policy, str) and named_policy in POLICIES:
+            policy = POLICIES[named_policy]
+            return policy, (
+                f"policy {policy.name}: the trace's stores are vLLM {policy.releases}'s "
+                "(source.policy)"
+            )
         return None
     try:
         release = policy_for_version(recorded)
