@@ -14,7 +14,7 @@ heap and the requests' interned ids (``Requests.arrays()``).
 Only the common shapes: full-attention and Mamba (align) groups, each block
 one hash unit, with or without EAGLE, under a policy whose mirror rules are
 vLLM 0.33's (the EAGLE drop once per candidate, with or without Mamba's peek
-margin). ``supported`` says why anything else runs the Python model, which
+margin) and whose stores are 0.33's (``replay.rules.coordinator.stores``). ``supported`` says why anything else runs the Python model, which
 stays the specification: ``tests/test_whatif_mooncake_kernel.py`` requires
 every field of every row and every request's hit to be equal on random
 traces, capacities and evictions.
@@ -38,6 +38,7 @@ from replay.rules.coordinator import (
     partial_hits,
 )
 from replay.rules.coordinator.cache import MIRROR
+from replay.rules.coordinator.stores import STORES_033, policy_stores
 from replay.rules.store_rules import StorePolicy
 from replay.whatif import kernel as gk
 from replay.whatif.kernel import (
@@ -75,6 +76,8 @@ def supported(config: TraceConfig, policy: str | None = None) -> str | None:
             return str(exc)
         if rules.but(verify_eagle_once=True, mamba_peek_margin=False) != MIRROR:
             return f"policy {policy}'s mirror rules"
+        if policy_stores(policy, "mooncake") != STORES_033:
+            return f"policy {policy}'s store rules"
     if partial_hits(config, "mooncake"):
         return "partial hash hits"
     for g in config.groups:
