@@ -34,8 +34,6 @@ from replay.rules.coordinator import (
     Coordinator,
     build_spec_groups,
     get_policy,
-    hit_alignment,
-    partial_hits,
 )
 from replay.rules.coordinator.cache import MIRROR
 from replay.rules.coordinator.stores import STORES_033, policy_stores
@@ -78,19 +76,7 @@ def supported(config: TraceConfig, policy: str | None = None) -> str | None:
             return f"policy {policy}'s mirror rules"
         if policy_stores(policy, "mooncake") != STORES_033:
             return f"policy {policy}'s store rules"
-    if partial_hits(config, "mooncake"):
-        return "partial hash hits"
-    for g in config.groups:
-        if g.kind not in _KINDS:
-            return f"{g.kind.value} groups"
-        if g.block_size != config.hash_block_size:
-            return "blocks larger than the hash unit"
-    align = hit_alignment(config, "mooncake")
-    if any(align < g.block_size or align % g.block_size for g in config.groups):
-        return "a hit alignment below a block size"
-    if config.scheduler_block_size % config.hash_block_size:
-        return "a scheduler block that is not whole blocks"
-    return None
+    return gk.shape_supported(config, "mooncake", _KINDS)
 
 
 def compile_mooncake(
@@ -414,17 +400,7 @@ def run_mooncake(
         for g in range(num_groups):
             for x in range(u):
                 present[g, x] = pres[ids[o + x] * num_groups + g]
-        for s in range(num_specs):
-            first = True
-            for g in range(num_groups):
-                if members[s, g]:
-                    if first:
-                        for x in range(u):
-                            merged[s, x] = present[g, x]
-                        first = False
-                    else:
-                        for x in range(u):
-                            merged[s, x] &= present[g, x]
+        gk._merge_present(members, present, merged, u)
         if ev == BELADY:
             for g in range(num_groups):
                 for x in range(u):
