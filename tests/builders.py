@@ -428,6 +428,27 @@ def random_prompts(rng: random.Random, block: int, count: int) -> list[list[int]
     return out
 
 
+def lookup_rows(
+    config: TraceConfig, prompts: list[list[int]], rng: random.Random | None = None
+) -> list[dict[str, Any]]:
+    """One lookup row per prompt (the what-if's requests); with ``rng``, a
+    tenth of them asking for less than the whole prompt."""
+    a = config.scheduler_block_size
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": "lookup",
+            "request_id": f"r{i}",
+            "block_hashes": unit_hashes(p, config.hash_block_size),
+            "max_length": len(p)
+            - 1
+            - (rng.randrange(a) if rng is not None and rng.random() < 0.1 else 0),
+            "num_tokens": len(p),
+        }
+        for i, p in enumerate(prompts)
+    ]
+    return [r for r in rows if r["max_length"] >= 0]
+
+
 def unit_hashes(tokens: list[int], hash_block_size: int) -> list[bytes]:
     """One 8-byte hash per full ``hash_block_size`` tokens, chained over the prefix."""
     out: list[bytes] = []
@@ -439,10 +460,16 @@ def unit_hashes(tokens: list[int], hash_block_size: int) -> list[bytes]:
     return out
 
 
-def random_archetype_config(rng: random.Random) -> TraceConfig:
+ARCHETYPES_COVERED = ("full", "full+mamba", "full+swa", "full+swa+mamba", "swa+mamba")
+
+
+def random_archetype_config(
+    rng: random.Random, models: Sequence[str] = ARCHETYPES_COVERED
+) -> TraceConfig:
     """An archetype the block-pool model covers (no chunked local, hash unit
-    = block), random sizes, EAGLE on or off, sometimes a flagged draft group."""
-    model = rng.choice(["full", "full+mamba", "full+swa", "full+swa+mamba", "swa+mamba"])
+    = block; one of ``models``), random sizes, EAGLE on or off, sometimes a
+    flagged draft group."""
+    model = rng.choice(list(models))
     bs = rng.choice((16, 32))
     config = archetype_config(
         model,

@@ -21,8 +21,8 @@ from replay.rules.coordinator.stores import policy_stores
 from replay.rules.store_rules import StoreRules
 from replay.whatif.kernel import supported
 from replay.whatif.requests import load_requests
-from replay.whatif.sweep import RunSpec, simulate
-from tests.builders import random_archetype_config, random_prompts, unit_hashes
+from replay.whatif.sweep import RunSpec, runs_compiled, simulate
+from tests.builders import lookup_rows, random_archetype_config, random_prompts, unit_hashes
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 
@@ -35,17 +35,7 @@ def _trace(tmp: Path, rng: random.Random, count: int) -> tuple[Path, int]:
     config = random_archetype_config(rng)
     a = config.scheduler_block_size
     prompts = random_prompts(rng, a, count)
-    rows: list[dict[str, Any]] = [
-        {
-            "kind": "lookup",
-            "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, config.hash_block_size),
-            "max_length": len(p) - 1 - (rng.randrange(a) if rng.random() < 0.1 else 0),
-            "num_tokens": len(p),
-        }
-        for i, p in enumerate(prompts)
-    ]
-    rows = [r for r in rows if r["max_length"] >= 0]
+    rows = lookup_rows(config, prompts, rng)
     longest = max(len(p) for p in prompts) // config.groups[0].block_size + 1
     return write_trace(tmp / "t.parquet", config, rows), longest * config.num_groups
 
@@ -82,8 +72,10 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             # Every lookup's facts (what the flags are judged from), column by column.
             assert mine["facts"].equals(theirs["facts"]), (config.to_json(), spec)
             for column in theirs:
-                if column not in ("seconds", "_hits", "facts"):
+                if column not in ("seconds", "simulator", "_hits", "facts"):
                     assert mine[column] == theirs[column], (column, config.to_json(), spec)
+            compiled = "compiled" if runs_compiled(requests, spec) else "python"
+            assert (mine["simulator"], theirs["simulator"]) == (compiled, "python")
             checked += 1
             evicted += theirs["evicted_blocks"]
     assert checked >= 10
@@ -185,8 +177,9 @@ def test_every_eviction_order_equals_the_python_model(seed: int, tmp_path: Path)
             theirs = simulate(requests, spec, compiled=False)
             assert mine["_hits"].tolist() == theirs["_hits"].tolist(), (eviction, capacity)
             assert mine["facts"].equals(theirs["facts"]), (eviction, capacity)
+            assert (mine["simulator"], theirs["simulator"]) == ("compiled", "python")
             for column in theirs:
-                if column not in ("seconds", "_hits", "facts"):
+                if column not in ("seconds", "simulator", "_hits", "facts"):
                     assert mine[column] == theirs[column], (column, eviction, capacity)
             evicted += theirs["evicted_blocks"]
     assert evicted > 0

@@ -239,7 +239,8 @@ def whatif(
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
     per-request hit-ratio percentiles and its method (gpu LRU capacities
     come from one stack-distance pass where that is exact, one-pass, else
-    per-capacity), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
+    per-capacity) and simulator (compiled, or the Python model where the
+    kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache

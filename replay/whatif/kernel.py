@@ -33,6 +33,7 @@ capacity.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +114,17 @@ def supported(config: TraceConfig, cache: str, policy: str | None = None) -> str
             return f"policy {policy}'s engine rules"
         if policy_stores(policy) != STORES_033:
             return f"policy {policy}'s store rules"
+    return shape_supported(config, cache, _KINDS)
+
+
+def shape_supported(config: TraceConfig, cache: str, kinds: Mapping[GroupKind, int]) -> str | None:
+    """Why a compiled kernel over ``kinds`` of groups cannot run this
+    configuration's shape in ``cache``, or None: every group's block one hash
+    unit, hits aligned to whole blocks, no partial hash hits."""
     if partial_hits(config, cache):
         return "partial hash hits"
     for g in config.groups:
-        if g.kind not in _KINDS:
+        if g.kind not in kinds:
             return f"{g.kind.value} groups"
         if g.block_size != config.hash_block_size:
             return "blocks larger than the hash unit"
@@ -455,6 +463,22 @@ def _call(specs: Any, s: int, merged: Any, u: int, bound: int, drop: bool, align
     if kind == SWA:
         return _find_swa(view, u, bound, drop, align, bs, specs[s, 2])
     return _find_mamba(view, u, bound, align, bs)
+
+
+@jit(nogil=True)
+def _merge_present(members: Any, present: Any, merged: Any, u: int) -> None:
+    """Each spec group's presence: the AND of its KV-cache groups' (units ``[0, u)``)."""
+    for s in range(members.shape[0]):
+        first = True
+        for g in range(members.shape[1]):
+            if members[s, g]:
+                if first:
+                    for x in range(u):
+                        merged[s, x] = present[g, x]
+                    first = False
+                else:
+                    for x in range(u):
+                        merged[s, x] &= present[g, x]
 
 
 @jit(nogil=True)
@@ -849,17 +873,7 @@ def run_gpu(
         for g in range(num_groups):
             for x in range(u):
                 present[g, x] = 1 if kt[2 * (ids[o + x] * num_groups + g)] >= 0 else 0
-        for s in range(num_specs):
-            first = True
-            for g in range(num_groups):
-                if members[s, g]:
-                    if first:
-                        for x in range(u):
-                            merged[s, x] = present[g, x]
-                        first = False
-                    else:
-                        for x in range(u):
-                            merged[s, x] &= present[g, x]
+        _merge_present(members, present, merged, u)
         hit, longest = _lookup(params, specs, merged, u, ml, res, verified)
         for g in range(num_groups):
             s = groups[g, 6]

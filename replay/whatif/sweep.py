@@ -62,6 +62,7 @@ from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeStore
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.whatif import kernel as whatif_kernel
+from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
 from replay.whatif.requests import Requests
 
@@ -89,10 +90,15 @@ SWEEP_COLUMNS = (
     *PERCENTILE_COLUMNS,
     *SWEEP_BASE_COLUMNS[_RATIO_AT:],
     "method",
+    "simulator",
 )
 #: How a row was computed (its ``method``): its own simulation, or the one
 #: pass over every LRU capacity (``replay.whatif.stack``, where it is exact).
 PER_CAPACITY, ONE_PASS = "per-capacity", "one-pass"
+#: Which code computed a row (its ``simulator``): a compiled kernel
+#: (``replay.whatif.kernel``, ``mooncake_kernel``, ``stack``) or the Python
+#: model (the configurations, policies or emitted traces they do not cover).
+COMPILED, PYTHON = "compiled", "python"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -326,6 +332,7 @@ def _row(
     started: float,
     facts: pl.DataFrame,
     method: str = PER_CAPACITY,
+    simulator: str = PYTHON,
 ) -> dict[str, Any]:
     """One run's row of the sweep (the Python model's, the kernel's and the
     one pass's alike)."""
@@ -345,6 +352,7 @@ def _row(
         "seconds": time.perf_counter() - started,
         **hit_ratio_percentiles(hits, requests.arrays()[2]),
         "method": method,
+        "simulator": simulator,
         "facts": facts,
         "_hits": hits,
     }
@@ -404,11 +412,14 @@ class Stopped(Exception):
 
 
 def runs_compiled(requests: Requests, spec: RunSpec) -> bool:
-    """Whether ``simulate`` runs ``spec`` compiled."""
+    """Whether ``simulate`` runs ``spec`` compiled (the gpu block pool,
+    ``replay.whatif.kernel``, or the Mooncake store, ``replay.whatif.mooncake_kernel``)."""
+    if spec.emit is not None:
+        return False
+    if spec.cache == "mooncake":
+        return mooncake_kernel.supported(requests.config, spec.policy) is None
     return (
-        spec.emit is None
-        and spec.cache == "gpu"
-        and whatif_kernel.supported(requests.config, "gpu", spec.policy) is None
+        spec.cache == "gpu" and whatif_kernel.supported(requests.config, "gpu", spec.policy) is None
     )
 
 
@@ -489,7 +500,20 @@ def _simulate_compiled(
     started: float,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    hits, facts, evicted = run_hits(requests, spec, control)
+    if spec.cache == "mooncake":
+        if spec.capacity_bytes is not None:
+            assert spec.page_bytes is not None
+            capacity, costs = spec.capacity_bytes, spec.page_bytes
+        else:
+            capacity, costs = spec.capacity_blocks, (1,) * requests.config.num_groups
+        run = mooncake_kernel.run_store(
+            requests, spec.policy, spec.store_policy(), spec.eviction, capacity, costs, control
+        )
+        if run is None:
+            raise Stopped
+        hits, facts, evicted = run
+    else:
+        hits, facts, evicted = run_hits(requests, spec, control)
     served = hits >= 0
     prompt_tokens = int(requests.arrays()[2].sum())
     hit_tokens = int(hits[served].sum())
@@ -505,6 +529,7 @@ def _simulate_compiled(
         preempted=int((hits == whatif_kernel.PREEMPTED).sum()),
         started=started,
         facts=facts_frame(requests, facts, alignment),
+        simulator=COMPILED,
     )
 
 
@@ -721,6 +746,7 @@ def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
         "preempted": pl.Int64,
         "seconds": pl.Float64,
         "method": pl.String,
+        "simulator": pl.String,
     }
     counts = [
         c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
@@ -751,6 +777,7 @@ def one_pass_specs(requests: Requests, specs: Sequence[RunSpec]) -> list[int]:
         k
         for k, spec in enumerate(specs)
         if spec.eviction == "lru"
+        and spec.cache == "gpu"
         and runs_compiled(requests, spec)
         and whatif_stack.exact_config(config, spec.policy) is None
     ]
@@ -822,6 +849,7 @@ def _sweep_one_pass(
                 requests, whatif_stack.facts_of(hits, config.groups[0].block_size), alignment
             ),
             method=ONE_PASS,
+            simulator=COMPILED,
         )
         # The pass's time, shared by every row it answered.
         row["seconds"] = seconds

@@ -1,0 +1,121 @@
+"""The compiled Mooncake what-if (``replay.whatif.mooncake_kernel``) against
+the Python model it ports (the ``mooncake`` branch of
+``replay.whatif.sweep.simulate``): random full-attention and full + Mamba
+traces, with and without EAGLE (and flagged draft groups), every policy the
+kernel takes, capacities from one entry to unbounded, in entries and in
+bytes, under every eviction order; every field of every row, every
+request's hit and every lookup's facts must be equal."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay.base.errors import ReplayError
+from replay.format.writer import write_trace
+from replay.rules.coordinator import POLICIES
+from replay.rules.store_rules import StorePolicy
+from replay.sources.archetypes import archetype_config
+from replay.whatif import mooncake_kernel
+from replay.whatif.requests import Requests, load_requests
+from replay.whatif.sweep import RunSpec, runs_compiled, simulate, sweep
+from tests.builders import lookup_rows, random_archetype_config, random_prompts
+
+EVICTIONS = ("lru", "fifo", "lfu", "belady")
+
+
+def _requests(tmp: Path, rng: random.Random, count: int) -> Requests:
+    config = random_archetype_config(rng, ("full", "full+mamba", "full+mamba"))
+    rows = lookup_rows(config, random_prompts(rng, config.scheduler_block_size, count), rng)
+    return load_requests(write_trace(tmp / "t.parquet", config, rows))
+
+
+def _capacity(rng: random.Random, working_set: int) -> int:
+    return rng.choice(
+        (
+            1,
+            rng.randrange(1, 8),
+            rng.randrange(1, max(2, working_set // 4)),
+            rng.randrange(max(1, working_set // 4), working_set + 2),
+            10**15,
+        )
+    )
+
+
+def _assert_same(mine: dict[str, Any], theirs: dict[str, Any], why: Any) -> None:
+    assert mine["_hits"].tolist() == theirs["_hits"].tolist(), why
+    assert mine["facts"].equals(theirs["facts"]), why
+    for column in theirs:
+        if column not in ("seconds", "simulator", "_hits", "facts"):
+            assert mine[column] == theirs[column], (column, why)
+    assert (mine["simulator"], theirs["simulator"]) == ("compiled", "python"), why
+    assert set(mine) == set(theirs), why
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_mooncake_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    checked = evicted = 0
+    for k in range(4):
+        (tmp_path / str(k)).mkdir()
+        requests = _requests(tmp_path / str(k), rng, 50)
+        config = requests.config
+        assert mooncake_kernel.supported(config) is None, config.to_json()
+        a = config.scheduler_block_size
+        sparse = config.num_groups > 1
+        working = requests.working_set_blocks()
+        policies = [p for p in POLICIES if mooncake_kernel.supported(config, p) is None]
+        for eviction in EVICTIONS:
+            in_bytes = rng.random() < 0.3
+            pages = tuple(rng.choice((1, 3, 100)) for _ in config.groups)
+            capacity = _capacity(rng, working)
+            spec = RunSpec(
+                cache="mooncake",
+                eviction=eviction,
+                capacity_blocks=capacity,
+                capacity_bytes=capacity * rng.choice((1, 50, 100)) if in_bytes else None,
+                page_bytes=pages if in_bytes else None,
+                policy=rng.choice(policies),
+                retention_interval=rng.choice((0, None, 2 * a)) if sparse else 0,
+                max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
+            )
+            try:
+                StorePolicy(
+                    cache="mooncake",
+                    retention_interval=spec.retention_interval,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                )
+            except ReplayError:
+                continue
+            assert runs_compiled(requests, spec)
+            mine = simulate(requests, spec)
+            theirs = simulate(requests, spec, compiled=False)
+            _assert_same(mine, theirs, (config.to_json(), spec))
+            checked += 1
+            evicted += theirs["evicted_blocks"]
+    assert checked >= 12 and evicted > 0
+
+
+def test_sweep_runs_mooncake_compiled_and_the_rest_in_python(tmp_path: Path) -> None:
+    """A sweep over a supported trace runs its Mooncake runs compiled, to the
+    Python model's rows; a sliding-window trace falls back to the model."""
+    rng = random.Random(7)
+    requests = _requests(tmp_path, rng, 40)
+    specs = [
+        RunSpec(cache="mooncake", eviction=e, capacity_blocks=c)
+        for e in EVICTIONS
+        for c in (4, 40, 10**9)
+    ]
+    rows = sweep(requests, specs, jobs=2)
+    for spec, row in zip(specs, rows, strict=True):
+        _assert_same(row, simulate(requests, spec, compiled=False), spec)
+    swa = archetype_config("full+swa", 16, 16, False, sliding_window=32)
+    assert mooncake_kernel.supported(swa) == "sliding_window groups"
+    prompts = random_prompts(rng, swa.scheduler_block_size, 12)
+    trace = write_trace(tmp_path / "swa.parquet", swa, lookup_rows(swa, prompts))
+    rows = sweep(load_requests(trace), specs[:2])
+    assert [r["simulator"] for r in rows] == ["python", "python"]
+    assert [r["method"] for r in rows] == ["per-capacity", "per-capacity"]
