@@ -43,7 +43,7 @@ def test_every_release_policy_has_its_stores_and_an_alias_its_releases() -> None
     assert set(RELEASE_STORES) == {p.name for p in RELEASES}
     assert policy_stores("vllm-0.33") == STORES_033
     # An alias stores as the release it stands for, per cache.
-    assert policy_stores("pre-49502", "gpu") == RELEASE_STORES["vllm-0.23"]
+    assert policy_stores("pre-49502", "gpu") == RELEASE_STORES["vllm-0.24"]
     assert policy_stores("pre-49502", "mooncake") == RELEASE_STORES["vllm-0.26"]
     assert policy_stores("pre-32802", "gpu") == RELEASE_STORES["vllm-0.16"]
     # Identical to 0.33.0 nowhere else: each older range departs in a field.
@@ -52,7 +52,7 @@ def test_every_release_policy_has_its_stores_and_an_alias_its_releases() -> None
 
 @pytest.mark.parametrize(
     ("policy", "default"),
-    [("vllm-0.16", None), ("vllm-0.23", None), ("vllm-0.28", None), ("vllm-0.29", 0)],
+    [("vllm-0.16", None), ("vllm-0.23", None), ("vllm-0.24", None), ("vllm-0.28", None), ("vllm-0.29", 0)],
 )
 def test_the_default_retention_is_dense_until_the_config_field_of_029(
     policy: str, default: int | None
@@ -256,7 +256,7 @@ def test_the_gpu_pool_model_refuses_a_release_with_another_free_order() -> None:
 
     config = archetype_config("full", 16, None, False)
     settings = StoreSettings(retention_interval=None, cache="gpu", policy="vllm-0.22")
-    with pytest.raises(ConfigError, match=r"covers vLLM 0.25 and later \(policy vllm-0.22 frees"):
+    with pytest.raises(ConfigError, match=r"covers vLLM 0.24 and later \(policy vllm-0.22 frees"):
         GpuCache(config, 100, policy="vllm-0.22", store_policy=settings)
     assert policy_stores("vllm-0.26").free_order == "unhashed-front"
 

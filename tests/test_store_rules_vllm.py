@@ -191,7 +191,7 @@ class Engine:
         self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
         self.mooncake: Any = None
         if v.Mooncake is not None:
-            # The store takes the retention interval from 0.25.
+            # The store takes the retention interval from 0.24.
             takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
             self.mooncake = v.Mooncake(
                 self.groups,
@@ -382,7 +382,7 @@ def sessions(rng: random.Random) -> list[Session]:
         if STORES.retention == "none":
             retentions = ("dense",)  # no retention setting before 0.23.0
         elif STORES.retention == "env":
-            # Set, the variable needs a sparse group (a Mamba one from 0.25).
+            # Set, the variable needs a sparse group (a Mamba one from 0.24).
             counted = (GroupKind.SLIDING_WINDOW,) + (
                 (GroupKind.MAMBA,) if STORES.mamba_retention else ()
             )
