@@ -669,8 +669,10 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
     src = tmp_path / "mooncake.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     interval = 0 if retention == "0" else None
-    if STORES.retention == "none":
-        interval = None  # no retention setting before 0.23.0
+    if not STORES.mamba_retention:
+        # No retention for a full+Mamba model before 0.24.0 (before 0.23.0 no
+        # setting at all; 0.23.0's variable needs a sliding-window group).
+        interval = None
     settings = StoreSettings(retention_interval=interval, policy=POLICY.name)
     ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=settings)
     frame = open_trace(tmp_path / "t.parquet").read_frame()
