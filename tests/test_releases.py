@@ -13,7 +13,6 @@ import pytest
 from replay.base.errors import ConfigError, ReplayError
 from replay.format.results import read_results
 from replay.format.writer import write_trace
-from replay.rules.coordinator.stores import policy_stores
 from replay.rules.coordinator import (
     POLICIES,
     RELEASES,
@@ -22,6 +21,7 @@ from replay.rules.coordinator import (
     policy_for_version,
     policy_rules,
 )
+from replay.rules.coordinator.stores import policy_stores
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 

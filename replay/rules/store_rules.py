@@ -329,8 +329,7 @@ class StoreRules:
             not release.mirror_retention
             and any(g.mirror_eagle and g.kind is not GroupKind.MAMBA for g in self.groups)
             and any(
-                g.kind is not GroupKind.FULL_ATTENTION and g.block_size != a
-                for g in config.groups
+                g.kind is not GroupKind.FULL_ATTENTION and g.block_size != a for g in config.groups
             )
         )
 

@@ -122,9 +122,7 @@ _S24 = _S26.but(junction=False)
 # interval, its store ignored the interval (the 0.22 mask), and only its
 # sliding-window manager freed uncached blocks to the front, so the GPU pool
 # model refuses it.
-_S23 = _S24.but(
-    mamba_retention=False, mirror_retention=False, free_order="sliding-window-front"
-)
+_S23 = _S24.but(mamba_retention=False, mirror_retention=False, free_order="sliding-window-front")
 _S22 = _S23.but(retention="none", eagle_cache_block=False, free_order="tail")
 _S16 = _S22.but(aligned_cache=False)
 
