@@ -546,6 +546,15 @@ def test_an_alias_is_answered_where_its_release_is_installed(
     config = full_mamba()
     hashes = [bytes([i]) * 32 for i in range(4)]
     contains = [set(hashes).__contains__] * 2
+    if cache == "mooncake" and INSTALLED.mooncake is None:
+        # A release before the mirror: nothing to answer with, said in one line.
+        with pytest.raises(ReplayError) as refused:
+            VllmCoordinator(config, "pre-49502", cache)
+        assert str(refused.value) == (
+            f"--coordinator vllm: the installed vLLM {VERSION} has no Mooncake store mirror "
+            "(it came with #42828 in vLLM 0.22.0); use --cache gpu"
+        )
+        return
     if INSTALLED.rules(cache) == ALL_POLICIES["pre-49502"].rules(cache):
         got = VllmCoordinator(config, "pre-49502", cache).lookup(hashes, 64, contains)
         assert (got.hit_tokens, got.mamba_state_tokens) == (64, 64)

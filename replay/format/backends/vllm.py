@@ -347,6 +347,13 @@ class VllmCoordinator(LookupCoordinator):
                 importlib.import_module("vllm")
         except ImportError as exc:
             raise VllmUnavailable(_missing_vllm(exc)) from None
+        version = installed_vllm_version()
+        installed = policy_for_version(version)
+        if self.cache.name == "mooncake" and installed.mooncake is None:
+            raise VllmUnavailable(
+                f"--coordinator vllm: the installed vLLM {version} has no Mooncake store "
+                "mirror (it came with #42828 in vLLM 0.22.0); use --cache gpu"
+            )
         iface, module, utils = (
             _vllm_module(name)
             for name in (
@@ -356,8 +363,6 @@ class VllmCoordinator(LookupCoordinator):
             )
         )
         _probe(iface, module, utils, self.cache.name)
-        version = installed_vllm_version()
-        installed = policy_for_version(version)
         if installed.rules(self.cache.name) != self.cache:
             modelled = self.policy.release(self.cache.name)
             raise ReplayError(
