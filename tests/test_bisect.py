@@ -32,6 +32,7 @@ def test_43559_overrun_until_the_gate_in_each_cache() -> None:
         "vllm-0.20": 64,
         "vllm-0.22": 64,
         "vllm-0.23": 64,
+        "vllm-0.24": 64,
         "vllm-0.26": 48,
         "vllm-0.27": 48,
         "vllm-0.28": 48,
@@ -80,7 +81,7 @@ def test_range_request_and_cache_options() -> None:
         "--from", "0.25.0", "--to", "0.27.1", "--cache", "mooncake", "--request", "req-43559"
     )
     [mooncake] = report["caches"]
-    assert [r["policy"] for r in mooncake["releases"]] == ["vllm-0.23", "vllm-0.26", "vllm-0.27"]
+    assert [r["policy"] for r in mooncake["releases"]] == ["vllm-0.24", "vllm-0.26", "vllm-0.27"]
     assert mooncake["changing_lookups"] == 1
 
 
@@ -94,7 +95,8 @@ def test_markdown_is_the_whole_report() -> None:
     mirror's from its creation to 0.26)."""
     result = run_cli(["bisect", ISSUE])
     assert (result.exit_code, result.stderr) == (0, "")
-    gpu = ["vllm-0.16", "vllm-0.20", "vllm-0.22", "vllm-0.23", "vllm-0.26", "vllm-0.27"]
+    gpu = ["vllm-0.16", "vllm-0.20", "vllm-0.22", "vllm-0.23", "vllm-0.24", "vllm-0.26"]
+    gpu += ["vllm-0.27"]
     gpu += ["vllm-0.28", "vllm-0.29", "vllm-0.30", "vllm-0.32", "vllm-0.33"]
     mirror = gpu[2:]
     no_mirror = "has no Mooncake store mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
@@ -108,8 +110,8 @@ def test_markdown_is_the_whole_report() -> None:
         "per group] flags)",
         "",
         "| seq | request | " + " | ".join(gpu) + " |",
-        "|---|---|" + "---|" * 11,
-        "| 2 | req-43559 | " + " | ".join([FIXED] + [OVER] * 3 + [FIXED] * 7) + " |",
+        "|---|---|" + "---|" * 12,
+        "| 2 | req-43559 | " + " | ".join([FIXED] + [OVER] * 4 + [FIXED] * 7) + " |",
         "",
         "- seq 2 (req-43559): at vllm-0.20 (vLLM 0.20.0): " + change.format(48, 64, 2, 3, "+", "+"),
         "- seq 2 (req-43559): at vllm-0.26 (vLLM 0.26.0): " + change.format(64, 48, 3, 2, "-", "-"),
@@ -123,15 +125,15 @@ def test_markdown_is_the_whole_report() -> None:
         "per group] flags)",
         "",
         "| seq | request | " + " | ".join(mirror) + " |",
-        "|---|---|" + "---|" * 9,
-        "| 2 | req-43559 | " + " | ".join([OVER] * 3 + [FIXED] * 6) + " |",
+        "|---|---|" + "---|" * 10,
+        "| 2 | req-43559 | " + " | ".join([OVER] * 4 + [FIXED] * 6) + " |",
         "",
         "- seq 2 (req-43559): at vllm-0.27 (vLLM 0.27.0): " + change.format(64, 48, 3, 2, "-", "-"),
         "",
     ]
     # Each table's rows are as wide as its header: valid Markdown.
     tables = [t for t in result.stdout.split("\n\n") if t.startswith("|")]
-    assert [{row.count("|") for row in t.splitlines()} for t in tables] == [{14}, {12}]
+    assert [{row.count("|") for row in t.splitlines()} for t in tables] == [{15}, {13}]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from replay.base.errors import ConfigError
+from replay.base.spec import TraceConfig
 from replay.format.sweepfile import read_sweep
 from replay.format.tracedir import open_trace
 from replay.rules.coordinator import RELEASES, policy_for_version
@@ -44,7 +45,7 @@ def test_every_release_policy_has_its_stores_and_an_alias_its_releases() -> None
     assert set(RELEASE_STORES) == {p.name for p in RELEASES}
     assert policy_stores("vllm-0.33") == STORES_033
     # An alias stores as the release it stands for, per cache.
-    assert policy_stores("pre-49502", "gpu") == RELEASE_STORES["vllm-0.23"]
+    assert policy_stores("pre-49502", "gpu") == RELEASE_STORES["vllm-0.24"]
     assert policy_stores("pre-49502", "mooncake") == RELEASE_STORES["vllm-0.26"]
     assert policy_stores("pre-32802", "gpu") == RELEASE_STORES["vllm-0.16"]
     # Identical to 0.33.0 nowhere else: each older range departs in a field.
@@ -53,7 +54,13 @@ def test_every_release_policy_has_its_stores_and_an_alias_its_releases() -> None
 
 @pytest.mark.parametrize(
     ("policy", "default"),
-    [("vllm-0.16", None), ("vllm-0.23", None), ("vllm-0.28", None), ("vllm-0.29", 0)],
+    [
+        ("vllm-0.16", None),
+        ("vllm-0.23", None),
+        ("vllm-0.24", None),
+        ("vllm-0.28", None),
+        ("vllm-0.29", 0),
+    ],
 )
 def test_the_default_retention_is_dense_until_the_config_field_of_029(
     policy: str, default: int | None
@@ -305,7 +312,7 @@ def test_the_gpu_pool_model_refuses_a_release_with_another_free_order() -> None:
 
     config = archetype_config("full", 16, None, False)
     settings = StoreSettings(retention_interval=None, cache="gpu", policy="vllm-0.22")
-    with pytest.raises(ConfigError, match=r"covers vLLM 0.25 and later \(policy vllm-0.22 frees"):
+    with pytest.raises(ConfigError, match=r"covers vLLM 0.24 and later \(policy vllm-0.22 frees"):
         GpuCache(config, 100, policy="vllm-0.22", store_policy=settings)
     assert policy_stores("vllm-0.26").free_order == "unhashed-front"
 
@@ -327,3 +334,37 @@ def test_before_022_the_engine_caches_every_full_block_unaligned() -> None:
         "vllm-0.20": [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [1]],
         "vllm-0.22": [[0, 1, 2, 3], [1, 3], [1]],
     }
+
+
+def test_before_024_a_flagged_attention_group_empties_the_mooncake_store_template() -> None:
+    """Sliding window (32-token blocks, flagged for EAGLE) + Mamba (64), dense:
+    before 0.24.0 the store's mask is one 64-token segment's lookup with every
+    block present, in which the window's EAGLE drop leaves no hit, so the
+    store writes nothing (seen on 0.23.0's wheel); a flagged Mamba group does
+    not shorten it, and from 0.24.0 the mask is the managers' reachable blocks."""
+
+    def config(flag_window: bool) -> TraceConfig:
+        return TraceConfig.from_json(
+            {
+                "version": 1,
+                "kv_cache_groups": [
+                    {"kind": "sliding_window", "block_size": 32, "sliding_window": 100,
+                     "is_eagle_group": flag_window, "name": "sliding_window"},
+                    {"kind": "mamba", "block_size": 64, "mamba_cache_mode": "align",
+                     "is_eagle_group": not flag_window, "name": "mamba"},
+                ],
+                "hash_block_size": 16,
+                "scheduler_block_size": 64,
+                "use_eagle": False,
+            }
+        )  # fmt: skip
+
+    def stores(flag_window: bool, policy: str) -> list[list[int]]:
+        settings = StoreSettings(retention_interval=None, cache="mooncake", policy=policy)
+        got = StoreRules(config(flag_window), settings).stores(num_tokens=300, hit_tokens=64)
+        return [[int(b) for b in blocks] for blocks in got]
+
+    assert stores(True, "vllm-0.23") == [[], []]
+    assert stores(True, "vllm-0.22") == [[], []]
+    assert stores(True, "vllm-0.24") == [[2, 3, 4, 5, 6, 7], [1, 2, 3]]
+    assert stores(False, "vllm-0.23") == [[2, 3, 4, 5, 6, 7], [1, 2, 3]]

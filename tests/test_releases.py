@@ -21,6 +21,7 @@ from replay.rules.coordinator import (
     policy_for_version,
     policy_rules,
 )
+from replay.rules.coordinator.stores import policy_stores
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 
@@ -32,7 +33,10 @@ from tests.conftest import run_cli
         ("0.19.1", "vllm-0.16"),
         ("0.21.0", "vllm-0.20"),
         ("0.22.1", "vllm-0.22"),
-        ("0.25.1", "vllm-0.23"),
+        ("0.23.0", "vllm-0.23"),
+        ("0.24.0", "vllm-0.24"),
+        ("0.25.0", "vllm-0.24"),
+        ("0.25.1", "vllm-0.24"),
         ("0.26.0", "vllm-0.26"),
         ("0.27.1", "vllm-0.27"),
         ("0.28.0", "vllm-0.28"),
@@ -62,6 +66,7 @@ def test_release_ranges_are_contiguous_and_named_by_their_first_release() -> Non
         "vllm-0.20",
         "vllm-0.22",
         "vllm-0.23",
+        "vllm-0.24",
         "vllm-0.26",
         "vllm-0.27",
         "vllm-0.28",
@@ -74,7 +79,7 @@ def test_release_ranges_are_contiguous_and_named_by_their_first_release() -> Non
         assert policy.name == "vllm-" + ".".join(policy.first.split(".")[:2])
         assert policy.prs and policy.description.startswith("vLLM 0.")
     # The mirror exists from 0.22.0 on.
-    assert [p.mooncake is not None for p in RELEASES] == [False, False] + [True] * 9
+    assert [p.mooncake is not None for p in RELEASES] == [False, False] + [True] * 10
 
 
 #: The #43559 lookup (full attention + Mamba, EAGLE, four blocks stored,
@@ -84,6 +89,7 @@ OVERRUN = {
     "vllm-0.20": {"gpu": 64},
     "vllm-0.22": {"gpu": 64, "mooncake": 64},
     "vllm-0.23": {"gpu": 64, "mooncake": 64},
+    "vllm-0.24": {"gpu": 64, "mooncake": 64},
     "vllm-0.26": {"gpu": 48, "mooncake": 64},
     "vllm-0.27": {"gpu": 48, "mooncake": 48},
     "vllm-0.28": {"gpu": 48, "mooncake": 48},
@@ -117,10 +123,19 @@ def test_the_43559_lookup_in_every_release(policy: str, cache: str) -> None:
 
 
 def test_each_release_departs_from_the_next_in_some_rule() -> None:
-    """Every boundary is a real change: a release's rules differ from the
-    next release's in at least one cache."""
+    """Every boundary is a real change: a release's lookup rules differ from
+    the next release's in at least one cache, or its stores do (0.23.0 looks
+    up as 0.24-0.25 but stores otherwise)."""
     for older, newer in itertools.pairwise(RELEASES):
-        assert (older.gpu, older.mooncake) != (newer.gpu, newer.mooncake), older.name
+        assert (older.gpu, older.mooncake, policy_stores(older)) != (
+            newer.gpu,
+            newer.mooncake,
+            policy_stores(newer),
+        ), older.name
+    assert (get_policy("vllm-0.23").gpu, get_policy("vllm-0.23").mooncake) == (
+        get_policy("vllm-0.24").gpu,
+        get_policy("vllm-0.24").mooncake,
+    )
     assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
     assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
 
@@ -129,19 +144,19 @@ def test_the_aliases_are_the_release_rules_they_mean() -> None:
     """pre-49502: the newest rules with the #43559 overrun in each cache;
     pre-32802: the releases before #40860, engine only."""
     pre_49502, pre_32802 = get_policy("pre-49502"), get_policy("pre-32802")
-    assert pre_49502.gpu is get_policy("vllm-0.23").gpu
+    assert pre_49502.gpu is get_policy("vllm-0.24").gpu
     assert pre_49502.mooncake is get_policy("vllm-0.26").mooncake
-    assert [pre_49502.release(c).name for c in ("gpu", "mooncake")] == ["vllm-0.23", "vllm-0.26"]
+    assert [pre_49502.release(c).name for c in ("gpu", "mooncake")] == ["vllm-0.24", "vllm-0.26"]
     assert pre_32802.gpu is get_policy("vllm-0.16").gpu and pre_32802.mooncake is None
     with pytest.raises(ConfigError, match=r"^policy pre-32802 \(vLLM 0.16.0 - 0.19.1\) has no "):
         pre_32802.rules("mooncake")
     # The newest: the next release has the gate in that cache.
-    assert policy_rules("vllm-0.23", "gpu").mamba_peek_margin is True
+    assert policy_rules("vllm-0.24", "gpu").mamba_peek_margin is True
     assert policy_rules("vllm-0.26", "gpu").mamba_peek_margin is False
     assert policy_rules("vllm-0.26", "mooncake").mamba_peek_margin is True
     assert policy_rules("vllm-0.27", "mooncake").mamba_peek_margin is False
     assert pre_49502.alias_note == (
-        "policy pre-49502 means vllm-0.23 (vLLM 0.23.0 - 0.25.1) in the gpu cache, whose "
+        "policy pre-49502 means vllm-0.24 (vLLM 0.24.0 - 0.25.1) in the gpu cache, whose "
         "Mamba gate came with #46384 in 0.26.0, and vllm-0.26 (vLLM 0.26.0) in the mooncake "
         "cache, whose gate came with #49502 in 0.27.0"
     )
@@ -228,7 +243,7 @@ TRACES = sorted((Path(__file__).resolve().parents[1] / "traces").glob("*.parquet
 @pytest.mark.slow
 @pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
 def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -> None:
-    """pre-49502 answers every lookup of every bundled trace as vllm-0.23 in
+    """pre-49502 answers every lookup of every bundled trace as vllm-0.24 in
     the engine and vllm-0.26 in the mirror, pre-32802 as vllm-0.16 in the
     engine (hit, masks, group hits, facts), and each refuses what its
     release refuses."""
@@ -237,7 +252,7 @@ def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -
 
     config = open_trace(trace).config
     variants = []
-    for alias, release, cache in (("pre-49502", "vllm-0.23", "gpu"), ("pre-49502", "vllm-0.26", "mooncake"), ("pre-32802", "vllm-0.16", "gpu")):  # fmt: skip
+    for alias, release, cache in (("pre-49502", "vllm-0.24", "gpu"), ("pre-49502", "vllm-0.26", "mooncake"), ("pre-32802", "vllm-0.16", "gpu")):  # fmt: skip
         try:
             Coordinator(config, release, cache)
         except ConfigError as exc:

@@ -191,7 +191,7 @@ class Engine:
         self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
         self.mooncake: Any = None
         if v.Mooncake is not None:
-            # The store takes the retention interval from 0.25.
+            # The store takes the retention interval from 0.24.
             takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
             self.mooncake = v.Mooncake(
                 self.groups,
@@ -382,7 +382,7 @@ def sessions(rng: random.Random) -> list[Session]:
         if STORES.retention == "none":
             retentions = ("dense",)  # no retention setting before 0.23.0
         elif STORES.retention == "env":
-            # Set, the variable needs a sparse group (a Mamba one from 0.25).
+            # Set, the variable needs a sparse group (a Mamba one from 0.24).
             counted = (GroupKind.SLIDING_WINDOW,) + (
                 (GroupKind.MAMBA,) if STORES.mamba_retention else ()
             )
@@ -669,8 +669,10 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
     src = tmp_path / "mooncake.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     interval = 0 if retention == "0" else None
-    if STORES.retention == "none":
-        interval = None  # no retention setting before 0.23.0
+    if not STORES.mamba_retention:
+        # No retention for a full+Mamba model before 0.24.0 (before 0.23.0 no
+        # setting at all; 0.23.0's variable needs a sliding-window group).
+        interval = None
     settings = StoreSettings(retention_interval=interval, policy=POLICY.name)
     ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=settings)
     frame = open_trace(tmp_path / "t.parquet").read_frame()

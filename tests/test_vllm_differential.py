@@ -535,12 +535,12 @@ class TestVllmCoordinator(CoordinatorContract):
 
 @pytest.mark.parametrize(
     ("cache", "release", "last"),
-    [("gpu", "0.23.0 - 0.25.1", "0.25.1"), ("mooncake", "0.26.0", "0.26.0")],
+    [("gpu", "0.24.0 - 0.25.1", "0.25.1"), ("mooncake", "0.26.0", "0.26.0")],
 )
 def test_an_alias_is_answered_where_its_release_is_installed(
     cache: str, release: str, last: str
 ) -> None:
-    """pre-49502 means vllm-0.23 in the engine and vllm-0.26 in the mirror:
+    """pre-49502 means vllm-0.24 in the engine and vllm-0.26 in the mirror:
     vLLM answers it where that release is installed (the #43559 overrun,
     64), and elsewhere refuses in one line naming the release to install."""
     config = full_mamba()

@@ -26,7 +26,7 @@ from tests.builders import lookup_rows, random_archetype_config, random_prompts,
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 
-#: The policies whose GPU block pool the model covers (vLLM 0.25 on: unhashed
+#: The policies whose GPU block pool the model covers (vLLM 0.24 on: unhashed
 #: blocks freed to the front of the queue).
 POOLED = [p for p in POLICIES if policy_stores(p).free_order == "unhashed-front"]
 
@@ -52,7 +52,10 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
         assert supported(config, "gpu") is None
         a = config.scheduler_block_size
         sparse = config.num_groups > 1
-        for _ in range(3):
+        runs = 0
+        for _ in range(12):
+            if runs == 3:
+                break
             spec = RunSpec(
                 cache="gpu",
                 eviction=rng.choice(EVICTIONS),
@@ -77,6 +80,7 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             compiled = "compiled" if runs_compiled(requests, spec) else "python"
             assert (mine["simulator"], theirs["simulator"]) == (compiled, "python")
             checked += 1
+            runs += 1
             evicted += theirs["evicted_blocks"]
     assert checked >= 10
 

@@ -440,7 +440,7 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "`--replay-coordinator vllm` checks the installed vLLM's answers instead.",
         "Every trace pins both of vLLM's caches (`gpu`: the engine's prefix cache,",
         "`mooncake`: the store's mirror) wherever its configuration is valid for",
-        "both, under `vllm-0.33` and the aliases `pre-49502` (`vllm-0.23` in the",
+        "both, under `vllm-0.33` and the aliases `pre-49502` (`vllm-0.24` in the",
         "engine, `vllm-0.26` in the mirror: the releases with the #43559 overrun)",
         "and `pre-32802` (`vllm-0.16`, engine only), each where its releases answer",
         "the configuration (else the cell says `(not pinned)`). Rebuild with `make traces`; the hand-made expectations are written",

@@ -318,9 +318,9 @@ class GpuCache:
         free_order = sp.stores.free_order
         if free_order != "unhashed-front":
             # The model keeps the unhashed blocks apart from the cached ones;
-            # before 0.25 a freed unhashed block could sit among cached ones.
+            # before 0.24 a freed unhashed block could sit among cached ones.
             raise ConfigError(
-                f"the GPU block-pool model covers vLLM 0.25 and later (policy {sp.policy} "
+                f"the GPU block-pool model covers vLLM 0.24 and later (policy {sp.policy} "
                 f"frees blocks {free_order.replace('-', ' ')}, not unhashed first): use "
                 "--cache mooncake or a newer release"
             )

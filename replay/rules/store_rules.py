@@ -321,6 +321,19 @@ class StoreRules:
             )
             for gid, g in enumerate(config.groups)
         )
+        #: Before 0.24.0 the Mooncake store's mask is the lookup of one
+        #: alignment segment with every block present, repeated (its
+        #: ``store_mask`` template): every block when each group is full
+        #: attention or one block a segment, else the lookup's masks, where the
+        #: drop of an attention group flagged for EAGLE (a Mamba group's does
+        #: not shorten it) leaves no hit in the segment: nothing is written.
+        self.mirror_writes_nothing = (
+            not release.mirror_retention
+            and any(g.mirror_eagle and g.kind is not GroupKind.MAMBA for g in self.groups)
+            and any(
+                g.kind is not GroupKind.FULL_ATTENTION and g.block_size != a for g in config.groups
+            )
+        )
 
     # -- the prefill's chunks
 
@@ -465,6 +478,8 @@ class StoreRules:
         else:
             end = min(n // a * a, req.hashed) // bs
             start = min(end, cdiv(hit_tokens, bs))
+            if self.mirror_writes_nothing:
+                end = start
             window, eagle = group.mirror_window, group.mirror_eagle
             boundaries = self._boundaries(n, self.mirror_any_eagle, group, 0)
             if not self.release.mirror_eagle_replay_boundaries:

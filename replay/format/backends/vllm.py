@@ -200,7 +200,7 @@ class _KeyView:
         joined: dict[Hashable, Hashable] | None = None,
     ) -> None:
         self._contains = contains
-        # A mirror before 0.23 keys a block by its hash units joined: the
+        # A mirror before 0.24 keys a block by its hash units joined: the
         # block is present when its last unit is.
         self._joined = joined or {}
 
@@ -375,7 +375,7 @@ class VllmCoordinator(LookupCoordinator):
         self._utils: Any = utils
         self.version = version
         # Feature detection: how this release keys a block larger than the
-        # hash unit (its last unit from 0.23; its units joined before).
+        # hash unit (its last unit from 0.24; its units joined before).
         convert = getattr(utils, "BlockHashListWithBlockSize", None)
         self._joins_units = convert is not None and convert([b"a", b"b"], 1, 2)[0] == b"ab"
         if (
@@ -550,7 +550,7 @@ class VllmCoordinator(LookupCoordinator):
                     if has(h):
                         cached.insert(key_of(h, gid), block_cls(block_id=next_id))
                         next_id += 1
-                # Before 0.23 a block larger than the hash unit is keyed by its
+                # Before 0.24 a block larger than the hash unit is keyed by its
                 # units joined: present when its last unit is (the trace's key).
                 for i, key in self._joined_keys(block_hashes, gid):
                     if has(block_hashes[i]):

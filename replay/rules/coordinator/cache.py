@@ -68,7 +68,7 @@ class Cache(Entry):
     #: How partial hash hits are decided (``PartialHits``).
     partial_hits: PartialHits = "mamba+managers+flag"
     #: Hits are multiples of the lcm of the groups' block sizes, which the
-    #: trace's scheduler block must equal (the engine before vLLM 0.25.0,
+    #: trace's scheduler block must equal (the engine before vLLM 0.23.0,
     #: which had no scheduler block of its own).
     lcm_alignment: bool = False
     #: The sliding-window finder asserts on a hit alignment finer than its

@@ -144,9 +144,20 @@ RELEASES: tuple[Policy, ...] = (
     ),
     _release(
         "0.23.0",
-        "0.25.1",
+        "0.23.0",
         "scheduler_block_size",
         "the engine aligns hits to the scheduler block, not the lcm of block sizes",
+        _E23,
+        _M22,
+    ),
+    # The same lookup as 0.23.0 in both caches; the stores changed (Mamba
+    # retention, the store mask's interval, unhashed blocks freed first).
+    _release(
+        "0.24.0",
+        "0.25.1",
+        "sparse Mamba retention",
+        "lookup as 0.23; stores: Mamba states and the Mooncake store honour the "
+        "retention interval, the block pool frees unhashed blocks first",
         _E23,
         _M22,
     ),
@@ -240,12 +251,12 @@ def _alias(name: str, gpu: str, mooncake: str | None, prs: str, what: str, note:
 ALIASES: tuple[Policy, ...] = (
     _alias(
         "pre-49502",
-        "vllm-0.23",
+        "vllm-0.24",
         "vllm-0.26",
         "ended by #46384 (engine, 0.26.0) and #49502 (mirror, 0.27.0)",
         "the newest releases with the #43559 overrun (Mamba given the EAGLE peek margin): "
-        "vllm-0.23 in the gpu cache, vllm-0.26 in the mooncake cache",
-        "policy pre-49502 means vllm-0.23 (vLLM 0.23.0 - 0.25.1) in the gpu cache, whose "
+        "vllm-0.24 in the gpu cache, vllm-0.26 in the mooncake cache",
+        "policy pre-49502 means vllm-0.24 (vLLM 0.24.0 - 0.25.1) in the gpu cache, whose "
         "Mamba gate came with #46384 in 0.26.0, and vllm-0.26 (vLLM 0.26.0) in the "
         "mooncake cache, whose gate came with #49502 in 0.27.0",
     ),

@@ -23,13 +23,13 @@ from replay.rules.coordinator.policy import Policy, get_policy
 #: no such setting (before vLLM 0.23.0: every sliding-window tail and Mamba
 #: state is kept, i.e. dense); ``env``: the environment variable
 #: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (0.23.0-0.28.0), unset meaning
-#: dense and any value refused without a sliding-window (or, from 0.25, Mamba)
+#: dense and any value refused without a sliding-window (or, from 0.24, Mamba)
 #: group; ``config``: the cache config's field (0.29.0 on), default 0.
 RetentionSource = Literal["none", "env", "config"]
 
 #: Where the block pool puts a freed block (``BlockPool.free_blocks``):
 #: ``unhashed-front``: a block without a hash at the front (evicted first), a
-#: cached one at the tail (0.25 on); ``sliding-window-front``: only the
+#: cached one at the tail (0.24 on); ``sliding-window-front``: only the
 #: sliding-window manager puts its uncached blocks at the front, every other
 #: freed block goes to the tail (0.23.0); ``tail``: every freed block to the
 #: tail in free order (before 0.23.0).
@@ -41,7 +41,7 @@ class Stores:
     #: Where the retention interval is set, and so its default (``RetentionSource``).
     retention: RetentionSource = "config"
     #: Mamba states honour the retention interval (``MambaManager.reachable_block_mask``,
-    #: from 0.25); before, Mamba groups cache every state and only sliding
+    #: from 0.24); before, Mamba groups cache every state and only sliding
     #: windows are sparse.
     mamba_retention: bool = True
     #: With EAGLE the replay boundaries are one block below the resend's and
@@ -77,7 +77,7 @@ class Stores:
     #: groups were saved like attention groups, per the store mask (the
     #: Mamba manager's reachable mask past the hit, replay boundary only).
     mirror_mamba_handoffs: bool = True
-    #: The Mooncake store's mask honours the retention interval (0.25 on);
+    #: The Mooncake store's mask honours the retention interval (0.24 on);
     #: before, it kept every block a hit at any aligned length could read.
     mirror_retention: bool = True
     #: The engine's hybrid coordinator caches up to the hit alignment, and a
@@ -118,19 +118,13 @@ _S32 = STORES_033.but(
 _S30 = _S32.but(mamba_checkpoint=False, mirror_eagle_replay_boundaries=False)
 _S29 = _S30.but(eagle_replay_boundaries=False)
 _S26 = _S29.but(retention="env", mirror_mamba_handoffs=False)
-# 0.23.0-0.25.1 is one lookup range but not one store range: the rules follow
-# 0.25.1, the release checked; 0.23.0 cached every Mamba state whatever the
-# interval, its store ignored the interval, and only its sliding-window
-# manager freed uncached blocks to the front, so the GPU pool model refuses
-# the range.
-_S23 = _S26.but(junction=False, free_order="sliding-window-front")
-_S22 = _S23.but(
-    retention="none",
-    eagle_cache_block=False,
-    free_order="tail",
-    mamba_retention=False,
-    mirror_retention=False,
-)
+_S24 = _S26.but(junction=False)
+# 0.23.0 looks up as 0.24-0.25 but kept every Mamba state whatever the
+# interval, its store ignored the interval (the 0.22 mask), and only its
+# sliding-window manager freed uncached blocks to the front, so the GPU pool
+# model refuses it.
+_S23 = _S24.but(mamba_retention=False, mirror_retention=False, free_order="sliding-window-front")
+_S22 = _S23.but(retention="none", eagle_cache_block=False, free_order="tail")
 _S16 = _S22.but(aligned_cache=False)
 
 #: Each release policy's stores; an emulation (``pre-49502``, ``pre-32802``)
@@ -140,6 +134,7 @@ RELEASE_STORES: dict[str, Stores] = {
     "vllm-0.20": _S16,
     "vllm-0.22": _S22,
     "vllm-0.23": _S23,
+    "vllm-0.24": _S24,
     "vllm-0.26": _S26,
     "vllm-0.27": _S26,
     "vllm-0.28": _S26,
