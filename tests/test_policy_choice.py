@@ -219,3 +219,20 @@ def test_pytest_plugin(pytester: pytest.Pytester, tmp_path: Path) -> None:
     result = pytester.runpytest("-q", "-p", "no:cacheprovider", "-rA")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["PASSED t026.parquet::t026[[]vllm-0.26-mooncake[]]"])
+
+
+@pytest.mark.parametrize("command", ["run", "explain"])
+def test_a_recorded_release_no_policy_models_names_the_trace(tmp_path: Path, command: str) -> None:
+    """A trace recorded by a vLLM older than every policy: one line naming the
+    trace, exit 2, nothing written; --policy gets past it."""
+    old = _write(tmp_path / "t012.parquet", "0.12.0")
+    out = tmp_path / "r.parquet"
+    args = ["-o", str(out), "-q"] if command == "run" else ["--request", "a"]
+    result = run_cli([command, str(old), *args])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: {old}: the trace's source.vllm_version: vLLM 0.12.0 is older than the "
+        "oldest modelled release 0.16.0: no policy models it; choose one with --policy\n",
+    )
+    assert not out.exists()
+    assert run_cli(["run", str(old), "-o", str(out), "-q", "--policy", "vllm-0.33"]).exit_code == 0

@@ -306,7 +306,12 @@ def chosen_policies(
         from replay.format.tracedir import open_trace
 
         source = open_trace(trace).config.source
-    chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+    try:
+        chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+    except ReplayError as exc:
+        if source is None:
+            raise
+        raise ReplayError(f"{trace}: {exc}") from None  # the file whose source said it
     if not quiet:
         note_at_end(*chosen.notes)
     return chosen.policies
