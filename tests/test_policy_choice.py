@@ -236,3 +236,20 @@ def test_a_recorded_release_no_policy_models_names_the_trace(tmp_path: Path, com
     )
     assert not out.exists()
     assert run_cli(["run", str(old), "-o", str(out), "-q", "--policy", "vllm-0.33"]).exit_code == 0
+
+
+def test_whatif(tmp_path: Path, trace: Path) -> None:
+    """The what-if simulates the release that recorded the trace (its hits and
+    its stores), says so, and records it; --policy overrides."""
+    from replay.format.sweepfile import read_sweep
+
+    out = tmp_path / "s.parquet"
+    result = run_cli(["whatif", trace, "--capacity", "64", "-o", out, "-q"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [NOTE]
+    frame, _meta = read_sweep(out)
+    assert frame["policy"].to_list() == ["vllm-0.26"]
+    out.unlink()
+    result = run_cli(["whatif", trace, "--capacity", "64", "-o", out, "-q", "--policy", "vllm-0.33"])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert read_sweep(out)[0]["policy"].to_list() == ["vllm-0.33"]

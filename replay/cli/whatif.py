@@ -17,11 +17,11 @@ from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
+    chosen_policies,
     count_option,
     fraction_type,
     optional_retention,
     output_option,
-    release_choice,
     release_retention,
 )
 from replay.cli.progress import Bar, progress_bar
@@ -167,7 +167,8 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     type=click.Choice(list(POLICIES)),
     default=None,
     help=f"The vLLM release policy: the semantics that compute each hit, and the "
-    f"stores each request leaves behind [default: {DEFAULT_POLICY}].",
+    f"stores each request leaves behind [default: the trace's recorded release, "
+    f"else {DEFAULT_POLICY}].",
 )
 @click.option(
     "--vllm",
@@ -231,7 +232,8 @@ def whatif(
     quiet: bool,
 ) -> None:
     """Re-simulate TRACE's requests against a cache of other sizes and
-    eviction policies, with vLLM 0.33's exact hybrid semantics: the trace's
+    eviction policies, with the exact hybrid semantics of the chosen vLLM release
+    (--vllm/--policy, else the trace's recorded release, else 0.33): the trace's
     store/remove/clear rows are dropped; each lookup, in seq order, gets its
     hit from the simulated cache, then leaves behind the stores vLLM would
     make for that hit, evicting per the policy. Requests run one at a time
@@ -258,7 +260,11 @@ def whatif(
         formats={"-o": PARQUET},
     )
     names = _names(evictions)
-    policy, vllm_version = release_choice(policy, vllm_version)
+    # The one policy rule of every command that reads a trace: --policy, else
+    # --vllm, else the release that recorded the trace, else the default.
+    (policy,) = chosen_policies(
+        trace, (policy,) if policy else (), (vllm_version,) if vllm_version else ()
+    )
     retention = release_retention(retention_interval, policy)
     requests = load_requests(trace)
     config = requests.config
