@@ -250,6 +250,8 @@ def test_whatif(tmp_path: Path, trace: Path) -> None:
     frame, _meta = read_sweep(out)
     assert frame["policy"].to_list() == ["vllm-0.26"]
     out.unlink()
-    result = run_cli(["whatif", trace, "--capacity", "64", "-o", out, "-q", "--policy", "vllm-0.33"])
+    result = run_cli(
+        ["whatif", trace, "--capacity", "64", "-o", out, "-q", "--policy", "vllm-0.33"]
+    )
     assert (result.exit_code, result.stderr) == (0, "")
     assert read_sweep(out)[0]["policy"].to_list() == ["vllm-0.33"]
