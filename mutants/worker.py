@@ -55,7 +55,7 @@ def _random_answers(scenarios: int, seed: int) -> tuple[list[str], list[int]]:
     coordinators, default policy, on the seeded random scenarios
     (``tests.builders.random_scenarios``), with the scenario of each; an
     exception is an answer too."""
-    from replay.format.backends.vllm import VllmCoordinator
+    from replay.adapters.vllm.backend import VllmCoordinator
     from tests.builders import random_scenarios
 
     answers: list[str] = []

@@ -62,7 +62,7 @@ def _missing_vllm(exc: ImportError) -> str:
     import os
     import sys
 
-    # The checkout that holds this package: replay/format/backends/vllm.py.
+    # The checkout that holds this package: replay/adapters/vllm/backend.py.
     root = os.path.dirname(
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     )
