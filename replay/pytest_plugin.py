@@ -23,7 +23,7 @@ Both also read from the ini options ``replay_fail_on`` and ``replay_ignore``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,61 @@ def _coordinator(config: pytest.Config) -> str:
     if env and env not in ("reference", "vllm"):
         raise pytest.UsageError(f"{COORDINATOR_ENV}={env!r}: expected reference or vllm")
     return env or "reference"
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Under ``vllm``, the line that says which policy a vLLM no policy
+    models (a newer release, a development build) is checked as."""
+    if _coordinator(config) != "vllm":
+        return None
+    from replay.adapters.vllm.backend import installed_version_policy
+    from replay.base.errors import ReplayError
+
+    try:
+        return installed_version_policy().note or None
+    except ReplayError as exc:
+        return str(exc)
+
+
+#: Per session: regression-trace expectations checked and skipped.
+_TALLY = pytest.StashKey[dict[str, int]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_TALLY] = {"checked": 0, "skipped": 0}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    if not isinstance(item, TraceItem):
+        return
+    report: pytest.TestReport = outcome.get_result()
+    tally = item.config.stash[_TALLY]
+    if report.when == "setup" and report.skipped:
+        tally["skipped"] += 1
+    elif report.when == "call":
+        tally["checked"] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Nothing checked is never a pass: a run whose every trace expectation
+    was skipped (the installed vLLM is modelled by no policy the traces pin)
+    fails, with the line that says why."""
+    tally = session.config.stash.get(_TALLY, None)
+    if tally is None or tally["checked"] or not tally["skipped"]:
+        return
+    line = (
+        f"replay: no expectation was checked ({tally['skipped']} skipped, see the reasons "
+        "above): nothing checked is not a pass"
+    )
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line, red=True)
+    if exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:

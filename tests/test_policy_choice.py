@@ -188,7 +188,7 @@ def test_bisect(trace: Path) -> None:
     ]
     assert (
         "| seq | request | vllm-0.22 | vllm-0.23 | vllm-0.24 | vllm-0.26 (trace) | vllm-0.27 | "
-        "vllm-0.28 | vllm-0.29 | vllm-0.30 | vllm-0.32 | vllm-0.33 |"
+        "vllm-0.28 | vllm-0.29 | vllm-0.30 | vllm-0.32 | vllm-0.33 | vllm-0.34 |"
     ) in result.stdout.splitlines()
     data = json.loads(run_cli(["bisect", trace, "--json"]).stdout)
     assert (data["trace_vllm_version"], data["trace_release"]) == ("0.26.0", "vllm-0.26")

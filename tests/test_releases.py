@@ -20,6 +20,7 @@ from replay.rules.coordinator import (
     get_policy,
     policy_for_version,
     policy_rules,
+    version_policy,
 )
 from replay.rules.coordinator.stores import policy_stores
 from tests.builders import full_mamba, issue_43559_rows
@@ -44,13 +45,61 @@ from tests.conftest import run_cli
         ("0.31.0", "vllm-0.30"),
         ("0.32.0", "vllm-0.32"),
         ("0.33.0", "vllm-0.33"),
-        ("0.34.0", "vllm-0.33"),
+        ("0.34.0", "vllm-0.34"),
         ("0.30.1.dev3+g1234abc", "vllm-0.30"),
+        ("0.34.1.dev3+g1234abc", "vllm-0.34"),
+        ("0.35.0", "vllm-0.34"),
+        ("0.1.dev1+g1234abc", "vllm-0.34"),
         ("v0.27.0", "vllm-0.27"),
     ],
 )
 def test_a_version_maps_to_its_release_policy(version: str, policy: str) -> None:
     assert policy_for_version(version).name == policy
+
+
+@pytest.mark.parametrize(
+    ("version", "line"),
+    [
+        ("0.34.0", ""),
+        ("0.25.0", ""),
+        (
+            "0.1.dev1+gabc1234",
+            "vLLM 0.1.dev1+gabc1234 is a development build with no release tag: assuming "
+            "policy vllm-0.34 (vLLM 0.34.0, the newest modelled); choose another with "
+            "--policy or REPLAY_POLICY",
+        ),
+        (
+            "0.34.1.dev3+gabc1234",
+            "vLLM 0.34.1.dev3+gabc1234 is newer than vLLM 0.34.0, the newest modelled "
+            "release: assuming policy vllm-0.34 (vLLM 0.34.0); choose another with "
+            "--policy or REPLAY_POLICY",
+        ),
+        (
+            "0.36.0",
+            "vLLM 0.36.0 is newer than vLLM 0.34.0, the newest modelled release: assuming "
+            "policy vllm-0.34 (vLLM 0.34.0); choose another with --policy or REPLAY_POLICY",
+        ),
+        (
+            "0.30.1.dev3+gabc1234",
+            "vLLM 0.30.1.dev3+gabc1234 is a development build: assuming policy vllm-0.30 "
+            "(vLLM 0.30.0 - 0.31.0); choose another with --policy or REPLAY_POLICY",
+        ),
+    ],
+)
+def test_a_version_no_policy_models_gets_one_with_the_line_that_says_so(
+    version: str, line: str
+) -> None:
+    assert version_policy(version).note == line
+
+
+def test_a_chosen_policy_wins_over_the_version() -> None:
+    chosen = version_policy("0.1.dev1+gabc1234", "vllm-0.32")
+    assert chosen.policy.name == "vllm-0.32"
+    assert chosen.note == (
+        "vLLM 0.1.dev1+gabc1234: checked as policy vllm-0.32 (vLLM 0.32.0), as chosen"
+    )
+    with pytest.raises(ReplayError, match=r"unknown policy 'vllm-9\.9'"):
+        version_policy("0.33.0", "vllm-9.9")
 
 
 def test_versions_before_the_oldest_release_or_malformed_are_refused() -> None:
@@ -74,12 +123,13 @@ def test_release_ranges_are_contiguous_and_named_by_their_first_release() -> Non
         "vllm-0.30",
         "vllm-0.32",
         "vllm-0.33",
+        "vllm-0.34",
     ]
     for policy in RELEASES:
         assert policy.name == "vllm-" + ".".join(policy.first.split(".")[:2])
         assert policy.prs and policy.description.startswith("vLLM 0.")
     # The mirror exists from 0.22.0 on.
-    assert [p.mooncake is not None for p in RELEASES] == [False, False] + [True] * 10
+    assert [p.mooncake is not None for p in RELEASES] == [False, False] + [True] * 11
 
 
 #: The #43559 lookup (full attention + Mamba, EAGLE, four blocks stored,
@@ -97,6 +147,7 @@ OVERRUN = {
     "vllm-0.30": {"gpu": 48, "mooncake": 48},
     "vllm-0.32": {"gpu": 48, "mooncake": 48},
     "vllm-0.33": {"gpu": 48, "mooncake": 48},
+    "vllm-0.34": {"gpu": 48, "mooncake": 48},
     "pre-49502": {"gpu": 64, "mooncake": 64},
     "pre-32802": {"gpu": 48},
     "vllm-0.33-no-mamba-gate": {"gpu": 64, "mooncake": 64},

@@ -199,6 +199,13 @@ def _eagle(config: TraceConfig) -> str:
     return "flagged-only" if flagged else "no-eagle"
 
 
+def _lookahead(config: TraceConfig) -> str:
+    if not config.num_hash_lookahead_tokens:
+        return "none"
+    drops = config.use_eagle or any(g.is_eagle_group for g in config.groups)
+    return "lookahead+eagle" if drops else "lookahead"
+
+
 def _reason(exc: ConfigError) -> str:
     if "does not combine with EAGLE" in str(exc):
         return "chunked+eagle"
@@ -277,11 +284,14 @@ def _neighbours(cache: str) -> list[str]:
 
 def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[str]) -> None:
     rng = random.Random(SEED)
+    lookahead_rng = random.Random(SEED + 1)
     tallies = {(c, p): Tally() for c in CACHES for p in POLICIES}
     rejected: Counter[str] = Counter()
     refused_by_vllm: Counter[str] = Counter()
     configs_by_kind: Counter[str] = Counter()
-    coverage: dict[str, Counter[str]] = {k: Counter() for k in ("mix", "eagle", "partial")}
+    coverage: dict[str, Counter[str]] = {
+        k: Counter() for k in ("mix", "eagle", "partial", "lookahead")
+    }
     shapes: Counter[str] = Counter()
     policies_differ: Counter[str] = Counter()
     caches_differ: Counter[str] = Counter()
@@ -296,6 +306,11 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         except ConfigError as exc:
             rejected[_reason(exc)] += 1
             continue
+        if lookahead_rng.random() < 0.3:
+            # Lookahead hashes (0.33.0 on): no EAGLE drop in the engine, nor
+            # in the mirror from 0.34.0. Drawn apart, so that the configurations
+            # are those the floors below were set for.
+            config = replace(config, num_hash_lookahead_tokens=lookahead_rng.choice([1, 3, 4, 16]))
         chain = random_chain(rng, config, 48)
         units = len(chain)
         if not _expressible(config):
@@ -313,6 +328,7 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         coverage["mix"][_mix(config)] += 1
         coverage["eagle"][_eagle(config)] += 1
         coverage["partial"][str(config.enable_partial_hash_hits)] += 1
+        coverage["lookahead"][_lookahead(config)] += 1
         shapes[f"{config.num_groups} groups"] += 1
         if any(_multi_group_spec(config, c) for c in valid):
             shapes["merged equal specs"] += 1
@@ -421,6 +437,9 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
     for flavour in ("eagle", "no-eagle", "flagged-only", "eagle+flagged"):
         assert coverage["eagle"][flavour] >= 50 * scale, coverage["eagle"]
     assert min(coverage["partial"].values()) >= 300 * scale, coverage["partial"]
+    # Lookahead on and off, with EAGLE groups (where 0.34.0's mirror differs).
+    for flavour in ("none", "lookahead", "lookahead+eagle"):
+        assert coverage["lookahead"][flavour] >= 50 * scale, coverage["lookahead"]
     assert all(shapes[f"{n} groups"] >= 100 * scale for n in (1, 2, 3, 4)), shapes
     assert shapes["merged equal specs"] >= 100 * scale, shapes
     assert shapes["draft group"] >= 30 * scale, shapes
@@ -564,5 +583,6 @@ def test_an_alias_is_answered_where_its_release_is_installed(
     assert str(refused.value) == (
         f"--coordinator vllm answers as the installed vLLM {VERSION} (policy {INSTALLED.name}); "
         f"policy pre-49502 models vLLM {release} in the {cache} cache: run it in that "
-        f"release's environment (make test-vllm VLLM={last})"
+        f"release's environment (make test-vllm VLLM={last}), or set "
+        "REPLAY_POLICY=pre-49502 if this vLLM answers as that release"
     )

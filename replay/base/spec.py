@@ -143,6 +143,13 @@ class TraceConfig:
     scheduler_block_size: int
     use_eagle: bool = False
     enable_partial_hash_hits: bool = False
+    #: Tokens past each block that its hash also covers (vLLM's
+    #: ``num_hash_lookahead_tokens``, 0.33.0 on: lookahead block hashes for
+    #: EAGLE's drafter; 0 keeps the plain hashes). A policy reads it where its
+    #: release did: with lookahead hashes the engine drops no EAGLE block
+    #: (0.33.0 on, the scheduler clears ``use_eagle``), nor does the Mooncake
+    #: store's mirror (0.34.0 on).
+    num_hash_lookahead_tokens: int = 0
     source: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +162,11 @@ class TraceConfig:
         for name in ("use_eagle", "enable_partial_hash_hits"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        lookahead = self.num_hash_lookahead_tokens
+        if not _is_int(lookahead) or lookahead < 0:
+            raise ConfigError(
+                f"num_hash_lookahead_tokens must be a non-negative integer, got {lookahead!r}"
+            )
         hbs, sbs = self.hash_block_size, self.scheduler_block_size
         if sbs % hbs:
             raise ConfigError(
@@ -187,6 +199,10 @@ class TraceConfig:
             "use_eagle": self.use_eagle,
             "enable_partial_hash_hits": self.enable_partial_hash_hits,
         }
+        if self.num_hash_lookahead_tokens:
+            # Optional: written only when set, so a trace without lookahead
+            # hashes reads the same in a version of the tool that predates it.
+            out["num_hash_lookahead_tokens"] = self.num_hash_lookahead_tokens
         if self.source is not None:
             out["source"] = dict(self.source)
         return out
@@ -219,6 +235,7 @@ class TraceConfig:
             scheduler_block_size=obj["scheduler_block_size"],
             use_eagle=obj["use_eagle"],
             enable_partial_hash_hits=obj.get("enable_partial_hash_hits", False),
+            num_hash_lookahead_tokens=obj.get("num_hash_lookahead_tokens", 0),
             source=source,
         )
 

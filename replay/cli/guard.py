@@ -6,14 +6,15 @@ fails, 2 on bad input (or when nothing could be checked)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import click
 
-from replay.cli.common import command, fail
+from replay.cli.common import command, fail, note_at_end
 from replay.cli.run import FAIL_ON, IGNORE
-from replay.rules.coordinator import CACHES, COORDINATORS
+from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
 
 
 @command("test")
@@ -33,6 +34,15 @@ from replay.rules.coordinator import CACHES, COORDINATORS
     multiple=True,
     help="Check only the expectations of this cache (repeatable) [default: both].",
 )
+@click.option(
+    "--policy",
+    "vllm_policy",
+    metavar="POLICY",
+    help="With --coordinator vllm: check the installed vLLM as this policy (its "
+    "expectations), whatever its version says; the same as REPLAY_POLICY=POLICY "
+    "[default: the policy that models the installed version, the newest for a version "
+    "no policy models yet].",
+)
 @FAIL_ON
 @IGNORE
 @click.option(
@@ -45,6 +55,7 @@ def test(
     paths: tuple[Path, ...],
     coordinator: str,
     caches: tuple[str, ...],
+    vllm_policy: str | None,
     fail_on: tuple[str, ...],
     ignore: tuple[str, ...],
     as_json: bool,
@@ -66,6 +77,21 @@ def test(
         test_summary_line,
     )
 
+    if vllm_policy is not None:
+        if coordinator != "vllm":
+            raise fail(
+                "--policy chooses the policy the installed vLLM is checked as: "
+                "give --coordinator vllm"
+            )
+        get_policy(vllm_policy)  # an unknown name: one line before any replay
+        # The one rule (``version_policy``) reads it, in every process that answers.
+        os.environ[POLICY_ENV] = vllm_policy
+    if coordinator == "vllm":
+        from replay.adapters.vllm.backend import installed_version_policy
+
+        assumed = installed_version_policy()
+        if assumed.note:
+            note_at_end(assumed.note)
     traces = expectation_traces(list(paths) or [corpus_dir()])
     total = len(traces)
     done = [0]

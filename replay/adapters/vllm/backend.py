@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -49,7 +50,7 @@ from replay.rules.coordinator.hybrid import (
     LookupCoordinator,
     LookupOutcome,
 )
-from replay.rules.coordinator.policy import policy_for_version
+from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_policy
 
 
 class VllmUnavailable(ReplayError):
@@ -90,28 +91,47 @@ def installed_vllm_version() -> str:
         return str(getattr(module, "__version__", "unknown"))
 
 
+def installed_version_policy() -> VersionPolicy:
+    """The policy the installed vLLM is answered and checked under, by the
+    project's one rule (``version_policy``): ``$REPLAY_POLICY`` when set
+    (``replay test --policy`` sets it), else the version's policy, with the
+    line that says what was assumed for a version no policy models
+    (a newer release, a development build)."""
+    version = installed_vllm_version()
+    chosen = os.environ.get(POLICY_ENV, "").strip() or None
+    try:
+        return version_policy(version, chosen)
+    except ReplayError as exc:
+        where = f"{POLICY_ENV}={chosen}: " if chosen else ""
+        raise VllmUnavailable(f"--coordinator vllm: {where}{exc}") from None
+
+
 def policy_for_vllm(version: str) -> str | None:
     """The project's policy that models vLLM ``version`` (the release
-    policies' own mapping, ``policy_for_version``); ``None`` when none does
+    policies' own mapping, ``version_policy``); ``None`` when none does
     (a release before 0.16)."""
     try:
-        return policy_for_version(version).name
+        return version_policy(version).policy.name
     except ReplayError:
         return None
 
 
 def installed_policy() -> tuple[str | None, str]:
-    """The policy that models the installed vLLM, and the reason (a template
-    with ``{policy}``) to give for skipping an expectation of another one."""
+    """The policy the installed vLLM is checked under
+    (``installed_version_policy``), and the reason (a template with
+    ``{policy}``) to give for skipping an expectation of another one."""
     version = installed_vllm_version()
-    policy = policy_for_vllm(version)
-    if policy is None:
+    try:
+        policy = installed_version_policy().policy.name
+    except VllmUnavailable:
+        if os.environ.get(POLICY_ENV, "").strip():
+            raise
         return None, (
             f"policy {{policy}} is not checked: no policy of this project models "
             f"the installed vLLM {version}"
         )
     return policy, (
-        f"policy {{policy}} is not checked: the installed vLLM {version} is modelled by "
+        f"policy {{policy}} is not checked: the installed vLLM {version} is checked as "
         f"policy {policy}"
     )
 
@@ -348,7 +368,7 @@ class VllmCoordinator(LookupCoordinator):
         except ImportError as exc:
             raise VllmUnavailable(_missing_vllm(exc)) from None
         version = installed_vllm_version()
-        installed = policy_for_version(version)
+        installed = installed_version_policy().policy
         if self.cache.name == "mooncake" and installed.mooncake is None:
             raise VllmUnavailable(
                 f"--coordinator vllm: the installed vLLM {version} has no Mooncake store "
@@ -369,7 +389,8 @@ class VllmCoordinator(LookupCoordinator):
                 f"--coordinator vllm answers as the installed vLLM {version} (policy "
                 f"{installed.name}); policy {self.policy.name} models vLLM "
                 f"{modelled.releases} in the {self.cache.name} cache: run it in that "
-                f"release's environment (make test-vllm VLLM={modelled.last})"
+                f"release's environment (make test-vllm VLLM={modelled.last}), or set "
+                f"{POLICY_ENV}={self.policy.name} if this vLLM answers as that release"
             )
         self._module: Any = module
         self._utils: Any = utils
@@ -405,7 +426,15 @@ class VllmCoordinator(LookupCoordinator):
                             "max_model_len": _MAX_MODEL_LEN,
                             "max_in_flight_tokens": _MAX_IN_FLIGHT_TOKENS,
                             "max_num_batched_tokens": _MAX_IN_FLIGHT_TOKENS,
-                            "use_eagle": config.use_eagle,
+                            # The scheduler's input: lookahead hashes (0.33.0
+                            # on, the releases that take them) turn the drop off.
+                            "use_eagle": config.use_eagle
+                            and not (
+                                config.num_hash_lookahead_tokens
+                                and "num_hash_lookahead_tokens"
+                                in inspect.signature(build).parameters
+                            ),
+                            "num_hash_lookahead_tokens": config.num_hash_lookahead_tokens,
                             "enable_caching": True,
                             "enable_kv_cache_events": False,
                             "dcp_world_size": 1,
@@ -430,6 +459,8 @@ class VllmCoordinator(LookupCoordinator):
                         cls.__init__,
                         {
                             "use_eagle": config.use_eagle,
+                            # From 0.34.0 the mirror takes the lookahead.
+                            "num_hash_lookahead_tokens": config.num_hash_lookahead_tokens,
                             # From 0.32.0 the mirror takes the flag as given.
                             "enable_partial_hash_hits": config.enable_partial_hash_hits,
                         },

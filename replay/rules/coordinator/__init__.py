@@ -22,15 +22,18 @@ from replay.rules.coordinator.policy import (
     DEFAULT_POLICY,
     EMULATIONS,
     POLICIES,
+    POLICY_ENV,
     RELEASES,
     Chosen,
     Policy,
+    VersionPolicy,
     choose_policies,
     get_policy,
     pinned_policies,
     policy_for_version,
     policy_rules,
     same_rules,
+    version_policy,
 )
 
 #: Who answers the lookups: this project's coordinator, or the installed vLLM's.
@@ -45,6 +48,7 @@ __all__ = [
     "EMULATIONS",
     "FINDERS",
     "POLICIES",
+    "POLICY_ENV",
     "RELEASES",
     "Cache",
     "Chosen",
@@ -56,6 +60,7 @@ __all__ = [
     "Policy",
     "SpecGroup",
     "Step",
+    "VersionPolicy",
     "block_view",
     "build_spec_groups",
     "check_config",
@@ -72,4 +77,5 @@ __all__ = [
     "policy_rules",
     "same_rules",
     "trace_cache",
+    "version_policy",
 ]

@@ -11,7 +11,7 @@ per-kind finders:
   (``MooncakeStoreCoordinator``, from vLLM 0.22.0 on).
 
 A ``Cache`` is one path's rules in one release range, kept as fields so the
-fixed point exists once; ``ENGINE`` and ``MIRROR`` are vLLM 0.33.0's. A
+fixed point exists once; ``ENGINE`` and ``MIRROR`` are vLLM 0.34.0's. A
 release policy (``replay.coordinator.policy``) holds one ``Cache`` per path
 that existed in it.
 """
@@ -46,6 +46,14 @@ class Cache(Entry):
     #: ``use_eagle`` and leave groups flagged). Otherwise a flagged group
     #: drops regardless.
     drop_needs_use_eagle: bool = True
+    #: Lookahead block hashes (``num_hash_lookahead_tokens`` > 0) key the
+    #: drafter's KV past each block, so no group drops its EAGLE block: the
+    #: engine's scheduler clears ``use_eagle_block_drop`` (0.33.0, when the
+    #: lookahead hashes came); the mirror clears ``use_eagle`` and each
+    #: group's drop (``drops_eagle_block``, 0.34.0; 0.33.0's mirror took no
+    #: lookahead, a KV connector got plain hashes). Otherwise the lookahead
+    #: changes no lookup.
+    lookahead_clears_eagle: bool = True
     #: Per-group ``is_eagle_group`` flags pick the EAGLE groups (from vLLM
     #: 0.20.0, #40860). Before, ``use_eagle`` made every group drop and the
     #: flags did not exist.
@@ -116,8 +124,8 @@ ENGINE = Cache(
     name="gpu",
     description="vLLM's engine prefix cache (KVCacheCoordinator over the BlockPool)",
 )
-# The defaults above are the engine's rules in 0.33.0; the mirror departs from
-# each of these.
+# The defaults above are the engine's rules in 0.33.0 and 0.34.0; the mirror
+# (0.34.0's) departs from each of these.
 MIRROR = Cache(
     name="mooncake",
     description="the Mooncake store (MooncakeStoreCoordinator, from vLLM 0.22.0)",

@@ -116,8 +116,12 @@ def eagle_group_ids(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> 
     """The KV-cache groups whose finder drops a block for EAGLE before merging:
     the flagged ones, or every group when EAGLE is on and none is flagged
     (vLLM's conservative fallback). The engine drops nothing while
-    ``use_eagle`` is off, flags or not; the mirror honours the flags."""
+    ``use_eagle`` is off, flags or not; the mirror honours the flags. With
+    lookahead hashes nothing drops where the release says so
+    (``Cache.lookahead_clears_eagle``)."""
     c = get_cache(cache)
+    if c.lookahead_clears_eagle and config.num_hash_lookahead_tokens:
+        return frozenset()  # lookahead hashes: no group drops (0.33.0 engine, 0.34.0 mirror)
     if not c.eagle_flags:
         # Before per-group flags, use_eagle made every group drop.
         return frozenset(range(config.num_groups)) if config.use_eagle else frozenset()

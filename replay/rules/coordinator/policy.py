@@ -74,8 +74,13 @@ def version_key(version: str) -> tuple[int, int, int]:
 
 
 # The engine's rules, newest first: each release range departs from the next.
-_E33 = ENGINE
-_E32 = _E33.but(drop_needs_use_eagle=False)
+_E34 = ENGINE
+# The engine's lookup path is the same code in 0.33.0 and 0.34.0
+# (kv_cache_coordinator.py unchanged; the scheduler clears the EAGLE drop
+# under lookahead hashes in both).
+_E33 = _E34
+# No lookahead hashes before 0.33.0: a trace's lookahead changes nothing there.
+_E32 = _E33.but(drop_needs_use_eagle=False, lookahead_clears_eagle=False)
 _E30 = _E32.but(peek_cap_hashed=False)
 _E29 = _E30.but(partial_hits="mamba+managers", sliding_window_needs_block_alignment=True)
 _E28 = _E29.but(trim_every_full=False, one_spec_group_refused=True)
@@ -87,7 +92,10 @@ _E20 = _E23.but(lcm_alignment=True)
 _E16 = _E20.but(verify_eagle_once=False, eagle_flags=False, sliding_window_align_before_pop=True)
 
 # The mirror's rules, newest first.
-_M33 = MIRROR
+_M34 = MIRROR
+# 0.33.0's mirror took no lookahead (vLLM gave a KV connector plain hashes):
+# a flagged group drops whatever a trace's lookahead says.
+_M33 = _M34.but(lookahead_clears_eagle=False)
 _M32 = _M33.but(widen_window=False)
 _M29 = _M32.but(
     peek_cap_hashed=False, partial_hits="mamba", sliding_window_needs_block_alignment=True
@@ -223,6 +231,15 @@ RELEASES: tuple[Policy, ...] = (
         _E33,
         _M33,
     ),
+    _release(
+        "0.34.0",
+        "0.34.0",
+        "mirror lookahead",
+        "mirror: with lookahead block hashes (num_hash_lookahead_tokens) no group "
+        "drops its EAGLE block, as in the engine; the engine's lookup as 0.33",
+        _E34,
+        _M34,
+    ),
 )
 _BY_NAME = by_name(*RELEASES)
 
@@ -346,11 +363,14 @@ def choose_policies(
         releases = []
         for version in vllm:
             try:
-                release = policy_for_version(version)
+                found = version_policy(version)
             except ReplayError as exc:
                 raise ReplayError(f"--vllm: {exc}") from None
+            release = found.policy
             releases.append(release.name)
-            notes.append(f"policy {release.name}: vLLM {version} (vLLM {release.releases})")
+            notes.append(
+                found.note or f"policy {release.name}: vLLM {version} (vLLM {release.releases})"
+            )
         chosen = tuple(releases)
     elif not chosen and results_policy is not None:
         chosen = (results_policy,)
@@ -382,11 +402,14 @@ def recorded_release(source: Mapping[str, Any] | None) -> tuple[Policy, str] | N
             )
         return None
     try:
-        release = policy_for_version(recorded)
+        found = version_policy(recorded)
     except ReplayError as exc:
         raise ReplayError(
             f"the trace's source.vllm_version: {exc}; choose one with --policy"
         ) from None
+    release = found.policy
+    if found.note:
+        return release, f"the trace's source.vllm_version: {found.note}"
     return release, (
         f"policy {release.name}: the trace's vLLM {recorded} (source.vllm_version, "
         f"vLLM {release.releases})"
@@ -403,18 +426,79 @@ def same_rules(a: str | Policy, b: str | Policy, cache: str | Cache) -> bool:
         return pa.release(cache).mooncake is None and pb.release(cache).mooncake is None
 
 
-def policy_for_version(version: str) -> Policy:
-    """The release policy that models an installed vLLM version (``0.26.0``,
-    ``0.30.1.dev3+g...``); a version past the newest modelled one gets the
-    newest policy, one before the oldest is refused."""
+#: The environment variable that chooses the policy the installed vLLM is
+#: checked and answered under (``replay test --policy`` sets the same).
+POLICY_ENV = "REPLAY_POLICY"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPolicy:
+    """The policy that models a vLLM version, and the one line that says
+    what was assumed ("" for a release a policy models)."""
+
+    policy: Policy
+    note: str = ""
+
+
+_HOW_TO_CHOOSE = f"choose another with --policy or {POLICY_ENV}"
+
+
+def _development(version: str) -> bool:
+    """A build from a source checkout: a ``.devN`` pre-release or a local
+    version (``+g<commit>``), as setuptools-scm names one."""
+    return ".dev" in version or "+" in version
+
+
+def version_policy(version: str, chosen: str | None = None) -> VersionPolicy:
+    """The one rule from a vLLM version to the policy that models it (every
+    caller: the vLLM backend, ``replay run --vllm``, ``replay test``).
+
+    ``chosen`` (``--policy``, ``$REPLAY_POLICY``) wins. A release a policy
+    models gets it (``0.25.1``: ``vllm-0.24``). A version past the newest
+    modelled release gets the policy of its minor release if one exists
+    (``0.34.1.dev3+g...``: ``vllm-0.34``), else the newest policy; so does a
+    development build with no release tag (``0.1.dev1+g...``, what a shallow
+    clone reports): each with the one line that says so. A release before the
+    oldest modelled one, or no version at all, is refused."""
+    if chosen is not None:
+        policy = get_policy(chosen)
+        return VersionPolicy(
+            policy,
+            f"vLLM {version}: checked as policy {policy.name} (vLLM {policy.releases}), as chosen",
+        )
     key = version_key(version)
-    if key < version_key(RELEASES[0].first):
+    oldest, newest = RELEASES[0], RELEASES[-1]
+    if key < version_key(oldest.first):
+        if _development(version):
+            return VersionPolicy(
+                newest,
+                f"vLLM {version} is a development build with no release tag: assuming policy "
+                f"{newest.name} (vLLM {newest.releases}, the newest modelled); {_HOW_TO_CHOOSE}",
+            )
         raise ReplayError(
             f"vLLM {version} is older than the oldest modelled release "
-            f"{RELEASES[0].first}: no policy models it"
+            f"{oldest.first}: no policy models it"
         )
-    found = RELEASES[0]
+    found = oldest
     for policy in RELEASES:
         if version_key(policy.first) <= key:
             found = policy
-    return found
+    if key > version_key(newest.last):
+        return VersionPolicy(
+            found,
+            f"vLLM {version} is newer than vLLM {newest.last}, the newest modelled release: "
+            f"assuming policy {found.name} (vLLM {found.releases}); {_HOW_TO_CHOOSE}",
+        )
+    if _development(version):
+        return VersionPolicy(
+            found,
+            f"vLLM {version} is a development build: assuming policy {found.name} "
+            f"(vLLM {found.releases}); {_HOW_TO_CHOOSE}",
+        )
+    return VersionPolicy(found)
+
+
+def policy_for_version(version: str) -> Policy:
+    """The policy that models vLLM ``version`` (``version_policy``'s, without
+    its note)."""
+    return version_policy(version).policy

@@ -142,6 +142,10 @@ RELEASE_STORES: dict[str, Stores] = {
     "vllm-0.30": _S30,
     "vllm-0.32": _S32,
     "vllm-0.33": STORES_033,
+    # 0.34.0 stores as 0.33.0 wherever the project models the stores (the
+    # Mooncake store's decode saves, which 0.34.0 makes reusable for Mamba,
+    # are not modelled).
+    "vllm-0.34": STORES_033,
 }
 
 
