@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -698,3 +699,16 @@ def answerable(config: TraceConfig, policy: str, cache: str) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def vllm_metadata(where: Path, version: str) -> Path:
+    """A directory holding only the installed-package metadata of a vLLM that
+    reports ``version`` (what a development build from a shallow clone
+    reports: ``0.1.dev1+g<commit>``). Put first on ``PYTHONPATH``, it is the
+    distribution ``importlib.metadata`` finds first, which is how the tool
+    reads the installed vLLM's version; vLLM's code still imports from where
+    it is installed."""
+    info = where / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return where

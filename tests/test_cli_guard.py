@@ -8,10 +8,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from analysis.expectations import corpus_dir, read_expectations
 from replay.format.writer import write_trace
 from replay.rules.coordinator import POLICIES
-from tests.builders import chain, full_mamba, issue_43559_rows
+from tests.builders import chain, full_mamba, issue_43559_rows, vllm_metadata
 from tests.conftest import run_cli
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -99,3 +101,50 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert result.exit_code == 2, (arg, result.output)
         assert result.stderr.splitlines()[-1] == message
         assert result.stdout == ""
+
+
+def test_nothing_checked_fails_in_one_line_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --coordinator vllm, an installed vLLM checked as a policy the
+    trace does not pin (vLLM 0.29.0 as its metadata says; or a development
+    build with --policy / REPLAY_POLICY naming one) checks nothing: exit 2,
+    one line, never a pass. No vLLM code runs: every expectation is skipped
+    before a replay."""
+    monkeypatch.syspath_prepend(str(vllm_metadata(tmp_path / "meta", "0.29.0")))
+    monkeypatch.delenv("REPLAY_POLICY", raising=False)
+    issue = str(TRACES / "issue-43559.parquet")
+    result = run_cli(["test", "--coordinator", "vllm", issue])
+    assert result.exit_code == 2
+    assert result.stdout.startswith("0 passed, 0 failed, ")
+    assert result.stderr.splitlines()[-1] == (
+        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "vLLM 0.29.0 is checked as policy vllm-0.29"
+    )
+
+
+def test_policy_chooses_what_an_unmodelled_vllm_is_checked_as(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(vllm_metadata(tmp_path / "meta", "0.1.dev1+gabc1234")))
+    monkeypatch.delenv("REPLAY_POLICY", raising=False)
+    issue = str(TRACES / "issue-43559.parquet")
+    chosen = run_cli(["test", "--coordinator", "vllm", "--policy", "vllm-0.29", issue])
+    assert chosen.exit_code == 2
+    assert chosen.stderr.splitlines()[-1] == (
+        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "vLLM 0.1.dev1+gabc1234 is checked as policy vllm-0.29"
+    )
+    monkeypatch.setenv("REPLAY_POLICY", "vllm-9.9")
+    unknown = run_cli(["test", "--coordinator", "vllm", issue])
+    assert (unknown.exit_code, unknown.stdout) == (2, "")
+    assert unknown.stderr.splitlines() == [
+        "error: --coordinator vllm: REPLAY_POLICY=vllm-9.9: unknown policy 'vllm-9.9', "
+        f"expected one of {', '.join(POLICIES)}"
+    ]
+    reference = run_cli(["test", "--policy", "vllm-0.29", issue])
+    assert reference.exit_code == 2
+    assert reference.stderr == (
+        "error: --policy chooses the policy the installed vLLM is checked as: give "
+        "--coordinator vllm\n"
+    )

@@ -95,5 +95,6 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     assert small.stdout.splitlines() == [
         f"{trace}: 3 events -> {out}: 2 events",
         "  vllm-0.33: no flags; hit 0",
+        "  vllm-0.34: no flags; hit 0",
         "  pre-49502: eagle_not_dropped, mamba_overrun; hit 16",
     ]  # in the Mooncake mirror: pre-32802's releases had none, so it is not pinned

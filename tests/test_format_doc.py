@@ -94,6 +94,7 @@ def test_trace_metadata_fields_are_the_written_ones() -> None:
         groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
         hash_block_size=16,
         scheduler_block_size=16,
+        num_hash_lookahead_tokens=3,  # optional: written when set
         source={"cache": "gpu"},
     )
     marker = "Key `replay.trace`: a JSON object (UTF-8) describing the KV-cache"

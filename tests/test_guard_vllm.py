@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import vllm_metadata
+
 pytest.importorskip("vllm", reason="vLLM not importable: run make test-vllm")
 pytestmark = pytest.mark.vllm
 
@@ -225,9 +227,64 @@ def test_the_installed_version_picks_the_policy() -> None:
     from replay.adapters.vllm.backend import policy_for_vllm
 
     assert policy_for_vllm("0.33.0") == "vllm-0.33"
-    assert policy_for_vllm("0.34.1.dev12+g1234abcd") == "vllm-0.33"  # an editable main
-    assert policy_for_vllm("1.0.0") == "vllm-0.33"
+    assert policy_for_vllm("0.34.1.dev12+g1234abcd") == "vllm-0.34"  # an editable main
+    assert policy_for_vllm("0.1.dev1+g1234abcd") == "vllm-0.34"  # a shallow clone
+    assert policy_for_vllm("1.0.0") == "vllm-0.34"
     # Older releases get their release policy (issue 23); before 0.16, none.
     assert policy_for_vllm("0.32.2") == "vllm-0.32"
     assert policy_for_vllm("0.26.0") == "vllm-0.26"
     assert policy_for_vllm("0.15.1") is None
+
+
+# --- a vLLM no policy models yet: a development build -----------------------
+
+
+def _as_version(
+    tmp_path: Path, version: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`replay test` in this vLLM's Python, whose metadata reports ``version``
+    (a metadata-only dist-info first on the path: vLLM's code is the installed
+    release's, its reported version is the development build's)."""
+    meta = vllm_metadata(tmp_path / "meta", version)
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(meta), str(ROOT)]), **(env or {})}
+    full.pop("REPLAY_MUTANT", None)
+    if env is None:
+        full.pop("REPLAY_POLICY", None)
+    return subprocess.run(
+        [sys.executable, "-m", "replay", "test", "--coordinator", "vllm", *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_a_development_build_is_checked_as_the_newest_policy(tmp_path: Path) -> None:
+    """A vLLM installed from a shallow clone reports 0.1.dev1+g<commit>: no
+    refusal, the newest policy's expectations are checked against it, and one
+    line says which version, which policy and how to choose another."""
+    from replay.rules.coordinator import RELEASES
+
+    newest = RELEASES[-1]
+    got = _as_version(tmp_path, "0.1.dev1+gabc1234", str(ISSUE))
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert got.stderr.splitlines()[-1] == (
+        f"vLLM 0.1.dev1+gabc1234 is a development build with no release tag: assuming policy "
+        f"{newest.name} (vLLM {newest.releases}, the newest modelled); choose another with "
+        "--policy or REPLAY_POLICY"
+    )
+    summary = got.stdout.splitlines()[-1]
+    assert f"is checked as policy {newest.name}" in summary
+    assert not summary.startswith("0 passed"), summary
+    assert ", 0 failed," in summary, summary
+
+
+def test_a_development_build_checked_as_nothing_fails(tmp_path: Path) -> None:
+    got = _as_version(tmp_path, "0.1.dev1+gabc1234", str(ISSUE), env={"REPLAY_POLICY": "vllm-0.29"})
+    assert got.returncode == 2, got.stderr
+    assert got.stdout.startswith("0 passed, 0 failed, "), got.stdout
+    assert got.stderr.splitlines()[-1] == (
+        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "vLLM 0.1.dev1+gabc1234 is checked as policy vllm-0.29"
+    )

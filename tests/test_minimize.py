@@ -170,6 +170,7 @@ def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> N
     assert (from_file["events_before"], from_file["events_after"]) == (2314, 2)
     assert [(e["policy"], e["flags"], e["hits"]) for e in from_file["expect"]] == [
         ("vllm-0.33", {}, {"victim": 0}),
+        ("vllm-0.34", {}, {"victim": 0}),
         ("pre-49502", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 16}),
         # pre-32802's releases had no Mooncake mirror: not pinned there
     ]

@@ -152,9 +152,11 @@ def test_minimize(tmp_path: Path, trace: Path) -> None:
     small = run_cli(["minimize", trace, "--request", "req-43559", "-o", out])
     assert small.exit_code == 0, small.output
     assert small.stderr.splitlines() == [NOTE]
-    # Shrunk under vllm-0.26, and pinned under it beside the default and the aliases.
+    # Shrunk under vllm-0.26, and pinned under it beside the default, the
+    # newest release and the aliases.
     assert [(e["policy"], e["flags"]) for e in read_expectations(out) or []] == [
         ("vllm-0.33", {}),
+        ("vllm-0.34", {}),
         ("pre-49502", {"eagle_not_dropped": 1, "mamba_overrun": 1}),
         ("vllm-0.26", {"eagle_not_dropped": 1, "mamba_overrun": 1}),
     ]

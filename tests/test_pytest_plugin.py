@@ -3,6 +3,7 @@ when the coordinator is broken, and a failure says what moved and explains it.""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ import pytest
 
 from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
-from tests.builders import answerable, chain, full_mamba
+from tests.builders import answerable, chain, full_mamba, vllm_metadata
 
+ROOT = Path(__file__).resolve().parents[1]
 TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"))
 
 NEVER_HITS = """
@@ -146,3 +148,27 @@ def test_failure_output_names_what_moved_and_explains_it(
     text = result.stdout.str()
     assert "request r8: expected" not in text
     assert text.count("replay explain broken.parquet --request") == 3
+
+
+def test_nothing_checked_is_not_a_pass(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`pytest --replay-coordinator vllm` where the installed vLLM is checked
+    as a policy the traces do not pin (here vLLM 0.29.0, as its metadata
+    says): every item is skipped, and the session fails with the line that
+    says why (it passed green before, checking nothing)."""
+    shutil.copy(Path(__file__).parent.parent / "traces" / "issue-43559.parquet", pytester.path)
+    meta = vllm_metadata(tmp_path / "meta", "0.29.0")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(meta), str(ROOT)]))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--replay-coordinator", "vllm")
+    result.assert_outcomes(skipped=len(read_expectations(pytester.path / "issue-43559.parquet")))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "replay: no expectation was checked (* skipped, see the reasons above): "
+            "nothing checked is not a pass"
+        ]
+    )
+    # The reference coordinator checks every one: the session passes.
+    checked = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert checked.ret == pytest.ExitCode.OK

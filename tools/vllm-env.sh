@@ -11,7 +11,8 @@
 # but their coordinators, block pool and scheduler import with 2.13.0), and
 # only the modules each release's import chain reaches are added:
 # transformers 4.x before 0.25 (they import transformers' v4 layout),
-# gguf and diskcache for the older releases.
+# gguf and diskcache for the older releases. The newest range, <5.21, is
+# inside both 0.33.0's pin (>=5.16.1,<5.21) and 0.34.0's (>=5.16.1,<5.23).
 # WHEELS (default /work/wheels, else pip's cache) holds the vLLM wheels.
 set -euo pipefail
 VENV=${1:?usage: tools/vllm-env.sh VENV VERSION}

@@ -256,6 +256,14 @@ class StoreRules:
                 f"Mamba block larger than the {config.hash_block_size}-token hash block): "
                 "use a hash block size equal to the Mamba block size"
             )
+        if config.num_hash_lookahead_tokens and policy.gpu.lookahead_clears_eagle:
+            # From 0.33.0 lookahead hashes move what a prefill stores (fewer
+            # hashed blocks, the Mamba checkpoint, EAGLE's boundaries off).
+            raise ReplayError(
+                f"the store rules do not model lookahead block hashes (vLLM "
+                f"{policy.releases} with num_hash_lookahead_tokens "
+                f"{config.num_hash_lookahead_tokens}): use a configuration without them"
+            )
         a = config.scheduler_block_size
         kinds = {g.kind for g in config.groups}
         self.release = release = settings.stores

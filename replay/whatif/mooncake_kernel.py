@@ -72,7 +72,19 @@ def supported(config: TraceConfig, policy: str | None = None) -> str | None:
             rules = get_policy(policy).rules("mooncake")
         except ReplayError as exc:
             return str(exc)
-        if rules.but(verify_eagle_once=True, mamba_peek_margin=False) != MIRROR:
+        # Without lookahead hashes the lookahead rule (0.34.0's mirror) changes
+        # nothing; with them the kernel's EAGLE groups are the newest mirror's.
+        lookahead = (
+            rules.lookahead_clears_eagle
+            if config.num_hash_lookahead_tokens
+            else MIRROR.lookahead_clears_eagle
+        )
+        if (
+            rules.but(
+                verify_eagle_once=True, mamba_peek_margin=False, lookahead_clears_eagle=lookahead
+            )
+            != MIRROR
+        ):
             return f"policy {policy}'s mirror rules"
         if policy_stores(policy, "mooncake") != STORES_033:
             return f"policy {policy}'s store rules"

@@ -316,10 +316,11 @@ DEFAULT_POLICY = "vllm-0.33"
 
 def pinned_policies(cache: str | Cache, also: Sequence[str] = ()) -> tuple[str, ...]:
     """What a regression trace pins in ``cache`` (``traces/build.py``,
-    ``replay minimize``): the default release, the aliases (the releases
-    of the bugs the corpus is about) and ``also``, each only where it has
-    that cache (``pre-32802`` has no Mooncake mirror)."""
-    names = dict.fromkeys((DEFAULT_POLICY, *(p.name for p in ALIASES), *also))
+    ``replay minimize``): the default release, the newest (what a vLLM no
+    policy models yet is checked as: ``version_policy``), the aliases (the
+    releases of the bugs the corpus is about) and ``also``, each only where
+    it has that cache (``pre-32802`` has no Mooncake mirror)."""
+    names = dict.fromkeys((DEFAULT_POLICY, RELEASES[-1].name, *(p.name for p in ALIASES), *also))
     engine = get_cache(cache).name == "gpu"
     return tuple(n for n in names if engine or get_policy(n).mooncake is not None)
 
