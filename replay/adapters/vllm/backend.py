@@ -38,7 +38,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
@@ -50,6 +50,27 @@ from replay.rules.coordinator.hybrid import (
     LookupOutcome,
 )
 from replay.rules.coordinator.policy import policy_for_version
+
+#: Every name of vLLM's starting with an underscore that this package
+#: touches, because vLLM offers no public way in: why, and the releases it
+#: was checked on. ``tests/test_adapters_private_names.py`` scans the package
+#: and fails on any other (and on an entry no longer used).
+PRIVATE_NAMES: dict[str, tuple[str, str]] = {
+    # The hybrid engine coordinator's spec groups (``attention_groups``) keep
+    # the per-group finder hits to themselves; a pass-through manager class
+    # records them. ``SpecGroup`` is a named tuple from 0.29: its own copy
+    # with one field changed, and the test that it is one.
+    "_replace": ("namedtuple copy of a SpecGroup with manager_cls replaced", "0.32.0-0.34.0"),
+    "_fields": ("namedtuple test: a SpecGroup (0.29+) or a plain tuple", "0.32.0-0.34.0"),
+    # ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins the
+    # distributed groups: ``VllmStoreWorker`` makes the worker with
+    # ``__new__`` and sets the state its ``lookup`` reads.
+    "_capacity_only": ("worker state read first by lookup (False)", "0.32.0-0.34.0"),
+    "_kv_cache_groups": ("worker state: the coordinator's kv_cache_groups", "0.32.0-0.34.0"),
+    "_lookup_key_prefixes": ("worker state: one key prefix per group", "0.32.0-0.34.0"),
+    "_selective_lease": ("worker state read by 0.34's lookup (None: no lease)", "0.34.0"),
+    "_record_kv_connector_operation": ("worker's statistics hook (ignored)", "0.32.0-0.34.0"),
+}
 
 
 class VllmUnavailable(ReplayError):
@@ -187,7 +208,7 @@ def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _fields(cls: Any) -> set[str]:
+def _dataclass_fields(cls: Any) -> set[str]:
     return set(getattr(cls, "__dataclass_fields__", {}))
 
 
@@ -241,6 +262,63 @@ class _RecordingManager:
         return result
 
 
+_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+
+
+def _ignore(*_args: Any, **_kwargs: Any) -> None:
+    """The worker's operation statistics: nobody reads them here."""
+
+
+def _absent(_block_hash: Hashable) -> bool:
+    return False
+
+
+class _TokenDb:
+    """What the worker's lookup reads of a group's token database."""
+
+    def __init__(self, block_size: int, hash_block_size: int) -> None:
+        self.block_size = block_size
+        self.chunk_size = block_size
+        self.hash_block_size = hash_block_size
+
+
+class _TraceStore:
+    """The Mooncake store as the worker's lookup asks it: ``batch_is_exist``
+    of key strings (``{prefix}@{hash hex}``), answered from the trace's keys
+    (``contains[g]``) for the lookup in hand."""
+
+    def __init__(self, prefixes: dict[str, int]) -> None:
+        self.prefixes = prefixes
+        self.contains: Sequence[Callable[[Hashable], bool]] = ()
+        self.by_hex: dict[str, Hashable] = {}
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        out = []
+        for key in keys:
+            prefix, _, hex_hash = key.rpartition("@")
+            unit = self.by_hex.get(hex_hash)
+            gid = self.prefixes[prefix]
+            out.append(1 if unit is not None and self.contains[gid](unit) else 0)
+        return out
+
+
+class _RecordingMirror:
+    """Pass-through to the ``MooncakeStoreCoordinator`` that keeps the load
+    masks of its last ``find_longest_cache_hit`` (the worker drops them)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.masks: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        masks, hit = self.inner.find_longest_cache_hit(*args, **kwargs)
+        self.masks = masks
+        return masks, hit
+
+
 class _LookupLength:
     """Pass-through to the engine coordinator that keeps the lookup length
     ``get_computed_blocks`` asked it for."""
@@ -282,7 +360,7 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
         return iface.FullAttentionSpec(**common)
     if group.kind is GroupKind.SLIDING_WINDOW:
         window: dict[str, Any] = {"sliding_window": group.sliding_window}
-        if "extra_retained_tokens" in _fields(iface.SlidingWindowSpec):
+        if "extra_retained_tokens" in _dataclass_fields(iface.SlidingWindowSpec):
             window["extra_retained_tokens"] = group.extra_retained_tokens
         elif group.extra_retained_tokens:
             raise ReplayError(
@@ -306,7 +384,7 @@ def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     """vLLM ``KVCacheGroupSpec`` objects for a trace's groups, in group order
     (equal trace specs give equal vLLM specs, so groups merge as in vLLM)."""
     # Per-group EAGLE flags exist from 0.20.0; before, use_eagle drops for all.
-    flags = "is_eagle_group" in _fields(iface.KVCacheGroupSpec)
+    flags = "is_eagle_group" in _dataclass_fields(iface.KVCacheGroupSpec)
     return [
         iface.KVCacheGroupSpec(
             layer_names=[g.name or f"model.layers.{gid}"],
@@ -357,6 +435,10 @@ class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
     name = "vllm"
+    #: Where a Mooncake lookup enters vLLM: the mirror's
+    #: ``find_longest_cache_hit`` at the trace's ``max_length`` (the policies
+    #: model this), or the store worker's own ``lookup`` (``VllmStoreWorker``).
+    mooncake_entry = "coordinator"
 
     def _prepare(self) -> None:
         config = self.config
@@ -463,6 +545,82 @@ class VllmCoordinator(LookupCoordinator):
         except (AssertionError, ValueError) as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         self._install(coordinator)
+        self._worker: Any = None
+        if self.mooncake_entry == "worker":
+            self._worker = self._store_worker()
+
+    def _store_worker(self) -> Any:
+        """The Mooncake store worker's own ``lookup`` over this coordinator, or
+        ``None`` where the release's worker cannot be driven (then the
+        coordinator's ``find_longest_cache_hit`` answers, as the worker's
+        lookup would call it).
+
+        ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins
+        vLLM's distributed groups, so the worker is made without it
+        (``__new__``) and given the state its ``lookup`` reads: the public
+        ``coord``, ``hash_block_size``, ``token_dbs`` (each group's block
+        size) and ``store`` (``_TraceStore``, answering ``batch_is_exist``
+        from the trace's keys), and the private names of ``PRIVATE_NAMES``."""
+        try:
+            module = importlib.import_module(_WORKER_MODULE)
+            worker_cls = module.MooncakeStoreWorker
+            params = list(inspect.signature(worker_cls.lookup).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        if params[1:3] != ["num_tokens", "block_hashes"]:
+            return None
+        groups = self._coordinator.kv_cache_groups
+        prefixes = {f"replay-group-{gid}": gid for gid in range(len(groups))}
+        self._store = _TraceStore(prefixes)
+        self._mirror = _RecordingMirror(self._coordinator)
+        worker = worker_cls.__new__(worker_cls)
+        state: dict[str, Any] = {
+            "coord": self._mirror,
+            "hash_block_size": self.config.hash_block_size,
+            "token_dbs": [
+                _TokenDb(g.kv_cache_spec.block_size, self.config.hash_block_size) for g in groups
+            ],
+            "store": self._store,
+            "_capacity_only": False,
+            "_kv_cache_groups": groups,
+            "_lookup_key_prefixes": tuple((prefix,) for prefix in prefixes),
+            "_selective_lease": None,
+            "_record_kv_connector_operation": _ignore,
+        }
+        for name, value in state.items():
+            setattr(worker, name, value)
+        try:
+            # One lookup of a block no group holds: a release whose lookup
+            # reads state this backend does not give falls back.
+            self._store.contains = [_absent] * len(groups)
+            self._store.by_hex = {}
+            worker.lookup(2 * self.config.hash_block_size, [b"replay-probe"])
+        except (AttributeError, TypeError):
+            return None
+        return worker
+
+    def _worker_lookup(
+        self,
+        block_hashes: list[Hashable],
+        max_length: int,
+        contains: Sequence[Callable[[Hashable], bool]],
+    ) -> tuple[list[list[bool]], int]:
+        """``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` for a prompt
+        of ``max_length + 1`` tokens: vLLM's own length alignment
+        (``align_lookup_length``), lookup masks, store queries and retry below
+        the prompt's end. The masks are those of its last coordinator call."""
+        by_hex: dict[str, Hashable] = {cast(bytes, h).hex(): h for h in block_hashes}
+        for key, unit in self._joined_units(block_hashes).items():
+            by_hex[cast(bytes, key).hex()] = unit
+        self._store.contains = contains
+        self._store.by_hex = by_hex
+        self._mirror.masks = None
+        result = self._worker.lookup(max_length + 1, block_hashes)
+        hit = int(result.hit_length)
+        masks = self._mirror.masks
+        if masks is None:  # the worker answered before asking the coordinator
+            masks = [[] for _ in self.config.groups]
+        return [list(m) for m in masks], hit
 
     def _build_engine(self, num_blocks: int) -> None:
         """vLLM's ``KVCacheManager`` over a pool of ``num_blocks`` blocks, with
@@ -554,6 +712,8 @@ class VllmCoordinator(LookupCoordinator):
                 self._hits[i] = 0
             if self.cache.name == "gpu":
                 masks, hit = self._engine_lookup(block_hashes, max_length, contains)
+            elif self._worker is not None:
+                masks, hit = self._worker_lookup(block_hashes, max_length, contains)
             else:
                 pool_cls = self._module.ExternalCachedBlockPool
                 pool = pool_cls(
@@ -733,3 +893,20 @@ class VllmCoordinator(LookupCoordinator):
                 )
             )
         return tuple(out)
+
+
+class VllmStoreWorker(VllmCoordinator):
+    """``VllmCoordinator`` whose Mooncake lookups enter vLLM where the
+    connector's do: ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``
+    for a prompt of ``max_length + 1`` tokens, with its own length alignment,
+    lookup masks, store queries and retry below the prompt's end.
+
+    Not the default: the policies model the mirror's coordinator at the
+    trace's ``max_length``, and the worker answers differently where its store
+    query stops at the aligned prompt length while an EAGLE group's finder
+    peeks one block past it (the peek finds nothing: shorter hits), and where
+    a trace's lookup carries fewer hashes than its prompt's full blocks (the
+    worker's aligned length indexes past them). See docs/vllm.md."""
+
+    name = "vllm-worker"
+    mooncake_entry = "worker"
