@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 LOOKUP_MODULES = (
+    "vllm/v1/core/kv_cache_manager.py",
     "vllm/v1/core/kv_cache_coordinator.py",
     "vllm/v1/core/single_type_kv_cache_manager.py",
     "vllm/v1/core/block_pool.py",
