@@ -302,6 +302,11 @@ def engine_facts(manager: Any, vllm_config: Any | None) -> dict[str, Any]:
         # takes as use_eagle.
         use_eagle=bool(manager.use_eagle),
         enable_partial_hash_hits=bool(getattr(coordinator, "enable_partial_hash_hits", False)),
+        # The block pool's lookahead (vLLM's num_hash_lookahead_tokens, from
+        # 0.33.0; none before): what the recorded block hashes cover.
+        num_hash_lookahead_tokens=int(
+            getattr(coordinator.block_pool, "num_hash_lookahead_tokens", 0) or 0
+        ),
         source={"cache": "gpu", "tool": "replay vllm plugin", "vllm_version": version},
     )
     engine["vllm_version"] = version
