@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,31 @@ def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -
         assert by_alias.results.height > 0
         mine, theirs = (r.results.drop("policy") for r in (by_alias, by_release))
         assert mine.equals(theirs), (trace.name, by_alias.policy, by_alias.cache)
+
+
+#: Full attention + Mamba with EAGLE, four of a prompt's five hash units
+#: stored, max_length 79: the drop costs a block (48), no drop keeps 64.
+LOOKAHEAD = {
+    "vllm-0.32": {"gpu": (48, 48), "mooncake": (48, 48)},
+    # The engine's scheduler turns the drop off under lookahead hashes (0.33.0
+    # on); 0.33.0's mirror never got them and drops whatever the trace says.
+    "vllm-0.33": {"gpu": (48, 64), "mooncake": (48, 48)},
+    # 0.34.0's mirror: `use_eagle and not num_hash_lookahead_tokens`.
+    "vllm-0.34": {"gpu": (48, 64), "mooncake": (48, 64)},
+}
+
+
+@pytest.mark.parametrize("policy", list(LOOKAHEAD))
+@pytest.mark.parametrize("cache", ["gpu", "mooncake"])
+def test_lookahead_hashes_turn_the_eagle_drop_off_where_the_release_did(
+    policy: str, cache: str
+) -> None:
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    contains = [set(hashes[:4]).__contains__] * 2
+    hits = tuple(
+        Coordinator(replace(full_mamba(), num_hash_lookahead_tokens=n), policy, cache)
+        .lookup(hashes, 79, contains)
+        .hit_tokens
+        for n in (0, 4)
+    )
+    assert hits == LOOKAHEAD[policy][cache]
