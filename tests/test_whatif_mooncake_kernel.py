@@ -9,6 +9,7 @@ request's hit and every lookup's facts must be equal."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from replay.sources.archetypes import archetype_config
 from replay.whatif import mooncake_kernel
 from replay.whatif.requests import Requests, load_requests
 from replay.whatif.sweep import RunSpec, runs_compiled, simulate, sweep
-from tests.builders import lookup_rows, random_archetype_config, random_prompts
+from tests.builders import full_mamba, lookup_rows, random_archetype_config, random_prompts
 
 EVICTIONS = ("lru", "fifo", "lfu", "belady")
 
@@ -119,3 +120,17 @@ def test_sweep_runs_mooncake_compiled_and_the_rest_in_python(tmp_path: Path) -> 
     rows = sweep(load_requests(trace), specs[:2])
     assert [r["simulator"] for r in rows] == ["python", "python"]
     assert [r["method"] for r in rows] == ["per-capacity", "per-capacity"]
+
+
+def test_the_lookahead_rule_is_compiled_only_where_it_is_the_newest_mirrors() -> None:
+    """Without lookahead hashes 0.33.0's and 0.34.0's mirrors answer alike:
+    both compiled; with them the kernel's EAGLE groups are 0.34.0's, so
+    vllm-0.33 runs the Python model."""
+    config = full_mamba()
+    ahead = replace(config, num_hash_lookahead_tokens=4)
+    assert [mooncake_kernel.supported(config, p) for p in ("vllm-0.33", "vllm-0.34")] == [
+        None,
+        None,
+    ]
+    assert mooncake_kernel.supported(ahead, "vllm-0.34") is None
+    assert mooncake_kernel.supported(ahead, "vllm-0.33") == "policy vllm-0.33's mirror rules"
