@@ -63,8 +63,9 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     # Only the mirror was mutated: the engine's cache still holds.
     assert "FAILED issue-43559.parquet under policy vllm-0.33 in the gpu cache" not in out
     assert "vllm-0.33/mooncake FAILED, vllm-0.33/gpu ok" in got.stderr
+    # vllm-0.34's engine expectation too (its engine rules are 0.33.0's).
     assert out.splitlines()[-1].startswith(
-        "1 passed, 1 failed, 3 skipped: 5 expectations of 1 traces"
+        "2 passed, 1 failed, 4 skipped: 7 expectations of 1 traces"
     )
 
 
@@ -82,13 +83,19 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
     policy and the installed version."""
     from analysis.expectations import corpus_dir, read_expectations
     from replay.adapters.vllm.backend import installed_vllm_version
+    from replay.rules.coordinator import same_rules
 
     got = _replay("test", "--coordinator", "vllm")
     assert got.returncode == 0, got.stdout + got.stderr
     traces = sorted(corpus_dir().glob("*.parquet"))
     entries = [e for t in traces for e in read_expectations(t) or []]
-    ours = [e for e in entries if e["policy"] == "vllm-0.33"]
-    assert {e["cache"] for e in ours} == {"gpu", "mooncake"}
+    # vllm-0.33's, and vllm-0.34's in the engine (the same rules there).
+    ours = [e for e in entries if same_rules(e["policy"], "vllm-0.33", e["cache"])]
+    assert {(e["policy"], e["cache"]) for e in ours} == {
+        ("vllm-0.33", "gpu"),
+        ("vllm-0.33", "mooncake"),
+        ("vllm-0.34", "gpu"),
+    }
     version = installed_vllm_version()
     last = got.stdout.splitlines()[-1]
     assert last.startswith(
@@ -96,7 +103,7 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
         f"{len(entries)} expectations of {len(traces)} traces through the vllm coordinator"
     ), last
     assert (
-        f"policy pre-49502 is not checked: the installed vLLM {version} is modelled by "
+        f"policy pre-49502 is not checked: the installed vLLM {version} is checked as "
         "policy vllm-0.33"
     ) in last
     assert len(got.stderr.splitlines()) == len(traces)  # a progress line per trace
@@ -121,11 +128,11 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-rs", "--replay-coordinator", "vllm"
     )
-    result.assert_outcomes(passed=2, skipped=3)
+    result.assert_outcomes(passed=3, skipped=4)
     result.stdout.fnmatch_lines(
         [
             f"SKIPPED * policy pre-49502 is not checked: the installed vLLM {version} "
-            "is modelled by policy vllm-0.33"
+            "is checked as policy vllm-0.33"
         ]
     )
     monkeypatch.setenv("REPLAY_COORDINATOR", "vllm")
@@ -134,7 +141,7 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     monkeypatch.delenv("CI", raising=False)
     pytester.makeconftest("from mutants.loader import install_from_env\n\ninstall_from_env()\n")
     mutated = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    mutated.assert_outcomes(passed=1, failed=1, skipped=3)
+    mutated.assert_outcomes(passed=2, failed=1, skipped=4)
     mutated.stdout.fnmatch_lines(
         [
             "issue-43559.parquet under policy vllm-0.33 in the mooncake cache:",

@@ -239,7 +239,16 @@ def build_hand_made() -> list[tuple[str, str, list[dict[str, Any]]]]:
     cases = {name: (hand_made_config(), *case) for name, case in hand_made().items()}
     cases["spiral-32802"] = (full_swa_mamba(), *spiral_32802())
     cases["eagle-reverified-after-shrink"] = reverified_after_shrink()
+    from replay.rules.coordinator import DEFAULT_POLICY, RELEASES
+
+    newest = RELEASES[-1].name
     for name, (config, rows, by_hand, what) in cases.items():
+        # The default release's truths are the newest release's too (what a
+        # vLLM no policy models yet is checked as); replayed below like the rest.
+        by_hand = [
+            *by_hand,
+            *({**e, "policy": newest} for e in by_hand if e["policy"] == DEFAULT_POLICY),
+        ]
         # The hand-written truths hold in both of vLLM's caches: each entry
         # is pinned for every cache the configuration is valid for and its
         # policy answers in (pre-32802's releases had no Mooncake mirror).
