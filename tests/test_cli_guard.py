@@ -38,10 +38,10 @@ def test_cache_option_checks_only_that_cache(tmp_path: Path) -> None:
     shutil.copy(TRACES / "issue-43559.parquet", tmp_path)
     result = run_cli(["test", str(tmp_path), "--cache", "gpu"])
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("3 passed, 0 failed, 0 skipped: 3 expectations of 1 traces")
+    assert result.stdout.startswith("4 passed, 0 failed, 0 skipped: 4 expectations of 1 traces")
     assert result.stderr == (
-        "[1/1] issue-43559.parquet: vllm-0.33/gpu ok, pre-32802/gpu ok, pre-49502/gpu ok"
-        + result.stderr.split("pre-49502/gpu ok")[1]
+        "[1/1] issue-43559.parquet: vllm-0.33/gpu ok, pre-32802/gpu ok, pre-49502/gpu ok, "
+        "vllm-0.34/gpu ok" + result.stderr.split("vllm-0.34/gpu ok")[1]
     )
 
 

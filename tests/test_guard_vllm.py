@@ -106,7 +106,8 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
         f"policy pre-49502 is not checked: the installed vLLM {version} is checked as "
         "policy vllm-0.33"
     ) in last
-    assert len(got.stderr.splitlines()) == len(traces)  # a progress line per trace
+    # A progress line per trace (vLLM's own logger may add a warning line).
+    assert len([x for x in got.stderr.splitlines() if x.startswith("[")]) == len(traces)
 
 
 def test_a_mutant_that_does_not_apply_is_refused(tmp_path: Path) -> None:
