@@ -902,11 +902,10 @@ class VllmStoreWorker(VllmCoordinator):
     lookup masks, store queries and retry below the prompt's end.
 
     Not the default: the policies model the mirror's coordinator at the
-    trace's ``max_length``, and the worker answers differently where its store
-    query stops at the aligned prompt length while an EAGLE group's finder
-    peeks one block past it (the peek finds nothing: shorter hits), and where
-    a trace's lookup carries fewer hashes than its prompt's full blocks (the
-    worker's aligned length indexes past them). See docs/vllm.md."""
+    trace's ``max_length``, and the corpus has lookups carrying more hashes
+    than their prompt has full blocks (a vLLM request never does): there the
+    worker, asking the store only up to the aligned prompt length, answers
+    shorter hits (docs/releases.md)."""
 
     name = "vllm-worker"
     mooncake_entry = "worker"
