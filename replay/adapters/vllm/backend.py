@@ -171,12 +171,25 @@ def _check_known(function: Any, where: str, n_args: int, kwargs: dict[str, Any])
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
 
 
+#: ``_call_known``'s keyword filter per function and call shape: the
+#: per-lookup calls would otherwise read a signature each time.
+_KNOWN: dict[tuple[Any, int, frozenset[str]], frozenset[str] | None] = {}
+
+
 def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
     """Call ``function`` with the keyword arguments its signature takes;
     a required parameter this backend does not know is the API having moved."""
-    if not _check_known(function, where, len(args), kwargs):
-        params = inspect.signature(function).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    key = (getattr(function, "__func__", function), len(args), frozenset(kwargs))
+    if key not in _KNOWN:
+        accepts_any = _check_known(function, where, len(args), kwargs)
+        _KNOWN[key] = (
+            None
+            if accepts_any
+            else frozenset(k for k in kwargs if k in inspect.signature(function).parameters)
+        )
+    allowed = _KNOWN[key]
+    if allowed is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in allowed}
     return function(*args, **kwargs)
 
 
@@ -523,6 +536,7 @@ class VllmCoordinator(LookupCoordinator):
             )
             _require(self._request_modules[0], "Request", "vllm.v1.request")
             _require(self._request_modules[1], "SamplingParams", "vllm.sampling_params")
+            self._sampling: Any = None
             self._build_engine(_POOL_BLOCKS)
             return
         try:
@@ -859,12 +873,14 @@ class VllmCoordinator(LookupCoordinator):
         """A vLLM ``Request`` of ``max_length + 1`` tokens whose block hashes
         are ``block_hashes`` (its ``block_hasher`` gives them)."""
         request_mod, sampling = self._request_modules
+        if self._sampling is None:
+            self._sampling = sampling.SamplingParams(max_tokens=1)
         return _call_known(
             request_mod.Request,
             "vllm.v1.request.Request",
             request_id="replay-lookup",
             prompt_token_ids=[0] * (max_length + 1),
-            sampling_params=sampling.SamplingParams(max_tokens=1),
+            sampling_params=self._sampling,
             pooling_params=None,
             eos_token_id=None,
             block_hasher=lambda _request: list(block_hashes),
