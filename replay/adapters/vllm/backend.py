@@ -343,9 +343,11 @@ class _LookupLength:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
-        self.max_length = max_cache_hit_length
-        return self.inner.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+    def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        # (block_hashes, max length), by position or by a release's names.
+        lengths = [*args[1:2], *(v for k, v in kwargs.items() if k != "block_hashes")]
+        self.max_length = int(lengths[0]) if lengths else None
+        return self.inner.find_longest_cache_hit(*args, **kwargs)
 
 
 def _is_named_tuple(value: Any) -> bool:
