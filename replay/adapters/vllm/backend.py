@@ -191,12 +191,25 @@ def _check_known(function: Any, where: str, n_args: int, kwargs: dict[str, Any])
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
 
 
+#: ``_call_known``'s keyword filter per function and call shape: the
+#: per-lookup calls would otherwise read a signature each time.
+_KNOWN: dict[tuple[Any, int, frozenset[str]], frozenset[str] | None] = {}
+
+
 def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
     """Call ``function`` with the keyword arguments its signature takes;
     a required parameter this backend does not know is the API having moved."""
-    if not _check_known(function, where, len(args), kwargs):
-        params = inspect.signature(function).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    key = (getattr(function, "__func__", function), len(args), frozenset(kwargs))
+    if key not in _KNOWN:
+        accepts_any = _check_known(function, where, len(args), kwargs)
+        _KNOWN[key] = (
+            None
+            if accepts_any
+            else frozenset(k for k in kwargs if k in inspect.signature(function).parameters)
+        )
+    allowed = _KNOWN[key]
+    if allowed is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in allowed}
     return function(*args, **kwargs)
 
 
@@ -350,9 +363,11 @@ class _LookupLength:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
-        self.max_length = max_cache_hit_length
-        return self.inner.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+    def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        # (block_hashes, max length), by position or by a release's names.
+        lengths = [*args[1:2], *(v for k, v in kwargs.items() if k != "block_hashes")]
+        self.max_length = int(lengths[0]) if lengths else None
+        return self.inner.find_longest_cache_hit(*args, **kwargs)
 
 
 def _is_named_tuple(value: Any) -> bool:
@@ -551,6 +566,7 @@ class VllmCoordinator(LookupCoordinator):
             )
             _require(self._request_modules[0], "Request", "vllm.v1.request")
             _require(self._request_modules[1], "SamplingParams", "vllm.sampling_params")
+            self._sampling: Any = None
             self._build_engine(_POOL_BLOCKS)
             return
         try:
@@ -889,12 +905,14 @@ class VllmCoordinator(LookupCoordinator):
         """A vLLM ``Request`` of ``max_length + 1`` tokens whose block hashes
         are ``block_hashes`` (its ``block_hasher`` gives them)."""
         request_mod, sampling = self._request_modules
+        if self._sampling is None:
+            self._sampling = sampling.SamplingParams(max_tokens=1)
         return _call_known(
             request_mod.Request,
             "vllm.v1.request.Request",
             request_id="replay-lookup",
             prompt_token_ids=[0] * (max_length + 1),
-            sampling_params=sampling.SamplingParams(max_tokens=1),
+            sampling_params=self._sampling,
             pooling_params=None,
             eos_token_id=None,
             block_hasher=lambda _request: list(block_hashes),
@@ -932,11 +950,10 @@ class VllmStoreWorker(VllmCoordinator):
     lookup masks, store queries and retry below the prompt's end.
 
     Not the default: the policies model the mirror's coordinator at the
-    trace's ``max_length``, and the worker answers differently where its store
-    query stops at the aligned prompt length while an EAGLE group's finder
-    peeks one block past it (the peek finds nothing: shorter hits), and where
-    a trace's lookup carries fewer hashes than its prompt's full blocks (the
-    worker's aligned length indexes past them). See docs/vllm.md."""
+    trace's ``max_length``, and the corpus has lookups carrying more hashes
+    than their prompt has full blocks (a vLLM request never does): there the
+    worker, asking the store only up to the aligned prompt length, answers
+    shorter hits (docs/releases.md)."""
 
     name = "vllm-worker"
     mooncake_entry = "worker"
