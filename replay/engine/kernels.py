@@ -23,7 +23,7 @@ brings a longer hash than any before.
 
 Everything here is ``nogil``: the reader's prefetch thread decodes the next
 batch while a batch folds. The machine code is kept on disk where there is
-a place for it (``replay.format.jit``, shared with the what-if's kernel), so only the first run after an
+a place for it (``replay.base.jit``, shared with the what-if's kernel), so only the first run after an
 install compiles.
 """
 
@@ -39,7 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from replay.base.errors import ReplayError
-from replay.format.jit import jit
+from replay.base.jit import jit
 
 if TYPE_CHECKING:
     from replay.format.hashwords import HashWords

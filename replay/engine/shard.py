@@ -35,6 +35,7 @@ import polars as pl
 import pyarrow as pa
 
 from replay.base.errors import ReplayError
+from replay.base.jit import jit
 from replay.engine.answers import (
     LOOKUP_COLUMNS,
     Answers,
@@ -44,7 +45,6 @@ from replay.engine.answers import (
 )
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
 from replay.format.hashwords import HashWords, hash_words
-from replay.format.jit import jit
 from replay.format.schema import TraceBatch
 from replay.format.trace import TraceReader, prefetched
 

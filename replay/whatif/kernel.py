@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
+from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.jit import jit
 from replay.rules.coordinator import Coordinator, get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay.base.errors import ReplayError
+from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.jit import jit
 from replay.rules.coordinator import (
     DEFAULT_POLICY,
     Coordinator,

@@ -73,8 +73,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.jit import jit
 from replay.rules.store_rules import StorePolicy
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif.requests import Requests
