@@ -123,6 +123,9 @@ class ReplayResult:
     events_by_kind: dict[str, int]
     seconds: float
     trace_path: str
+    #: how the lookups were answered: ``compiled`` (``replay.rules.compiled``)
+    #: or ``python: WHY`` (the reference coordinator's own code, or vLLM's)
+    answered: str = "compiled"
 
     @property
     def policy(self) -> str:
@@ -396,6 +399,7 @@ class Answers:
             counts=self.counts,
             seconds=seconds,
             trace_path=trace_path,
+            answered=["compiled" if why is None else f"python: {why}" for why in self.fallbacks],
         )
 
     def _unit_present(self) -> pa.Array:
@@ -442,8 +446,10 @@ def results_of(
     counts: dict[str, int],
     seconds: float,
     trace_path: str | os.PathLike[str],
+    answered: Sequence[str] | None = None,
 ) -> list[ReplayResult]:
-    """One result per variant, all of the same run (one fold, one pass)."""
+    """One result per variant, all of the same run (one fold, one pass);
+    ``answered`` says how each variant's lookups were (compiled by default)."""
     of_run = partial(
         ReplayResult,
         config=config,
@@ -451,9 +457,10 @@ def results_of(
         seconds=seconds,
         trace_path=str(trace_path),
     )
+    how = answered if answered is not None else ["compiled"] * len(variants)
     return [
-        of_run(variant=v, results=frame, events_by_kind=dict(counts))
-        for v, frame in zip(variants, frames, strict=True)
+        of_run(variant=v, results=frame, events_by_kind=dict(counts), answered=a)
+        for v, frame, a in zip(variants, frames, how, strict=True)
     ]
 
 
