@@ -477,7 +477,7 @@ def run_store(
     mamba_rows = [gid for gid, g in enumerate(config.groups) if g.kind is GroupKind.MAMBA]
     mamba_groups = np.ascontiguousarray(k.groups[mamba_rows] if mamba_rows else k.groups[:0])
     if eviction == "belady":
-        uses, starts = requests._future()
+        uses, starts = requests.uses()
     else:
         uses = starts = np.zeros(1, dtype=np.int64)
     hits = np.zeros(len(requests), dtype=np.int64)
