@@ -1,11 +1,12 @@
 """The what-if's GPU block pool, compiled: one numba call per run.
 
-A port of ``replay.blockpool.GpuCache`` (the pool, its free queue and
-eviction orders), of the reference coordinator's fixed point
-(``replay.coordinator.hybrid.Coordinator.lookup_present`` with the finders
-of ``replay.coordinator.finders``), of the store rules
-(``replay.rules.store_rules.StoreRules``, ``gpu`` cache) and of the lookup
-facts (``replay.rules.facts.FactRules``), for the configurations the block
+A port of ``replay.rules.blockpool.GpuCache`` (the pool, its free queue and
+eviction orders) and of the store rules (``replay.rules.store_rules.StoreRules``,
+``gpu`` cache, compiled in ``replay.whatif.store_kernel``); each request's
+lookup and facts are the replay's own compiled fixed point
+(``replay.rules.compiled.answer``, the port of
+``replay.rules.coordinator.hybrid.Coordinator.lookup_present`` and
+``replay.rules.facts.FactRules``), for the configurations the block
 pool covers: every group's block one hash unit, full attention, sliding
 window and Mamba (align) groups, with or without EAGLE, under every policy.
 The requests come as dense integer ids of their hashes
