@@ -137,4 +137,5 @@ def run_summary(result: ReplayResult, flag_counts: dict[str, int] | None = None)
         "seconds": round(seconds, 3),
         "events_per_second": round(result.events / seconds) if seconds > 0 else None,
         "lookups_per_second": round(res.height / seconds) if seconds > 0 else None,
+        "answered": result.answered,
     }

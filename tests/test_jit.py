@@ -1,4 +1,4 @@
-"""replay.format.jit: a read-only install works. With the package directory
+"""replay.base.jit: a read-only install works. With the package directory
 read-only and a home whose cache directory cannot be made (a system-wide or
 container install run by a plain user), ``@njit(cache=True)`` once killed
 every command at import, ``--version`` included (issue 25)."""
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The console script's own entry, after the kernels: one process.
 PROBE = (
-    "import sys, replay.whatif.stack, replay.whatif.kernel, replay.engine.kernels, replay.format.jit as j; "
+    "import sys, replay.whatif.stack, replay.whatif.kernel, replay.engine.kernels, replay.base.jit as j; "
     "from numba.core import config; print(j.CACHE, config.CACHE_DIR, flush=True); "
     "sys.argv = ['replay', '--version']; from replay.cli import main; main()"
 )

@@ -77,9 +77,11 @@ def test_run_one_policy_is_a_list_of_one_variant(tmp_path: Path) -> None:
         "seconds",
         "events_per_second",
         "lookups_per_second",
+        "answered",
         "flagged",
     ]
     assert (v["policy"], v["results"], v["hit_ratio"]) == ("pre-49502", str(out), 0.984615)
+    assert v["answered"] == "compiled"
     assert [list(f) for f in v["flags"]] == [FLAG, FLAG]
     assert [f["severity"] for f in v["flags"]] == ["corruption", "performance"]
     assert [list(r) for r in v["flagged"]] == [FLAGGED, FLAGGED]

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from replay.base.spec import TraceConfig
-from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, _key_meta
+from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, key_meta
 from replay.engine.shard import fold_rows
 from replay.format.hashwords import hash_words
 from replay.format.tracedir import open_trace
@@ -219,7 +219,7 @@ def _keys_homed(rng: np.random.Generator, want: int, top: Callable[[int], bool])
     found: list[bytes] = []
     while len(found) < want:
         key = rng.bytes(16)
-        if top(int(_key_meta(np.frombuffer(key, dtype=np.uint64), 0, 2, 16)) >> 54):
+        if top(int(key_meta(np.frombuffer(key, dtype=np.uint64), 0, 2, 16)) >> 54):
             found.append(key)
     return found
 

@@ -32,6 +32,23 @@ import pyarrow.compute as pc
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.schema import ANSWER_SCHEMA, RESULTS_SCHEMA, UNIT_PRESENT_FIELD
+from replay.rules.compiled import answer_batch, lookup_tables, new_out, out_width
+from replay.rules.compiled import supported as compiled_supported
+from replay.rules.compiled.tables import (
+    O_ABSENT,
+    O_ATTENTION,
+    O_EAGLE,
+    O_GROUP_HIT,
+    O_GROUP_STATE,
+    O_GROUPS,
+    O_HIT,
+    O_LOADED,
+    O_MASK,
+    O_STATE,
+    O_VERIFIED,
+    O_WIDTH,
+    LookupTables,
+)
 from replay.rules.coordinator import (
     COORDINATORS,
     Coordinator,
@@ -106,6 +123,9 @@ class ReplayResult:
     events_by_kind: dict[str, int]
     seconds: float
     trace_path: str
+    #: how the lookups were answered: ``compiled`` (``replay.rules.compiled``)
+    #: or ``python: WHY`` (the reference coordinator's own code, or vLLM's)
+    answered: str = "compiled"
 
     @property
     def policy(self) -> str:
@@ -163,56 +183,69 @@ class LookupBatch:
 
 
 class Outcomes:
-    """The coordinator's answers, one entry per lookup, as flat typed arrays
-    (8 bytes a number, no Python object kept per lookup)."""
+    """The answers and facts of a variant's lookups, one row of the compiled
+    fixed point's columns (``replay.rules.compiled.tables``, ``O_*``) per
+    lookup, -1 where a value is None: the compiled path fills them a batch
+    at a time, the Python reference one lookup at a time (8 bytes a number,
+    no Python object kept per lookup)."""
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
-        self.hit = array("q")
-        self.verified = array("q")
-        self.state = array("q")
-        self.has_state = array("b")
-        self.mask = array("i")
-        self.loaded = array("i")
-        self.group_hit = array("q")
-        # The facts (``replay.rules.facts``); whether each is null, beside it.
-        self.group_state = array("q")
-        self.has_group_state = array("b")
-        self.attention = array("q")
-        self.has_attention = array("b")
-        self.absent = array("i")
-        self.has_absent = array("b")
-        self.eagle = array("b")
-        self.has_eagle = array("b")
+        self.width = out_width(num_groups)
+        self.chunks: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+        self._rows = array("q")
 
     def add(self, res: LookupOutcome, facts: LookupFacts) -> None:
-        self.hit.append(res.hit_tokens)
-        self.verified.append(res.verified_tokens)
+        """One lookup answered by a Python coordinator."""
+        rows = self._rows
         state = res.mamba_state_tokens
-        self.state.append(0 if state is None else state)
-        self.has_state.append(state is not None)
-        for g in res.groups:
-            self.mask.append(g.mask_blocks)
-            self.loaded.append(g.loaded_blocks)
-            self.group_hit.append(g.hit_tokens)
-        self.attention.append(facts.attention_tokens or 0)
-        self.has_attention.append(facts.attention_tokens is not None)
-        for values, has, facts_of in (
-            (self.group_state, self.has_group_state, facts.state_tokens),
-            (self.absent, self.has_absent, facts.first_absent_block),
-            (self.eagle, self.has_eagle, facts.eagle_unit_present),
-        ):
-            for v in facts_of:
-                values.append(0 if v is None else int(v))
-                has.append(v is not None)
-
-    def per_group(self, values: array[int], dtype: Any, has: array[int] | None = None) -> pa.Array:
-        n = len(self.hit)
-        offsets = np.arange(0, n * self.num_groups + 1, self.num_groups, dtype=np.int32)
-        mask = None if has is None else ~np.frombuffer(has, dtype=np.bool_)
-        return pa.ListArray.from_arrays(
-            pa.array(offsets), pa.array(np.frombuffer(values, dtype=dtype), mask=mask)
+        rows.extend(
+            (
+                res.hit_tokens,
+                _or_none(facts.attention_tokens),
+                res.verified_tokens,
+                _or_none(state),
+            )
         )
+        for g, resumed, absent, eagle in zip(
+            res.groups,
+            facts.state_tokens,
+            facts.first_absent_block,
+            facts.eagle_unit_present,
+            strict=True,
+        ):
+            rows.extend(
+                (
+                    g.mask_blocks,
+                    _or_none(resumed),
+                    _or_none(absent),
+                    _or_none(eagle),
+                    g.loaded_blocks,
+                    g.hit_tokens,
+                )
+            )
+
+    def add_rows(self, rows: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        """A batch answered compiled (``answer_batch``'s rows)."""
+        self._flush()
+        self.chunks.append(rows)
+
+    def _flush(self) -> None:
+        if self._rows:
+            rows = np.frombuffer(self._rows, dtype=np.int64).reshape(-1, self.width)
+            self.chunks.append(rows.copy())
+            self._rows = array("q")
+
+    def table(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Every lookup's row, in seq order."""
+        self._flush()
+        if not self.chunks:
+            return np.zeros((0, self.width), dtype=np.int64)
+        return np.concatenate(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+
+
+def _or_none(value: int | bool | None) -> int:
+    return -1 if value is None else int(value)
 
 
 #: One coordinator's answer to one lookup: presence bytes, max_length, (for
@@ -239,6 +272,7 @@ class Answers:
         unit_present: bool = False,
         where: str | os.PathLike[str] | None = None,
         explain: Callable[[LookupEvent[bytes]], bool] | None = None,
+        compiled: bool = True,
     ) -> None:
         self.config = config
         self.variants = list(variants)
@@ -249,6 +283,16 @@ class Answers:
         # Facts by the rules of the release that answered (its EAGLE groups,
         # alignment and partial hits), not 0.33.0's.
         self.facts = [FactRules(config, c.cache) for c in self.coordinators]
+        #: Per variant, the compiled fixed point's tables, or None where the
+        #: Python coordinator answers (``fallbacks`` says why).
+        self.tables: list[LookupTables | None] = []
+        self.fallbacks: list[str | None] = []
+        for v, c in zip(self.variants, self.coordinators, strict=True):
+            why = compiled_supported(v.coordinator) if compiled else "asked for the reference"
+            if explain is not None:
+                why = "replay explain shows the reference's steps"
+            self.fallbacks.append(why)
+            self.tables.append(lookup_tables(config, c.policy, c.cache) if why is None else None)
         self.outcomes = [Outcomes(config.num_groups) for _ in self.variants]
         self.explain = explain
         self.explained: list[Explained] = []
@@ -264,17 +308,56 @@ class Answers:
         """Answer one batch's lookups, with their facts; ``present`` in the fold's
         layout (per lookup, per group, its units)."""
         num_groups = self.config.num_groups
+        column = lookups.rows["max_length"].fill_null(0)
+        units = np.ascontiguousarray(lookups.units, dtype=np.int64)
+        for tables, outcomes in zip(self.tables, self.outcomes, strict=True):
+            if tables is None:
+                continue
+            out = new_out(len(units), num_groups)
+            answer_batch(
+                *tables.arrays(),
+                np.ascontiguousarray(present).reshape(-1).view(np.uint8),
+                units,
+                column.to_numpy().astype(np.int64, copy=False),
+                out,
+            )
+            outcomes.add_rows(out)
+        variants = [
+            (c, r, o)
+            for c, r, o, t in zip(
+                self.coordinators, self.facts, self.outcomes, self.tables, strict=True
+            )
+            if t is None
+        ]
+        if variants:
+            self._answer_python(lookups, present, column.to_list(), variants)
+        if self.explain is None and lookups.rows.height:
+            self.rows.append(lookups.rows)
+            if self.unit_present:
+                self._present.append(present)
+                self._units.append(np.repeat(lookups.units, num_groups))
+        self.events += lookups.events
+        for name, count in lookups.counts.items():
+            self.counts[name] += count
+
+    def _answer_python(
+        self,
+        lookups: LookupBatch,
+        present: np.ndarray[Any, Any],
+        max_lengths: list[int],
+        variants: list[tuple[LookupCoordinator, FactRules, Outcomes]],
+    ) -> None:
+        """The batch's lookups through the Python coordinators, one by one."""
+        num_groups = self.config.num_groups
         buf = present.tobytes()
         sizes = lookups.units.tolist()
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(lookups.units * num_groups, out=offsets[1:])
-        max_lengths = lookups.rows["max_length"].fill_null(0).to_list()
         hashes: list[Any] = (
             lookups.hashes.to_pylist()
             if self.needs_hashes and lookups.hashes is not None
             else [None] * len(sizes)
         )
-        variants = list(zip(self.coordinators, self.facts, self.outcomes, strict=True))
         explaining = self.explain is not None
         events = (
             _selected(lookups, hashes, self.explain)
@@ -294,14 +377,6 @@ class Answers:
                     outcomes.add(res, facts)
                 else:
                     self.explained.append((event, res, facts))
-        if not explaining and lookups.rows.height:
-            self.rows.append(lookups.rows)
-            if self.unit_present:
-                self._present.append(present)
-                self._units.append(np.repeat(lookups.units, num_groups))
-        self.events += lookups.events
-        for name, count in lookups.counts.items():
-            self.counts[name] += count
 
     def frames(self) -> list[pl.DataFrame]:
         """The results of each variant, one row per lookup in seq order."""
@@ -324,6 +399,7 @@ class Answers:
             counts=self.counts,
             seconds=seconds,
             trace_path=trace_path,
+            answered=["compiled" if why is None else f"python: {why}" for why in self.fallbacks],
         )
 
     def _unit_present(self) -> pa.Array:
@@ -370,8 +446,10 @@ def results_of(
     counts: dict[str, int],
     seconds: float,
     trace_path: str | os.PathLike[str],
+    answered: Sequence[str] | None = None,
 ) -> list[ReplayResult]:
-    """One result per variant, all of the same run (one fold, one pass)."""
+    """One result per variant, all of the same run (one fold, one pass);
+    ``answered`` says how each variant's lookups were (compiled by default)."""
     of_run = partial(
         ReplayResult,
         config=config,
@@ -379,14 +457,30 @@ def results_of(
         seconds=seconds,
         trace_path=str(trace_path),
     )
+    how = answered if answered is not None else ["compiled"] * len(variants)
     return [
-        of_run(variant=v, results=frame, events_by_kind=dict(counts))
-        for v, frame in zip(variants, frames, strict=True)
+        of_run(variant=v, results=frame, events_by_kind=dict(counts), answered=a)
+        for v, frame, a in zip(variants, frames, how, strict=True)
     ]
 
 
 def _dictionary(n: int, value: str) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([value]))
+
+
+def _nullable(values: np.ndarray[Any, Any], dtype: Any) -> pa.Array:
+    """A fact column: -1 is None (its value 0, as the reference writes it)."""
+    null = values < 0
+    return pa.array(np.where(null, 0, values).astype(dtype), mask=null)
+
+
+def _per_group(table: np.ndarray[Any, Any], column: int, dtype: Any, nullable: bool) -> pa.Array:
+    """One per-group column, a list per lookup in group order."""
+    n, groups = table.shape[0], (table.shape[1] - O_GROUPS) // O_WIDTH
+    values = table[:, O_GROUPS + column :: O_WIDTH].reshape(-1)
+    offsets = np.arange(0, n * groups + 1, groups, dtype=np.int32)
+    array = _nullable(values, dtype) if nullable else pa.array(values.astype(dtype))
+    return pa.ListArray.from_arrays(pa.array(offsets), array)
 
 
 def results_frame(
@@ -403,49 +497,36 @@ def results_frame(
     else:
         rows = pa.table({n: pa.array([], schema[n]) for n in LOOKUP_COLUMNS})
     n = rows.num_rows
-    hit = pa.array(np.frombuffer(outcomes.hit, dtype=np.int64))
+    table = outcomes.table()
+    hit = pa.array(np.ascontiguousarray(table[:, O_HIT]))
     observed = rows.column("observed_hit_tokens")
-    has_state = np.frombuffer(outcomes.has_state, dtype=np.bool_)
     columns: dict[str, Any] = {
         "seq": rows.column("seq"),
         "request_id": rows.column("request_id"),
         "max_length": rows.column("max_length"),
         "hit_tokens": hit,
-        "mask_blocks": outcomes.per_group(outcomes.mask, np.int32),
-        "loaded_blocks": outcomes.per_group(outcomes.loaded, np.int32),
+        "mask_blocks": _per_group(table, O_MASK, np.int32, False),
+        "loaded_blocks": _per_group(table, O_LOADED, np.int32, False),
         "num_tokens": rows.column("num_tokens"),
-        "group_hit_tokens": outcomes.per_group(outcomes.group_hit, np.int64),
-        "verified_tokens": pa.array(np.frombuffer(outcomes.verified, dtype=np.int64)),
-        "mamba_state_tokens": pa.array(
-            np.frombuffer(outcomes.state, dtype=np.int64), mask=~has_state
-        ),
+        "group_hit_tokens": _per_group(table, O_GROUP_HIT, np.int64, False),
+        "verified_tokens": pa.array(np.ascontiguousarray(table[:, O_VERIFIED])),
+        "mamba_state_tokens": _nullable(table[:, O_STATE], np.int64),
         "observed_hit_tokens": observed,
         "observed_match": pc.equal(observed, hit),
         "ts": rows.column("ts"),
         "policy": _dictionary(n, variant.policy),
         "coordinator": _dictionary(n, variant.coordinator),
         "cache": _dictionary(n, variant.cache),
+        "hit_alignment": pa.array(np.full(n, alignment, dtype=np.int64)),
+        "group_state_tokens": _per_group(table, O_GROUP_STATE, np.int64, True),
+        "attention_tokens": _nullable(table[:, O_ATTENTION], np.int64),
+        "first_absent_block": _per_group(table, O_ABSENT, np.int32, True),
+        "eagle_unit_present": _per_group(table, O_EAGLE, np.bool_, True),
     }
-    columns.update(
-        {
-            "hit_alignment": pa.array(np.full(n, alignment, dtype=np.int64)),
-            "group_state_tokens": outcomes.per_group(
-                outcomes.group_state, np.int64, outcomes.has_group_state
-            ),
-            "attention_tokens": pa.array(
-                np.frombuffer(outcomes.attention, dtype=np.int64),
-                mask=~np.frombuffer(outcomes.has_attention, dtype=np.bool_),
-            ),
-            "first_absent_block": outcomes.per_group(
-                outcomes.absent, np.int32, outcomes.has_absent
-            ),
-            "eagle_unit_present": outcomes.per_group(outcomes.eagle, np.bool_, outcomes.has_eagle),
-        }
-    )
-    table = pa.table(
+    answers = pa.table(
         {name: columns[name].cast(schema[name]) for name in ANSWER_SCHEMA.names},
         schema=ANSWER_SCHEMA,
     )
-    results = pl.from_arrow(table)
+    results = pl.from_arrow(answers)
     assert isinstance(results, pl.DataFrame)
     return results

@@ -23,7 +23,7 @@ brings a longer hash than any before.
 
 Everything here is ``nogil``: the reader's prefetch thread decodes the next
 batch while a batch folds. The machine code is kept on disk where there is
-a place for it (``replay.format.jit``, shared with the what-if's kernel), so only the first run after an
+a place for it (``replay.base.jit``, shared with the what-if's kernel), so only the first run after an
 install compiles.
 """
 
@@ -39,7 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from replay.base.errors import ReplayError
-from replay.format.jit import jit
+from replay.base.jit import jit
 
 if TYPE_CHECKING:
     from replay.format.hashwords import HashWords
@@ -97,7 +97,7 @@ _prefetch: Any = _prefetch_intrinsic
 
 
 @jit(nogil=True)
-def _mix(z: Any) -> Any:
+def mix(z: Any) -> Any:
     # splitmix64's finaliser: every input bit reaches every output bit, so
     # integer ids written as big-endian bytes spread as well as digests do.
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -106,7 +106,7 @@ def _mix(z: Any) -> Any:
 
 
 @jit(nogil=True)
-def _key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
+def key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
     # Each word times its own odd constant (independent multiplies, no
     # chain), then one full mix: equal sums of distinct keys only cost a
     # longer probe, since a match compares every word.
@@ -116,7 +116,7 @@ def _key_meta(words: Any, start: int, nwords: int, nbytes: int) -> Any:
         w = words[start + i] * k
         acc ^= (w << np.uint64(29)) | (w >> np.uint64(35))
         k += np.uint64(0x9E3779B97F4A7C16)
-    return (_mix(acc) & _HIGH32) | (np.uint64(nbytes + 1) << np.uint64(16))
+    return (mix(acc) & _HIGH32) | (np.uint64(nbytes + 1) << np.uint64(16))
 
 
 @jit(nogil=True)
@@ -322,11 +322,11 @@ def _span(voff: Any, base: int, stride: int, width: int, h: int) -> Any:
 
 @jit(nogil=True)
 def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any) -> None:
-    """Every hash's ``_key_meta``, in one branch-free pass ahead of the fold
+    """Every hash's ``key_meta``, in one branch-free pass ahead of the fold
     (computed inside the probe loop they measured 10-25% slower)."""
     for h in range(metas.shape[0]):
         s, nw, nb = _span(voff, base, stride, width, h)
-        metas[h] = _key_meta(words, s, nw, nb)
+        metas[h] = key_meta(words, s, nw, nb)
 
 
 @jit(nogil=True)
@@ -364,7 +364,7 @@ def fold_batch(
     presence bytes per group at ``out[out_off[r] + g * n]``: 1 when group
     ``g`` holds the key of hash unit ``u`` at that point. ``gids[r] == -1``
     on a clear means every group; ``metas[h]`` is hash ``h``'s
-    ``_key_meta``. Tables are allocated by the caller (``KeyTable``).
+    ``key_meta``. Tables are allocated by the caller (``KeyTable``).
     """
     m = info[_M]
     for r in range(resume_row, kinds.shape[0]):

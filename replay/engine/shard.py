@@ -35,6 +35,7 @@ import polars as pl
 import pyarrow as pa
 
 from replay.base.errors import ReplayError
+from replay.base.jit import jit
 from replay.engine.answers import (
     LOOKUP_COLUMNS,
     Answers,
@@ -42,9 +43,8 @@ from replay.engine.answers import (
     Progress,
     ReplayResult,
 )
-from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, _key_meta, _mix
+from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, key_meta, mix
 from replay.format.hashwords import HashWords, hash_words
-from replay.format.jit import jit
 from replay.format.schema import TraceBatch
 from replay.format.trace import TraceReader, prefetched
 
@@ -59,8 +59,8 @@ MAX_SHARDS = 4096
 @jit(nogil=True)
 def _shard_ids(words: Any, woff: Any, nbytes: Any, shards: Any, out: Any) -> None:
     for h in range(nbytes.shape[0]):
-        meta = _key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
-        z = _mix(meta ^ _SHARD_SEED) >> np.uint64(32)
+        meta = key_meta(words, woff[h], woff[h + 1] - woff[h], nbytes[h])
+        z = mix(meta ^ _SHARD_SEED) >> np.uint64(32)
         out[h] = (z * shards) >> np.uint64(32)
 
 

@@ -67,7 +67,7 @@ class FactRules:
         hbs = config.hash_block_size
         # Groups that probe hash units inside a block (vLLM's fine-grained
         # lookups): full attention and Mamba with partial hits and big blocks.
-        self._fine = tuple(
+        self.fine = tuple(
             partial
             and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA)
             and g.block_size > hbs
@@ -77,7 +77,7 @@ class FactRules:
         eagle = {
             gid for sg in build_spec_groups(config, self.cache) if sg.eagle for gid in sg.group_ids
         }
-        self._eagle_attention = frozenset(
+        self.eagle_attention = frozenset(
             gid
             for gid, g in enumerate(config.groups)
             if gid in eagle and g.kind in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
@@ -96,7 +96,7 @@ class FactRules:
         the exact hash unit when it probes inside blocks."""
         if loaded_blocks == 0:
             return 0
-        if self._fine[gid] and state is not None:
+        if self.fine[gid] and state is not None:
             return state
         return mask_blocks * self.config.groups[gid].block_size
 
@@ -131,11 +131,11 @@ class FactRules:
         hbs = self.config.hash_block_size
         eagle: list[bool | None] = []
         for gid, g in enumerate(groups):
-            if gid not in self._eagle_attention:
+            if gid not in self.eagle_attention:
                 eagle.append(None)
                 continue
             bs = g.block_size
-            unit = hit // hbs if self._fine[gid] else (hit // bs + 1) * (bs // hbs) - 1
+            unit = hit // hbs if self.fine[gid] else (hit // bs + 1) * (bs // hbs) - 1
             p = present[gid]
             eagle.append(unit < len(p) and bool(p[unit]))
         return LookupFacts(tuple(resumed), covered, absent, tuple(eagle))

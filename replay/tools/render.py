@@ -247,7 +247,7 @@ def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
         )
     lines.append(
         f"time: {s['seconds']:.2f} s ({s['events_per_second'] or 0:,} events/s, "
-        f"{s['lookups_per_second'] or 0:,} lookups/s)"
+        f"{s['lookups_per_second'] or 0:,} lookups/s), answered {s['answered']}"
     )
     if s["flags"]:
         lines.append(f"flags: {flags_text}")

@@ -6,10 +6,11 @@ rules), the capacity-bounded key cache (``replay.rules.mooncake_store.MooncakeCa
 with every ``replay.rules.blockpool.EvictionOrder``: lru, fifo, lfu and
 belady, deepest first among equals), the stores a request leaves
 (``replay.rules.store_rules.StoreRules``, ``mooncake`` cache) and the lookup
-facts. It reuses the gpu kernel's pieces (``replay.whatif.kernel``): the
-fixed point ``_lookup`` with the mirror's parameters, ``_facts``, the Mamba
-store rule ``_stores`` (Mamba follows the engine's rule in both caches), the
-heap and the requests' interned ids (``Requests.arrays()``).
+facts. It shares the compiled fixed point and facts with the replay
+(``replay.rules.compiled.answer``, with the mirror's tables), the Mamba store
+rule with the gpu pool (``replay.whatif.store_kernel.stores``: Mamba follows
+the engine's rule in both caches) and the requests' interned ids
+(``Requests.arrays()``).
 
 Only the common shapes: full-attention and Mamba (align) groups, each block
 one hash unit, with or without EAGLE, under a policy whose mirror rules are
@@ -27,36 +28,37 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay.base.errors import ReplayError
+from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.jit import jit
-from replay.rules.coordinator import (
-    DEFAULT_POLICY,
-    Coordinator,
-    build_spec_groups,
-    get_policy,
-)
+from replay.rules.compiled import answer, lookup_tables
+from replay.rules.compiled.finders import cdiv
+from replay.rules.compiled.lookup import R_LEN
+from replay.rules.compiled.tables import O_GROUPS, O_HIT, O_LOADED, O_MASK, O_WIDTH
+from replay.rules.coordinator import DEFAULT_POLICY, get_policy
 from replay.rules.coordinator.cache import MIRROR
 from replay.rules.coordinator.stores import STORES_033, policy_stores
 from replay.rules.store_rules import StorePolicy
-from replay.whatif import kernel as gk
-from replay.whatif.kernel import (
+from replay.whatif.kernel_config import (
     BELADY,
     EVICTION_CODES,
     FA,
+    FACT_GROUPS,
+    FACT_WIDTH,
     FIFO,
     LFU,
     LRU,
     MAMBA,
     NEVER,
-    P_ALIGN,
+    P_A,
     P_HBS,
-    P_MAMBA_PEEK,
-    P_SIMPLE,
-    P_SINGLE,
+    P_NUM_KEYS,
     P_USES_JUNCTION,
-    P_VERIFY_ONCE,
+    STOPPED,
     KernelConfig,
+    compile_config,
+    shape_supported,
 )
+from replay.whatif.store_kernel import chunk_ends, stores
 
 if TYPE_CHECKING:
     from replay.whatif.requests import Requests
@@ -88,41 +90,20 @@ def supported(config: TraceConfig, policy: str | None = None) -> str | None:
             return f"policy {policy}'s mirror rules"
         if policy_stores(policy, "mooncake") != STORES_033:
             return f"policy {policy}'s store rules"
-    return gk.shape_supported(config, "mooncake", _KINDS)
+    return shape_supported(config, "mooncake", _KINDS)
 
 
 def compile_mooncake(
     config: TraceConfig, policy: str, store_policy: StorePolicy, num_keys: int
 ) -> KernelConfig:
     """The gpu kernel's arrays for the store rules (which do not depend on
-    the cache, but for the junction), with the lookup's parts (alignment,
-    single call, margins, spec groups, EAGLE groups) the mirror's."""
-    base = gk.compile_config(config, DEFAULT_POLICY, store_policy, "lru", 1, num_keys)
-    coordinator = Coordinator(config, policy, "mooncake")
-    specs = build_spec_groups(config, "mooncake")
-    params = base.params.copy()
-    params[P_ALIGN] = coordinator.alignment
-    params[P_SINGLE] = coordinator._single_call
-    params[P_SIMPLE] = coordinator._simple_hybrid
-    params[P_VERIFY_ONCE] = coordinator.cache.verify_eagle_once
-    params[P_MAMBA_PEEK] = coordinator.cache.mamba_peek_margin
-    groups = base.groups.copy()
-    for sg in specs:
-        for gid in sg.group_ids:
-            groups[gid, 5] = sg.eagle and config.groups[gid].kind is not GroupKind.MAMBA
-            groups[gid, 6] = sg.index
-    spec_rows = np.array(
-        [
-            [_KINDS[sg.kind], sg.spec.block_size, 0, sg.eagle, coordinator._margins[sg.index]]
-            for sg in specs
-        ],
-        dtype=np.int64,
+    the cache, but for the junction), with the lookup's tables the mirror's."""
+    base = compile_config(config, DEFAULT_POLICY, store_policy, "lru", 1, num_keys)
+    return KernelConfig(
+        params=base.params,
+        groups=base.groups,
+        lookup=lookup_tables(config, policy, "mooncake"),
     )
-    members = np.array(
-        [[gid in sg.group_ids for gid in range(config.num_groups)] for sg in specs],
-        dtype=np.int64,
-    )
-    return KernelConfig(params=params, groups=groups, specs=spec_rows, members=members)
 
 
 # ---------------------------------------------------------------- the order
@@ -351,8 +332,10 @@ def _touch(
 def run_mooncake(
     params: Any,
     groups: Any,
+    lookup_params: Any,
     specs: Any,
     members: Any,
+    lookup_groups: Any,
     mamba_groups: Any,
     ev: int,
     capacity: int,
@@ -374,9 +357,9 @@ def run_mooncake(
     num_groups = groups.shape[0]
     num_specs = specs.shape[0]
     hbs = params[P_HBS]
-    a = params[gk.P_A]
+    a = params[P_A]
     requests = offsets.shape[0] - 1
-    num_keys = params[gk.P_NUM_KEYS]
+    num_keys = params[P_NUM_KEYS]
     items = num_keys * num_groups
     max_u = 0
     max_n = 0
@@ -391,9 +374,10 @@ def run_mooncake(
     st = np.zeros(8, dtype=np.int64)
     size = 0
     evicted = 0
-    present = np.zeros((num_groups, max_u + 1), dtype=np.uint8)
-    merged = np.zeros((num_specs, max_u + 1), dtype=np.uint8)
-    res = np.zeros((num_specs, 5), dtype=np.int64)
+    stride = max_u + 1
+    present = np.zeros(num_groups * stride, dtype=np.uint8)
+    merged = np.zeros(num_specs * stride, dtype=np.uint8)
+    res = np.zeros((num_specs, R_LEN), dtype=np.int64)
     verified = np.zeros(num_specs, dtype=np.int64)
     mask = np.zeros(num_groups, dtype=np.int64)
     loaded = np.zeros(num_groups, dtype=np.int64)
@@ -404,15 +388,14 @@ def run_mooncake(
     for i in range(requests):
         control[0] = i
         if control[1]:
-            return gk.STOPPED
+            return STOPPED
         o = offsets[i]
         u = offsets[i + 1] - o
         n = num_tokens[i]
         st[_NOW] = i
         for g in range(num_groups):
             for x in range(u):
-                present[g, x] = pres[ids[o + x] * num_groups + g]
-        gk._merge_present(members, present, merged, u)
+                present[g * stride + x] = pres[ids[o + x] * num_groups + g]
         if ev == BELADY:
             for g in range(num_groups):
                 for x in range(u):
@@ -420,12 +403,15 @@ def run_mooncake(
                     if pres[item] and side[item, S_LIVE_S] != 0:
                         _discard(ev, item, links, lst, st, side)
                         _add(ev, item, num_groups, links, lst, st, side, heap, uses, use_starts)
-        hit, longest = gk._lookup(params, specs, merged, u, max_length[i], res, verified)
+        longest = answer(
+            lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
+            merged, res, verified, facts, i,
+        )  # fmt: skip
+        hit = facts[i, O_HIT]
         for g in range(num_groups):
-            s = groups[g, 6]
-            loaded[g] = res[s, 1]
-            mask[g] = res[s, 0] + res[s, 1]
-        gk._facts(params, groups, present, u, hit, mask, loaded, facts, i)
+            col = O_GROUPS + O_WIDTH * g
+            loaded[g] = facts[i, col + O_LOADED]
+            mask[g] = facts[i, col + O_MASK]
         hits[i] = hit
         # The keys the lookup loads are used now.
         for g in range(num_groups):
@@ -437,8 +423,8 @@ def run_mooncake(
         hashed = n // hbs * hbs
         stamp = i + 1
         if nm:
-            num_ends = gk._chunk_ends(params, n, hit, junction, ends)
-            gk._stores(
+            num_ends = chunk_ends(params, n, hit, junction, ends)
+            stores(
                 params,
                 mamba_groups,
                 n,
@@ -458,7 +444,7 @@ def run_mooncake(
                 lo, hi = 0, u
             else:
                 hi = min(n // a * a, hashed) // bs
-                lo = min(hi, gk._cdiv(hit, bs))
+                lo = min(hi, cdiv(hit, bs))
             for x in range(lo, min(hi, u)):
                 if groups[g, 0] == MAMBA and stored[k, x] != stamp:
                     continue
@@ -503,20 +489,17 @@ def run_store(
     mamba_rows = [gid for gid, g in enumerate(config.groups) if g.kind is GroupKind.MAMBA]
     mamba_groups = np.ascontiguousarray(k.groups[mamba_rows] if mamba_rows else k.groups[:0])
     if eviction == "belady":
-        uses, starts = requests._future()
+        uses, starts = requests.uses()
     else:
         uses = starts = np.zeros(1, dtype=np.int64)
     hits = np.zeros(len(requests), dtype=np.int64)
-    width = gk.FACT_GROUPS + gk.FACT_WIDTH * config.num_groups
+    width = FACT_GROUPS + FACT_WIDTH * config.num_groups
     facts = np.zeros((len(requests), width), dtype=np.int64)
     stats = np.zeros(2, dtype=np.int64)
     if control is None:
         control = np.zeros(2, dtype=np.int64)
     done = run_mooncake(
-        k.params,
-        k.groups,
-        k.specs,
-        k.members,
+        *k.arrays(),
         mamba_groups,
         EVICTION_CODES[eviction],
         min(capacity, NEVER),
@@ -529,6 +512,6 @@ def run_store(
         stats,
         control,
     )
-    if done == gk.STOPPED:
+    if done == STOPPED:
         return None
     return hits, facts, int(stats[0])

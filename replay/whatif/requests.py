@@ -161,7 +161,9 @@ class Requests:
         ids: list[int] = self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
         return ids
 
-    def _future(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def uses(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Every request that holds each hash id, in order: ``uses[starts[k]:
+        starts[k + 1]]`` for id ``k`` (Belady's future, computed once)."""
         if self._uses is None:
             owner = np.repeat(np.arange(len(self.seq), dtype=np.int64), np.diff(self.offsets))
             order = np.lexsort((owner, self.ids))
@@ -185,12 +187,12 @@ class Requests:
     def next_uses(self) -> npt.NDArray[np.int64]:
         """Per unit of ``ids``, the next request whose prompt holds its hash
         (``NEVER``: none): Belady's future, computed once per trace."""
-        self._future()
+        self.uses()
         return self._after
 
     def next_use(self, key: Hashable, now: int) -> int:
         """The first request after ``now`` whose prompt holds ``key``."""
-        uses, starts = self._future()
+        uses, starts = self.uses()
         if now != self._now:
             # The keys asked about are mostly the running request's own.
             o, e = int(self.offsets[now]), int(self.offsets[now + 1])

@@ -73,8 +73,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.jit import jit
+from replay.rules.compiled.tables import SP_EAGLE
 from replay.rules.store_rules import StorePolicy
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif.requests import Requests
@@ -101,7 +102,7 @@ def exact_config(config: TraceConfig, policy: str) -> str | None:
     if config.num_groups != 1 or config.groups[0].kind is not GroupKind.FULL_ATTENTION:
         return "more than one KV-cache group (a hybrid pool's hits need not grow with capacity)"
     k = whatif_kernel.compile_config(config, policy, StorePolicy(cache="gpu"), "lru", 1, 1)
-    if k.specs[0, 3]:
+    if k.lookup.specs[0, SP_EAGLE]:
         return "an EAGLE drop (every hit recomputes a present block: a second copy)"
     if k.params[whatif_kernel.P_ALIGN] != config.groups[0].block_size:
         return "a hit alignment above one block (a hit stops short of present blocks)"

@@ -447,9 +447,7 @@ def run_hits(
     arrays = requests.arrays()
     if control is None:
         control = np.zeros(2, dtype=np.int64)
-    bad = whatif_kernel.run_gpu(
-        k.params, k.groups, k.specs, k.members, *arrays, future, hits, facts, stats, control
-    )
+    bad = whatif_kernel.run_gpu(*k.arrays(), *arrays, future, hits, facts, stats, control)
     if bad == whatif_kernel.STOPPED:
         raise Stopped
     if bad >= 0:

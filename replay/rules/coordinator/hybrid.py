@@ -350,16 +350,16 @@ class Coordinator(LookupCoordinator):
         self.alignment = hit_alignment(config, self.cache)
         hbs = config.hash_block_size
         fine = partial_hits(config, self.cache)
-        self._margins = tuple(
+        self.margins = tuple(
             eagle_margin(sg.spec, hbs, fine and FINDERS[sg.kind].fine_grained)
             for sg in self.spec_groups
         )
-        self._simple_hybrid = (
+        self.simple_hybrid = (
             len(self.spec_groups) == 2 and self.spec_groups[0].kind is GroupKind.FULL_ATTENTION
         )
         # One finder call answers: the engine's unitary coordinator (one
         # KV-cache group) or the mirror's single-spec shortcut.
-        self._single_call = len(self.spec_groups) == 1 and (
+        self.single_call = len(self.spec_groups) == 1 and (
             _unitary(config, self.cache) or self.cache.single_spec_shortcut
         )
 
@@ -395,7 +395,7 @@ class Coordinator(LookupCoordinator):
         results: list[FinderResult | None] = [None] * len(self.spec_groups)
         steps: list[Step] = []
 
-        if self._single_call:
+        if self.single_call:
             sg = self.spec_groups[0]
             res = self._call(sg, merged[0], max_length, sg.eagle)
             results[0] = res
@@ -433,7 +433,7 @@ class Coordinator(LookupCoordinator):
                 drop = sg.eagle and (sg.index not in verified or not rules.verify_eagle_once)
                 bound, margin = cand, 0
                 if drop and self._gets_margin(sg):
-                    margin = self._margins[sg.index]
+                    margin = self.margins[sg.index]
                     bound = min(cand + margin, peek_cap)
                 res = self._call(sg, merged[sg.index], bound, drop)
                 if drop:
@@ -449,7 +449,7 @@ class Coordinator(LookupCoordinator):
             if cand >= hit:
                 break
             hit = cand
-            if self._simple_hybrid and rules.simple_hybrid_single_pass:
+            if self.simple_hybrid and rules.simple_hybrid_single_pass:
                 break
         return self._outcome(hit, results, steps, trim_full=True)
 

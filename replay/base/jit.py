@@ -1,7 +1,9 @@
 """How the compiled kernels (the engine's fold, the what-if's pool) keep
 their machine code: ``njit`` with an on-disk cache where there is a place to
-keep it. Here, below both, so that the what-if's kernel no longer asks for
-``cache=True`` itself (importing it alone killed a read-only install).
+keep it. Here, in the floor below everything, so that the rules' compiled
+fixed point (``replay.rules.compiled``), the engine's fold and the what-if's
+pool share it, and no kernel asks for ``cache=True`` itself (importing one
+alone killed a read-only install).
 
 numba caches beside the module (``__pycache__``), else in the user's cache
 directory; when neither is writable (a system-wide or container install
