@@ -1,0 +1,207 @@
+"""`replay watch` over real ZMQ sockets: a publisher playing vLLM's (KV
+events, its replay endpoint) and the vLLM plugin's own lookup sink; no vLLM
+needed. ``tests/test_watch_vllm.py`` runs vLLM's real scheduler."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay.base import vllm_plugin
+from replay.base.errors import ReplayError
+from replay.base.spec import TraceConfig
+from replay.sources.live import EngineEndpoints
+from replay.watch import WatchOptions, WatchSummary, watch
+from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
+from tests.test_record_zmq import Publisher, Step, free_port
+
+TIMEOUT = 10.0
+
+
+def engine_record(
+    config: TraceConfig, instance: str = "e1", version: str = "0.33.0"
+) -> dict[str, Any]:
+    cfg = {**config.to_json(), "source": {"cache": "gpu", "vllm_version": version}}
+    return {
+        "type": "engine",
+        "instance": instance,
+        "ts": T0,
+        "config": cfg,
+        "engine": {"vllm_version": version},
+    }
+
+
+def lookup(
+    n: int, batch: int, position: int, hashes: list[int], hit: int, *, instance: str = "e1"
+) -> dict[str, Any]:
+    return {
+        "type": "lookup",
+        "instance": instance,
+        "n": n,
+        "ts": T0 + n,
+        "step": n,
+        "batch": batch,
+        "position": position,
+        "request_id": f"r{n}",
+        "block_hashes": [u64(h).hex() for h in hashes],
+        "num_tokens": 16 * len(hashes) + 1,
+        "num_prompt_tokens": 16 * len(hashes) + 1,
+        "max_length": 16 * len(hashes),
+        "observed_hit_tokens": hit,
+        "admitted": True,
+    }
+
+
+class Running:
+    """A watch in a thread, stopped like SIGTERM stops it (the stop event)."""
+
+    def __init__(self, options: WatchOptions) -> None:
+        self.stop = threading.Event()
+        self.lines: list[str] = []
+        self.box: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(options,), daemon=True)
+
+    def _run(self, options: WatchOptions) -> None:
+        try:
+            self.box["summary"] = watch(
+                options, stop=self.stop, report=self.lines.append, status=self.lines.append
+            )
+        except BaseException as exc:  # surfaced by the test
+            self.box["error"] = exc
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        return self
+
+    def finish(self) -> WatchSummary:
+        self.stop.set()
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive()
+        if "error" in self.box:
+            raise self.box["error"]
+        summary = self.box["summary"]
+        assert isinstance(summary, WatchSummary)
+        return summary
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(TIMEOUT)
+
+
+def wait_for(check: Any, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("replay_watch_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path) -> None:
+    """One engine: two blocks stored, a lookup served right (32 tokens) and
+    one served 16 tokens past what the store holds (an observed mismatch);
+    a block removed; the flagged lookup is one JSON line as it happens."""
+    lookups_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    metrics_port = free_port()
+    sink = vllm_plugin.open_sink(lookups_endpoint)
+    steps = [
+        Step(seq=0, body=payload(T0, stored([1]), stored([2], parent=1))),
+        Step(seq=1, body=payload(T0 + 1, removed([2]))),
+    ]
+    flags_out = tmp_path / "flags.jsonl"
+    try:
+        sink.engine(engine_record(one_group()))
+        with Publisher(steps, with_replay=False) as pub:
+            opts = WatchOptions(
+                engines=(EngineEndpoints(name="rank0", kv=pub.endpoint, lookups=lookups_endpoint),),
+                flags_out=flags_out,
+                metrics=f"127.0.0.1:{metrics_port}",
+                status_every=0.2,
+            )
+            with Running(opts) as running:
+                assert pub.done.wait(TIMEOUT)
+                time.sleep(0.5)  # the lookup subscription is up
+                sink.send([lookup(0, 1, 0, [1, 2], 32)], watermark=1, instance="e1")
+                sink.send([lookup(1, 1, 1, [1, 2, 3], 48)], watermark=2, instance="e1")
+                wait_for(lambda: flags_out.exists() and flags_out.read_text(), "a flag line")
+                # The flagged lookup is out while the watch still runs.
+                assert running.thread.is_alive()
+                wait_for(
+                    lambda: (
+                        scrape(metrics_port).get('replay_watch_lookups_total{engine="rank0"}') == 2
+                    ),
+                    "the metrics",
+                )
+                metrics = scrape(metrics_port)
+                summary = running.finish()
+    finally:
+        sink.close()
+    rank0 = summary.engines["rank0"]
+    assert rank0["lookups"] == 2
+    assert rank0["hit_tokens"] == 32 + 16  # the second: block 2 was removed
+    assert rank0["observed_hit_tokens"] == 80
+    assert rank0["prompt_tokens"] == 33 + 49
+    assert rank0["observed_mismatch"] == 1
+    assert rank0["observed_over"] == 1
+    assert rank0["flags"] == {"observed_mismatch": 1}
+    assert rank0["events"] == {"store": 2, "remove": 1, "lookup": 2}
+    assert rank0["policy"] == "vllm-0.33"
+    assert rank0["vllm_version"] == "0.33.0"
+    assert summary.stop_reason == "signal"
+    (line,) = flags_out.read_text().splitlines()
+    record = json.loads(line)
+    assert {k: record[k] for k in ("engine", "request_id", "seq", "flags", "hit_tokens",
+                                   "observed_hit_tokens", "severities", "policy")} == {
+        "engine": "rank0", "request_id": "r1", "seq": 4, "flags": ["observed_mismatch"],
+        "hit_tokens": 16, "observed_hit_tokens": 48, "severities": ["observed"],
+        "policy": "vllm-0.33",
+    }  # fmt: skip
+    assert metrics['replay_watch_lookups_total{engine="rank0"}'] == 2
+    assert metrics['replay_watch_hit_tokens_total{engine="rank0"}'] == 48
+    assert metrics['replay_watch_prompt_tokens_total{engine="rank0"}'] == 82
+    assert metrics['replay_watch_observed_mismatch_total{engine="rank0"}'] == 1
+    assert (
+        metrics[
+            'replay_watch_flags_total{engine="rank0",flag="observed_mismatch",severity="observed"}'
+        ]
+        == 1
+    )
+    assert metrics['replay_watch_events_total{engine="rank0",kind="store"}'] == 2
+    assert metrics['replay_watch_events_total{engine="rank0",kind="lookup"}'] == 2
+    assert metrics['replay_watch_event_gaps_total{engine="rank0"}'] == 0
+    assert metrics['replay_watch_lag_seconds_count{engine="rank0"}'] == 2
+    assert metrics['replay_watch_store_keys{engine="rank0"}'] == 1
+    assert (
+        metrics['replay_watch_info{engine="rank0",policy="vllm-0.33",vllm_version="0.33.0"}'] == 1
+    )
+
+
+def test_engine_option_is_parsed_and_bad_ones_are_one_line() -> None:
+    spec = EngineEndpoints.parse("kv=tcp://h:5557,lookups=tcp://h:5560,replay=tcp://h:5558", 3)
+    assert spec == EngineEndpoints(
+        name="engine3", kv="tcp://h:5557", lookups="tcp://h:5560", replay="tcp://h:5558"
+    )
+    with pytest.raises(ReplayError) as exc:
+        EngineEndpoints.parse("kv=tcp://h:5557", 0)
+    assert str(exc.value) == "--engine 'kv=tcp://h:5557': lookups= is required"
+    with pytest.raises(ReplayError) as exc:
+        EngineEndpoints.parse("kv=tcp://h:1,lookups=tcp://h:2,port=3", 0)
+    assert str(exc.value) == (
+        "--engine 'kv=tcp://h:1,lookups=tcp://h:2,port=3': expected comma-separated kv=, "
+        "lookups=, and optionally replay=, name=, topic= (got 'port=3')"
+    )
