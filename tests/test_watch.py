@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from analysis.flags import add_flags
 from replay.base import vllm_plugin
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.cli import cli
+from replay.engine.run import replay
 from replay.sources.live import EngineEndpoints
 from replay.watch import WatchOptions, WatchSummary, watch
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
@@ -132,6 +136,9 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 flags_out=flags_out,
                 metrics=f"127.0.0.1:{metrics_port}",
                 status_every=0.2,
+                output=tmp_path / "rolling",
+                segment_seconds=None,
+                segment_events=3,
             )
             with Running(opts) as running:
                 assert pub.done.wait(TIMEOUT)
@@ -171,6 +178,29 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
         "hit_tokens": 16, "observed_hit_tokens": 48, "severities": ["observed"],
         "policy": "vllm-0.33",
     }  # fmt: skip
+    # The rolling trace: segments of 3 rows (the second begins with the
+    # store at its start), read back as one trace by the offline replay,
+    # whose counts are the watch's.
+    trace_dir = tmp_path / "rolling" / "rank0"
+    assert sorted(p.name for p in trace_dir.iterdir()) == [
+        "segment-000000.parquet",
+        "segment-000001.parquet",
+    ]
+    offline = offline_counts(trace_dir)
+    assert offline == {
+        "lookups": 2, "hit_tokens": 48, "observed_mismatch": 1, "flags": {"observed_mismatch": 1}
+    }  # fmt: skip
+    assert record["segment"] == str(trace_dir / "segment-000001.parquet")
+    # Segment 1 begins with a clear and a store row of the keys held then, so the
+    # lookup (seq 4 of the stream) is seq 6 there and in the directory.
+    assert record["trace_seq"] == 6
+    assert record["explain"] == (
+        f"replay explain {trace_dir / 'segment-000001.parquet'} --request r1 --seq 6 "
+        "--policy vllm-0.33"
+    )
+    explained = CliRunner().invoke(cli, record["explain"].split()[1:])
+    assert explained.exit_code == 0, explained.output
+    assert "observed_mismatch" in explained.output
     assert metrics['replay_watch_lookups_total{engine="rank0"}'] == 2
     assert metrics['replay_watch_hit_tokens_total{engine="rank0"}'] == 48
     assert metrics['replay_watch_prompt_tokens_total{engine="rank0"}'] == 82
@@ -189,6 +219,22 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
     assert (
         metrics['replay_watch_info{engine="rank0",policy="vllm-0.33",vllm_version="0.33.0"}'] == 1
     )
+
+
+def offline_counts(trace: Path) -> dict[str, Any]:
+    """What `replay run` of the rolling trace counts."""
+    (result,) = replay(trace)
+    judged = add_flags(result.results, result.config)
+    flags: dict[str, int] = {}
+    for names in judged["flags"].to_list():
+        for name in names:
+            flags[name] = flags.get(name, 0) + 1
+    return {
+        "lookups": judged.height,
+        "hit_tokens": int(judged["hit_tokens"].sum()),
+        "observed_mismatch": int((~judged["observed_match"]).fill_null(False).sum()),
+        "flags": flags,
+    }
 
 
 def test_engine_option_is_parsed_and_bad_ones_are_one_line() -> None:

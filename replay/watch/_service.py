@@ -23,38 +23,25 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import polars as pl
 import zmq
 
 from analysis.flags import add_flags, by_severity, severity
 from replay.base.errors import ReplayError
-from replay.base.spec import TraceConfig
 from replay.engine.live import LiveFold
 from replay.rules.coordinator import choose_policies
 from replay.sources.live import EngineEndpoints, EngineFeed, Released
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
 from replay.watch._metrics import Metrics
+from replay.watch._rolling import RollingTrace
 
 SEVERITY_ORDER = ("corruption", "inconsistent", "performance", "observed")
-
-
-class RollingTrace(Protocol):
-    """Where an engine's rows go (the segmented trace writer)."""
-
-    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-#: Opens an engine's rolling trace: (directory, config, source) -> writer.
-OpenTrace = Callable[[Path, TraceConfig, dict[str, Any]], RollingTrace]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +50,9 @@ class WatchOptions:
     #: None: each engine's own release (its plugin's ``vllm_version``).
     policy: str | None = None
     output: Path | None = None
+    #: Close a segment of ``output`` after this long or this many rows.
+    segment_seconds: float | None = 600.0
+    segment_events: int | None = None
     flags_out: Path | None = None
     metrics: str | None = None
     duration: float | None = None
@@ -126,15 +116,11 @@ class Watch:
         stop: threading.Event | None = None,
         report: Report,
         status: Report | None = None,
-        open_trace: OpenTrace | None = None,
     ) -> None:
-        if options.output is not None and open_trace is None:
-            raise ReplayError("-o: no trace writer to write the rolling trace with")
         self.options = options
         self.stop = stop or threading.Event()
         self.report = report
         self.status = status
-        self.open_trace = open_trace
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.engines: list[EngineWatch] = []
         self.metrics: Metrics | None = None
@@ -158,9 +144,18 @@ class Watch:
         )
         if self.metrics is not None:
             self.metrics.engine_info(ew.name, feed.vllm_version, policy)
-        if self.options.output is not None and self.open_trace is not None:
-            ew.trace_dir = self.options.output / ew.name
-            ew.trace = self.open_trace(ew.trace_dir, feed.config, feed.source())
+        out = self.options.output
+        if out is not None:
+            if not out.exists():
+                out.mkdir()
+            ew.trace_dir = out / ew.name
+            ew.trace = RollingTrace(
+                ew.trace_dir,
+                feed.config,
+                segment_seconds=self.options.segment_seconds,
+                segment_events=self.options.segment_events,
+            )
+            ew.trace.set_source(feed.source())
 
     def _judge(self, ew: EngineWatch, released: list[Released]) -> None:
         if not released:
@@ -173,10 +168,17 @@ class Watch:
         for batch, arrival in released:
             rows.extend(batch)
             arrivals.extend(arrival for row in batch if row.get("kind") == "lookup")
-        # The rows go to the trace first: a flagged lookup's line names a
-        # segment that holds it.
+        # The rows go to the trace first: a flagged lookup's line names the
+        # segment that holds it, and its seq there.
+        where: dict[int, tuple[Path, int]] = {}
         if ew.trace is not None:
-            ew.trace.write_rows(rows)
+            ew.trace.set_source(ew.feed.source())
+            placed = ew.trace.write(rows)
+            where = {
+                int(row["seq"]): at
+                for row, at in zip(rows, placed, strict=True)
+                if row.get("kind") == "lookup"
+            }
         before = dict(ew.fold.events)
         frame = ew.fold.feed(rows)
         c = ew.counts
@@ -184,9 +186,15 @@ class Watch:
             c.events[kind] += n - before.get(kind, 0)
         c.store_keys = ew.fold.store_keys
         if frame.height:
-            self._verdicts(ew, frame, arrivals)
+            self._verdicts(ew, frame, arrivals, where)
 
-    def _verdicts(self, ew: EngineWatch, frame: pl.DataFrame, arrivals: list[float]) -> None:
+    def _verdicts(
+        self,
+        ew: EngineWatch,
+        frame: pl.DataFrame,
+        arrivals: list[float],
+        where: dict[int, tuple[Path, int]],
+    ) -> None:
         assert ew.fold is not None and ew.feed.config is not None
         judged = add_flags(frame, ew.feed.config)
         now = time.time()
@@ -212,11 +220,16 @@ class Watch:
             c.flagged_lookups += 1
             c.flagged_by_severity[worst] += 1
             if self._flags_fh is not None:
-                self._flag_line(ew, row, names)
+                self._flag_line(ew, row, names, where.get(int(row["seq"])))
 
-    def _flag_line(self, ew: EngineWatch, row: dict[str, Any], names: list[str]) -> None:
+    def _flag_line(
+        self,
+        ew: EngineWatch,
+        row: dict[str, Any],
+        names: list[str],
+        at: tuple[Path, int] | None,
+    ) -> None:
         assert self._flags_fh is not None and ew.fold is not None
-        where = str(ew.trace_dir) if ew.trace_dir is not None else None
         record: dict[str, Any] = {
             "engine": ew.name,
             "request_id": row["request_id"],
@@ -233,12 +246,15 @@ class Watch:
             "flag_details": [
                 {k: v for k, v in d.items() if v is not None} for d in row["flag_details"]
             ],
-            "trace": where,
+            # The segment that replays this lookup alone (readable once it
+            # closes), and the lookup's seq in it and in the engine's directory.
+            "segment": None if at is None else str(at[0]),
+            "trace_seq": None if at is None else at[1],
             "explain": None
-            if where is None
+            if at is None
             else (
-                f"replay explain {where} --request {_shell(row['request_id'])} "
-                f"--seq {row['seq']} --policy {ew.fold.policy}"
+                f"replay explain {_shell(str(at[0]))} --request {_shell(row['request_id'])} "
+                f"--seq {at[1]} --policy {ew.fold.policy}"
             ),
         }
         self._flags_fh.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -327,6 +343,9 @@ class Watch:
                     for ew in self.engines:
                         if any(s in ready for s in ew.feed.sockets):
                             self._judge(ew, ew.feed.take(ready))
+                    for ew in self.engines:
+                        if ew.trace is not None:
+                            ew.trace.tick()
                     now = time.monotonic()
                     if now - last_status >= opts.status_every:
                         for ew in self.engines:
@@ -340,6 +359,7 @@ class Watch:
                 self._judge(ew, ew.feed.finish())
                 self._refresh(ew)
                 if ew.trace is not None:
+                    ew.trace.set_source({**ew.feed.source(), "stop_reason": reason})
                     ew.trace.close()
                     ew.trace = None
             return WatchSummary(
@@ -350,8 +370,9 @@ class Watch:
         finally:
             for ew in self.engines:
                 if ew.trace is not None:
-                    # An error: the segments closed so far stay (each a valid trace).
-                    ew.trace.close()
+                    # An error: the segments closed so far stay (each a valid
+                    # trace); the open one's temporary file goes.
+                    ew.trace.abort()
                 ew.feed.close()
             if self._flags_fh is not None:
                 self._flags_fh.close()
@@ -381,9 +402,8 @@ def watch(
     stop: threading.Event | None = None,
     report: Report,
     status: Report | None = None,
-    open_trace: OpenTrace | None = None,
 ) -> WatchSummary:
     """Watch until ``stop`` (or ``options.duration``); the counts."""
     if options.flags_out is not None and os.path.lexists(options.flags_out):
         raise ReplayError(f"--flags-out {options.flags_out}: already exists (not overwritten)")
-    return Watch(options, stop=stop, report=report, status=status, open_trace=open_trace).run()
+    return Watch(options, stop=stop, report=report, status=status).run()
