@@ -165,7 +165,7 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
     assert rank0["prompt_tokens"] == 33 + 49
     assert rank0["observed_mismatch"] == 1
     assert rank0["observed_over"] == 1
-    assert rank0["flags"] == {"observed_mismatch": 1}
+    assert rank0["flags"] == [{"flag": "observed_mismatch", "severity": "observed", "lookups": 1}]
     assert rank0["events"] == {"store": 2, "remove": 1, "lookup": 2}
     assert rank0["policy"] == "vllm-0.33"
     assert rank0["vllm_version"] == "0.33.0"

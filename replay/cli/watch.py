@@ -155,7 +155,7 @@ def watch(
         click.echo(json.dumps(summary.to_json(), sort_keys=True))
         return
     for name, e in summary.engines.items():
-        flags = ", ".join(f"{n} {f}" for f, n in e["flags"].items()) or "no flags"
+        flags = ", ".join(f"{f['lookups']} {f['flag']}" for f in e["flags"]) or "no flags"
         click.echo(
             f"{name}: {e['lookups']:,} lookups, {e['flagged_lookups']:,} flagged ({flags}), "
             f"{e['observed_mismatch']:,} observed mismatches, {e['gaps']} gaps, "

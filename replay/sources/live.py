@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,7 +217,7 @@ class EngineFeed:
             # The lookups held for a config are released by the next receive.
             self._take_lookups()
 
-    def take(self, ready: dict[Any, int]) -> list[Released]:
+    def take(self, ready: Collection[Any]) -> list[Released]:
         """Read what is ready on this engine's sockets; the rows released."""
         if self.lsub.sock in ready:
             self._take_lookups()
@@ -240,8 +240,12 @@ class EngineFeed:
         return released
 
     def finish(self) -> list[Released]:
-        """The end: what the stream and the placer still hold is released
-        (lookups whose batch never came go last)."""
+        """The end: what the sockets already hold is read, then what the
+        stream and the placer still hold is released (lookups whose batch
+        never came go last)."""
+        everything = (self.sub, self.lsub.sock)
+        while self.sub.poll(0) or self.lsub.sock.poll(0):
+            self._released.extend(self.take(everything))
         if self.proc is not None and self.placer is not None:
             self._take_lookups()
             self.proc.finish()

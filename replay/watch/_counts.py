@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from analysis.flags import by_severity, severity
+
 #: Lags kept for the status line's and the summary's percentiles (the
 #: Prometheus histogram keeps the whole distribution in buckets).
 LAG_WINDOW = 100_000
@@ -57,7 +59,11 @@ class EngineCounts:
             "observed_mismatch": self.observed_mismatch,
             "observed_over": self.observed_over,
             "flagged_lookups": self.flagged_lookups,
-            "flags": {f: n for (f, _), n in sorted(self.flags.items())},
+            # As every command's ``flags``: worst severity first (docs/json.md).
+            "flags": [
+                {"flag": f, "severity": severity(f), "lookups": self.flags[(f, severity(f))]}
+                for f in by_severity([f for f, _ in self.flags])
+            ],
             "flagged_by_severity": dict(self.flagged_by_severity),
             "events": dict(self.events),
             "gaps": self.gaps,

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -32,9 +33,11 @@ import polars as pl
 import zmq
 
 from analysis.flags import add_flags, by_severity, severity
+from analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold
-from replay.rules.coordinator import choose_policies
+from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
 from replay.sources.live import EngineEndpoints, EngineFeed, Released
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
@@ -93,12 +96,18 @@ class EngineWatch:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchSummary:
+    #: The rolling trace's directory (``-o``), or None.
+    trace: str | None
     seconds: float
     stop_reason: str
     engines: dict[str, dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
+        """``replay watch --json`` (docs/json.md)."""
         return {
+            "version": 1,
+            "command": "watch",
+            "trace": self.trace,
             "seconds": round(self.seconds, 3),
             "stop_reason": self.stop_reason,
             "engines": self.engines,
@@ -204,7 +213,7 @@ class Watch:
         if self.metrics is not None:
             self.metrics.observe_lags(ew.name, lags)
         c.lookups += judged.height
-        c.prompt_tokens += int(judged["num_tokens"].fill_null(0).sum())
+        c.prompt_tokens += int(judged.select(prompt_tokens_expr()).sum().item() or 0)
         c.hit_tokens += int(judged["hit_tokens"].sum())
         observed = judged["observed_hit_tokens"]
         c.observed_hit_tokens += int(observed.fill_null(0).sum())
@@ -235,6 +244,8 @@ class Watch:
             "request_id": row["request_id"],
             "seq": row["seq"],
             "ts": row["ts"].isoformat() if row["ts"] is not None else None,
+            # When the verdict was given (the lookup's ``ts`` is the engine's).
+            "judged_at": datetime.now(tz=UTC).isoformat(),
             "policy": ew.fold.policy,
             "vllm_version": ew.feed.vllm_version,
             "flags": names,
@@ -303,6 +314,10 @@ class Watch:
         opts = self.options
         reason = "stopped"
         try:
+            # Before the first engine speaks (and before the metrics say the
+            # watch is up): the compiled fold loaded, polars warm, so the
+            # first verdicts are not late by a start-up.
+            _warm_up()
             if opts.metrics is not None:
                 self.metrics = Metrics(opts.metrics)
                 self.report(f"metrics on http://{opts.metrics}/metrics")
@@ -363,6 +378,7 @@ class Watch:
                     ew.trace.close()
                     ew.trace = None
             return WatchSummary(
+                trace=None if opts.output is None else str(opts.output),
                 seconds=time.time() - self.started,
                 stop_reason=reason,
                 engines={ew.name: self._engine_summary(ew) for ew in self.engines},
@@ -387,6 +403,27 @@ class Watch:
             "trace": None if ew.trace_dir is None else str(ew.trace_dir),
             **ew.counts.to_json(),
         }
+
+
+def _warm_up() -> None:
+    """One store, one lookup, answered and judged: what the first real one
+    would otherwise pay (loading the compiled fold, polars' first plans)."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+        hash_block_size=16,
+        scheduler_block_size=16,
+    )
+    ts = datetime.now(tz=UTC)
+    key = bytes(8)
+    fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
+    frame = fold.feed(
+        [
+            {"seq": 0, "ts": ts, "kind": "store", "group_id": 0, "block_hashes": [key]},
+            {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [key], "request_id": "warm-up",
+             "max_length": 16, "num_tokens": 17, "observed_hit_tokens": 16},
+        ]
+    )  # fmt: skip
+    add_flags(frame, config)
 
 
 def _shell(text: str) -> str:
