@@ -5,6 +5,10 @@ needed. ``tests/test_watch_vllm.py`` runs vLLM's real scheduler."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -20,8 +24,9 @@ from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.cli import cli
 from replay.engine.run import replay
+from replay.format.tracedir import open_trace
 from replay.sources.live import EngineEndpoints
-from replay.watch import WatchOptions, WatchSummary, watch
+from replay.watch import Metrics, Watch, WatchOptions, WatchSummary
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
 from tests.test_record_zmq import Publisher, Step, free_port
 
@@ -73,9 +78,11 @@ class Running:
 
     def _run(self, options: WatchOptions) -> None:
         try:
-            self.box["summary"] = watch(
+            service = Watch(
                 options, stop=self.stop, report=self.lines.append, status=self.lines.append
             )
+            self.box["service"] = service
+            self.box["summary"] = service.run()
         except BaseException as exc:  # surfaced by the test
             self.box["error"] = exc
 
@@ -250,4 +257,162 @@ def test_engine_option_is_parsed_and_bad_ones_are_one_line() -> None:
     assert str(exc.value) == (
         "--engine 'kv=tcp://h:1,lookups=tcp://h:2,port=3': expected comma-separated kv=, "
         "lookups=, and optionally replay=, name=, topic= (got 'port=3')"
+    )
+
+
+def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Path) -> None:
+    """Two engines with separate stores. ``a`` has no replay endpoint: its
+    lost batch is a gap (counted, and in its trace's source), then its
+    engine restarts (seq 0 again, a new plugin instance) and its store is
+    empty: the lookup that hit 32 tokens before hits none after. ``b``'s
+    lost batch is filled from its replay endpoint."""
+    sinks = {name: f"tcp://127.0.0.1:{free_port()}" for name in "ab"}
+    a_steps = [
+        Step(seq=0, body=payload(T0, stored([1]), stored([2], parent=1))),
+        Step(seq=1, body=payload(T0 + 1, stored([3], parent=2)), live=False, buffered=False),
+        Step(seq=2, body=payload(T0 + 2, stored([4]))),
+        Step(restart=True),
+        Step(seq=0, body=payload(T0 + 10, stored([5]))),
+    ]
+    b_steps = [
+        Step(seq=0, body=payload(T0, stored([1]), stored([2], parent=1))),
+        Step(seq=1, body=payload(T0 + 1, removed([2])), live=False),  # the replay fills it
+        Step(seq=2, body=payload(T0 + 2, stored([4]))),
+    ]
+    a_sink, b_sink = (vllm_plugin.open_sink(sinks[n]) for n in "ab")
+    try:
+        a_sink.engine(engine_record(one_group(), instance="a1"))
+        b_sink.engine(engine_record(one_group(), instance="b1"))
+        a_pub, b_pub = Publisher(a_steps, with_replay=False), Publisher(b_steps)
+        opts = WatchOptions(
+            engines=(
+                EngineEndpoints(name="a", kv=a_pub.endpoint, lookups=sinks["a"]),
+                EngineEndpoints(
+                    name="b", kv=b_pub.endpoint, lookups=sinks["b"], replay=b_pub.replay_endpoint
+                ),
+            ),
+            output=tmp_path / "rolling",
+            status_every=0.2,
+        )
+        with Running(opts) as running:
+            time.sleep(0.5)  # the lookup subscriptions are up
+            # The first engine's lookup comes before its restart, as it does.
+            a_sink.send([lookup(0, 1, 0, [1, 2], 32, instance="a1")], watermark=3, instance="a1")
+            wait_for(lambda: running_engines(running)[0].feed.placer is not None, "a's facts")
+            with a_pub, b_pub:
+                assert a_pub.done.wait(TIMEOUT) and b_pub.done.wait(TIMEOUT)
+                a_sink.engine(engine_record(one_group(), instance="a2"))
+                a_sink.send([lookup(0, 0, 1, [1, 2], 0, instance="a2")], watermark=1, instance="a2")
+                b_sink.send(
+                    [lookup(0, 2, 0, [1, 2], 16, instance="b1")], watermark=3, instance="b1"
+                )
+                wait_for(
+                    lambda: sum(e.counts.lookups for e in running_engines(running)) == 3,
+                    "three verdicts",
+                )
+                summary = running.finish()
+    finally:
+        a_sink.close()
+        b_sink.close()
+    a, b = summary.engines["a"], summary.engines["b"]
+    assert (a["lookups"], a["hit_tokens"], a["observed_mismatch"]) == (2, 32, 0)
+    assert (a["gaps"], a["missing_batches"], a["restarts"]) == (1, 1, 1)
+    assert a["events"] == {"store": 4, "clear": 1, "lookup": 2}
+    assert (b["lookups"], b["hit_tokens"], b["observed_mismatch"]) == (1, 16, 0)
+    assert (b["gaps"], b["restarts"]) == (0, 0)
+    assert b["events"] == {"store": 3, "remove": 1, "lookup": 1}
+    # The gap is marked in a's trace, and the offline replay agrees.
+    source = open_trace(tmp_path / "rolling" / "a").config.source or {}
+    assert [(g["epoch"], g["first"], g["last"]) for g in source["gaps"]] == [(0, 1, 1)]
+    assert offline_counts(tmp_path / "rolling" / "a") == {
+        "lookups": 2, "hit_tokens": 32, "observed_mismatch": 0, "flags": {}
+    }  # fmt: skip
+
+
+def running_engines(running: Running) -> list[Any]:
+    service = running.box.get("service")
+    return [] if service is None else list(service.engines)
+
+
+def test_sigterm_closes_the_open_segment_and_exits_0(tmp_path: Path) -> None:
+    """`replay watch` as a process: SIGTERM while a segment is open closes
+    it (a complete trace, no temporary file left) and exits 0 with the
+    counts."""
+    lookups_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    metrics_port = free_port()
+    sink = vllm_plugin.open_sink(lookups_endpoint)
+    steps = [Step(seq=0, body=payload(T0, stored([1]), stored([2], parent=1)))]
+    out = tmp_path / "rolling"
+    try:
+        sink.engine(engine_record(one_group()))
+        with Publisher(steps, with_replay=False) as pub:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "replay", "watch", "--engine",
+                 f"kv={pub.endpoint},lookups={lookups_endpoint},name=e",
+                 "-o", str(out), "--segment", "1h", "--metrics", f"127.0.0.1:{metrics_port}",
+                 "--json"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            try:
+                wait_for(lambda: proc.poll() is not None or metrics_up(metrics_port), "metrics")
+                assert pub.done.wait(TIMEOUT)
+                time.sleep(0.5)
+                sink.send([lookup(0, 0, 2, [1, 2], 32)], watermark=1, instance="e1")
+                wait_for(
+                    lambda: scrape(metrics_port).get('replay_watch_lookups_total{engine="e"}') == 1,
+                    "the verdict",
+                )
+                proc.send_signal(signal.SIGTERM)
+                stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    finally:
+        sink.close()
+    assert proc.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert result["stop_reason"] == "signal"
+    assert result["engines"]["e"]["lookups"] == 1
+    assert sorted(os.listdir(out / "e")) == ["segment-000000.parquet"]
+    assert offline_counts(out / "e") == {
+        "lookups": 1, "hit_tokens": 32, "observed_mismatch": 0, "flags": {}
+    }  # fmt: skip
+
+
+def metrics_up(port: int) -> bool:
+    try:
+        scrape(port)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "kv=tcp://127.0.0.1:1"], "--engine 'kv=tcp://127.0.0.1:1': lookups= is required"),
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--segment", "soon"],
+         "--segment 'soon': expected a duration (30s, 10m, 1h) or a number of events (100k, 1M)"),
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--metrics", "nowhere"],
+         "--metrics 'nowhere': expected HOST:PORT (a port 0-65535)"),
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2,name=x",
+          "--engine", "kv=tcp://127.0.0.1:3,lookups=tcp://127.0.0.1:4,name=x"],
+         "--engine name=x: two engines have that name"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["watch", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {message}\n"
+
+
+def test_metrics_without_prometheus_client_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ReplayError) as exc:
+        Metrics("127.0.0.1:0")
+    assert str(exc.value) == (
+        "--metrics needs prometheus_client, which is not installed: "
+        "pip install 'cache-trace-replay[watch]'"
     )

@@ -24,9 +24,9 @@ def parse_segment(text: str) -> tuple[float | None, int | None]:
     """``--segment``: a duration (``10m``, ``1h``, ``30s``) or a number of
     events (``100k``): (seconds, events)."""
     given = text.strip()
-    if given and given[-1].isalpha() and given[-1] not in "kMGT" and not given.endswith("i"):
-        return parse_seconds(given, "--segment"), None
     try:
+        if given and given[-1].isalpha() and given[-1] not in "kMGT" and not given.endswith("i"):
+            return parse_seconds(given, "--segment"), None
         return None, parse_count(given, "--segment", least=1)
     except ReplayError:
         raise ReplayError(

@@ -44,7 +44,8 @@ from replay.watch._counts import EngineCounts
 from replay.watch._metrics import Metrics
 from replay.watch._rolling import RollingTrace
 
-SEVERITY_ORDER = ("corruption", "inconsistent", "performance", "observed")
+#: How often the counters behind the metrics are brought up to date.
+REFRESH_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,7 +341,7 @@ class Watch:
                     poller.register(sock, zmq.POLLIN)
                     by_socket.setdefault(sock, []).append(ew)
             deadline = None if opts.duration is None else time.monotonic() + opts.duration
-            last_status = time.monotonic()
+            last_status = last_refresh = time.monotonic()
             status_state: dict[str, int] = {}
             try:
                 while True:
@@ -362,9 +363,11 @@ class Watch:
                         if ew.trace is not None:
                             ew.trace.tick()
                     now = time.monotonic()
-                    if now - last_status >= opts.status_every:
+                    if now - last_refresh >= REFRESH_SECONDS:
                         for ew in self.engines:
                             self._refresh(ew)
+                        last_refresh = now
+                    if now - last_status >= opts.status_every:
                         if self.status is not None:
                             self.status(self._status_line(status_state, now - last_status))
                         last_status = now
