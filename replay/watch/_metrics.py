@@ -63,6 +63,12 @@ class Metrics:
             e,
             registry=r,
         )
+        self.over = prom.Counter(
+            "replay_watch_observed_over",
+            "Lookups whose served hit is past the policy's (of the mismatches)",
+            e,
+            registry=r,
+        )
         self.events = prom.Counter(
             "replay_watch_events", "Trace rows folded", [*e, "kind"], registry=r
         )
@@ -127,6 +133,7 @@ class Metrics:
         advance(self.prompt_tokens, "prompt_tokens", c.prompt_tokens)
         advance(self.hit_tokens, "hit_tokens", c.hit_tokens)
         advance(self.mismatch, "mismatch", c.observed_mismatch)
+        advance(self.over, "over", c.observed_over)
         advance(self.gaps, "gaps", c.gaps)
         advance(self.restarts, "restarts", c.restarts)
         advance(self.dropped, "dropped", c.dropped)
