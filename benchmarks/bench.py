@@ -27,7 +27,8 @@ capacities x lru, fifo, lfu, belady (target 40x), reported, not failed on
 came from the one LRU pass over every capacity; and the 10-capacity sweep
 again on the same conversations imported for a dense model (one
 full-attention group, no EAGLE: the class where that pass is exact, issue 24
-item 2). Exit status 1 when a hit differs.
+item 2); then `replay watch`'s throughput (``benchmarks/watch.py``;
+``BENCH_ONLY=watch`` runs only it). Exit status 1 when a hit differs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.watch import bench_watch
 
 DATA = Path("bench-data")
 SHARED = Path(os.environ.get("SHARED", "../shared"))
@@ -432,6 +435,8 @@ def scale_out(path: Path) -> bool:
 
 def main() -> None:
     DATA.mkdir(exist_ok=True)
+    if os.environ.get("BENCH_ONLY") == "watch":  # `replay watch` alone (benchmarks/watch.py)
+        sys.exit(0 if bench_watch() else 1)
     if not MOONCAKE.exists():
         sys.exit(f"bench: {MOONCAKE} not found (set SHARED or BENCH_MOONCAKE)")
     traces = [
@@ -463,6 +468,7 @@ def main() -> None:
     )
     ok &= whatif_sweeps(traces[0][1])
     ok &= whatif_sweeps(full, WHATIF_SWEEPS[:1])
+    ok &= bench_watch()
     if _has_ray():
         ok &= scale_out(traces[0][1])
     else:
