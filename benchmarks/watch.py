@@ -58,9 +58,10 @@ def build() -> Path:
     return TRACE
 
 
-def publish(trace: str, kv: str, lookups: str, go: str) -> None:
+def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None:
     """The publisher process: the trace as vLLM's KV events and the plugin's
-    lookups, as fast as they can be sent, once ``go`` (a file) exists."""
+    lookups, once ``go`` (a file) exists: as fast as they can be sent, or
+    at ``rate`` lookups a second."""
     import msgspec
     import zmq
 
@@ -97,8 +98,14 @@ def publish(trace: str, kv: str, lookups: str, go: str) -> None:
         events.clear()
         seq += 1
 
+    pace = float(rate)
+    started = time.monotonic()
     for row in frame.iter_rows(named=True):
         kind = row["kind"]
+        if kind == "lookup" and pace > 0:
+            ahead = started + n / pace - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
         if kind == "lookup":
             records.append(
                 {"type": "lookup", "instance": "bench", "n": n, "ts": time.time(), "step": seq,
@@ -204,8 +211,93 @@ def bench_watch() -> bool:
     return bool(result["lookups"] == lookups)
 
 
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def soak(requests: int = 40_000, capacity: int = 20_000, rate: float = 250.0) -> None:
+    """The soak, compressed in time: hours of a synthetic engine at a fixed
+    cache size (an LRU store of ``capacity`` blocks) at full speed into one
+    watch with its rolling trace and flag lines; the watch's RSS and store
+    keys every second. Paced at ``rate`` lookups a second, which the watch
+    keeps up with (at full speed its sockets would hold the backlog). Flat
+    memory: bounded by the cache, not the hours."""
+    trace = DATA / f"watch-soak-{requests}.parquet"
+    if not trace.exists():
+        subprocess.run(
+            [sys.executable, "-m", "replay", "synth", "-o", str(trace), "--model", "full+mamba",
+             "--requests", str(requests), "--capacity-blocks", str(capacity), "--seed", "11"],
+            check=True,
+        )  # fmt: skip
+    from replay.format.tracedir import open_trace
+
+    reader = open_trace(trace)
+    frame = reader.read_frame()
+    lookups = int((frame["kind"] == "lookup").sum())
+    ts = frame["ts"].dt.epoch("us").to_list()
+    span = (max(ts) - min(ts)) / 1e6
+    out = DATA / "watch-soak-out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    kv, lk, mport = (free_port() for _ in range(3))
+    go = DATA / "watch-go"
+    go.unlink(missing_ok=True)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "replay", "watch", "--engine",
+         f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name=soak",
+         "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "30",
+         "-o", str(out / "trace"), "--segment", "5000", "--flags-out", str(out / "flags.jsonl"),
+         "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    publisher = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
+         f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{lk}", str(go), str(rate)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    curve: list[tuple[float, float, float, float]] = []
+    try:
+        while True:
+            try:
+                scrape(mport)
+                break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(2.0)
+        go.touch()
+        started = time.monotonic()
+        judged = 0.0
+        while judged < lookups:
+            time.sleep(1.0)
+            m = scrape(mport)
+            judged = m.get('replay_watch_lookups_total{engine="soak"}', 0.0)
+            keys = m.get('replay_watch_store_keys{engine="soak"}', 0.0)
+            curve.append((time.monotonic() - started, judged, keys, rss_mb(watch.pid)))
+        watch.send_signal(signal.SIGTERM)
+        watch.communicate(timeout=120)
+        publisher.wait(timeout=60)
+    finally:
+        for proc in (watch, publisher):
+            if proc.poll() is None:
+                proc.kill()
+        go.unlink(missing_ok=True)
+    print(
+        f"soak: {trace} ({lookups:,} lookups, {span / 3600:.1f} h of engine time, LRU store of "
+        f"{capacity:,} blocks) at {rate:g} lookups/s in {curve[-1][0]:.0f} s; the watch's RSS:"
+    )
+    step = max(1, len(curve) // 12)
+    for t, n, keys, rss in curve[::step] + curve[-1:]:
+        print(f"  {t:6.0f} s  {n:8,.0f} lookups  {keys:8,.0f} store keys  {rss:7.1f} MB")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["publish"]:
-        publish(*sys.argv[2:6])
+        publish(*sys.argv[2:7])
+    elif sys.argv[1:2] == ["soak"]:
+        soak()
     else:
         sys.exit(0 if bench_watch() else 1)

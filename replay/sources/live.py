@@ -236,6 +236,10 @@ class EngineFeed:
                     self._early.append((frames, now))
                     continue
                 self._feed(frames, now)
+        if self.placer is not None:
+            # A recording lists them in its source; a watch, which runs for
+            # days, keeps nothing per lookup.
+            self.placer.not_admitted_seqs.clear()
         released, self._released = self._released, []
         return released
 

@@ -208,7 +208,14 @@ class Watch:
         assert ew.fold is not None and ew.feed.config is not None
         judged = add_flags(frame, ew.feed.config)
         now = time.time()
-        lags = [max(0.0, now - a) for a in arrivals]
+        # From when the engine made the lookup (its ``ts``) or, when that
+        # clock is ahead of ours, from when its message arrived here: so the
+        # time a backlog waits in the sockets counts.
+        stamped = judged["ts"].dt.epoch("us").to_list()
+        lags = [
+            max(0.0, now - min(a, t / 1e6 if t is not None else a))
+            for a, t in zip(arrivals, stamped, strict=True)
+        ]
         c = ew.counts
         c.lags.extend(lags)
         if self.metrics is not None:
