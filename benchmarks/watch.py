@@ -82,6 +82,7 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
          "engine": {"vllm_version": "0.33.0"}}
     )  # fmt: skip
     encoder = msgspec.msgpack.Encoder()
+    Path(f"{go}.ready").touch()  # bound: the driver lets the watch connect, then says go
     while not os.path.exists(go):
         time.sleep(0.01)
     seq = 0
@@ -129,6 +130,19 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
     ctx.destroy(linger=2000)
 
 
+def wait_ready(go: Path) -> None:
+    """The publisher has bound its sockets; then time for the watch's
+    subscriptions to reach them (a PUB socket drops what precedes them)."""
+    ready = Path(f"{go}.ready")
+    deadline = time.monotonic() + 600
+    while not ready.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the publisher did not start")
+        time.sleep(0.05)
+    ready.unlink()
+    time.sleep(2.0)
+
+
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
@@ -174,7 +188,7 @@ def bench_watch() -> bool:
                     print("bench watch: the watch did not start", watch.communicate())
                     return False
                 time.sleep(0.1)
-        time.sleep(2.0)  # both subscriptions are up
+        wait_ready(go)
         go.touch()
         started = time.monotonic()
         judged = 0.0
@@ -267,19 +281,24 @@ def soak(requests: int = 40_000, capacity: int = 20_000, rate: float = 250.0) ->
                 break
             except OSError:
                 time.sleep(0.1)
-        time.sleep(2.0)
+        wait_ready(go)
         go.touch()
         started = time.monotonic()
-        judged = 0.0
-        while judged < lookups:
+        judged, settled = 0.0, time.monotonic()
+        # Until every lookup is judged, or the publisher is done and nothing
+        # moved for 5 s (the last ones are judged when the watch stops).
+        while judged < lookups and (publisher.poll() is None or time.monotonic() - settled < 5):
             time.sleep(1.0)
             m = scrape(mport)
-            judged = m.get('replay_watch_lookups_total{engine="soak"}', 0.0)
+            now = m.get('replay_watch_lookups_total{engine="soak"}', 0.0)
+            if now != judged:
+                judged, settled = now, time.monotonic()
             keys = m.get('replay_watch_store_keys{engine="soak"}', 0.0)
             curve.append((time.monotonic() - started, judged, keys, rss_mb(watch.pid)))
         watch.send_signal(signal.SIGTERM)
-        watch.communicate(timeout=120)
+        out_json, _ = watch.communicate(timeout=120)
         publisher.wait(timeout=60)
+        final = json.loads(out_json)["engines"]["soak"]
     finally:
         for proc in (watch, publisher):
             if proc.poll() is None:
@@ -288,6 +307,11 @@ def soak(requests: int = 40_000, capacity: int = 20_000, rate: float = 250.0) ->
     print(
         f"soak: {trace} ({lookups:,} lookups, {span / 3600:.1f} h of engine time, LRU store of "
         f"{capacity:,} blocks) at {rate:g} lookups/s in {curve[-1][0]:.0f} s; the watch's RSS:"
+    )
+    print(
+        f"  judged {final['lookups']:,} of {lookups:,} lookups, {final['gaps']} gaps, "
+        f"{final['dropped']} dropped; lag p50 {final['lag_p50_seconds'] * 1000:.0f} ms, "
+        f"p99 {final['lag_p99_seconds'] * 1000:.0f} ms"
     )
     step = max(1, len(curve) // 12)
     for t, n, keys, rss in curve[::step] + curve[-1:]:
@@ -298,6 +322,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["publish"]:
         publish(*sys.argv[2:7])
     elif sys.argv[1:2] == ["soak"]:
-        soak()
+        soak(rate=float(os.environ.get("BENCH_SOAK_RATE", "200")))
     else:
         sys.exit(0 if bench_watch() else 1)

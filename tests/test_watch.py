@@ -30,7 +30,7 @@ from replay.watch import Metrics, Watch, WatchOptions, WatchSummary
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
 from tests.test_record_zmq import Publisher, Step, free_port
 
-TIMEOUT = 10.0
+TIMEOUT = 20.0
 
 
 def engine_record(
@@ -105,8 +105,8 @@ class Running:
         self.thread.join(TIMEOUT)
 
 
-def wait_for(check: Any, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
+def wait_for(check: Any, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
@@ -343,18 +343,20 @@ def test_sigterm_closes_the_open_segment_and_exits_0(tmp_path: Path) -> None:
     sink = vllm_plugin.open_sink(lookups_endpoint)
     steps = [Step(seq=0, body=payload(T0, stored([1]), stored([2], parent=1)))]
     out = tmp_path / "rolling"
+    pub = Publisher(steps, with_replay=False)
     try:
         sink.engine(engine_record(one_group()))
-        with Publisher(steps, with_replay=False) as pub:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "replay", "watch", "--engine",
-                 f"kv={pub.endpoint},lookups={lookups_endpoint},name=e",
-                 "-o", str(out), "--segment", "1h", "--metrics", f"127.0.0.1:{metrics_port}",
-                 "--json"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            try:
-                wait_for(lambda: proc.poll() is not None or metrics_up(metrics_port), "metrics")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "replay", "watch", "--engine",
+             f"kv={pub.endpoint},lookups={lookups_endpoint},name=e",
+             "-o", str(out), "--segment", "1h", "--metrics", f"127.0.0.1:{metrics_port}",
+             "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            # The process is up (and subscribed) before the publisher runs.
+            wait_for(lambda: proc.poll() is not None or metrics_up(metrics_port), "metrics", 60)
+            with pub:
                 assert pub.done.wait(TIMEOUT)
                 time.sleep(0.5)
                 sink.send([lookup(0, 0, 2, [1, 2], 32)], watermark=1, instance="e1")
@@ -364,9 +366,9 @@ def test_sigterm_closes_the_open_segment_and_exits_0(tmp_path: Path) -> None:
                 )
                 proc.send_signal(signal.SIGTERM)
                 stdout, stderr = proc.communicate(timeout=TIMEOUT)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     finally:
         sink.close()
     assert proc.returncode == 0, stderr
