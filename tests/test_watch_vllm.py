@@ -83,6 +83,14 @@ def plugin_lookups(path: Path) -> int:
         return sum(1 for line in fh if json.loads(line)["type"] == "lookup")
 
 
+def scrape_lookups(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith('replay_watch_lookups_total{engine="dp0"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 class Watched:
     """The scheduler driven with a watch running beside it."""
 
@@ -145,7 +153,15 @@ class Watched:
                 publisher._event_queue.join()  # everything published is sent
                 self.published = next(publisher._seq_gen)
                 self.expected = plugin_lookups(lookups_file)
-                time.sleep(1.0)  # delivered; the watch reads what is queued when it stops
+                # The watch has caught up (what it still holds is judged
+                # when it stops): its count stays put for 2 s.
+                judged, settled = -1.0, time.monotonic()
+                while time.monotonic() - settled < 2.0:
+                    assert time.monotonic() < deadline + TIMEOUT, self.messages
+                    now = scrape_lookups(mport)
+                    if now != judged:
+                        judged, settled = now, time.monotonic()
+                    time.sleep(0.1)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 out, err = proc.communicate(timeout=TIMEOUT)
@@ -233,7 +249,7 @@ def test_a_mamba_state_past_its_block_is_reported_live(
     assert faults > 0
     # Every hit the faulty finder inflated and the scheduler served is past
     # the policy's hit: observed mismatches, all of them served too far.
-    assert dp0["lookups"] == watched.expected
+    assert dp0["lookups"] == watched.expected, (dp0, watched.messages)
     assert dp0["observed_mismatch"] > 0, (dp0, watched.messages)
     assert dp0["observed_over"] == dp0["observed_mismatch"]
     assert flag_counts(dp0) == {"observed_mismatch": dp0["observed_mismatch"]}

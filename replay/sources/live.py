@@ -39,6 +39,10 @@ from replay.sources.zmq_client import LookupSubscriber, ReplayClient, binds, zmq
 #: KV messages taken per engine per turn of the loop, so that one busy
 #: engine does not starve the others (or the status line).
 TAKE_PER_TURN = 2000
+#: When a watch stops: how long it goes on reading what is on its way in,
+#: and how long the sockets must be quiet to end sooner.
+DRAIN_SECONDS = 5.0
+QUIET_MS = 200
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,7 +252,14 @@ class EngineFeed:
         stream and the placer still hold is released (lookups whose batch
         never came go last)."""
         everything = (self.sub, self.lsub.sock)
-        while self.sub.poll(0) or self.lsub.sock.poll(0):
+        # What is still on its way in (a watch that ran behind) is read until
+        # the sockets are quiet a moment, for at most a few seconds: engines
+        # that keep publishing do not hold the stop up.
+        until = time.monotonic() + DRAIN_SECONDS
+        poller = zmq.Poller()
+        for sock in everything:
+            poller.register(sock, zmq.POLLIN)
+        while time.monotonic() < until and poller.poll(QUIET_MS):
             self._released.extend(self.take(everything))
         if self.proc is not None and self.placer is not None:
             self._take_lookups()
