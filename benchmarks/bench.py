@@ -27,7 +27,8 @@ capacities x lru, fifo, lfu, belady (target 40x), reported, not failed on
 came from the one LRU pass over every capacity; and the 10-capacity sweep
 again on the same conversations imported for a dense model (one
 full-attention group, no EAGLE: the class where that pass is exact, issue 24
-item 2). Exit status 1 when a hit differs.
+item 2); then `replay watch`'s throughput (``benchmarks/watch.py``;
+``BENCH_ONLY=watch`` runs only it). Exit status 1 when a hit differs.
 
 The production-style day of issue 34 (``replay synth --model full+mamba
 --eagle --seed 7 --capacity-blocks 1000000``, 30k and 300k requests,
@@ -50,6 +51,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.watch import bench_watch
 
 DATA = Path(os.environ.get("BENCH_DATA", "bench-data"))
 SHARED = Path(os.environ.get("SHARED", "../shared"))
@@ -521,6 +524,8 @@ def main() -> None:
     if os.environ.get("BENCH_ONLY") == "day":
         day()
         return
+    if os.environ.get("BENCH_ONLY") == "watch":  # `replay watch` alone (benchmarks/watch.py)
+        sys.exit(0 if bench_watch() else 1)
     if not MOONCAKE.exists():
         sys.exit(f"bench: {MOONCAKE} not found (set SHARED or BENCH_MOONCAKE)")
     traces = [
@@ -555,6 +560,7 @@ def main() -> None:
     )
     ok &= whatif_sweeps(traces[0][1])
     ok &= whatif_sweeps(full, WHATIF_SWEEPS[:1])
+    ok &= bench_watch()
     if _has_ray():
         ok &= scale_out(traces[0][1])
     else:

@@ -83,6 +83,14 @@ BAD: dict[tuple[str, ...], list[str]] = {
     ("synth",): ["-o", "{o}", "--model", "full", "--cache", "{m}"],
     ("split",): ["{m}", "-o", "{d}", "--files", "2"],
     ("cat",): ["{m}", "-o", "{o}"],
+    ("watch",): [
+        "--engine",
+        "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2",
+        "-o",
+        "{d}",
+        "--flags-out",
+        "{m}/flags.jsonl",
+    ],
 }
 
 

@@ -26,7 +26,7 @@ import click
 
 from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
 from replay.base.units import INT64_MAX
-from replay.cli import analysis, guard, inspect, run, scale, sources, synth, whatif
+from replay.cli import analysis, guard, inspect, run, scale, sources, synth, watch, whatif
 from replay.cli.common import Group, run_main
 from replay.cli.options import count_type
 
@@ -34,7 +34,7 @@ from replay.cli.options import count_type
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
     ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
-    ("Guard vLLM", (guard.test,)),
+    ("Guard vLLM", (guard.test, watch.watch)),
     ("Compare and report", (analysis.diff, analysis.bisect, analysis.report, whatif.whatif)),
     ("Make a trace", (sources.record, sources.ingest, synth.synth)),
     ("Traces in several files", (scale.split, scale.cat)),

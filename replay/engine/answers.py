@@ -389,6 +389,16 @@ class Answers:
         column = pl.Series(UNIT_PRESENT_FIELD.name, self._unit_present())
         return [f.with_columns(column) for f in frames]
 
+    def take_frames(self) -> list[pl.DataFrame]:
+        """The results answered since the last call, then forget them: a
+        live replay (``replay.engine.live``) answers batch by batch and holds
+        nothing per lookup once it is judged."""
+        frames = self.frames()
+        self.rows = []
+        self.outcomes = [Outcomes(self.config.num_groups) for _ in self.variants]
+        self._present, self._units = [], []
+        return frames
+
     def results(self, *, seconds: float, trace_path: str | os.PathLike[str]) -> list[ReplayResult]:
         """Each variant's ``ReplayResult``."""
         return results_of(

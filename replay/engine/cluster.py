@@ -64,8 +64,9 @@ def import_ray() -> Any:
     return ray
 
 
-def _scatter_file(path: str, shards: int) -> tuple[Any, ...]:
-    """Read one file; each shard's pieces, then the lookups, then what the
+def _scatter_file(path: str, shards: int, skip: int = 0) -> tuple[Any, ...]:
+    """Read one file (but its first ``skip`` rows: a segment's snapshot the
+    directory skips); each shard's pieces, then the lookups, then what the
     driver checks and counts (bytes shipped, the file's seq range)."""
     per_shard: list[list[ShardPiece]] = [[] for _ in range(shards)]
     lookups: list[LookupBatch] = []
@@ -76,7 +77,9 @@ def _scatter_file(path: str, shards: int) -> tuple[Any, ...]:
         "first_seq": None,
         "last_seq": None,
     }
-    for batch in TraceReader(path).iter_batches(prefetch=True):
+    reader = TraceReader(path)
+    reader.skip_rows = skip
+    for batch in reader.iter_batches(prefetch=True):
         pieces, lb = scatter(batch, shards)
         for k, piece in enumerate(pieces):
             per_shard[k].append(piece)
@@ -198,7 +201,10 @@ def replay_on_ray(
     config = reader.config
     variants = options.variants_for(config)
     # Absolute: a worker's directory is not the driver's (nor its node).
-    files = [(f.path.resolve(), f.num_rows) for f in getattr(reader, "files", [reader])]
+    parts = getattr(reader, "files", [reader])
+    files = [(f.path.resolve(), f.num_rows) for f in parts]
+    # A segment's snapshot rows the directory skips (replay.format.segments).
+    skips = {f.path.resolve(): f.skip_rows for f in parts if f.skip_rows}
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
@@ -228,7 +234,9 @@ def replay_on_ray(
         own_pool = pool is None
         pool = pool or ShardPool(ray, config.num_groups, shards)
         try:
-            return _run(ray, pool, config, variants, files, reader.num_rows, progress, stats, path)
+            return _run(
+                ray, pool, config, variants, files, reader.num_rows, progress, stats, path, skips
+            )
         finally:
             if own_pool:
                 pool.close()
@@ -264,6 +272,7 @@ def _run(
     progress: Callable[[Progress], None] | None,
     stats: dict[str, Any] | None,
     path: str | os.PathLike[str],
+    skips: dict[Path, int],
 ) -> list[ReplayResult]:
     shards = pool.shards
     scatter_task = ray.remote(num_returns=shards + 2, max_retries=3)(_scatter_file)
@@ -282,7 +291,9 @@ def _run(
     todo: Iterator[tuple[Path, int]] = iter(files)
 
     def submit(file: Path, rows: int) -> None:
-        refs = scatter_task.options(scheduling_strategy="SPREAD").remote(str(file), shards)
+        refs = scatter_task.options(scheduling_strategy="SPREAD").remote(
+            str(file), shards, skips.get(file, 0)
+        )
         folded = [a.fold.remote(refs[k]) for k, a in enumerate(pool.actors)]
         answer = answer_task.options(scheduling_strategy="SPREAD").remote(
             config_ref, variants, refs[shards], *folded

@@ -403,11 +403,15 @@ def note_signal() -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") -> Iterator[Path]:
+def atomic_output(
+    path: PathLike, *, text: bool = False, what: str = "Parquet", durable: bool = False
+) -> Iterator[Path]:
     """Yield the path to write ``path``'s content to. A regular file: a hidden
     temporary file beside it, renamed over it on success and deleted on any
     error or signal. ``/dev/null``: itself. Standard output is refused
-    (binary formats; text goes through :func:`write_text`)."""
+    (binary formats; text goes through :func:`write_text`). ``durable``: the
+    file is synced to disk before the rename and the directory after, so a
+    power loss leaves the old name or the whole new file (a segment)."""
     target = output_target(path, text=False, what=what)
     if target.kind == "null":
         yield target.real
@@ -431,6 +435,8 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
         except OSError as exc:  # a full disk, a quota: name the file the user gave
             raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
         os.chmod(tmp, mode)
+        if durable:
+            _sync(tmp)
         pause_point("publish", tmp)
         with signals_held():
             try:
@@ -438,11 +444,27 @@ def atomic_output(path: PathLike, *, text: bool = False, what: str = "Parquet") 
             except OSError as exc:
                 raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
             _LIVE.pop(tmp, None)
+        if durable:
+            _sync(real.parent)
     except BaseException:
         with signals_held():
             tmp.unlink(missing_ok=True)
             _LIVE.pop(tmp, None)
         raise
+
+
+def _sync(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
+    finally:
+        os.close(fd)
 
 
 #: Every temporary file (False) or directory (True) not yet published or

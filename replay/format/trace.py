@@ -209,7 +209,13 @@ class TraceReader:
     """A validated, streaming view of a trace file: a path, or a seekable
     binary file object (``io.BytesIO``, an open file), which the reader then
     reads from until it is done with it. Open once and pass it down: every
-    replay, explain and report function takes a reader where it takes a path."""
+    replay, explain and report function takes a reader where it takes a path.
+
+    ``skip_rows``: rows at the start of the file that are not read (a
+    segment's snapshot, when a trace directory reads the segment before it;
+    ``replay.format.segments``)."""
+
+    skip_rows = 0
 
     def __init__(self, path: TraceFile) -> None:
         #: The file (None for a file object) and how errors name it.
@@ -226,7 +232,7 @@ class TraceReader:
 
     @property
     def num_rows(self) -> int:
-        return int(self._pf.metadata.num_rows)
+        return int(self._pf.metadata.num_rows) - self.skip_rows
 
     def iter_batches(
         self, batch_size: int = 65_536, *, prefetch: bool = False
@@ -281,6 +287,17 @@ class TraceReader:
     BATCH_HASHES = 1 << 20
 
     def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        skip = self.skip_rows
+        for batch in self._row_group_batches(batch_size):
+            if skip:
+                taken = min(skip, batch.num_rows)
+                skip -= taken
+                batch = batch.slice(taken)
+                if batch.num_rows == 0:
+                    continue
+            yield batch
+
+    def _row_group_batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
         cols = list(self.columns)
         meta = self._pf.metadata
         for i in range(meta.num_row_groups):

@@ -22,12 +22,14 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
 from replay.base.errors import ReplayError, TraceError
 from replay.format.paths import PARQUET, check_outputs, file_kind, staged_outputs
 from replay.format.schema import TRACE_COLUMNS, TraceBatch, TraceFile
+from replay.format.segments import segment_facts
 from replay.format.trace import TraceReader
 from replay.format.writer import TraceWriter
 from replay.rules.coordinator import trace_cache
@@ -102,6 +104,33 @@ def _seq_range(reader: TraceReader) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
+def _skip_snapshots(files: list[_FileReader]) -> None:
+    """A segment's snapshot rows (``replay.format.segments``) are skipped
+    when the segment before it is in the directory and ended where the
+    snapshot says: the directory then reads as the one log that was
+    written. After a missing segment the snapshot is kept, and the log
+    resumes from the state it rebuilds."""
+    before: dict[str, Any] | None = None
+    for reader in files:
+        facts = segment_facts(reader._pf.metadata.metadata)
+        if (
+            facts is not None
+            and before is not None
+            and isinstance(facts.get("snapshot_rows"), int)
+            and 0 < facts["snapshot_rows"] <= reader._pf.metadata.num_rows
+            and facts.get("index") == _next_index(before)
+            and facts.get("previous_last_seq") is not None
+            and facts.get("previous_last_seq") == before.get("last_seq")
+        ):
+            reader.skip_rows = facts["snapshot_rows"]
+        before = facts
+
+
+def _next_index(facts: dict[str, Any]) -> int | None:
+    index = facts.get("index")
+    return index + 1 if isinstance(index, int) else None
+
+
 class _FileReader(TraceReader):
     """One file of a directory: always a path."""
 
@@ -134,6 +163,7 @@ class TraceDir(TraceReader):
                     f"{reader.path}: source.cache {trace_cache(reader.config.source)!r} differs "
                     f"from {first.path.name}'s {cache!r}"
                 )
+        _skip_snapshots(self.files)
         for reader in self.files:
             span = _seq_range(reader)
             if span is None:

@@ -118,12 +118,13 @@ def stream_name(stream: BinaryIO) -> str:
 
 
 @contextlib.contextmanager
-def _parquet_sink(target: TraceFile) -> Iterator[Any]:
+def _parquet_sink(target: TraceFile, *, durable: bool = False) -> Iterator[Any]:
     """Where a Parquet writer writes ``target``: a path through the output
-    helper (a temporary file, renamed on success); a file object gets the
-    bytes only once the file is complete, so an error writes nothing to it."""
+    helper (a temporary file, renamed on success; ``durable``: synced first);
+    a file object gets the bytes only once the file is complete, so an error
+    writes nothing to it."""
     if isinstance(target, str | os.PathLike):
-        with atomic_path(target) as tmp, arrow_file(tmp, "wb") as where:
+        with atomic_path(target, durable=durable) as tmp, arrow_file(tmp, "wb") as where:
             yield where
         return
     buffer = pa.BufferOutputStream()
@@ -137,7 +138,8 @@ class TraceWriter:
     Used as a context manager: leaving the block normally publishes the
     file; leaving it with an exception removes the temporary file, except
     ``KeyboardInterrupt`` when ``keep_on_interrupt`` is set (a recorder closes
-    a valid file on Ctrl-C).
+    a valid file on Ctrl-C). ``durable``: the file is synced to disk before
+    it is renamed into place (a segment of ``replay.format.segments``).
     """
 
     def __init__(
@@ -146,13 +148,15 @@ class TraceWriter:
         config: TraceConfig,
         *,
         keep_on_interrupt: bool = False,
+        durable: bool = False,
     ) -> None:
         #: How errors name the output (a file object: ``stream_name``).
         self.name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
         self.path = Path(self.name)
         self.config = config
         self.keep_on_interrupt = keep_on_interrupt
-        self._cm = _parquet_sink(path)
+        self._cm = _parquet_sink(path, durable=durable)
+        self._footer: dict[bytes, bytes] = {}
         self._tmp = self._cm.__enter__()
         self._schema = trace_schema(config)
         # No stored Arrow schema: then the footer's key-value metadata is the
@@ -169,6 +173,10 @@ class TraceWriter:
         """Replace the ``source`` metadata (e.g. a recorder's gap report); it is
         written into the footer at ``close``."""
         self._pending_source = dict(source)
+
+    def set_footer(self, key: bytes, value: bytes) -> None:
+        """Another footer metadata entry (e.g. ``replay.segment``), written at ``close``."""
+        self._footer[key] = value
 
     def write_table(self, table: pa.Table) -> None:
         if self._writer is None:
@@ -196,7 +204,9 @@ class TraceWriter:
         source = getattr(self, "_pending_source", None)
         if source is not None:
             config = TraceConfig.from_json({**config.to_json(), "source": source})
-        self._writer.add_key_value_metadata({TRACE_META_KEY: config.dumps().encode()})
+        self._writer.add_key_value_metadata(
+            {**self._footer, TRACE_META_KEY: config.dumps().encode()}
+        )
         try:
             self._writer.close()
         except OSError as exc:

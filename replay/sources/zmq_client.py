@@ -103,14 +103,18 @@ class LookupSubscriber:
     """The SUB side of the vLLM plugin's lookup stream (``replay.adapters.vllm.plugin``):
     engine facts, lookups and watermarks, with lost messages reported."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, report: Report) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], endpoint: str, report: Report, *, hwm: int = 0
+    ) -> None:
         from replay.adapters.vllm.wire import TOPIC
 
         self.endpoint = endpoint
         self.report = report
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # 0: unbounded (a recording keeps everything); ``replay watch`` bounds
+        # it, so a watch that falls behind drops (counted) instead of growing.
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
         try:
             self.sock.connect(endpoint)

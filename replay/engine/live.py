@@ -1,0 +1,75 @@
+"""The live replay: one engine's store folded as its rows arrive, and each
+lookup answered where it stands (``replay watch``, issue 33).
+
+The same stages as the replay of a file (``replay.engine.shard``): the rows
+are validated by the one validator every writer and reader uses, folded by
+the compiled table (``KeyTable``) and answered by ``Answers``, the one loop
+every replay shares; so a lookup answered live is answered exactly as
+``replay run`` answers it in the trace the rows make. Nothing is kept per
+lookup once it is answered (``Answers.take_frames``): the memory is the
+store's, bounded by the engine's cache size, not by how long it runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import polars as pl
+
+from replay.base.spec import TraceConfig
+from replay.engine.answers import Answers, Variant, resolve_cache
+from replay.engine.shard import ShardFold, scatter
+from replay.format.validate import validate_rows
+from replay.format.writer import events_table
+
+
+class LiveFold:
+    """One engine's store and its answers under one policy.
+
+    ``feed`` takes the engine's rows in seq order (store / remove / clear /
+    lookup, as the recorder makes them) and returns the answers of their
+    lookups (the results columns without flags; ``analysis.flags`` judges
+    them). A clear row (an engine restart) empties the store as vLLM's new
+    engine starts empty."""
+
+    def __init__(
+        self, config: TraceConfig, policy: str, *, cache: str | None = None, name: str = "<live>"
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.variant = Variant(policy=policy, cache=resolve_cache(config, cache))
+        self.answers = Answers(config, [self.variant], where=name)
+        self._fold = ShardFold(config.num_groups)
+        self._last_seq: int | None = None
+        #: Rows folded, by kind (store, remove, clear, lookup).
+        self.events: Counter[str] = Counter()
+
+    @property
+    def policy(self) -> str:
+        return self.variant.policy
+
+    @property
+    def cache(self) -> str:
+        return self.variant.cache
+
+    @property
+    def store_keys(self) -> int:
+        """Distinct hashes some group of the store holds now."""
+        return self._fold.table.num_keys
+
+    @property
+    def store_bytes(self) -> int:
+        return self._fold.table.nbytes
+
+    def feed(self, rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
+        """Fold ``rows`` in; the answers of their lookups, in seq order. Rows
+        that break the format are a ``TraceError`` naming the seq."""
+        table = events_table(rows, self.config)
+        batch, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
+        pieces, lookups = scatter(batch, 1, lookup_hashes=self.answers.needs_hashes)
+        self.answers.add(lookups, self._fold.fold(pieces[0]))
+        self.events.update(lookups.counts)
+        (frame,) = self.answers.take_frames()
+        return frame

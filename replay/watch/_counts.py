@@ -1,0 +1,76 @@
+"""What a watch counts per engine: plain numbers (the status line, the
+summary, the tests) that the Prometheus exporter mirrors."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from analysis.flags import by_severity, severity
+
+#: Lags kept for the status line's and the summary's percentiles (the
+#: Prometheus histogram keeps the whole distribution in buckets).
+LAG_WINDOW = 100_000
+
+
+@dataclass(slots=True)
+class EngineCounts:
+    """One engine's counters since the watch started."""
+
+    lookups: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    observed_hit_tokens: int = 0
+    #: Lookups whose observed hit (what vLLM served) differs from the
+    #: policy's; ``observed_over``: of them, served past the policy's hit.
+    observed_mismatch: int = 0
+    observed_over: int = 0
+    flagged_lookups: int = 0
+    #: (flag, severity) -> occurrences (a lookup with two flags counts in both).
+    flags: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: The worst severity of each flagged lookup -> lookups.
+    flagged_by_severity: Counter[str] = field(default_factory=Counter)
+    events: Counter[str] = field(default_factory=Counter)
+    gaps: int = 0
+    missing_batches: int = 0
+    restarts: int = 0
+    #: Messages dropped before they could be used (ZMQ high-water marks,
+    #: lost plugin messages, KV messages that came before the engine facts).
+    dropped: int = 0
+    store_keys: int = 0
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
+
+    def lag_percentiles(self) -> tuple[float | None, float | None]:
+        if not self.lags:
+            return None, None
+        p50, p99 = np.percentile(np.fromiter(self.lags, float, len(self.lags)), [50, 99])
+        return float(p50), float(p99)
+
+    def to_json(self) -> dict[str, Any]:
+        p50, p99 = self.lag_percentiles()
+        return {
+            "lookups": self.lookups,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "observed_hit_tokens": self.observed_hit_tokens,
+            "observed_mismatch": self.observed_mismatch,
+            "observed_over": self.observed_over,
+            "flagged_lookups": self.flagged_lookups,
+            # As every command's ``flags``: worst severity first (docs/json.md).
+            "flags": [
+                {"flag": f, "severity": severity(f), "lookups": self.flags[(f, severity(f))]}
+                for f in by_severity([f for f, _ in self.flags])
+            ],
+            "flagged_by_severity": dict(self.flagged_by_severity),
+            "events": dict(self.events),
+            "gaps": self.gaps,
+            "missing_batches": self.missing_batches,
+            "restarts": self.restarts,
+            "dropped": self.dropped,
+            "store_keys": self.store_keys,
+            "lag_p50_seconds": p50,
+            "lag_p99_seconds": p99,
+        }

@@ -1,0 +1,456 @@
+"""``replay watch``: every lookup of a running fleet judged as it happens.
+
+Each engine (``replay.sources.live.EngineFeed``: its KV events, the vLLM
+plugin's lookups, its replay endpoint) gives rows in their exact order; its
+store is folded and each lookup answered by the one replay
+(``replay.engine.live.LiveFold``) under the policy of the vLLM release the
+engine reports (``--policy`` overrides), then judged by the flags of
+``replay check`` (``analysis.flags``), the observed hit against the
+policy's among them. The verdicts become counters (the status line, the
+Prometheus exporter), one JSON line per flagged lookup (``--flags-out``),
+and the rows go to a rolling trace (``-o DIR``: one trace directory per
+engine, cut into segments) that ``replay run``/``explain``/``report`` read.
+
+Nothing grows with the time it runs: the stores are bounded by the
+engines' caches, the sockets by their high-water marks, and nothing is kept
+per lookup once it is judged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import polars as pl
+import zmq
+
+from analysis.flags import add_flags, by_severity, severity
+from analysis.summary import prompt_tokens_expr
+from replay.base.errors import ReplayError
+from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.engine.live import LiveFold
+from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
+from replay.sources.live import EngineEndpoints, EngineFeed, Released
+from replay.sources.values import Report, Row
+from replay.watch._counts import EngineCounts
+from replay.watch._metrics import Metrics
+from replay.watch._rolling import RollingTrace
+
+#: How often the counters behind the metrics are brought up to date.
+REFRESH_SECONDS = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatchOptions:
+    engines: tuple[EngineEndpoints, ...]
+    #: None: each engine's own release (its plugin's ``vllm_version``).
+    policy: str | None = None
+    output: Path | None = None
+    #: Close a segment of ``output`` after this long or this many rows.
+    segment_seconds: float | None = 600.0
+    segment_events: int | None = None
+    flags_out: Path | None = None
+    metrics: str | None = None
+    duration: float | None = None
+    status_every: float = 5.0
+    #: Receive high-water mark of every SUB socket (messages).
+    hwm: int = 10_000
+    replay_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ReplayError("no --engine to watch")
+        names = [e.name for e in self.engines]
+        for name in names:
+            if names.count(name) > 1:
+                raise ReplayError(f"--engine name={name}: two engines have that name")
+            if not name or name in (".", "..") or "/" in name or name.startswith("."):
+                raise ReplayError(
+                    f"--engine name={name!r}: expected a plain name (it names the engine's "
+                    "trace directory)"
+                )
+
+
+@dataclass(slots=True)
+class EngineWatch:
+    """One engine: its feed, its store once its config is known, its counts."""
+
+    feed: EngineFeed
+    counts: EngineCounts = field(default_factory=EngineCounts)
+    fold: LiveFold | None = None
+    trace: RollingTrace | None = None
+    trace_dir: Path | None = None
+    policy_note: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.feed.name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatchSummary:
+    #: The rolling trace's directory (``-o``), or None.
+    trace: str | None
+    seconds: float
+    stop_reason: str
+    engines: dict[str, dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        """``replay watch --json`` (docs/json.md)."""
+        return {
+            "version": 1,
+            "command": "watch",
+            "trace": self.trace,
+            "seconds": round(self.seconds, 3),
+            "stop_reason": self.stop_reason,
+            "engines": self.engines,
+        }
+
+
+class Watch:
+    """The service. ``run`` loops until ``stop`` is set or ``duration``
+    passes, then closes every segment and returns the counts."""
+
+    def __init__(
+        self,
+        options: WatchOptions,
+        *,
+        stop: threading.Event | None = None,
+        report: Report,
+        status: Report | None = None,
+    ) -> None:
+        self.options = options
+        self.stop = stop or threading.Event()
+        self.report = report
+        self.status = status
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.engines: list[EngineWatch] = []
+        self.metrics: Metrics | None = None
+        self._flags_fh: IO[str] | None = None
+        self.started = time.time()
+
+    # -- judging
+
+    def _begin(self, ew: EngineWatch) -> None:
+        """The engine's facts arrived: its store, policy and trace."""
+        feed = ew.feed
+        assert feed.config is not None
+        given = (self.options.policy,) if self.options.policy else ()
+        chosen = choose_policies(given, source=feed.config.source)
+        (policy,) = chosen.policies
+        ew.fold = LiveFold(feed.config, policy, cache="gpu", name=f"engine {ew.name}")
+        ew.policy_note = "; ".join(chosen.notes)
+        self.report(
+            f"{ew.name}: vLLM {feed.vllm_version or '?'}, judged under policy {policy}"
+            + (f" ({ew.policy_note})" if ew.policy_note else "")
+        )
+        if self.metrics is not None:
+            self.metrics.engine_info(ew.name, feed.vllm_version, policy)
+        out = self.options.output
+        if out is not None:
+            if not out.exists():
+                out.mkdir()
+            ew.trace_dir = out / ew.name
+            ew.trace = RollingTrace(
+                ew.trace_dir,
+                feed.config,
+                segment_seconds=self.options.segment_seconds,
+                segment_events=self.options.segment_events,
+            )
+            ew.trace.set_source(feed.source())
+
+    def _judge(self, ew: EngineWatch, released: list[Released]) -> None:
+        if not released:
+            return
+        if ew.fold is None:
+            self._begin(ew)
+        assert ew.fold is not None
+        rows: list[Row] = []
+        arrivals: list[float] = []
+        for batch, arrival in released:
+            rows.extend(batch)
+            arrivals.extend(arrival for row in batch if row.get("kind") == "lookup")
+        # The rows go to the trace first: a flagged lookup's line names the
+        # segment that holds it, and its seq there.
+        where: dict[int, tuple[Path, int]] = {}
+        if ew.trace is not None:
+            ew.trace.set_source(ew.feed.source())
+            placed = ew.trace.write(rows)
+            where = {
+                int(row["seq"]): at
+                for row, at in zip(rows, placed, strict=True)
+                if row.get("kind") == "lookup"
+            }
+        before = dict(ew.fold.events)
+        frame = ew.fold.feed(rows)
+        c = ew.counts
+        for kind, n in ew.fold.events.items():
+            c.events[kind] += n - before.get(kind, 0)
+        c.store_keys = ew.fold.store_keys
+        if frame.height:
+            self._verdicts(ew, frame, arrivals, where)
+
+    def _verdicts(
+        self,
+        ew: EngineWatch,
+        frame: pl.DataFrame,
+        arrivals: list[float],
+        where: dict[int, tuple[Path, int]],
+    ) -> None:
+        assert ew.fold is not None and ew.feed.config is not None
+        judged = add_flags(frame, ew.feed.config)
+        now = time.time()
+        # From when the engine made the lookup (its ``ts``) or, when that
+        # clock is ahead of ours, from when its message arrived here: so the
+        # time a backlog waits in the sockets counts.
+        stamped = judged["ts"].dt.epoch("us").to_list()
+        lags = [
+            max(0.0, now - min(a, t / 1e6 if t is not None else a))
+            for a, t in zip(arrivals, stamped, strict=True)
+        ]
+        c = ew.counts
+        c.lags.extend(lags)
+        if self.metrics is not None:
+            self.metrics.observe_lags(ew.name, lags)
+        c.lookups += judged.height
+        c.prompt_tokens += int(judged.select(prompt_tokens_expr()).sum().item() or 0)
+        c.hit_tokens += int(judged["hit_tokens"].sum())
+        observed = judged["observed_hit_tokens"]
+        c.observed_hit_tokens += int(observed.fill_null(0).sum())
+        differs = (observed != judged["hit_tokens"]).fill_null(False)
+        c.observed_mismatch += int(differs.sum())
+        c.observed_over += int((observed > judged["hit_tokens"]).fill_null(False).sum())
+        flagged = judged.filter(pl.col("flags").list.len() > 0)
+        for row in flagged.iter_rows(named=True):
+            names = by_severity(row["flags"])
+            for name in names:
+                c.flags[(name, severity(name))] += 1
+            worst = severity(names[0])
+            c.flagged_lookups += 1
+            c.flagged_by_severity[worst] += 1
+            if self._flags_fh is not None:
+                self._flag_line(ew, row, names, where.get(int(row["seq"])))
+
+    def _flag_line(
+        self,
+        ew: EngineWatch,
+        row: dict[str, Any],
+        names: list[str],
+        at: tuple[Path, int] | None,
+    ) -> None:
+        assert self._flags_fh is not None and ew.fold is not None
+        record: dict[str, Any] = {
+            "engine": ew.name,
+            "request_id": row["request_id"],
+            "seq": row["seq"],
+            "ts": row["ts"].isoformat() if row["ts"] is not None else None,
+            # When the verdict was given (the lookup's ``ts`` is the engine's).
+            "judged_at": datetime.now(tz=UTC).isoformat(),
+            "policy": ew.fold.policy,
+            "vllm_version": ew.feed.vllm_version,
+            "flags": names,
+            "severities": [severity(n) for n in names],
+            "hit_tokens": row["hit_tokens"],
+            "observed_hit_tokens": row["observed_hit_tokens"],
+            "max_length": row["max_length"],
+            "num_tokens": row["num_tokens"],
+            "flag_details": [
+                {k: v for k, v in d.items() if v is not None} for d in row["flag_details"]
+            ],
+            # The segment that replays this lookup alone (readable once it
+            # closes), and the lookup's seq in it and in the engine's directory.
+            "segment": None if at is None else str(at[0]),
+            "trace_seq": None if at is None else at[1],
+            "explain": None
+            if at is None
+            else (
+                f"replay explain {_shell(str(at[0]))} --request {_shell(row['request_id'])} "
+                f"--seq {at[1]} --policy {ew.fold.policy}"
+            ),
+        }
+        self._flags_fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._flags_fh.flush()
+
+    # -- the loop
+
+    def _status_line(self, last: dict[str, int], seconds: float) -> str:
+        total = sum(ew.counts.lookups for ew in self.engines)
+        rate = (total - last.get("lookups", 0)) / seconds if seconds > 0 else 0.0
+        last["lookups"] = total
+        flagged = sum(ew.counts.flagged_lookups for ew in self.engines)
+        mism = sum(ew.counts.observed_mismatch for ew in self.engines)
+        gaps = sum(ew.counts.gaps for ew in self.engines)
+        restarts = sum(ew.counts.restarts for ew in self.engines)
+        lags = [lag for ew in self.engines for lag in list(ew.counts.lags)[-1000:]]
+        lag = "lag -"
+        if lags:
+            lags.sort()
+            p50 = lags[len(lags) // 2]
+            p99 = lags[min(len(lags) - 1, math.ceil(0.99 * len(lags)) - 1)]
+            lag = f"lag p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms"
+        heard = sum(ew.fold is not None for ew in self.engines)
+        return (
+            f"watch: {heard}/{len(self.engines)} engines, {total:,} lookups ({rate:,.0f}/s), "
+            f"{flagged:,} flagged, {mism:,} observed mismatches, {lag}, {gaps} gaps, "
+            f"{restarts} restarts"
+        )
+
+    def _refresh(self, ew: EngineWatch) -> None:
+        feed, c = ew.feed, ew.counts
+        c.gaps = len(feed.gaps)
+        c.missing_batches = sum(int(g["count"]) for g in feed.gaps)
+        c.restarts = feed.restarts
+        c.dropped = feed.lsub.lost + feed.early_dropped + c.missing_batches
+        if self.metrics is not None:
+            self.metrics.update(ew.name, c)
+
+    def _say(self, name: str, message: str) -> None:
+        self.report(f"{name}: {message}")
+
+    def _restarted(self, name: str) -> None:
+        self.report(f"{name}: engine restart (its event seq started over): its store is reset")
+
+    def run(self) -> WatchSummary:
+        opts = self.options
+        reason = "stopped"
+        try:
+            # Before the first engine speaks (and before the metrics say the
+            # watch is up): the compiled fold loaded, polars warm, so the
+            # first verdicts are not late by a start-up.
+            _warm_up()
+            if opts.metrics is not None:
+                self.metrics = Metrics(opts.metrics)
+                self.report(f"metrics on http://{opts.metrics}/metrics")
+            if opts.flags_out is not None:
+                self._flags_fh = open(opts.flags_out, "x", encoding="utf-8")  # noqa: SIM115
+            for spec in opts.engines:
+                feed = EngineFeed(
+                    self.ctx,
+                    spec,
+                    report=partial(self._say, spec.name),
+                    hwm=opts.hwm,
+                    replay_timeout=opts.replay_timeout,
+                    on_restart=partial(self._restarted, spec.name),
+                )
+                self.engines.append(EngineWatch(feed))
+            poller = zmq.Poller()
+            by_socket: dict[Any, list[EngineWatch]] = {}
+            for ew in self.engines:
+                for sock in ew.feed.sockets:
+                    poller.register(sock, zmq.POLLIN)
+                    by_socket.setdefault(sock, []).append(ew)
+            deadline = None if opts.duration is None else time.monotonic() + opts.duration
+            last_status = last_refresh = time.monotonic()
+            status_state: dict[str, int] = {}
+            try:
+                while True:
+                    if self.stop.is_set():
+                        reason = "signal"
+                        break
+                    wait_ms = 100
+                    if deadline is not None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            reason = "duration"
+                            break
+                        wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
+                    ready = dict(poller.poll(wait_ms))
+                    for ew in self.engines:
+                        if any(s in ready for s in ew.feed.sockets):
+                            self._judge(ew, ew.feed.take(ready))
+                    for ew in self.engines:
+                        if ew.trace is not None:
+                            ew.trace.tick()
+                    now = time.monotonic()
+                    if now - last_refresh >= REFRESH_SECONDS:
+                        for ew in self.engines:
+                            self._refresh(ew)
+                        last_refresh = now
+                    if now - last_status >= opts.status_every:
+                        if self.status is not None:
+                            self.status(self._status_line(status_state, now - last_status))
+                        last_status = now
+            except KeyboardInterrupt:
+                reason = "signal"
+            for ew in self.engines:
+                self._judge(ew, ew.feed.finish())
+                self._refresh(ew)
+                if ew.trace is not None:
+                    ew.trace.set_source({**ew.feed.source(), "stop_reason": reason})
+                    ew.trace.close()
+                    ew.trace = None
+            return WatchSummary(
+                trace=None if opts.output is None else str(opts.output),
+                seconds=time.time() - self.started,
+                stop_reason=reason,
+                engines={ew.name: self._engine_summary(ew) for ew in self.engines},
+            )
+        finally:
+            for ew in self.engines:
+                if ew.trace is not None:
+                    # An error: the segments closed so far stay (each a valid
+                    # trace); the open one's temporary file goes.
+                    ew.trace.abort()
+                ew.feed.close()
+            if self._flags_fh is not None:
+                self._flags_fh.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.ctx.destroy(linger=0)
+
+    def _engine_summary(self, ew: EngineWatch) -> dict[str, Any]:
+        return {
+            "vllm_version": ew.feed.vllm_version,
+            "policy": None if ew.fold is None else ew.fold.policy,
+            "trace": None if ew.trace_dir is None else str(ew.trace_dir),
+            **ew.counts.to_json(),
+        }
+
+
+def _warm_up() -> None:
+    """One store, one lookup, answered and judged: what the first real one
+    would otherwise pay (loading the compiled fold, polars' first plans)."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+        hash_block_size=16,
+        scheduler_block_size=16,
+    )
+    ts = datetime.now(tz=UTC)
+    key = bytes(8)
+    fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
+    frame = fold.feed(
+        [
+            {"seq": 0, "ts": ts, "kind": "store", "group_id": 0, "block_hashes": [key]},
+            {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [key], "request_id": "warm-up",
+             "max_length": 16, "num_tokens": 17, "observed_hit_tokens": 16},
+        ]
+    )  # fmt: skip
+    add_flags(frame, config)
+
+
+def _shell(text: str) -> str:
+    """``text`` as one shell word."""
+    import shlex
+
+    return shlex.quote(text)
+
+
+def watch(
+    options: WatchOptions,
+    *,
+    stop: threading.Event | None = None,
+    report: Report,
+    status: Report | None = None,
+) -> WatchSummary:
+    """Watch until ``stop`` (or ``options.duration``); the counts."""
+    if options.flags_out is not None and os.path.lexists(options.flags_out):
+        raise ReplayError(f"--flags-out {options.flags_out}: already exists (not overwritten)")
+    return Watch(options, stop=stop, report=report, status=status).run()
