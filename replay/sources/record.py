@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.format.segments import DEFAULT_SEGMENT_SECONDS, SegmentedTraceWriter
 from replay.format.writer import TraceWriter
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
 from replay.sources.plugin_log import (
@@ -93,7 +94,7 @@ class _BufferedRows:
 
     def __init__(
         self,
-        writer: TraceWriter,
+        writer: TraceWriter | SegmentedTraceWriter,
         *,
         merger: LookupMerger | None = None,
         flush_rows: int = 10_000,
@@ -177,6 +178,12 @@ def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
             signal.signal(sig, old)
 
 
+def segmented(output: str | os.PathLike[str]) -> bool:
+    """Whether ``replay record -o`` names a trace directory of segments (any
+    name but a ``.parquet`` file's)."""
+    return Path(output).suffix.lower() != ".parquet"
+
+
 def record(
     *,
     endpoint: str,
@@ -200,6 +207,8 @@ def record(
     reorder_seconds: float = 2.0,
     announce: Report | None = None,
     connect_timeout: float = 10.0,
+    segment_seconds: float | None = DEFAULT_SEGMENT_SECONDS,
+    segment_events: int | None = None,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
     passed, ``stop`` is set, or Ctrl-C; then close a valid trace. Batches
@@ -214,7 +223,13 @@ def record(
     (``replay.sources.zmq_client.binds``),
     else connect. ``lookups``: the vLLM plugin's endpoint; every lookup goes
     in its exact place, and without ``config`` the plugin's engine facts
-    are the config."""
+    are the config.
+
+    ``output``: a directory (any name but ``*.parquet``) is written as closed
+    segments (``replay.format.segments``), each closed every
+    ``segment_seconds`` or ``segment_events`` events, so a killed recorder
+    loses only the open one; a ``.parquet`` name is one file, closed at the
+    end (a kill loses it; ``replay repair`` salvages its row groups)."""
     require_extra("replay record", "zmq", "msgspec")
     import zmq
 
@@ -273,7 +288,46 @@ def record(
             replay = ReplayClient(ctx, replay_endpoint, topic_bytes, replay_timeout, report)
         with contextlib.ExitStack() as stack:
             dump_writer = stack.enter_context(DumpWriter(dump)) if dump is not None else None
-            writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
+
+            def source_now(reason: str | None = None) -> dict[str, Any]:
+                """The trace's ``source``: the recording so far (a segment
+                closed on the way), or whole (``reason``: why it stopped)."""
+                out: dict[str, Any] = {
+                    "tool": "replay record",
+                    "endpoint": endpoint,
+                    "endpoint_socket": "bound" if bind else "connected",
+                    "replay_endpoint": replay_endpoint,
+                    "topic": topic,
+                    "started_at": datetime.fromtimestamp(started, tz=UTC).isoformat(),
+                    "stopped_at": None if reason is None else datetime.now(tz=UTC).isoformat(),
+                    "stop_reason": reason,
+                    "dump": None if dump is None else Path(dump).name,
+                    **proc.source(),
+                }
+                if lsub is not None and placer is not None:
+                    out.update(plugin_source(placer, lsub.engines, lsub.source()))
+                return out
+
+            writer: TraceWriter | SegmentedTraceWriter
+            if segmented(output):
+                writer = stack.enter_context(
+                    SegmentedTraceWriter(
+                        output,
+                        config,
+                        segment_seconds=segment_seconds,
+                        segment_events=segment_events,
+                        source=source_now,
+                    )
+                )
+            else:
+                writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
+            if isinstance(writer, SegmentedTraceWriter):
+                # Rows held in memory would die with the open segment: they
+                # go to it at least as often as segments close.
+                if segment_seconds is not None:
+                    flush_seconds = min(flush_seconds, segment_seconds)
+                if segment_events is not None:
+                    flush_rows = min(flush_rows, segment_events)
             rows = _BufferedRows(writer, flush_rows=flush_rows, flush_seconds=flush_seconds)
             placer = None if lsub is None else LookupPlacer(rows)
             proc = StreamProcessor(
@@ -359,6 +413,8 @@ def record(
                         )
                     proc.tick(time.time())
                     rows.maybe_flush()
+                    if isinstance(writer, SegmentedTraceWriter):
+                        writer.tick()
                     if dump_writer is not None:
                         # Every loop: a recorder killed with SIGKILL loses at
                         # most the last moment of its dump.
@@ -382,24 +438,12 @@ def record(
                         f"in {proc.batches} batches received in {waited:.1f} s (stopped: {reason})"
                     )
                 raise EmptyRecording(_nothing_heard(endpoint, bind, waited, topic, why))
-            source: dict[str, Any] = {
-                "tool": "replay record",
-                "endpoint": endpoint,
-                "endpoint_socket": "bound" if bind else "connected",
-                "replay_endpoint": replay_endpoint,
-                "topic": topic,
-                "started_at": datetime.fromtimestamp(started, tz=UTC).isoformat(),
-                "stopped_at": datetime.now(tz=UTC).isoformat(),
-                "stop_reason": reason,
-                "dump": None if dump is None else Path(dump).name,
-                **proc.source(),
-            }
-            if lsub is not None and placer is not None:
-                source.update(plugin_source(placer, lsub.engines, lsub.source()))
-            writer.set_source(source)
+            writer.set_source(source_now(reason))
         summary = proc.summary(
             output, rows=writer.rows_written, filled=proc.filled, stop_reason=reason, dump=dump
         )
+        if isinstance(writer, SegmentedTraceWriter):
+            summary = replace(summary, segments=len(writer.segments))
         return summary if placer is None else replace(summary, lookups=placer.placed)
     finally:
         if replay is not None:

@@ -464,3 +464,5 @@ class RecordSummary:
     stop_reason: str = ""
     dump: Path | None = None
     lookups: int | None = None
+    #: Closed segments of a trace directory (None: one file).
+    segments: int | None = None
