@@ -163,6 +163,21 @@ def test_kill_9_keeps_every_closed_segment_and_run_replays_them(tmp_path: Path) 
     assert got["request_id"].to_list() == [f"r{i}" for i in range(n)]
     assert got["hit_tokens"].to_list() == [0] + [16] * (n - 1)
     assert got["hit_tokens"].to_list() == got["observed_hit_tokens"].to_list()
+    # The open segment's temporary file: `replay repair` takes the config
+    # from the closed segments beside it and salvages its complete row
+    # groups (a snapshot, then the events after the last closed segment).
+    for name in hidden:
+        fixed = tmp_path / "open.parquet"
+        result = run_cli(["repair", str(out / name), "-o", str(fixed)])
+        if result.exit_code == 2:  # killed before its first row group was out
+            assert "no complete row group before the cut" in result.stderr
+            continue
+        assert result.exit_code == 0, result.stderr
+        salvaged = open_trace(fixed).read_frame()
+        assert salvaged["seq"][0] > rows["seq"][-1]
+        assert salvaged["kind"][0] == "clear"  # the open segment's snapshot comes first
+        keys = salvaged.filter(pl.col("kind") == "store")["block_hashes"].explode().to_list()
+        assert keys == [u64(KEY + i) for i in range(len(keys))]  # then the log goes on
 
 
 @pytest.mark.slow
@@ -219,3 +234,52 @@ def test_segment_with_a_file_output_is_refused(tmp_path: Path) -> None:
         "to record segments\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kill_9_of_a_one_file_recording_is_salvaged_by_repair(tmp_path: Path) -> None:
+    """A recording to one .parquet file (as every recording was before
+    segments): SIGKILL leaves only its hidden temporary file, which no
+    reader opens; `replay repair` gives back its complete row groups."""
+    out = tmp_path / "t.parquet"
+    engine = Engine()
+    code = (
+        "import sys; from replay.sources.record import record; "
+        "from replay.sources.kv_config import load_config; "
+        "record(endpoint=sys.argv[1], output=sys.argv[2], config=load_config(None, 16), "
+        "duration=60, flush_seconds=0.2)"
+    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, engine.endpoint, str(out)],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while engine.sent < 60:  # 1.5 s of batches: several flushes
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=TIMEOUT)
+    finally:
+        engine.close()
+    (tmp,) = tmp_path.iterdir()  # only the hidden temporary file is left
+    assert tmp.name.startswith(".t.parquet.") and tmp.name.endswith(".tmp")
+    result = run_cli(["validate", str(tmp)])
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {tmp}: truncated Parquet file (no PAR1 magic at the end)\n"
+    fixed = tmp_path / "fixed.parquet"
+    result = run_cli(["repair", str(tmp), "-o", str(fixed), "--block-size", "16"])
+    assert result.exit_code == 0, result.stderr
+    rows = open_trace(fixed).read_frame()
+    n = rows.height
+    assert result.stdout.startswith(f"{tmp} -> {fixed}: kept {n:,} rows in ")
+    assert 10 <= n <= engine.sent
+    assert rows["kind"].to_list() == ["store"] * n
+    assert rows["block_hashes"].to_list() == [[u64(KEY + i)] for i in range(n)]
