@@ -283,3 +283,110 @@ def test_kill_9_of_a_one_file_recording_is_salvaged_by_repair(tmp_path: Path) ->
     assert 10 <= n <= engine.sent
     assert rows["kind"].to_list() == ["store"] * n
     assert rows["block_hashes"].to_list() == [[u64(KEY + i)] for i in range(n)]
+
+
+PEAK = (
+    "import atexit, resource, sys; "
+    "atexit.register(lambda: sys.stderr.write("
+    "'peak rss %d KiB\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)); "
+    "from replay.entry import main; main()"
+)
+
+
+def _oversized_recording(tmp_path: Path, big: int, limit: str) -> tuple[int, list[str], Path]:
+    """A recorder (connecting, as to vLLM's binding publisher) hears batch 0,
+    then a ``big``-byte message as seq 1, then batches 2 and 3 once it is
+    subscribed again. Returns its exit code, its stderr lines and the trace."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    out = tmp_path / "rec"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-c", PEAK, "--max-record-bytes", limit, "record",
+            "--endpoint", endpoint, "-o", str(out), "--block-size", "16", "--duration", "6",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        assert pub.poll(int(TIMEOUT * 1000)) and pub.recv() == b"\x01"
+        pub.send_multipart([b"", u64(0), payload(T0, stored([KEY]))])
+        pub.send_multipart([b"", u64(1), b"\x00" * big])
+        # The recorder lost the connection and connects again: it subscribes anew.
+        for _ in range(2):
+            assert pub.poll(int(TIMEOUT * 1000)), "the recorder never came back"
+            if pub.recv() == b"\x01":
+                break
+        for seq in (2, 3):
+            pub.send_multipart([b"", u64(seq), payload(T0 + seq, stored([KEY + seq]))])
+        _, err = proc.communicate(timeout=3 * TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=TIMEOUT)
+        ctx.destroy(linger=0)
+    return proc.returncode, err.splitlines(), out
+
+
+def test_an_oversized_message_costs_no_memory_and_recording_goes_on(tmp_path: Path) -> None:
+    big = 256 << 20
+    code, lines, out = _oversized_recording(tmp_path, big, "1Mi")
+    assert code == 0, lines
+    peak = int(lines[-1].removeprefix("peak rss ").removesuffix(" KiB")) * 1024
+    endpoint = lines[0].split()[1]
+    assert lines[1:-1] == [
+        f"--endpoint {endpoint}: connection dropped (1 so far): a message above "
+        "--max-record-bytes (1,048,576 bytes), or the peer closed it; connecting again; "
+        "still recording",
+        "gap: seq 1 missing (1 batch): no --replay-endpoint to ask",
+        f"recorded 3 KV events in 3 batches, no lookup stream, 1 gap (1 batch missing), "
+        f"1 dropped connection to {out} (1 segment)",
+    ]
+    rows = open_trace(out).read_frame()
+    assert rows["block_hashes"].to_list() == [[u64(KEY)], [u64(KEY + 2)], [u64(KEY + 3)]]
+    assert (open_trace(out).config.source or {})["dropped_connections"] == 1
+    # The 256 MiB message never entered the recorder's memory.
+    assert peak < big, f"peak RSS {peak / 2**20:.0f} MiB"
+
+
+def test_an_oversized_lookup_message_drops_one_connection_not_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plugin's lookup stream: a message above --max-record-bytes costs
+    its connection, which is made again; the next lookups still arrive."""
+    from replay.sources.zmq_client import LookupSubscriber
+
+    monkeypatch.setenv("REPLAY_MAX_RECORD_BYTES", str(64 << 10))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sink = vllm_plugin.open_sink(endpoint)
+    ctx: zmq.Context[Any] = zmq.Context()
+    said: list[str] = []
+    try:
+        lsub = LookupSubscriber(ctx, endpoint, said.append)
+        assert lsub.sock.getsockopt(zmq.MAXMSGSIZE) == 64 << 10
+        config = {**one_group().to_json(), "source": {"cache": "gpu"}}
+        sink.engine({"type": "engine", "instance": "e1", "ts": T0, "config": config, "engine": {}})
+        assert lsub.wait_engine(lambda: False) is not None
+        big = {**_lookup(1), "request_id": "x" * (1 << 20)}
+        sink.send([big], watermark=1, instance="e1")
+        got: list[Any] = []
+        deadline = time.monotonic() + TIMEOUT
+        while not got and time.monotonic() < deadline:
+            sink.send([_lookup(2)], watermark=3, instance="e1")  # until one arrives
+            time.sleep(0.2)
+            lsub.check_drops()
+            got = [item for kind, item in lsub.receive(one_group()) if kind == "lookup"]
+    finally:
+        sink.close()
+        ctx.destroy(linger=0)
+    assert got and all(g.n == 2 for g in got)
+    assert said[0] == (
+        f"--lookups {endpoint}: connection dropped (1 so far): a message above "
+        "--max-record-bytes (65,536 bytes), or the peer closed it; connecting again; "
+        "still recording"
+    )
+    assert lsub.source()["dropped_connections"] == 1

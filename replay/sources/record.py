@@ -235,7 +235,14 @@ def record(
 
     from replay.sources.dump import DumpWriter
     from replay.sources.stream import Fill, StreamProcessor
-    from replay.sources.zmq_client import LookupSubscriber, ReplayClient, binds, zmq_reason
+    from replay.sources.zmq_client import (
+        DropWatch,
+        LookupSubscriber,
+        ReplayClient,
+        binds,
+        bounded_socket,
+        zmq_reason,
+    )
 
     for option, value in (("--endpoint", endpoint), ("--replay-endpoint", replay_endpoint), ("--topic", topic)):  # fmt: skip
         if value is not None and not is_text(value):
@@ -246,20 +253,26 @@ def record(
     ctx: zmq.Context[Any] = zmq.Context()
     replay: ReplayClient | None = None
     try:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, topic_bytes)
         if bind is None:
             bind = binds(endpoint)
-        try:
-            if bind:
-                sub.bind(endpoint)
-            else:
-                sub.connect(endpoint)
-        except zmq.ZMQError as exc:
-            verb = "bind" if bind else "connect"
-            raise ReplayError(f"--endpoint {endpoint}: cannot {verb} ({zmq_reason(exc)})") from None
+
+        def make_sub() -> zmq.Socket[Any]:
+            sock = bounded_socket(ctx, zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, topic_bytes)
+            try:
+                if bind:
+                    sock.bind(endpoint)
+                else:
+                    sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                verb = "bind" if bind else "connect"
+                raise ReplayError(
+                    f"--endpoint {endpoint}: cannot {verb} ({zmq_reason(exc)})"
+                ) from None
+            return sock
+
+        drops = DropWatch(make_sub, "--endpoint", endpoint, connect=not bind, report=report)
         if announce is not None:
             # Said once the endpoint is known good, so a bad one is the only line.
             how = (
@@ -302,6 +315,7 @@ def record(
                     "stopped_at": None if reason is None else datetime.now(tz=UTC).isoformat(),
                     "stop_reason": reason,
                     "dump": None if dump is None else Path(dump).name,
+                    "dropped_connections": drops.dropped,
                     **proc.source(),
                 }
                 if lsub is not None and placer is not None:
@@ -341,7 +355,7 @@ def record(
                 placer=placer,
             )
             poller = zmq.Poller()
-            poller.register(sub, zmq.POLLIN)
+            poller.register(drops.sock, zmq.POLLIN)
             if lsub is not None:
                 poller.register(lsub.sock, zmq.POLLIN)
             fill: Fill | None = replay.fetch if replay is not None else None
@@ -350,6 +364,12 @@ def record(
                 if replay is not None
                 else "no --replay-endpoint to ask"
             )
+
+            def take(frames: list[bytes]) -> None:
+                proc.feed(
+                    frames, origin="live", recv_ts=time.time(), fill=fill, gap_reason=live_reason
+                )
+
             reason = "stopped"
             last_progress = 0.0
             last_message = listening = time.monotonic()
@@ -373,6 +393,7 @@ def record(
                             break
                         wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
                     ready = dict(poller.poll(wait_ms))
+                    sub = drops.sock
                     if lsub is not None and placer is not None and lsub.sock in ready:
                         _take_lookups(lsub, placer, config)
                     if sub not in ready and not heard:
@@ -391,13 +412,7 @@ def record(
                                 frames = sub.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            proc.feed(
-                                frames,
-                                origin="live",
-                                recv_ts=time.time(),
-                                fill=fill,
-                                gap_reason=live_reason,
-                            )
+                            take(frames)
                             if max_batches is not None and proc.batches >= max_batches:
                                 break
                     elif (
@@ -411,6 +426,12 @@ def record(
                             f"{silence_seconds:g} s: is the engine publishing KV events there "
                             "(kv_events_config), and is the topic right? Still recording."
                         )
+                    # A dropped connection (an oversized message): a new socket
+                    # takes over; what the old one still held is read first.
+                    for frames in drops.check(poller):
+                        take(frames)
+                    if lsub is not None and placer is not None and lsub.check_drops(poller):
+                        _take_lookups(lsub, placer, config)
                     proc.tick(time.time())
                     rows.maybe_flush()
                     if isinstance(writer, SegmentedTraceWriter):
@@ -442,6 +463,7 @@ def record(
         summary = proc.summary(
             output, rows=writer.rows_written, filled=proc.filled, stop_reason=reason, dump=dump
         )
+        summary = replace(summary, dropped=drops.dropped)
         if isinstance(writer, SegmentedTraceWriter):
             summary = replace(summary, segments=len(writer.segments))
         return summary if placer is None else replace(summary, lookups=placer.placed)

@@ -466,3 +466,5 @@ class RecordSummary:
     lookups: int | None = None
     #: Closed segments of a trace directory (None: one file).
     segments: int | None = None
+    #: Connections of the KV-event socket dropped (an oversized message, a peer gone).
+    dropped: int = 0

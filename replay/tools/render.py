@@ -408,6 +408,8 @@ def recorded_text(s: RecordSummary, output: object) -> str:
         parts.append(_count(len(s.restarts), "publisher restart", "publisher restarts"))
     if s.skipped:
         parts.append(f"{s.skipped:,} malformed skipped")
+    if s.dropped:
+        parts.append(_count(s.dropped, "dropped connection", "dropped connections"))
     where = f" to {output}"
     if s.segments is not None:
         where += f" ({_count(s.segments, 'segment', 'segments')})"
