@@ -105,6 +105,7 @@ WRONG: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("synth", "-o"): (["--model", "full", "--requests", "10", "-o", "{o}"], "t.md", PARQUET_ONLY),
     ("split", "-o"): (["{t}", "--files", "2", "-o", "{o}"], "parts.parquet", ""),
     ("cat", "-o"): (["{t}", "-o", "{o}"], "one.md", PARQUET_ONLY),
+    ("repair", "-o"): (["{t}", "-o", "{o}"], "fixed.md", PARQUET_ONLY),
 }  # fmt: skip
 OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces"}
 

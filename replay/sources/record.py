@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.format.paths import FILE_EXTENSIONS
 from replay.format.segments import DEFAULT_SEGMENT_SECONDS, SegmentedTraceWriter
 from replay.format.writer import TraceWriter
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
@@ -179,9 +180,14 @@ def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
 
 
 def segmented(output: str | os.PathLike[str]) -> bool:
-    """Whether ``replay record -o`` names a trace directory of segments (any
-    name but a ``.parquet`` file's)."""
-    return Path(output).suffix.lower() != ".parquet"
+    """Whether ``replay record -o`` names a trace directory of segments: a
+    name without a file's extension (``.parquet``, ``.json``, ...) that is
+    not an existing file (a file, ``/dev/null``: the one-file form, whose
+    checks then refuse what cannot be written)."""
+    path = Path(output)
+    if path.suffix.lower() in FILE_EXTENSIONS:
+        return False
+    return path.is_dir() or not os.path.lexists(path)
 
 
 def record(
