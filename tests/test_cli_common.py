@@ -83,6 +83,7 @@ BAD: dict[tuple[str, ...], list[str]] = {
     ("synth",): ["-o", "{o}", "--model", "full", "--cache", "{m}"],
     ("split",): ["{m}", "-o", "{d}", "--files", "2"],
     ("cat",): ["{m}", "-o", "{o}"],
+    ("repair",): ["{m}", "-o", "{o}"],
 }
 
 
