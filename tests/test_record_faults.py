@@ -285,10 +285,12 @@ def test_kill_9_of_a_one_file_recording_is_salvaged_by_repair(tmp_path: Path) ->
     assert rows["block_hashes"].to_list() == [[u64(KEY + i)] for i in range(n)]
 
 
+#: The recorder, saying its peak RSS as it exits: VmHWM, the high-water mark
+#: of its own memory (``ru_maxrss`` keeps the forking parent's across exec).
 PEAK = (
-    "import atexit, resource, sys; "
-    "atexit.register(lambda: sys.stderr.write("
-    "'peak rss %d KiB\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)); "
+    "import atexit, re, sys; "
+    "atexit.register(lambda: sys.stderr.write('peak rss %s KiB\\n' % re.search("
+    "r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))); "
     "from replay.entry import main; main()"
 )
 
