@@ -91,6 +91,7 @@ BAD: dict[tuple[str, ...], list[str]] = {
         "--flags-out",
         "{m}/flags.jsonl",
     ],
+    ("repair",): ["{m}", "-o", "{o}"],
 }
 
 

@@ -220,7 +220,9 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
         "{p}: column 'kind' is not valid UTF-8 text: unreadable Parquet data (Invalid UTF8 payload)",
     ),
     "ts_beyond_year_9999": (
-        lambda tmp: _retype_column(tmp, "ts", pa.array([0, 10**15, 1], pa.timestamp("s"))),
+        lambda tmp: _retype_column(
+            tmp, "ts", pa.array([0, 10**15, 1], pa.timestamp("s", tz="UTC"))
+        ),
         # Parquet stores seconds as milliseconds.
         "{p}: seq 1: ts 1000000000000000000 ms since the epoch is outside the representable range (expected a time between 0001-01-01 and 9999-12-31)",
     ),

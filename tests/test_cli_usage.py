@@ -24,7 +24,7 @@ CASES = [
     (["synth", "--model", "full", "--seed"], "replay synth: option '--seed' requires an argument (try 'replay synth --help')"),
     (["whatif", "t.parquet", "--cache", "disk"], "replay whatif: invalid value for '--cache': 'disk' is not one of 'mooncake', 'gpu' (try 'replay whatif --help')"),
     (["validate", "a.parquet", "b.parquet"], "replay validate: got unexpected extra argument (b.parquet) (try 'replay validate --help')"),
-    (["replay"], "replay: no such command 'replay'. Did you mean 'explain'? (try 'replay --help')"),
+    (["replay"], "replay: no such command 'replay'. (Did you mean one of: 'explain', 'repair'?) (try 'replay --help')"),
     (["ingest", "jsonl"], "replay ingest: no such command 'jsonl' (try 'replay ingest --help')"),
     (["ingest", "mooncake", "m.jsonl", "--model", "gpt"], "replay ingest mooncake: invalid value for '--model': 'gpt' is not one of 'full', 'full+mamba', 'full+swa', 'full+chunked', 'swa+mamba', 'full+swa+mamba' (try 'replay ingest mooncake --help')"),
     (["--max-row-hashes"], "replay: option '--max-row-hashes' requires an argument (try 'replay --help')"),

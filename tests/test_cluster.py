@@ -299,3 +299,112 @@ def test_a_bad_cluster_address_is_one_line_and_quick(
     assert done.stdout == ""
     assert done.stderr == f"error: {message}\n"
     assert not out.exists()
+
+
+# ------------------------------------------------ faults of a real run (issue 32 item 5)
+
+
+def _kill_first_under(root: int, title: str, stop: threading.Event, killed: list[str]) -> None:
+    """SIGKILL the first descendant of process ``root`` whose title is ``title``."""
+    while not stop.is_set():
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if cmd.startswith(title) and root in _ancestors(int(entry.name)):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(cmd)
+                return
+        time.sleep(0.005)
+
+
+def _identical_or_one_line(code: int, err: str, out: Path, serial: pl.DataFrame, fault: str) -> str:
+    """The promise of issue 32: the results of the serial run, or one line,
+    exit 2 and no output. Returns which."""
+    print(f"\nFAULT {fault}: exit {code} {err.strip()}")  # what happened, for `-s`
+    if code == 0:
+        assert pl.read_parquet(out).equals(serial), fault
+        return "identical"
+    assert code == 2, (fault, code, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (fault, err)
+    assert "no results written" in lines[0], (fault, err)
+    assert not out.exists(), fault
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], fault
+    return "failed"
+
+
+@pytest.mark.parametrize("title", ["ray::_scatter_file", "ray::_answer_file", "ray::_Shard"])
+def test_a_worker_process_killed_during_workers_2(
+    ray_tmp: str, trace_dir: Path, serial: dict[str, pl.DataFrame], tmp_path: Path, title: str
+) -> None:
+    """`replay run --workers 2` (its own local Ray): a worker process of
+    each kind is SIGKILLed mid-run."""
+    out = tmp_path / "w.parquet"
+    replay = Path(sys.executable).parent / "replay"
+    proc = subprocess.Popen(
+        [
+            *(str(replay), "run", str(trace_dir / "dir"), "--workers", "2", "-o", str(out)),
+            *("-q", "--policy", "pre-49502"),
+        ],
+        env={**os.environ, "RAY_TMPDIR": ray_tmp},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stop, killed = threading.Event(), list[str]()
+    killer = threading.Thread(
+        target=_kill_first_under, args=(proc.pid, title, stop, killed), daemon=True
+    )
+    killer.start()
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        stop.set()
+        killer.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert killed, f"no {title} process was seen to kill"
+    how = _identical_or_one_line(proc.returncode, err, out, serial["pre-49502"], title)
+    if title != "ray::_Shard":  # a stateless task: Ray runs it again
+        assert how == "identical", err
+
+
+def test_a_worker_node_stopped_mid_run(
+    cluster: Cluster, trace_dir: Path, serial: dict[str, pl.DataFrame], tmp_path: Path
+) -> None:
+    """`replay run --ray ADDRESS` on the two-node cluster: the worker node
+    (its raylet, its workers, a shard's store) is stopped mid-run."""
+    out = tmp_path / "r.parquet"
+    replay = Path(sys.executable).parent / "replay"
+    (node,) = list(cluster.worker_nodes)
+    proc = subprocess.Popen(
+        [
+            *(str(replay), "run", str(trace_dir / "dir"), "--ray", cluster.address),
+            *("-o", str(out), "-q", "--policy", "pre-49502"),
+        ],
+        env={**os.environ, "RAY_TMPDIR": os.environ["RAY_TMPDIR"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _shard_actors():  # the run's shards are placed: it is under way
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never placed its shards"
+            time.sleep(0.01)
+        cluster.remove_node(node, allow_graceful=False)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        # The module's cluster gets its second node back.
+        cluster.add_node(num_cpus=1, object_store_memory=STORE_MB << 20)
+        cluster.wait_for_nodes()
+    _identical_or_one_line(proc.returncode, err, out, serial["pre-49502"], "node stopped")

@@ -106,6 +106,7 @@ WRONG: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("split", "-o"): (["{t}", "--files", "2", "-o", "{o}"], "parts.parquet", ""),
     ("cat", "-o"): (["{t}", "-o", "{o}"], "one.md", PARQUET_ONLY),
     ("watch", "-o"): (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "-o", "{o}"], "rolling.parquet", ""),
+    ("repair", "-o"): (["{t}", "-o", "{o}"], "fixed.md", PARQUET_ONLY),
 }  # fmt: skip
 OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces"}
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import msgspec
+import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from replay.format.paths import PAUSE_ENV
@@ -27,6 +29,7 @@ from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.sources.dump import DUMP_MAGIC, DumpWriter
 from tests.builders import full_mamba, issue_43559_rows
+from tests.conftest import run_cli
 from tests.kvpayloads import T0, payload, stored
 from tests.test_record_zmq import TIMEOUT, Publisher, Step
 
@@ -298,4 +301,77 @@ def test_a_signal_to_a_parallel_whatif_leaves_no_trace_and_no_worker_traceback(
     err = finish(proc, signal.SIGTERM)
     time.sleep(0.5)  # a worker that outlived its parent would speak now
     assert (proc.returncode, err) == (128 + signal.SIGTERM, "interrupted by SIGTERM\n")
+    assert _everything(tmp_path) == ["in", "in/t.parquet", "paused"]
+
+
+# ------------------------------------ the one rule for partial outputs (issue 32)
+
+
+def _emitted(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_signal_mid_whatif_publishes_the_finished_runs_with_exactly_their_traces(
+    tmp_path: Path, trace: Path
+) -> None:
+    """One worker: the third run pauses in its emitted trace; the two
+    finished runs are the sweep (partial) and their two traces, nothing else."""
+    marker = tmp_path / "paused"
+    out, emit = tmp_path / "w.parquet", tmp_path / "E"
+    args = ["whatif", str(trace), "--capacity-blocks", "10,20,30,40", "--jobs", "1", "-q",
+            "-o", str(out), "--emit-traces", str(emit)]  # fmt: skip
+    proc = start(args, {PAUSE_ENV: f"rows@3:{marker}"})
+    wait_for(marker, proc)
+    err = finish(proc, signal.SIGTERM)
+    assert (proc.returncode, err) == (
+        128 + signal.SIGTERM,
+        f"wrote {out} and their traces in {emit}: partial, 2 of 4 runs finished\n"
+        "interrupted by SIGTERM\n",
+    )
+    sweep = pl.read_parquet(out)
+    assert sweep["capacity_blocks"].to_list() == [10, 20]
+    assert json.loads(pq.read_schema(out).metadata[b"replay.sweep"])["partial"] is True
+    assert _emitted(emit) == ["whatif-mooncake-lru-10.parquet", "whatif-mooncake-lru-20.parquet"]
+    for name in _emitted(emit):
+        assert run_cli(["validate", str(emit / name)]).exit_code == 0
+    assert _everything(tmp_path) == sorted(
+        ["in", "in/t.parquet", "paused", "w.parquet", "E",
+         "E/whatif-mooncake-lru-10.parquet", "E/whatif-mooncake-lru-20.parquet"]
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_signal_mid_parallel_whatif_keeps_sweep_and_traces_consistent(
+    tmp_path: Path, trace: Path
+) -> None:
+    """Two worker processes, each paused in its second emitted trace: what
+    is published is the finished runs and exactly their traces."""
+    marker = tmp_path / "paused"
+    out, emit = tmp_path / "w.parquet", tmp_path / "E"
+    args = ["whatif", str(trace), "--capacity-blocks", "10,20,30,40", "--jobs", "2", "-q",
+            "-o", str(out), "--emit-traces", str(emit)]  # fmt: skip
+    proc = start(args, {PAUSE_ENV: f"rows@2:{marker}"})
+    wait_for(marker, proc)
+    time.sleep(0.5)  # the other worker's first run reported too, or not: both are fine
+    err = finish(proc, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    finished = pl.read_parquet(out)["capacity_blocks"].to_list()
+    assert 1 <= len(finished) <= 3
+    assert err == (
+        f"wrote {out} and their traces in {emit}: partial, {len(finished)} of 4 runs finished\n"
+        "interrupted by SIGTERM\n"
+    )
+    assert _emitted(emit) == sorted(f"whatif-mooncake-lru-{n}.parquet" for n in finished)
+    assert not [p for p in tmp_path.rglob(".*")]  # no temporary file of a killed worker
+
+
+def test_a_signal_mid_split_leaves_no_part(tmp_path: Path, trace: Path) -> None:
+    marker = tmp_path / "paused"
+    proc = start(
+        ["split", str(trace), "-o", str(tmp_path / "parts"), "--files", "3"],
+        {PAUSE_ENV: f"rows@2:{marker}"},  # the second part is being written
+    )
+    wait_for(marker, proc)
+    err = finish(proc, signal.SIGINT)
+    assert (proc.returncode, err) == (128 + signal.SIGINT, "interrupted by SIGINT\n")
     assert _everything(tmp_path) == ["in", "in/t.parquet", "paused"]

@@ -211,6 +211,8 @@ class TraceConfig:
     def from_json(cls, obj: object) -> TraceConfig:
         if not isinstance(obj, Mapping):
             raise ConfigError(f"expected a JSON object, got {type(obj).__name__}")
+        if "version" not in obj:
+            raise ConfigError("missing field 'version'")
         version = obj.get("version")
         if version != 1:
             raise ConfigError(f"field 'version': expected 1, got {version!r}")

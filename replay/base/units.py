@@ -116,6 +116,30 @@ def parse_seconds(text: str, option: str, *, most: int = 366 * 86400) -> float:
     return float(value)
 
 
+def parse_segment(text: str, option: str = "--segment") -> tuple[float | None, int | None]:
+    """How often a segmented writer closes a segment: a duration (``60``,
+    ``30s``, ``10m``, ``1h``) or a count of events (``10000events``,
+    ``50k events``). Returns (seconds, None) or (None, events)."""
+    given = text.strip()
+    lowered = given.lower()
+    for word in ("events", "event"):
+        if lowered.endswith(word):
+            count = given[: -len(word)].strip()
+            try:
+                return None, parse_count(count, option, least=1)
+            except ReplayError:
+                break
+    else:
+        try:
+            return parse_seconds(given, option), None
+        except ReplayError:
+            pass
+    raise ReplayError(
+        f"{option} {shown(text)}: expected a duration (60, 30s, 10m, 1h) or a number of "
+        "events (10000events, 50k events)"
+    )
+
+
 def parse_seed(text: str, option: str = "--seed") -> int:
     """A random seed: a whole number from 0 to 2**64 - 1."""
     return parse_count(text, option, least=0, most=(1 << 64) - 1, units=False)

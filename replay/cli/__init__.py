@@ -32,7 +32,7 @@ from replay.cli.options import count_type
 
 # The sections of `replay --help`, in the order a user meets them.
 SECTIONS: tuple[tuple[str, tuple[click.Command, ...]], ...] = (
-    ("Inspect a trace", (inspect.validate, inspect.info, inspect.state)),
+    ("Inspect a trace", (inspect.validate, inspect.info, inspect.state, inspect.repair)),
     ("Replay and check", (run.run, run.check, run.explain, run.minimize)),
     ("Guard vLLM", (guard.test, watch.watch)),
     ("Compare and report", (analysis.diff, analysis.bisect, analysis.report, whatif.whatif)),

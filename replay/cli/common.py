@@ -206,6 +206,9 @@ class Command(_UsageInOneLine):
         # command line imports it lazily, so that `--help` stays fast).
         import polars  # noqa: F401
 
+        from replay.format.schema import take_read_notes
+
+        take_read_notes()  # a note is the command's own, never a previous one's
         with command_guard():
             try:
                 result = super().invoke(ctx)
@@ -227,7 +230,10 @@ def note_at_end(*lines: str) -> None:
 
 
 def _say_notes(ctx: click.Context) -> None:
-    for line in dict.fromkeys(ctx.find_root().meta.pop(_NOTES, [])):
+    from replay.format.schema import take_read_notes
+
+    lines = [*take_read_notes(), *ctx.find_root().meta.pop(_NOTES, [])]
+    for line in dict.fromkeys(lines):
         click.echo(line, err=True)
 
 

@@ -9,6 +9,7 @@ import click
 
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, integer_type, output_option
+from replay.cli.sources import config_options
 from replay.tools.render import group_label, info_lines, validate_line
 
 
@@ -19,6 +20,36 @@ def validate(trace: Path) -> None:
     from analysis.summary import trace_info
 
     click.echo(validate_line(trace, trace_info(trace)))
+
+
+@command()
+@click.argument("file", type=click.Path(path_type=Path))
+@output_option("The trace file to write (new; FILE is never changed).", required=True)
+@config_options
+def repair(file: Path, output: Path, config_path: str | None, block_size: int | None) -> None:
+    """Salvage the complete row groups of a trace file cut short (a recorder
+    killed before it wrote the footer, a copy cut short) into a valid trace.
+
+    The footer held the trace's config: --config or --block-size give it,
+    else a complete trace beside FILE does (the closed segments of the
+    recording whose open segment FILE was)."""
+    from replay.format.repair import repair_trace
+
+    config = None
+    if config_path is not None or block_size is not None:
+        from replay.sources.kv_config import load_config
+
+        config = load_config(config_path, block_size)
+    done = repair_trace(file, output, config)
+    bytes_said = (
+        f"{done.kept_bytes:,} of {done.file_bytes:,} bytes; the rest was cut short"
+        if done.kept_bytes < done.file_bytes
+        else f"all {done.file_bytes:,} bytes; only the footer was missing"
+    )
+    click.echo(
+        f"{file} -> {output}: kept {done.rows:,} rows in {done.row_groups:,} complete row "
+        f"group{'s' if done.row_groups != 1 else ''} ({bytes_said})"
+    )
 
 
 @command()

@@ -17,6 +17,7 @@ from replay.base.units import (
     parse_integer,
     parse_seconds,
     parse_seed,
+    parse_segment,
     shown,
 )
 from replay.cli.common import fail, note_at_end
@@ -69,6 +70,11 @@ def bytes_type(least: int = 1, most: int = INT64_MAX) -> _Parsed:
 def fraction_type() -> _Parsed:
     """The click type of a fraction in (0, 1] (``--sample 0.1``)."""
     return _Parsed("FRACTION", parse_fraction)
+
+
+def segment_type() -> _Parsed:
+    """``--segment``: a duration or a count of events (``parse_segment``)."""
+    return _Parsed("SECONDS|Nevents", parse_segment)
 
 
 def seconds_type(most: int = 366 * 86400) -> _Parsed:

@@ -20,6 +20,7 @@ from replay.cli.options import (
     count_option,
     output_option,
     seconds_type,
+    segment_type,
     store_options,
     store_settings,
 )
@@ -120,7 +121,22 @@ def _say(message: str) -> None:
     "every lookup goes in its exact place with the hit vLLM gave it; the plugin's engine "
     "facts replace --config.",
 )
-@TRACE_OUTPUT
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    metavar="DIR|TRACE.parquet",
+    help="Where to record: a new (or empty) directory is written as closed segments "
+    "(a kill loses only the open one; every command reads the directory as one trace); "
+    "a .parquet name is one file, complete only once the recording ends.",
+)
+@click.option(
+    "--segment",
+    type=segment_type(),
+    metavar="SECONDS|Nevents",
+    help="Close a segment of -o DIR this often: a duration (60, 30s, 10m) or a number of "
+    "events (10000events). Default: 60s.",
+)
 @config_options
 @_medium_option
 @count_option("--max-batches", least=1, help="Stop once N batches (sequence numbers) were taken.")
@@ -156,24 +172,40 @@ def record(
     dump: str | None,
     connect_timeout: float,
     replay_timeout: float,
+    segment: tuple[float | None, int | None] | None,
 ) -> None:
     """Record a live vLLM KV-event stream into a trace.
 
-    Stops on Ctrl-C / SIGTERM (closing a valid file), after --max-batches or
-    after --duration. Gaps are filled from --replay-endpoint; what cannot be
+    -o DIR writes closed segments every --segment (60 s by default): after a
+    kill -9, an out-of-memory kill or a power loss every closed segment is
+    readable and `replay run DIR` replays them. Stops on Ctrl-C / SIGTERM
+    (closing the open segment, or the file), after --max-batches or after
+    --duration. Gaps are filled from --replay-endpoint; what cannot be
     filled is reported and listed in the trace's source metadata. Ends with
     the KV events, lookups and gaps received. No KV event within
     --connect-timeout, or none at all by the end: exit status 2 and no trace.
     """
+    from replay.format.segments import DEFAULT_SEGMENT_SECONDS
     from replay.sources.kv_config import GroupMismatch
-    from replay.sources.record import EmptyRecording, stop_on_signals
+    from replay.sources.record import EmptyRecording, segmented, stop_on_signals
     from replay.sources.record import record as record_stream
 
-    check_outputs(
-        {"-o": output, "--dump": dump},
-        [config_path],
-        formats={"-o": PARQUET, "--dump": KV_DUMP},
-    )
+    if segmented(output):
+        check_outputs(
+            {"--dump": dump}, [config_path], formats={"--dump": KV_DUMP}, directories={"-o": output}
+        )
+    else:
+        if segment is not None:
+            raise fail(
+                f"--segment: -o {output} is one file; name a directory "
+                f"(e.g. -o {Path(output).with_suffix('')}) to record segments"
+            )
+        check_outputs(
+            {"-o": output, "--dump": dump},
+            [config_path],
+            formats={"-o": PARQUET, "--dump": KV_DUMP},
+        )
+    segment_seconds, segment_events = segment or (DEFAULT_SEGMENT_SECONDS, None)
     config = _optional_config(config_path, block_size, lookups)
     stop = threading.Event()
     with progress_bar() as bar, stop_on_signals(stop) as received:
@@ -193,6 +225,8 @@ def record(
                 media=media or None,
                 replay_timeout=replay_timeout,
                 connect_timeout=connect_timeout,
+                segment_seconds=segment_seconds,
+                segment_events=segment_events,
                 stop=stop,
                 announce=say,
                 report=say,

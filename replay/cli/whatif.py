@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from replay.base.errors import Interrupted
 from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
@@ -242,8 +243,9 @@ def whatif(
     per-request hit-ratio percentiles and its method (gpu LRU capacities
     come from one stack-distance pass where that is exact, one-pass, else
     per-capacity) and simulator (compiled, or the Python model where the
-    kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
-    writes the runs that finished (marked partial)."""
+    kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT, SIGTERM
+    or SIGHUP writes the runs that finished (marked partial) and, with
+    --emit-traces, the traces of exactly those runs, together."""
     from analysis.flags import sweep_flag_counts
     from replay.engine.answers import resolve_cache
     from replay.format.paths import PARQUET, check_outputs, staged_outputs
@@ -317,8 +319,9 @@ def whatif(
         for sim_n, sim_b in [simulated(n, b)]
     ]
     given = [(n, b) for n, b in sizes for _ in names]
-    # The emitted traces and the sweep file appear together or not at all
-    # (a signal mid-sweep still writes the finished runs, marked partial).
+    # The emitted traces and the sweep file appear together or not at all; a
+    # signal publishes the finished runs (marked partial) with their traces
+    # (the README's one rule, "Outputs on a signal").
     with staged_outputs() as stage:
         if emit_traces is not None:
             staging = stage.directory(emit_traces, "--emit-traces")
@@ -374,14 +377,25 @@ def whatif(
                     progress=None if bar is None else _sweep_progress(bar),
                     on_row=keep,
                 )
-        except BaseException:
-            # A signal (or an error) mid-sweep: keep the runs that finished.
+        except (KeyboardInterrupt, Interrupted):
+            # A signal mid-sweep: the finished runs, marked partial, and the
+            # traces exactly those runs emitted, published together; an
+            # unfinished run's trace (or a killed worker's temporary file)
+            # never. An error publishes nothing.
             if rows:
                 meta["partial"] = True
                 meta["seconds"] = time.perf_counter() - started
-                write_sweep(output, finished_rows(), meta)
+                write_sweep(stage.file(output), finished_rows(), meta)
+                if emit_traces is not None:
+                    done = {Path(str(specs[k].emit)).name for k in rows}
+                    for entry in staging.iterdir():
+                        if entry.name not in done:
+                            entry.unlink(missing_ok=True)
+                stage.publish()
+                emitted = f" and their traces in {emit_traces}" if emit_traces is not None else ""
                 click.echo(
-                    f"wrote {output}: partial, {len(rows)} of {len(specs)} runs finished", err=True
+                    f"wrote {output}{emitted}: partial, {len(rows)} of {len(specs)} runs finished",
+                    err=True,
                 )
             raise
         ceiling = meta["ceiling"]

@@ -44,10 +44,11 @@ STDOUT_NAMES = ("-", "/dev/stdout")
 #: file is created or renamed, so either step completes or never starts.
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-#: A test hook (``stage:marker``): at that stage of a write the process
-#: writes the temporary file's path to ``marker`` and sleeps, so a test can
-#: deliver a real signal while the write is in progress. Stages: ``rows``
-#: (a trace writer, after a row group) and ``publish`` (before the rename).
+#: A test hook (``stage:marker``, or ``stage@N:marker`` for the N-th time
+#: the process reaches it): at that stage of a write the process writes the
+#: temporary file's path to ``marker`` and sleeps, so a test can deliver a
+#: real signal while the write is in progress. Stages: ``rows`` (a trace
+#: writer, after a row group) and ``publish`` (before the rename).
 PAUSE_ENV = "REPLAY_TEST_PAUSE"
 
 
@@ -380,7 +381,11 @@ def pause_point(stage: str, tmp: Path) -> None:
     if not hook or _paused:
         return
     want, _, marker = hook.partition(":")
+    want, _, nth = want.partition("@")
     if want != stage or not marker:
+        return
+    _reached[stage] = _reached.get(stage, 0) + 1
+    if nth and _reached[stage] != int(nth):
         return
     _paused.append(stage)  # once: cleanup after the signal may write again
     Path(marker).write_text(str(tmp))
@@ -394,6 +399,7 @@ def pause_point(stage: str, tmp: Path) -> None:
 
 
 _paused: list[str] = []
+_reached: dict[str, int] = {}
 _signalled = threading.Event()
 
 
@@ -498,7 +504,9 @@ class Staging:
     is written to a hidden temporary file beside it, each directory built
     in a hidden temporary directory beside it, and all are renamed into
     place at the end (signals held); any error or signal before removes
-    every one of them. Used through :func:`staged_outputs`."""
+    every one of them, unless the command publishes the finished part of
+    its work first (``whatif`` on a signal: the README's one rule, "Outputs
+    on a signal"). Used through :func:`staged_outputs`."""
 
     def __init__(self) -> None:
         # (temporary, target, the path the user gave, a directory?, mode)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -165,6 +166,51 @@ def _type_ok(name: str, typ: pa.DataType) -> bool:
     return True
 
 
+#: Spellings of UTC itself.
+UTC_NAMES = frozenset(("UTC", "Etc/UTC", "Z", "+00:00"))
+_OFFSET = re.compile(r"[+-]([01]\d|2[0-3]):[0-5]\d")
+
+#: What readers converted on the way (a ``ts`` in another zone, read as the
+#: UTC instants it stores); the CLI says them once a command's work is done.
+_READ_NOTES: list[str] = []
+
+
+def take_read_notes() -> list[str]:
+    """The notes readers left since the last call (each once, in order)."""
+    notes = list(dict.fromkeys(_READ_NOTES))
+    _READ_NOTES.clear()
+    return notes
+
+
+def check_ts_zone(path: str | os.PathLike[str], typ: pa.DataType) -> None:
+    """The ``ts`` column is ``timestamp[us, UTC]`` (any unit is read
+    exactly). A fixed offset (``+05:30``) or a time zone name the system
+    knows is read as the UTC instants Arrow stores, and said (a note); no
+    time zone (a wall-clock time of unknown zone) or a name that is no time
+    zone is refused."""
+    if not pa.types.is_timestamp(typ) or typ.tz in UTC_NAMES:
+        return
+    want = "expected timestamp[us, UTC]"
+    if typ.tz is None:
+        raise TraceError(
+            f"{path}: column 'ts' has no time zone (a wall-clock time of unknown zone), {want}"
+        )
+    tz = typ.tz
+    if not _OFFSET.fullmatch(tz):
+        import zoneinfo
+
+        try:
+            zoneinfo.ZoneInfo(tz)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+            raise TraceError(
+                f"{path}: column 'ts' has time zone {tz!r}, which is not a time zone, {want}"
+            ) from None
+    _READ_NOTES.append(
+        f"{path}: column 'ts' is in time zone {tz}; read as the UTC instants it stores "
+        "(the format's timestamp[us, UTC])"
+    )
+
+
 def check_schema(path: str | os.PathLike[str], schema: pa.Schema) -> list[str]:
     """The trace columns present, after checking the required ones exist and
     every one has a type of format v1 (the reader calls it on the footer)."""
@@ -180,6 +226,8 @@ def check_schema(path: str | os.PathLike[str], schema: pa.Schema) -> list[str]:
                     f"{path}: column {name!r} has type {schema.field(name).type}, "
                     f"expected {_EXPECTED_TYPE[name]}"
                 )
+    if "ts" in schema.names:
+        check_ts_zone(path, schema.field("ts").type)
     return [n for n in TRACE_COLUMNS if n in schema.names]
 
 

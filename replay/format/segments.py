@@ -142,6 +142,8 @@ class SegmentedTraceWriter:
     (None: no count bound), whichever comes first. ``directory`` must be new
     or empty and its parent exist (it is created). ``clock`` is the time
     source of the time bound (``time.monotonic``; tests pass their own).
+    ``source``: called as each segment closes, its ``source`` metadata (a
+    recorder's gaps so far), until :meth:`set_source` gives the final one.
     See the module docstring for the layout and the guarantees.
 
     Attributes: ``rows_written`` (rows given, snapshots not counted),
@@ -157,6 +159,7 @@ class SegmentedTraceWriter:
         segment_events: int | None = None,
         keep_on_interrupt: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        source: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         if segment_seconds is not None and not segment_seconds > 0:
             raise ReplayError(f"segment of {segment_seconds} s: expected a positive time")
@@ -186,6 +189,7 @@ class SegmentedTraceWriter:
         self._facts: dict[str, Any] = {}
         self._last_seq: int | None = None  # the last seq written (after the offset)
         self._source: Mapping[str, Any] | None = None
+        self._source_of = source
         self._closed = False
 
     # ------------------------------------------------------------- writing
@@ -283,6 +287,8 @@ class SegmentedTraceWriter:
         writer, self._open = self._open, None
         if writer is None:
             return
+        if self._source is None and self._source_of is not None:
+            writer.set_source(self._source_of())
         writer.set_footer(SEGMENT_META_KEY, json.dumps(self._facts, sort_keys=True).encode())
         try:
             writer.close()

@@ -34,7 +34,13 @@ from replay.base.spec import TraceConfig
 from replay.sources.plugin_log import LookupPlacer, PlacedLookup, plugin_config
 from replay.sources.stream import Fill, StreamProcessor
 from replay.sources.values import Report, Row, is_text
-from replay.sources.zmq_client import LookupSubscriber, ReplayClient, binds, zmq_reason
+from replay.sources.zmq_client import (
+    LookupSubscriber,
+    ReplayClient,
+    binds,
+    bounded_socket,
+    zmq_reason,
+)
 
 #: KV messages taken per engine per turn of the loop, so that one busy
 #: engine does not starve the others (or the status line).
@@ -115,8 +121,8 @@ class EngineFeed:
         self.hwm = hwm
         self.on_restart = on_restart
         self._topic = endpoints.topic.encode()
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
+        # A message above --max-record-bytes is refused from its size header.
+        self.sub = bounded_socket(ctx, zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         where = f"--engine {self.name}: kv={endpoints.kv}"

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.format.paths import FILE_EXTENSIONS
+from replay.format.segments import DEFAULT_SEGMENT_SECONDS, SegmentedTraceWriter
 from replay.format.writer import TraceWriter
 from replay.sources.lookup_log import LookupMerger, read_lookup_log
 from replay.sources.plugin_log import (
@@ -93,7 +95,7 @@ class _BufferedRows:
 
     def __init__(
         self,
-        writer: TraceWriter,
+        writer: TraceWriter | SegmentedTraceWriter,
         *,
         merger: LookupMerger | None = None,
         flush_rows: int = 10_000,
@@ -177,6 +179,17 @@ def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
             signal.signal(sig, old)
 
 
+def segmented(output: str | os.PathLike[str]) -> bool:
+    """Whether ``replay record -o`` names a trace directory of segments: a
+    name without a file's extension (``.parquet``, ``.json``, ...) that is
+    not an existing file (a file, ``/dev/null``: the one-file form, whose
+    checks then refuse what cannot be written)."""
+    path = Path(output)
+    if path.suffix.lower() in FILE_EXTENSIONS:
+        return False
+    return path.is_dir() or not os.path.lexists(path)
+
+
 def record(
     *,
     endpoint: str,
@@ -200,6 +213,8 @@ def record(
     reorder_seconds: float = 2.0,
     announce: Report | None = None,
     connect_timeout: float = 10.0,
+    segment_seconds: float | None = DEFAULT_SEGMENT_SECONDS,
+    segment_events: int | None = None,
 ) -> RecordSummary:
     """Record until ``max_batches`` batches were taken, ``duration`` seconds
     passed, ``stop`` is set, or Ctrl-C; then close a valid trace. Batches
@@ -214,13 +229,26 @@ def record(
     (``replay.sources.zmq_client.binds``),
     else connect. ``lookups``: the vLLM plugin's endpoint; every lookup goes
     in its exact place, and without ``config`` the plugin's engine facts
-    are the config."""
+    are the config.
+
+    ``output``: a directory (any name but ``*.parquet``) is written as closed
+    segments (``replay.format.segments``), each closed every
+    ``segment_seconds`` or ``segment_events`` events, so a killed recorder
+    loses only the open one; a ``.parquet`` name is one file, closed at the
+    end (a kill loses it; ``replay repair`` salvages its row groups)."""
     require_extra("replay record", "zmq", "msgspec")
     import zmq
 
     from replay.sources.dump import DumpWriter
     from replay.sources.stream import Fill, StreamProcessor
-    from replay.sources.zmq_client import LookupSubscriber, ReplayClient, binds, zmq_reason
+    from replay.sources.zmq_client import (
+        DropWatch,
+        LookupSubscriber,
+        ReplayClient,
+        binds,
+        bounded_socket,
+        zmq_reason,
+    )
 
     for option, value in (("--endpoint", endpoint), ("--replay-endpoint", replay_endpoint), ("--topic", topic)):  # fmt: skip
         if value is not None and not is_text(value):
@@ -231,20 +259,26 @@ def record(
     ctx: zmq.Context[Any] = zmq.Context()
     replay: ReplayClient | None = None
     try:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, topic_bytes)
         if bind is None:
             bind = binds(endpoint)
-        try:
-            if bind:
-                sub.bind(endpoint)
-            else:
-                sub.connect(endpoint)
-        except zmq.ZMQError as exc:
-            verb = "bind" if bind else "connect"
-            raise ReplayError(f"--endpoint {endpoint}: cannot {verb} ({zmq_reason(exc)})") from None
+
+        def make_sub() -> zmq.Socket[Any]:
+            sock = bounded_socket(ctx, zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, topic_bytes)
+            try:
+                if bind:
+                    sock.bind(endpoint)
+                else:
+                    sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                verb = "bind" if bind else "connect"
+                raise ReplayError(
+                    f"--endpoint {endpoint}: cannot {verb} ({zmq_reason(exc)})"
+                ) from None
+            return sock
+
+        drops = DropWatch(make_sub, "--endpoint", endpoint, connect=not bind, report=report)
         if announce is not None:
             # Said once the endpoint is known good, so a bad one is the only line.
             how = (
@@ -273,7 +307,47 @@ def record(
             replay = ReplayClient(ctx, replay_endpoint, topic_bytes, replay_timeout, report)
         with contextlib.ExitStack() as stack:
             dump_writer = stack.enter_context(DumpWriter(dump)) if dump is not None else None
-            writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
+
+            def source_now(reason: str | None = None) -> dict[str, Any]:
+                """The trace's ``source``: the recording so far (a segment
+                closed on the way), or whole (``reason``: why it stopped)."""
+                out: dict[str, Any] = {
+                    "tool": "replay record",
+                    "endpoint": endpoint,
+                    "endpoint_socket": "bound" if bind else "connected",
+                    "replay_endpoint": replay_endpoint,
+                    "topic": topic,
+                    "started_at": datetime.fromtimestamp(started, tz=UTC).isoformat(),
+                    "stopped_at": None if reason is None else datetime.now(tz=UTC).isoformat(),
+                    "stop_reason": reason,
+                    "dump": None if dump is None else Path(dump).name,
+                    "dropped_connections": drops.dropped,
+                    **proc.source(),
+                }
+                if lsub is not None and placer is not None:
+                    out.update(plugin_source(placer, lsub.engines, lsub.source()))
+                return out
+
+            writer: TraceWriter | SegmentedTraceWriter
+            if segmented(output):
+                writer = stack.enter_context(
+                    SegmentedTraceWriter(
+                        output,
+                        config,
+                        segment_seconds=segment_seconds,
+                        segment_events=segment_events,
+                        source=source_now,
+                    )
+                )
+            else:
+                writer = stack.enter_context(TraceWriter(output, config, keep_on_interrupt=True))
+            if isinstance(writer, SegmentedTraceWriter):
+                # Rows held in memory would die with the open segment: they
+                # go to it at least as often as segments close.
+                if segment_seconds is not None:
+                    flush_seconds = min(flush_seconds, segment_seconds)
+                if segment_events is not None:
+                    flush_rows = min(flush_rows, segment_events)
             rows = _BufferedRows(writer, flush_rows=flush_rows, flush_seconds=flush_seconds)
             placer = None if lsub is None else LookupPlacer(rows)
             proc = StreamProcessor(
@@ -287,7 +361,7 @@ def record(
                 placer=placer,
             )
             poller = zmq.Poller()
-            poller.register(sub, zmq.POLLIN)
+            poller.register(drops.sock, zmq.POLLIN)
             if lsub is not None:
                 poller.register(lsub.sock, zmq.POLLIN)
             fill: Fill | None = replay.fetch if replay is not None else None
@@ -296,6 +370,12 @@ def record(
                 if replay is not None
                 else "no --replay-endpoint to ask"
             )
+
+            def take(frames: list[bytes]) -> None:
+                proc.feed(
+                    frames, origin="live", recv_ts=time.time(), fill=fill, gap_reason=live_reason
+                )
+
             reason = "stopped"
             last_progress = 0.0
             last_message = listening = time.monotonic()
@@ -319,6 +399,7 @@ def record(
                             break
                         wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
                     ready = dict(poller.poll(wait_ms))
+                    sub = drops.sock
                     if lsub is not None and placer is not None and lsub.sock in ready:
                         _take_lookups(lsub, placer, config)
                     if sub not in ready and not heard:
@@ -337,13 +418,7 @@ def record(
                                 frames = sub.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            proc.feed(
-                                frames,
-                                origin="live",
-                                recv_ts=time.time(),
-                                fill=fill,
-                                gap_reason=live_reason,
-                            )
+                            take(frames)
                             if max_batches is not None and proc.batches >= max_batches:
                                 break
                     elif (
@@ -357,8 +432,16 @@ def record(
                             f"{silence_seconds:g} s: is the engine publishing KV events there "
                             "(kv_events_config), and is the topic right? Still recording."
                         )
+                    # A dropped connection (an oversized message): a new socket
+                    # takes over; what the old one still held is read first.
+                    for frames in drops.check(poller):
+                        take(frames)
+                    if lsub is not None and placer is not None and lsub.check_drops(poller):
+                        _take_lookups(lsub, placer, config)
                     proc.tick(time.time())
                     rows.maybe_flush()
+                    if isinstance(writer, SegmentedTraceWriter):
+                        writer.tick()
                     if dump_writer is not None:
                         # Every loop: a recorder killed with SIGKILL loses at
                         # most the last moment of its dump.
@@ -382,24 +465,13 @@ def record(
                         f"in {proc.batches} batches received in {waited:.1f} s (stopped: {reason})"
                     )
                 raise EmptyRecording(_nothing_heard(endpoint, bind, waited, topic, why))
-            source: dict[str, Any] = {
-                "tool": "replay record",
-                "endpoint": endpoint,
-                "endpoint_socket": "bound" if bind else "connected",
-                "replay_endpoint": replay_endpoint,
-                "topic": topic,
-                "started_at": datetime.fromtimestamp(started, tz=UTC).isoformat(),
-                "stopped_at": datetime.now(tz=UTC).isoformat(),
-                "stop_reason": reason,
-                "dump": None if dump is None else Path(dump).name,
-                **proc.source(),
-            }
-            if lsub is not None and placer is not None:
-                source.update(plugin_source(placer, lsub.engines, lsub.source()))
-            writer.set_source(source)
+            writer.set_source(source_now(reason))
         summary = proc.summary(
             output, rows=writer.rows_written, filled=proc.filled, stop_reason=reason, dump=dump
         )
+        summary = replace(summary, dropped=drops.dropped)
+        if isinstance(writer, SegmentedTraceWriter):
+            summary = replace(summary, segments=len(writer.segments))
         return summary if placer is None else replace(summary, lookups=placer.placed)
     finally:
         if replay is not None:

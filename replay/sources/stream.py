@@ -464,3 +464,7 @@ class RecordSummary:
     stop_reason: str = ""
     dump: Path | None = None
     lookups: int | None = None
+    #: Closed segments of a trace directory (None: one file).
+    segments: int | None = None
+    #: Connections of the KV-event socket dropped (an oversized message, a peer gone).
+    dropped: int = 0

@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from replay.base.errors import ReplayError
+from replay.base.limits import RECORD_BYTES
 from replay.base.spec import TraceConfig
 from replay.sources.plugin_log import PlacedLookup, parse_plugin_lookup
 from replay.sources.stream import NO_ANSWER
@@ -23,6 +25,89 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def zmq_reason(exc: zmq.ZMQError) -> str:
     # pyzmq appends "(addr=...)" to strerror; the address is already in the message.
     return zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+
+
+def bounded_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket this package reads: no linger, no receive high-water mark
+    (the recorder drains it every loop), and ``zmq.MAXMSGSIZE`` from
+    ``--max-record-bytes``, so a message above the limit is refused by
+    libzmq from its size header, before it is received, and costs no memory
+    (libzmq drops the connection that sent it: see :class:`DropWatch`)."""
+    sock: zmq.Socket[Any] = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, RECORD_BYTES.value())
+    return sock
+
+
+class DropWatch:
+    """The connections a socket lost, counted and said, and made again.
+
+    libzmq answers a message above ``zmq.MAXMSGSIZE`` by dropping the
+    connection it came on, and the connecting side of a connection dropped
+    that way never reconnects (libzmq 4.3 treats it as a protocol error):
+    a recorder that connected would hear nothing more. A monitor socket
+    reports each disconnection; a connecting socket is then replaced by a
+    new one, made by ``make`` (connecting the old one again can trip an
+    assertion inside libzmq 4.3.5 when the dropped message was multipart).
+    The event does not say why (an oversized message, or the peer went
+    away), so the line says both. ``sock`` is the socket to read."""
+
+    def __init__(
+        self,
+        make: Callable[[], zmq.Socket[Any]],
+        option: str,
+        endpoint: str,
+        *,
+        connect: bool,
+        report: Report,
+    ) -> None:
+        self.make, self.option, self.endpoint = make, option, endpoint
+        self.connect, self.report = connect, report
+        self.dropped = 0
+        self.sock = make()
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def check(self, poller: zmq.Poller | None = None) -> list[list[bytes]]:
+        """Take the disconnections reported since the last call. When
+        ``sock`` is replaced (and, in ``poller``, re-registered), the whole
+        messages the old one still held are returned, to be read as if
+        received; else none."""
+        seen = 0
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            seen += 1
+            self.dropped += 1
+            again = "; connecting again" if self.connect else ""
+            self.report(
+                f"{self.option} {self.endpoint}: connection dropped ({self.dropped} so far): a "
+                f"message above --max-record-bytes ({RECORD_BYTES.value():,} bytes), or the "
+                f"peer closed it{again}; still recording"
+            )
+        if not (seen and self.connect):
+            return []
+        old = self.sock
+        held: list[list[bytes]] = []
+        while True:
+            try:
+                held.append(old.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        if poller is not None:
+            poller.unregister(old)
+        self.close()
+        self.sock = self.make()
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if poller is not None:
+            poller.register(self.sock, zmq.POLLIN)
+        return held
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 class ReplayClient:
@@ -38,9 +123,7 @@ class ReplayClient:
 
     def _socket(self) -> zmq.Socket[Any]:
         if self._sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock = bounded_socket(self.ctx, zmq.DEALER)
             try:
                 sock.connect(self.endpoint)
             except zmq.ZMQError as exc:
@@ -110,16 +193,24 @@ class LookupSubscriber:
 
         self.endpoint = endpoint
         self.report = report
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # 0: unbounded (a recording keeps everything); ``replay watch`` bounds
-        # it, so a watch that falls behind drops (counted) instead of growing.
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        try:
-            self.sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            raise ReplayError(f"--lookups {endpoint}: cannot connect ({zmq_reason(exc)})") from None
+
+        def make() -> zmq.Socket[Any]:
+            sock = bounded_socket(ctx, zmq.SUB)
+            # 0: unbounded (a recording keeps everything); ``replay watch`` bounds
+            # it, so a watch that falls behind drops (counted) instead of growing.
+            sock.setsockopt(zmq.RCVHWM, hwm)
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise ReplayError(
+                    f"--lookups {endpoint}: cannot connect ({zmq_reason(exc)})"
+                ) from None
+            return sock
+
+        self.drops = DropWatch(make, "--lookups", endpoint, connect=True, report=report)
+        self._pending: list[list[bytes]] = []  # read from a socket since replaced
         self.engines: list[dict[str, Any]] = []
         self.messages = 0
         self.lost = 0
@@ -136,10 +227,13 @@ class LookupSubscriber:
         if config is not None and self._held:
             yield from self._release(config)
         while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+            if self._pending:
+                frames = self._pending.pop(0)
+            else:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
             try:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     raise ValueError("expected 3 frames (topic, seq, payload)")
@@ -195,17 +289,28 @@ class LookupSubscriber:
     def wait_engine(self, stop: Callable[[], bool]) -> dict[str, Any] | None:
         """Block until the plugin's engine facts arrive (or ``stop()``)."""
         while not stop():
-            if self.sock.poll(100):
+            if self.check_drops() or self.sock.poll(100):
                 for kind, item in self.receive(None):
                     if kind == "engine":
                         assert isinstance(item, dict)
                         return item
         return None
 
+    def check_drops(self, poller: zmq.Poller | None = None) -> bool:
+        """``DropWatch.check``; True when messages wait to be received."""
+        self._pending.extend(self.drops.check(poller))
+        return bool(self._pending)
+
+    @property
+    def sock(self) -> zmq.Socket[Any]:
+        """The socket to read (a new one after a dropped connection)."""
+        return self.drops.sock
+
     def source(self) -> dict[str, Any]:
         counts = {
             "messages": self.messages,
             "lost_messages": self.lost,
             "malformed": self.malformed,
+            "dropped_connections": self.drops.dropped,
         }
         return {"endpoint": self.endpoint, **counts}

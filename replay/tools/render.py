@@ -408,7 +408,12 @@ def recorded_text(s: RecordSummary, output: object) -> str:
         parts.append(_count(len(s.restarts), "publisher restart", "publisher restarts"))
     if s.skipped:
         parts.append(f"{s.skipped:,} malformed skipped")
-    return ", ".join(parts) + f" to {output}"
+    if s.dropped:
+        parts.append(_count(s.dropped, "dropped connection", "dropped connections"))
+    where = f" to {output}"
+    if s.segments is not None:
+        where += f" ({_count(s.segments, 'segment', 'segments')})"
+    return ", ".join(parts) + where
 
 
 def record_summary_text(s: RecordSummary) -> str:

@@ -101,6 +101,10 @@ class _FileSink:
         self._fh.close()
 
 
+#: The largest message the plugin's XPUB reads (a subscription).
+SUBSCRIPTION_BYTES = 1 << 16
+
+
 class _ZmqSink:
     """An XPUB socket owned by one sender thread: the scheduler only puts
     records on a queue (never blocks on the network), and the thread sends
@@ -115,6 +119,9 @@ class _ZmqSink:
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        # What the XPUB reads are subscriptions (a topic and a byte): a peer
+        # sending more loses its connection, not the engine's memory.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)
         self._sock.bind(endpoint)
         self.endpoint = endpoint
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
