@@ -18,7 +18,7 @@ import polars as pl
 import pytest
 import zmq
 
-from replay.base import vllm_plugin
+from replay.adapters.vllm import plugin as vllm_plugin
 from replay.base.errors import ReplayError
 from replay.base.units import parse_segment
 from replay.format.tracedir import open_trace
