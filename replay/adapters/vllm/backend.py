@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import os
 import threading
@@ -685,12 +686,21 @@ class VllmCoordinator(LookupCoordinator):
         try:
             coordinator = _call_known(build, where, kv_config, **kwargs)
             manager_cls = self._manager_module.KVCacheManager
-            manager = _call_known(
-                manager_cls,
-                "vllm.v1.core.kv_cache_manager.KVCacheManager",
-                kv_config,
-                **_accepted(manager_cls.__init__, self._engine_kwargs),
-            )
+            # The manager builds a coordinator of its own, replaced below: its
+            # warnings (vLLM logs them once per message) are about nothing
+            # that answers, so they are held back while it is built.
+            vllm_logger = logging.getLogger("vllm")
+            level = vllm_logger.level
+            vllm_logger.setLevel(logging.ERROR)
+            try:
+                manager = _call_known(
+                    manager_cls,
+                    "vllm.v1.core.kv_cache_manager.KVCacheManager",
+                    kv_config,
+                    **_accepted(manager_cls.__init__, self._engine_kwargs),
+                )
+            finally:
+                vllm_logger.setLevel(level)
         except (AssertionError, ValueError) as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         for name in ("coordinator", "block_pool", "get_computed_blocks"):
