@@ -62,7 +62,12 @@ def test_select_flags_as_ruff_select_and_ignore() -> None:
     with pytest.raises(ReplayError) as err:
         select_flags("corruptoin")
     assert str(err.value) == (
-        "--fail-on: unknown flag or severity 'corruptoin', expected a comma-separated list of "
+        "--fail-on: unknown flag or severity 'corruptoin', did you mean 'corruption'?"
+    )
+    with pytest.raises(ReplayError) as err:
+        select_flags("nosuchflag")
+    assert str(err.value) == (
+        "--fail-on: unknown flag or severity 'nosuchflag', expected a comma-separated list of "
         "all, corruption, inconsistent, performance, observed, mamba_overrun, "
         "mamba_state_mismatch, hit_beyond_max_length, hit_misaligned, missing_block, "
         "eagle_not_dropped, observed_mismatch"
@@ -94,7 +99,9 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     )
     bad = run_cli(["check", trace, "--ignore", "eagle"])
     assert (bad.exit_code, bad.stdout) == (2, "")
-    assert bad.stderr.startswith("error: --ignore: unknown flag or severity 'eagle', expected")
+    assert bad.stderr == (
+        "error: --ignore: unknown flag or severity 'eagle', did you mean 'eagle_not_dropped'?\n"
+    )
 
 
 def test_explain_lists_flags_worst_first_with_severity() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail
+from replay.cli.options import Names
 from replay.cli.run import FAIL_ON, IGNORE
 from replay.rules.coordinator import CACHES, COORDINATORS
 
@@ -20,7 +21,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
 @click.option(
     "--coordinator",
-    type=click.Choice(list(COORDINATORS)),
+    type=Names(COORDINATORS, "coordinator"),
     default="reference",
     show_default=True,
     help="reference: this project's coordinator (every policy's expectations); vllm: the "
@@ -29,7 +30,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS
 @click.option(
     "--cache",
     "caches",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     multiple=True,
     help="Check only the expectations of this cache (repeatable) [default: both].",
 )

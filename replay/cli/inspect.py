@@ -24,11 +24,29 @@ def validate(trace: Path) -> None:
 @command()
 @TRACE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def info(trace: Path, as_json: bool) -> None:
+@click.option(
+    "--requests",
+    is_flag=True,
+    help="Instead: every lookup's seq and request_id, one per line (what explain "
+    "--request and --seq take).",
+)
+def info(trace: Path, as_json: bool, requests: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
     from analysis.summary import trace_info
     from replay.engine.answers import resolve_cache
 
+    if requests:
+        if as_json:
+            raise fail("--requests and --json: give one")
+        from replay.base.text import printable
+        from replay.format.tracedir import open_trace
+
+        for frame in open_trace(trace).iter_frames(["kind", "seq", "request_id"]):
+            for seq, request_id in (
+                frame.filter(frame["kind"] == "lookup").select("seq", "request_id").iter_rows()
+            ):
+                click.echo(f"{seq}\t{printable(request_id or '')}")
+        return
     data = trace_info(trace)
     if as_json:
         from replay.cli import payloads

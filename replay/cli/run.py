@@ -13,6 +13,7 @@ import click
 from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
+    Names,
     chosen_policies,
     count_option,
     integer_type,
@@ -39,7 +40,7 @@ from replay.tools.render import (
 
 POLICY = click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Coordinator semantics (default: a results file's own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}): "
@@ -47,7 +48,7 @@ POLICY = click.option(
 )
 CACHE = click.option(
     "--cache",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     default=None,
     help="Which vLLM cache answers: "
     + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
@@ -55,7 +56,7 @@ CACHE = click.option(
 )
 COORDINATOR = click.option(
     "--coordinator",
-    type=click.Choice(list(COORDINATORS)),
+    type=Names(COORDINATORS, "coordinator"),
     default="reference",
     show_default=True,
     help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
@@ -234,7 +235,7 @@ def _followed(
 @SEQ
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Coordinator semantics (default: the results' own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}): "
@@ -427,7 +428,7 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
 )
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Policy under which the flag fires (default: the results' own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}).",

@@ -17,6 +17,7 @@ from replay.cli.options import (
     CAPACITY_BLOCKS,
     MODEL_HELP,
     SIZE_LIMIT,
+    Names,
     count_option,
     output_option,
     seconds_type,
@@ -289,7 +290,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         "--model",
         default="full",
         show_default=True,
-        type=click.Choice(list(ARCHETYPES)),
+        type=Names(ARCHETYPES, "model"),
         help=MODEL_HELP,
     )
     @count_option(

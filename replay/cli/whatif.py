@@ -17,6 +17,7 @@ from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
+    Names,
     chosen_policies,
     count_option,
     fraction_type,
@@ -157,14 +158,14 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 )
 @click.option(
     "--cache",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     default=None,
     help="gpu: vLLM's engine block pool; mooncake: a capacity-bounded external store. "
     "Default: the trace's source.cache, else mooncake.",
 )
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help=f"The vLLM release policy: the semantics that compute each hit, and the "
     f"stores each request leaves behind [default: the trace's recorded release, "
