@@ -32,6 +32,18 @@ from replay.rules.coordinator.policy import recorded_release, version_key
 
 def releases_between(first: str | None, last: str | None) -> list[Policy]:
     """The release policies whose range meets ``[first, last]`` (versions)."""
+    oldest, newest = RELEASES[0].first, RELEASES[-1].last
+    for option, version in (("--from", first), ("--to", last)):
+        if version is None:
+            continue
+        try:
+            key = version_key(version)
+        except ReplayError as exc:
+            raise ReplayError(f"{option}: {exc}") from None
+        if not version_key(oldest) <= key <= version_key(newest):
+            raise ReplayError(
+                f"{option} {version} is outside the modelled vLLM releases, {oldest} to {newest}"
+            )
     lo = version_key(first) if first else (0, 0, 0)
     hi = version_key(last) if last else (1 << 30, 0, 0)
     if lo > hi:
@@ -125,7 +137,12 @@ def bisect(
             )
         ]
     if request_id is not None and variants and not keys:
-        raise ReplayError(f"{trace}: no lookup of request {request_id!r}")
+        from replay.tools.lookup_choice import nearest_requests
+
+        raise ReplayError(
+            f"{trace}: no lookup with request_id {request_id!r}"
+            + nearest_requests(trace, request_id)
+        )
     out_caches = []
     for cache in caches:
         modelled = [p for p in releases if (cache, p.name) in by_variant]

@@ -12,7 +12,7 @@ from replay.base.errors import ReplayError
 from replay.base.text import nearest, printable
 
 
-def _nearest(trace: str | os.PathLike[str], request_id: str) -> str:
+def nearest_requests(trace: str | os.PathLike[str], request_id: str) -> str:
     """The end of an unknown request id's error: the trace's request ids
     nearest to it by edit distance, and the command that lists them all."""
     import shlex
@@ -23,7 +23,9 @@ def _nearest(trace: str | os.PathLike[str], request_id: str) -> str:
     ids = frame.filter(frame["kind"] == "lookup")["request_id"].drop_nulls()
     if ids.is_empty():
         return " (the trace has no lookups)"
-    close = ", ".join(repr(printable(i)) for i in nearest(request_id, ids.unique(maintain_order=True).to_list()))
+    close = ", ".join(
+        repr(printable(i)) for i in nearest(request_id, ids.unique(maintain_order=True).to_list())
+    )
     where = shlex.quote(os.fspath(trace))
     return f"; nearest: {close} (replay info {where} --requests lists them all)"
 
@@ -42,7 +44,7 @@ def choose_lookup(
         return seq
     if not seqs:
         raise ReplayError(
-            f"{trace}: no lookup with request_id {request_id!r}{_nearest(trace, request_id)}"
+            f"{trace}: no lookup with request_id {request_id!r}{nearest_requests(trace, request_id)}"
         )
     if len(seqs) > 1:
         shown = ", ".join(map(str, seqs[:10])) + (", ..." if len(seqs) > 10 else "")
