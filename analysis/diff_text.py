@@ -15,7 +15,7 @@ import polars as pl
 from analysis.diff import DiffResult
 from analysis.flags import severity
 from replay.base.text import printable
-from replay.tools.render import table
+from replay.tools.render import policy_label, table
 
 
 def _signed(n: int) -> str:
@@ -41,10 +41,10 @@ def diff_lines(diff: DiffResult) -> list[str]:
     s = diff.summary()
     a, b = diff.a, diff.b
     lines = [
-        f"A = {a.label}: policy {a.policy}, coordinator {a.coordinator}, cache {a.cache} "
-        f"({a.source})",
-        f"B = {b.label}: policy {b.policy}, coordinator {b.coordinator}, cache {b.cache} "
-        f"({b.source})",
+        f"A = {a.label}: policy {policy_label(a.policy, a.cache)}, coordinator "
+        f"{a.coordinator}, cache {a.cache} ({a.source})",
+        f"B = {b.label}: policy {policy_label(b.policy, b.cache)}, coordinator "
+        f"{b.coordinator}, cache {b.cache} ({b.source})",
         f"lookups: {s['lookups']} compared, {s['changed']} with a different hit "
         f"(B higher on {s['b_higher']}, lower on {s['b_lower']})",
         f"hit tokens: A {s['hit_tokens_a']}, B {s['hit_tokens_b']}: net {_signed(s['net'])} "

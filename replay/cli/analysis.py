@@ -93,7 +93,9 @@ def diff(
         trace, info = trace_of(inputs[0])
         inputs = (trace,)
         own = None if info is None else str(info.get("policy"))
-        policies = chosen_policies(trace, policies, vllm_versions, results_policy=own, most=2)
+        policies = chosen_policies(
+            trace, policies, vllm_versions, results_policy=own, most=2, alias_notes=False
+        )
     elif vllm_versions:
         raise fail("--vllm replays a trace; two results files are compared as they are")
     with progress_bar(as_json) as bar:

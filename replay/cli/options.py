@@ -316,6 +316,7 @@ def chosen_policies(
     results_policy: str | None = None,
     quiet: bool = False,
     most: int | None = 1,
+    alias_notes: bool = True,
 ) -> tuple[str, ...]:
     """The policies a command answers with (``choose_policies``: ``--policy``,
     ``--vllm``, a results file's own, the trace's recorded release, the
@@ -330,7 +331,9 @@ def chosen_policies(
 
         source = open_trace(trace).config.source
     try:
-        chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+        chosen = choose_policies(
+            given, vllm=vllm, source=source, results_policy=results_policy, alias_notes=alias_notes
+        )
     except ReplayError as exc:
         if source is None:
             raise

@@ -215,17 +215,25 @@ TRACE_OR_RESULTS = click.argument("trace", metavar="TRACE|RESULTS", type=click.P
 
 
 def _followed(
-    path: Path, policy: str | None, vllm: tuple[str, ...], cache: str | None
+    path: Path,
+    policy: str | None,
+    vllm: tuple[str, ...],
+    cache: str | None,
+    *,
+    alias_notes: bool = True,
 ) -> tuple[Path, str, str | None]:
     """A trace as it is; a results file: the trace it leads to, and its
     policy and cache unless the options name others. The policy is chosen
-    by the one rule (``chosen_policies``)."""
+    by the one rule (``chosen_policies``); ``alias_notes=False`` where the
+    output names an alias's release itself."""
     from replay.format.link import trace_of
     from replay.format.results import results_cache
 
     trace, info = trace_of(path)
     own = None if info is None else str(info.get("policy", DEFAULT_POLICY))
-    (chosen,) = chosen_policies(trace, (policy,) if policy else (), vllm, results_policy=own)
+    (chosen,) = chosen_policies(
+        trace, (policy,) if policy else (), vllm, results_policy=own, alias_notes=alias_notes
+    )
     return trace, chosen, cache or (None if info is None else results_cache(info))
 
 
@@ -261,7 +269,7 @@ def explain(
     from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
 
-    trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
+    trace, policy, cache = _followed(trace, policy, vllm_versions, cache, alias_notes=False)
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from replay.base.spec import TraceConfig
 from replay.base.text import printable
-from replay.rules.coordinator import LookupOutcome, hit_alignment
+from replay.rules.coordinator import POLICIES, LookupOutcome, hit_alignment
 from replay.rules.store import LookupEvent
 
 if TYPE_CHECKING:
@@ -80,14 +80,21 @@ def config_lines(config: TraceConfig, cache: str) -> list[str]:
     return lines
 
 
+def policy_label(policy: str | None, cache: str | None) -> str:
+    """A policy as a header names it: an alias with the release it takes in
+    ``cache`` (``Policy.label``)."""
+    found = POLICIES.get(policy or "")
+    return str(policy) if found is None or cache is None else found.label(cache)
+
+
 def explain_header(
     config: TraceConfig, lookup: LookupEvent[Any], policy: str, cache: str | None = None
 ) -> str:
     return (
         f"request {printable(lookup.request_id)} (seq {lookup.seq}): "
         f"max_length {lookup.max_length}, "
-        f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
-        + (f", cache {cache}" if cache else "")
+        f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, "
+        f"policy {policy_label(policy, cache)}" + (f", cache {cache}" if cache else "")
     )
 
 
