@@ -323,11 +323,22 @@ def sweep_lines(
     ]
     ceiling = meta.get("ceiling")
     if ceiling:
+        # The ceiling is a run like the rows, in their words and units; its
+        # capacity is only room enough, not the least that evicts nothing.
         lines.append(
-            f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, "
-            f"{ceiling['hit_tokens']:,} hit tokens (a cache of "
-            f"{ceiling['capacity_blocks']:,} blocks never evicts)"
+            f"{'unbounded':>12} {'':8} {percent(ceiling['hit_ratio']):>9} "
+            f"{ceiling['hit_tokens']:>14,} {ceiling['evicted_blocks']:>10,} "
+            f"{pct(ceiling, 'hit_ratio_p50')} {pct(ceiling, 'hit_ratio_p90')} "
+            f"{pct(ceiling, 'hit_ratio_p99')}"
         )
+        room = f"unbounded: a run with room for {ceiling['capacity_blocks']:,} blocks"
+        if meta.get("working_set_blocks"):
+            room += f" (the working set, {meta['working_set_blocks']:,}, and more)"
+        room += ", never full"
+        spare = [r["capacity_blocks"] for r in rows if r["evicted_blocks"] == 0]
+        if spare:
+            room += f"; the runs from {min(spare):,} blocks evict nothing either"
+        lines.append(room)
     sample = meta.get("sample")
     if sample:
         lines.append(
