@@ -112,3 +112,9 @@ def did_you_mean(word: str, names: Iterable[str]) -> str:
     if close:
         return "did you mean " + " or ".join(repr(n) for n in close) + "?"
     return f"expected one of {', '.join(names)}"
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """A count as every command's text writes one: thousands separated, the
+    noun singular for exactly one (``1 lookup``, ``1,575 events``)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -142,7 +142,9 @@ def diff(
     "--cache", "caches", CACHES, "A cache to bisect (repeatable). Default: gpu and mooncake."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
-@count_option("--limit", default=20, help="Changing lookups to print per cache.")
+@count_option(
+    "--limit", default=20, help="Rows (lookups that change identically) to print per cache."
+)
 def bisect(
     trace: Path,
     request_id: str | None,
