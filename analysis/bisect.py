@@ -70,13 +70,13 @@ class Answer:
     def cell(self) -> str:
         masks = " ".join(f"{s}+{n}" for s, n in self.masks)
         flags = f" {','.join(self.flags)}" if self.flags else ""
-        return f"{self.hit_tokens} [{masks}]{flags}"
+        return f"{self.hit_tokens:,} [{masks}]{flags}"
 
 
 def _change(before: Answer, after: Answer) -> list[str]:
     what = []
     if before.hit_tokens != after.hit_tokens:
-        what.append(f"hit {before.hit_tokens} -> {after.hit_tokens}")
+        what.append(f"hit {before.hit_tokens:,} -> {after.hit_tokens:,}")
     if before.masks != after.masks:
         what.append(
             "masks "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, integer_type, output_option
 from replay.tools.render import group_label, info_lines, validate_line
@@ -87,13 +88,13 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
     click.echo(f"state {where}: {trace}")
     for gid in groups:
         keys = sorted(store.keys(gid))
-        click.echo(f"group {group_label(config, gid)}: {len(keys)} keys")
+        click.echo(f"group {group_label(config, gid)}: {counted(len(keys), 'key')}")
         for key in keys[:show]:
             click.echo(f"  {key.hex()}")
         if len(keys) > show:
-            click.echo(f"  … {len(keys) - show} more")
+            click.echo(f"  … {len(keys) - show:,} more")
     if output is not None:
         from replay.format.writer import write_keys
 
         n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
-        click.echo(f"wrote {n} keys to {output}")
+        click.echo(f"wrote {counted(n, 'key')} to {output}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
@@ -397,7 +398,7 @@ def check(
         lookups = flags["seq"].n_unique() if counts else 0
         failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
         verdict = (
-            f"fail ({chosen}): {failed} lookup(s) with {counts_text(fails)}"
+            f"fail ({chosen}): {counted(failed, 'lookup')} with {counts_text(fails)}"
             if fails
             else f"pass ({chosen}): no flag it selects"
         )

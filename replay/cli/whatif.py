@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from replay.base.text import counted
 from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
@@ -382,7 +383,9 @@ def whatif(
                 meta["seconds"] = time.perf_counter() - started
                 write_sweep(output, finished_rows(), meta)
                 click.echo(
-                    f"wrote {output}: partial, {len(rows)} of {len(specs)} runs finished", err=True
+                    f"wrote {output}: partial, {len(rows):,} of {counted(len(specs), 'run')} "
+                    "finished",
+                    err=True,
                 )
             raise
         ceiling = meta["ceiling"]
@@ -396,4 +399,4 @@ def whatif(
         return
     for line in sweep_lines(trace, len(requests), meta, out_rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({len(out_rows)} runs in {seconds:.1f} s)")
+    click.echo(f"wrote {output} ({counted(len(out_rows), 'run')} in {seconds:.1f} s)")

@@ -49,7 +49,7 @@ def choose_lookup(
     if len(seqs) > 1:
         shown = ", ".join(map(str, seqs[:10])) + (", ..." if len(seqs) > 10 else "")
         raise ReplayError(
-            f"{trace}: request_id {request_id!r} occurs in {len(seqs)} lookups (seq {shown}); "
+            f"{trace}: request_id {request_id!r} occurs in {len(seqs):,} lookups (seq {shown}); "
             "pick one with --seq"
         )
     return seqs[0]
