@@ -366,7 +366,7 @@ def test_explanation_rules(tmp_path: Path) -> None:
         ("mamba_state_mismatch", 1, 16),
     ]
     text = invoke([a, b]).output
-    assert "same hit, different group masks or group hits: 1 lookups" in text
+    assert "same hit, different group masks or group hits: 1 lookup" in text
     assert "lookups: 5 compared, 4 with a different hit (B higher on 1, lower on 3)" in text
 
 

@@ -62,7 +62,7 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     assert "FAILED issue-43559.parquet under policy vllm-0.33 in the gpu cache" not in out
     assert "vllm-0.33/mooncake FAILED, vllm-0.33/gpu ok" in got.stderr
     assert out.splitlines()[-1].startswith(
-        "1 passed, 1 failed, 3 skipped: 5 expectations of 1 traces"
+        "1 passed, 1 failed, 3 skipped: 5 expectations of 1 trace"
     )
 
 

@@ -81,7 +81,7 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     assert (result.exit_code, result.stdout.splitlines()) == (
         0,
         [
-            f"{trace}: 18 flagged lookup(s) under pre-49502: eagle_not_dropped 18 (performance)",
+            f"{trace}: 18 flagged lookups under pre-49502: eagle_not_dropped 18 (performance)",
             "  eagle_not_dropped: request s100-t1 seq 427: hit 192 reaches group 0's whole "
             "match: EAGLE recomputes nothing past it",
             "pass (--fail-on corruption): no flag it selects",
@@ -90,7 +90,7 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     perf = run_cli(["check", trace, "--policy", "pre-49502", "--examples", "0", "--fail-on", "performance"])  # fmt: skip
     assert (perf.exit_code, perf.stdout.splitlines()[-1]) == (
         1,
-        "fail (--fail-on performance): 18 lookup(s) with eagle_not_dropped 18 (performance)",
+        "fail (--fail-on performance): 18 lookups with eagle_not_dropped 18 (performance)",
     )
     ignored = run_cli(["check", trace, "--policy", "pre-49502", "--examples", "0", "--fail-on", "all", "--ignore", "eagle_not_dropped"])  # fmt: skip
     assert (ignored.exit_code, ignored.stdout.splitlines()[-1]) == (

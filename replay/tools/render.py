@@ -375,9 +375,10 @@ def _store_text(capacity: int | None) -> str:
 
 def _events_text(s: Mapping[str, Any]) -> str:
     return (
-        f"{s['events']:,} events ({s['lookups']:,} lookups, {s['stores']:,} stores, "
-        f"{s['removes']:,} removes, {s['clears']:,} clears), "
-        f"{s['hash_entries']:,} hash entries, {s['bytes']:,} bytes"
+        f"{counted(s['events'], 'event')} ({counted(s['lookups'], 'lookup')}, "
+        f"{counted(s['stores'], 'store')}, {counted(s['removes'], 'remove')}, "
+        f"{counted(s['clears'], 'clear')}), {counted(s['hash_entries'], 'hash entry', 'hash entries')}, "
+        f"{counted(s['bytes'], 'byte')}"
     )
 
 
