@@ -174,3 +174,16 @@ def test_bisect_groups_the_lookups_that_change_alike(outputs: dict[str, str]) ->
         "- 87 lookups like seq 54 (s18-t1)",  # mooncake: at 0.27
     ]
     assert not any("--cache gpu" in line for line in lines)
+
+
+def test_separated_numbers_stay_right_aligned(outputs: dict[str, str]) -> None:
+    lines = outputs["explain {t} --request s18-t1 --policy pre-49502"].splitlines()
+    assert lines[0] == (
+        "request s18-t1 (seq 54): max_length 1,139, 71 hashes of 16 tokens, "
+        "policy pre-49502 (here vllm-0.26), cache mooncake"
+    )
+    assert (
+        "   1  0 [0]                full_attention  1,139     +16    1,040  yes       1,024      1,024"
+        in lines
+    )
+    assert "hit: 1,040 tokens (attention-verified 1,024)" in lines

@@ -37,7 +37,7 @@ def percent(ratio: float) -> str:
 
 
 def _numeric(cell: str) -> bool:
-    return cell.lstrip("+-").isdigit()
+    return cell.lstrip("+-").replace(",", "").isdigit()
 
 
 def _cell(value: object, identifier: bool) -> str:
