@@ -23,6 +23,7 @@ from typing import Any
 
 from analysis.flags import flag_results
 from replay.base.errors import ConfigError, ReplayError
+from replay.base.text import counted
 from replay.engine.options import ReplayOptions
 from replay.engine.run import replay
 from replay.format.tracedir import open_trace
@@ -32,6 +33,18 @@ from replay.rules.coordinator.policy import recorded_release, version_key
 
 def releases_between(first: str | None, last: str | None) -> list[Policy]:
     """The release policies whose range meets ``[first, last]`` (versions)."""
+    oldest, newest = RELEASES[0].first, RELEASES[-1].last
+    for option, version in (("--from", first), ("--to", last)):
+        if version is None:
+            continue
+        try:
+            key = version_key(version)
+        except ReplayError as exc:
+            raise ReplayError(f"{option}: {exc}") from None
+        if not version_key(oldest) <= key <= version_key(newest):
+            raise ReplayError(
+                f"{option} {version} is outside the modelled vLLM releases, {oldest} to {newest}"
+            )
     lo = version_key(first) if first else (0, 0, 0)
     hi = version_key(last) if last else (1 << 30, 0, 0)
     if lo > hi:
@@ -57,13 +70,13 @@ class Answer:
     def cell(self) -> str:
         masks = " ".join(f"{s}+{n}" for s, n in self.masks)
         flags = f" {','.join(self.flags)}" if self.flags else ""
-        return f"{self.hit_tokens} [{masks}]{flags}"
+        return f"{self.hit_tokens:,} [{masks}]{flags}"
 
 
 def _change(before: Answer, after: Answer) -> list[str]:
     what = []
     if before.hit_tokens != after.hit_tokens:
-        what.append(f"hit {before.hit_tokens} -> {after.hit_tokens}")
+        what.append(f"hit {before.hit_tokens:,} -> {after.hit_tokens:,}")
     if before.masks != after.masks:
         what.append(
             "masks "
@@ -125,7 +138,12 @@ def bisect(
             )
         ]
     if request_id is not None and variants and not keys:
-        raise ReplayError(f"{trace}: no lookup of request {request_id!r}")
+        from replay.tools.lookup_choice import nearest_requests
+
+        raise ReplayError(
+            f"{trace}: no lookup with request_id {request_id!r}"
+            + nearest_requests(trace, request_id)
+        )
     out_caches = []
     for cache in caches:
         modelled = [p for p in releases if (cache, p.name) in by_variant]
@@ -167,46 +185,90 @@ def bisect(
     }
 
 
+def _shape(lookup: dict[str, Any]) -> tuple[Any, ...]:
+    """How a lookup's answer changes, whatever its length: at which releases,
+    by how many hit tokens, skipped and loaded blocks per group, which flags."""
+    answers = list(lookup["answers"].values())
+    names = list(lookup["answers"])
+    shape = []
+    for i, (before, after) in enumerate(itertools.pairwise(answers)):
+        if before == after:
+            continue
+        masks = tuple(
+            (s1 - s0, n1 - n0)
+            for (s0, n0), (s1, n1) in zip(before["masks"], after["masks"], strict=True)
+        )
+        flags = (
+            tuple(f for f in before["flags"] if f not in after["flags"]),
+            tuple(f for f in after["flags"] if f not in before["flags"]),
+        )
+        shape.append((names[i + 1], after["hit_tokens"] - before["hit_tokens"], masks, flags))
+    return tuple(shape)
+
+
+def _groups(lookups: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The changing lookups, those that change identically (at the same
+    releases, by the same hit and blocks, the same flags) together, in the
+    order of each group's first."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for lk in lookups:
+        if lk["changes"]:
+            groups.setdefault(_shape(lk), []).append(lk)
+    return list(groups.values())
+
+
 def markdown(report: dict[str, Any], *, limit: int | None = None) -> list[str]:
     """Per cache: a table of the lookups that change (every release's hit,
-    masks as skipped+loaded per group, flags), then where each changes."""
+    masks as skipped+loaded per group, flags), one row for the lookups that
+    change identically with their count and the first as the example, then
+    where each row changes."""
+    answered = {cache["cache"] for cache in report["caches"]}
     lines = [f"# replay bisect {report['trace']}", ""]
     for cache in report["caches"]:
         releases = cache["releases"]
         lines.append(f"## {cache['cache']} cache")
         lines.append("")
         for name, why in cache["not_modelled"].items():
+            # The advice to bisect the gpu cache, when it is bisected above.
+            if "gpu" in answered:
+                why = why.removesuffix("; use --cache gpu")
             lines.append(f"- {name}: not answered: {why}")
         if cache["not_modelled"]:
             lines.append("")
-        changing = [lk for lk in cache["lookups"] if lk["changes"]]
-        n, k = len(cache["lookups"]), len(changing)
+        groups = _groups(cache["lookups"])
+        n, k = len(cache["lookups"]), sum(map(len, groups))
         lines.append(
-            f"{n} lookup{'s' * (n != 1)}, {k} changing between "
+            f"{counted(n, 'lookup')}, {k:,} changing between "
             f"{releases[0]['first'] if releases else '-'} and "
             f"{releases[-1]['last'] if releases else '-'}"
-            " (cells: hit [skipped+loaded blocks per group] flags)"
+            + (f" in {counted(len(groups), 'pattern')}" if groups else "")
+            + " (cells: hit [skipped+loaded blocks per group] flags)"
         )
         lines.append("")
-        if not changing:
+        if not groups:
             continue
-        shown = changing if limit is None else changing[:limit]
+        shown = groups if limit is None else groups[:limit]
         names = [r["policy"] for r in releases]
         own = report.get("trace_release")
         heads = [f"{n} (trace)" if n == own else n for n in names]
-        lines.append("| seq | request | " + " | ".join(heads) + " |")
-        lines.append("|---|---|" + "---|" * len(names))
-        for lk in shown:
+        lines.append("| lookups | seq | request | " + " | ".join(heads) + " |")
+        lines.append("|---|---|---|" + "---|" * len(names))
+        for group in shown:
+            lk = group[0]
             cells = " | ".join(lk["cells"][n] for n in names)
-            lines.append(f"| {lk['seq']} | {lk['request_id']} | {cells} |")
+            lines.append(f"| {len(group):,} | {lk['seq']} | {lk['request_id']} | {cells} |")
         lines.append("")
-        for lk in shown:
-            for change in lk["changes"]:
-                lines.append(
-                    f"- seq {lk['seq']} ({lk['request_id']}): at {change['policy']} "
-                    f"(vLLM {change['release']}): {'; '.join(change['changes'])}"
-                )
-        if len(shown) < len(changing):
-            lines.append(f"- ... {len(changing) - len(shown)} more changing lookups (--limit)")
+        for group in shown:
+            lk = group[0]
+            which = f"seq {lk['seq']} ({lk['request_id']})"
+            if len(group) > 1:
+                which = f"{counted(len(group), 'lookup')} like {which}"
+            steps = "; ".join(
+                f"at {c['policy']} (vLLM {c['release']}): {', '.join(c['changes'])}"
+                for c in lk["changes"]
+            )
+            lines.append(f"- {which}: {steps}")
+        if len(shown) < len(groups):
+            lines.append(f"- ... {counted(len(groups) - len(shown), 'more pattern')} (--limit)")
         lines.append("")
     return lines

@@ -14,12 +14,12 @@ import polars as pl
 
 from analysis.diff import DiffResult
 from analysis.flags import severity
-from replay.base.text import printable
-from replay.tools.render import table
+from replay.base.text import counted, printable
+from replay.tools.render import policy_label, table
 
 
 def _signed(n: int) -> str:
-    return f"+{n}" if n > 0 else str(n)
+    return f"+{n:,}" if n > 0 else f"{n:,}"
 
 
 def _flags_text(flags: Sequence[str]) -> str:
@@ -41,18 +41,19 @@ def diff_lines(diff: DiffResult) -> list[str]:
     s = diff.summary()
     a, b = diff.a, diff.b
     lines = [
-        f"A = {a.label}: policy {a.policy}, coordinator {a.coordinator}, cache {a.cache} "
-        f"({a.source})",
-        f"B = {b.label}: policy {b.policy}, coordinator {b.coordinator}, cache {b.cache} "
-        f"({b.source})",
-        f"lookups: {s['lookups']} compared, {s['changed']} with a different hit "
-        f"(B higher on {s['b_higher']}, lower on {s['b_lower']})",
-        f"hit tokens: A {s['hit_tokens_a']}, B {s['hit_tokens_b']}: net {_signed(s['net'])} "
-        f"(B gains {s['gained']}, loses {s['lost']})",
+        f"A = {a.label}: policy {policy_label(a.policy, a.cache)}, coordinator "
+        f"{a.coordinator}, cache {a.cache} ({a.source})",
+        f"B = {b.label}: policy {policy_label(b.policy, b.cache)}, coordinator "
+        f"{b.coordinator}, cache {b.cache} ({b.source})",
+        f"lookups: {s['lookups']:,} compared, {s['changed']:,} with a different hit "
+        f"(B higher on {s['b_higher']:,}, lower on {s['b_lower']:,})",
+        f"hit tokens: A {s['hit_tokens_a']:,}, B {s['hit_tokens_b']:,}: net {_signed(s['net'])} "
+        f"(B gains {s['gained']:,}, loses {s['lost']:,})",
     ]
     if s["same_hit_groups_changed"]:
         lines.append(
-            f"same hit, different group masks or group hits: {s['same_hit_groups_changed']} lookups"
+            "same hit, different group masks or group hits: "
+            + counted(s["same_hit_groups_changed"], "lookup")
         )
     if not diff.changed:
         lines.append("no lookup's hit differs")

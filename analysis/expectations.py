@@ -37,6 +37,7 @@ from typing import Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
+from replay.base.text import counted
 from replay.format.schema import EXPECT_META_KEY
 from replay.format.trace import TraceReader
 
@@ -504,7 +505,8 @@ def test_summary_line(run: Run, coordinator: str) -> str:
     traces = len({v.trace for v in run.verdicts})
     text = (
         f"{len(checked) - len(run.failed)} passed, {len(run.failed)} failed, "
-        f"{len(skipped)} skipped: {len(run.verdicts)} expectations of {traces} traces "
+        f"{len(skipped)} skipped: {counted(len(run.verdicts), 'expectation')} of "
+        f"{counted(traces, 'trace')} "
         f"through the {coordinator} coordinator in {run.seconds:.1f} s"
     )
     reasons = sorted({v.skipped for v in skipped if v.skipped})

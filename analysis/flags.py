@@ -156,6 +156,20 @@ def _detail(
 Occurrence = tuple[pl.Expr, pl.Expr]
 
 
+def _n(e: pl.Expr) -> pl.Expr:
+    """A number in a flag's text as every command writes counts: thousands
+    separated (``1,040``, as ``replay.base.text.counted``)."""
+    a = e.cast(pl.Int64).abs()
+    chain: Any = pl.when(a < 1000).then(a.cast(pl.Utf8))
+    for k in range(1, 7):
+        parts = [(a // 10 ** (3 * k)).cast(pl.Utf8)] + [
+            ((a // 10 ** (3 * j)) % 1000).cast(pl.Utf8).str.zfill(3) for j in range(k - 1, -1, -1)
+        ]
+        text = pl.concat_str(parts, separator=",")
+        chain = chain.when(a < 10 ** (3 * k + 3)).then(text) if k < 6 else chain.otherwise(text)
+    return pl.concat_str([pl.when(e < 0).then(pl.lit("-")).otherwise(pl.lit("")), chain])
+
+
 def _mamba_bound() -> pl.Expr:
     return pl.when(A.is_null()).then(H).otherwise(pl.min_horizontal(H, A))
 
@@ -166,11 +180,14 @@ def _mamba_overrun(layout: Layout) -> list[Occurrence]:
         s, bound = _of("group_state_tokens", g), _mamba_bound()
         what = (
             pl.when(A.is_null() | (H <= A))
-            .then(pl.format("the hit {}", H))
-            .otherwise(pl.format("the attention KV loaded for {} tokens", A))
+            .then(pl.format("the hit {}", _n(H)))
+            .otherwise(pl.format("the attention KV loaded for {} tokens", _n(A)))
         )
         text = pl.format(
-            f"group {g} resumes Mamba state at {{}}, {{}} tokens past {{}}", s, s - bound, what
+            f"group {g} resumes Mamba state at {{}}, {{}} tokens past {{}}",
+            _n(s),
+            _n(s - bound),
+            what,
         )
         out.append((s > bound, _detail("mamba_overrun", g, s, bound, text)))
     return out
@@ -180,19 +197,19 @@ def _mamba_state_mismatch(layout: Layout) -> list[Occurrence]:
     out = []
     for g in layout.groups(GroupKind.MAMBA):
         s = _of("group_state_tokens", g)
-        text = pl.format(f"group {g} resumes Mamba state at {{}} but the hit is {{}}", s, H)
+        text = pl.format(f"group {g} resumes Mamba state at {{}} but the hit is {{}}", _n(s), _n(H))
         out.append((s != H, _detail("mamba_state_mismatch", g, s, H, text)))
     return out
 
 
 def _hit_beyond_max_length(layout: Layout) -> list[Occurrence]:
-    text = pl.format("hit {} > max_length {}", H, M)
+    text = pl.format("hit {} > max_length {}", _n(H), _n(M))
     return [(H > M, _detail("hit_beyond_max_length", None, H, M, text))]
 
 
 def _hit_misaligned(layout: Layout) -> list[Occurrence]:
     a = pl.col("hit_alignment")
-    text = pl.format("hit {} is not a multiple of {}", H, a)
+    text = pl.format("hit {} is not a multiple of {}", _n(H), _n(a))
     return [(H % a != 0, _detail("hit_misaligned", None, H, H - H % a, text))]
 
 
@@ -215,11 +232,11 @@ def _missing_block(layout: Layout) -> list[Occurrence]:
         text = pl.format(
             f"group {g} ({kind.value}) block {{}} (tokens {{}}..{{}}) {{}} but the hit of {{}} "
             "relies on it",
-            block,
-            block * bs,
-            (block + 1) * bs,
+            _n(block),
+            _n(block * bs),
+            _n((block + 1) * bs),
             where,
-            H,
+            _n(H),
         )
         out.append((absent.is_not_null() | short, _detail("missing_block", g, block, None, text)))
     return out
@@ -231,14 +248,14 @@ def _eagle_not_dropped(layout: Layout) -> list[Occurrence]:
         # Null for a group that does not drop for EAGLE in this cache.
         present = _of("eagle_unit_present", g)
         text = pl.format(
-            f"hit {{}} reaches group {g}'s whole match: EAGLE recomputes nothing past it", H
+            f"hit {{}} reaches group {g}'s whole match: EAGLE recomputes nothing past it", _n(H)
         )
         out.append(((H > 0) & present.not_(), _detail("eagle_not_dropped", g, H, None, text)))
     return out
 
 
 def _observed_mismatch(layout: Layout) -> list[Occurrence]:
-    text = pl.format("replayed hit {} but production reported {}", H, O)
+    text = pl.format("replayed hit {} but production reported {}", _n(H), _n(O))
     return [(O.is_not_null() & (O != H), _detail("observed_mismatch", None, H, O, text))]
 
 
@@ -492,7 +509,7 @@ def flag_lines(flags: Sequence[Flag]) -> str:
 def counts_text(counts: Mapping[str, int]) -> str:
     """Lookups per flag, worst first, each with its severity:
     ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
-    return ", ".join(f"{f} {counts[f]} ({severity(f)})" for f in by_severity(list(counts)))
+    return ", ".join(f"{f} {counts[f]:,} ({severity(f)})" for f in by_severity(list(counts)))
 
 
 def flags_table(results: pl.DataFrame) -> pl.DataFrame:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from analysis.flags import FLAG_KINDS, SEVERITIES, severity
 from replay.base.errors import ReplayError
+from replay.base.text import close_names, did_you_mean
 
 DEFAULT_FAIL_ON = ("corruption",)
 
@@ -25,6 +26,10 @@ def _names(option: str, given: str | Iterable[str] | None) -> list[str]:
     known = ("all", *SEVERITIES, *FLAG_KINDS)
     for n in names:
         if n not in known:
+            if close_names(n, known):
+                raise ReplayError(
+                    f"{option}: unknown flag or severity {n!r}, {did_you_mean(n, known)}"
+                )
             raise ReplayError(
                 f"{option}: unknown flag or severity {n!r}, expected a comma-separated list of "
                 f"{', '.join(known)}"

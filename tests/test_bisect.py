@@ -100,34 +100,37 @@ def test_markdown_is_the_whole_report() -> None:
     gpu += ["vllm-0.27"]
     gpu += ["vllm-0.28", "vllm-0.29", "vllm-0.30", "vllm-0.32", "vllm-0.33", "vllm-0.34"]
     mirror = gpu[2:]
-    no_mirror = "has no Mooncake store mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
-    change = "hit {} -> {}; masks 0+3 {}+1 -> 0+3 {}+1; flags {}mamba_overrun {}eagle_not_dropped"
+    # The gpu cache is answered above: no advice to bisect it (issue 36).
+    no_mirror = "has no Mooncake store mirror: it came with #42828 in vLLM 0.22.0"
+    change = "hit {} -> {}, masks 0+3 {}+1 -> 0+3 {}+1, flags {}mamba_overrun {}eagle_not_dropped"
     assert result.stdout.splitlines() == [
         f"# replay bisect {ISSUE}",
         "",
         "## gpu cache",
         "",
-        "1 lookup, 1 changing between 0.16.0 and 0.34.0 (cells: hit [skipped+loaded blocks "
-        "per group] flags)",
+        "1 lookup, 1 changing between 0.16.0 and 0.34.0 in 1 pattern (cells: hit "
+        "[skipped+loaded blocks per group] flags)",
         "",
-        "| seq | request | " + " | ".join(gpu) + " |",
-        "|---|---|" + "---|" * 13,
-        "| 2 | req-43559 | " + " | ".join([FIXED] + [OVER] * 4 + [FIXED] * 8) + " |",
+        "| lookups | seq | request | " + " | ".join(gpu) + " |",
+        "|---|---|---|" + "---|" * 13,
+        "| 1 | 2 | req-43559 | " + " | ".join([FIXED] + [OVER] * 4 + [FIXED] * 8) + " |",
         "",
-        "- seq 2 (req-43559): at vllm-0.20 (vLLM 0.20.0): " + change.format(48, 64, 2, 3, "+", "+"),
-        "- seq 2 (req-43559): at vllm-0.26 (vLLM 0.26.0): " + change.format(64, 48, 3, 2, "-", "-"),
+        "- seq 2 (req-43559): at vllm-0.20 (vLLM 0.20.0): "
+        + change.format(48, 64, 2, 3, "+", "+")
+        + "; at vllm-0.26 (vLLM 0.26.0): "
+        + change.format(64, 48, 3, 2, "-", "-"),
         "",
         "## mooncake cache",
         "",
         f"- vllm-0.16: not answered: policy vllm-0.16 (vLLM 0.16.0 - 0.19.1) {no_mirror}",
         f"- vllm-0.20: not answered: policy vllm-0.20 (vLLM 0.20.0 - 0.21.0) {no_mirror}",
         "",
-        "1 lookup, 1 changing between 0.22.0 and 0.34.0 (cells: hit [skipped+loaded blocks "
-        "per group] flags)",
+        "1 lookup, 1 changing between 0.22.0 and 0.34.0 in 1 pattern (cells: hit "
+        "[skipped+loaded blocks per group] flags)",
         "",
-        "| seq | request | " + " | ".join(mirror) + " |",
-        "|---|---|" + "---|" * 11,
-        "| 2 | req-43559 | " + " | ".join([OVER] * 4 + [FIXED] * 7) + " |",
+        "| lookups | seq | request | " + " | ".join(mirror) + " |",
+        "|---|---|---|" + "---|" * 11,
+        "| 1 | 2 | req-43559 | " + " | ".join([OVER] * 4 + [FIXED] * 7) + " |",
         "",
         "- seq 2 (req-43559): at vllm-0.27 (vLLM 0.27.0): " + change.format(64, 48, 3, 2, "-", "-"),
         "",
@@ -140,15 +143,30 @@ def test_markdown_is_the_whole_report() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--request", "nope"], "no lookup of request 'nope'"),
-        (["--from", "0.30.0", "--to", "0.26.0"], "--from 0.30.0 is after --to 0.26.0"),
-        (["--from", "0.40.0"], "no modelled vLLM release between 0.40.0 and the newest"),
+        (
+            ["--request", "nope"],
+            f"error: {ISSUE}: no lookup with request_id 'nope'; nearest: 'req-43559' "
+            f"(replay info {ISSUE} --requests lists them all)",
+        ),
+        (["--from", "0.30.0", "--to", "0.26.0"], "error: --from 0.30.0 is after --to 0.26.0"),
+        (
+            ["--from", "0.40.0"],
+            "error: --from 0.40.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+        ),
+        (
+            ["--from", "0.10.0"],
+            "error: --from 0.10.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+        ),
+        (
+            ["--to", "0.34.0"],
+            "error: --to 0.34.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+        ),
+        (["--to", "0.x"], "error: --to: vLLM version '0.x': expected MAJOR.MINOR[.PATCH]"),
     ],
 )
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     result = run_cli(["bisect", ISSUE, *args])
-    assert result.exit_code == 2
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", message + "\n")
 
 
 def test_releases_between_bounds() -> None:

@@ -182,7 +182,7 @@ def test_explain_prints_the_flags_under_the_table(trace_43559: Path) -> None:
     res = run_cli(["explain", str(trace_43559), "--request", "req-43559", "--policy", "pre-49502"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
-    assert lines[0].endswith("policy pre-49502, cache mooncake")
+    assert lines[0].endswith("policy pre-49502 (here vllm-0.26), cache mooncake")
     start = lines.index("flags:")
     assert lines[start : start + 3] == [
         "flags:",

@@ -169,7 +169,7 @@ def test_every_text_is_escaped_inside_the_svg() -> None:
     assert ">&lt;script&gt;alert(1)&lt;/script&gt;&amp;\"'</text>" in svg
     attr = "&lt;script&gt;alert(1)&lt;/script&gt;&amp;&quot;'"
     assert (
-        f'<path aria-label="group {attr}: 2 blocks loaded × 16 = 32 tokens (1 blocks skipped)"'
+        f'<path aria-label="group {attr}: 2 blocks loaded × 16 = 32 tokens (1 block skipped)"'
         in svg
     )
     points = [Point(x=0.0, ratio=0.0, lookups=1, hit_tokens=0, prompt_tokens=1, label=label)]
@@ -236,7 +236,7 @@ def test_hovering_a_mark_shows_its_tooltip_offline() -> None:
         ("no hit: 2 lookups", "no hit: 2 lookups"),
         ("hit 1-16 tokens: 5 lookups", "hit 1-16 tokens: 5 lookups"),
     ]
-    tip = "group 0: attn: 145 blocks loaded × 16 = 2,320 tokens (1 blocks skipped)"
+    tip = "group 0: attn: 145 blocks loaded × 16 = 2,320 tokens (1 block skipped)"
     assert _titles(groups_svg([_group("0: attn", 145)]), "bar") == [(tip, tip)]
     # Marks without a tooltip (the line, the whole-run rule, the labels) have no title.
     assert str(timeline_svg(points, "seq", 0.5)).count("<title>") == 2
@@ -246,7 +246,7 @@ def test_a_title_is_escaped_text() -> None:
     label = "<script>alert(1)</script>&\"'"
     svg = str(groups_svg([_group(label, 2)]))
     assert "<script>" not in svg
-    tip = f"group {label}: 2 blocks loaded × 16 = 32 tokens (1 blocks skipped)"
+    tip = f"group {label}: 2 blocks loaded × 16 = 32 tokens (1 block skipped)"
     assert _titles(svg, "bar") == [(tip, tip)]
     assert (
         "<title>group &lt;script&gt;alert(1)&lt;/script&gt;&amp;&#34;&#39;: 2 blocks loaded" in svg

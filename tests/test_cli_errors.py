@@ -364,7 +364,10 @@ def test_bad_input_is_one_line_exit_2_no_output(tmp_path: Path, case: str, comma
 def test_unknown_request_in_explain(trace_43559: Path) -> None:
     result = run_cli(["explain", str(trace_43559), "--request", "nope"])
     assert result.exit_code == 2
-    assert result.stderr == f"error: {trace_43559}: no lookup with request_id 'nope'\n"
+    assert result.stderr == (
+        f"error: {trace_43559}: no lookup with request_id 'nope'; nearest: 'req-43559' "
+        f"(replay info {trace_43559} --requests lists them all)\n"
+    )
 
 
 def test_state_group_out_of_range(trace_43559: Path) -> None:

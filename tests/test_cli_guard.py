@@ -38,7 +38,7 @@ def test_cache_option_checks_only_that_cache(tmp_path: Path) -> None:
     shutil.copy(TRACES / "issue-43559.parquet", tmp_path)
     result = run_cli(["test", str(tmp_path), "--cache", "gpu"])
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("4 passed, 0 failed, 0 skipped: 4 expectations of 1 traces")
+    assert result.stdout.startswith("4 passed, 0 failed, 0 skipped: 4 expectations of 1 trace")
     assert result.stderr == (
         "[1/1] issue-43559.parquet: vllm-0.33/gpu ok, pre-32802/gpu ok, pre-49502/gpu ok, "
         "vllm-0.34/gpu ok" + result.stderr.split("vllm-0.34/gpu ok")[1]
@@ -70,7 +70,7 @@ def test_a_failing_expectation_says_what_moved_and_explains_the_first_lookup(
         "replay explain t.parquet --request second --policy vllm-0.33 --cache gpu:",
     ]
     assert "hit: 48 tokens (attention-verified 48)" in result.stdout
-    assert lines[-1].startswith("1 passed, 1 failed, 0 skipped: 2 expectations of 1 traces")
+    assert lines[-1].startswith("1 passed, 1 failed, 0 skipped: 2 expectations of 1 trace")
     assert result.stderr.startswith("[1/1] t.parquet: vllm-0.33/gpu FAILED, vllm-0.33/mooncake ok")
 
 

@@ -155,7 +155,7 @@ def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
 
 LONG = {
     "run": (["run", str(DEMO), "-o", "{d}/r.parquet"], "1,575/1,575 events ", "replayed 1,575 events"),
-    "synth": (["synth", "-o", "{d}/s.parquet", "--model", "full", "--requests", "300"], "300/300 requests", "Wrote "),
+    "synth": (["synth", "-o", "{d}/s.parquet", "--model", "full", "--requests", "300"], "300/300 requests", "wrote "),
     "whatif": (["whatif", str(DEMO), "--capacity-blocks", "100,200", "--jobs", "1", "-o", "{d}/w.parquet"], "1,212/1,212 requests  3/3 runs", f"{DEMO}: 404 lookups"),
     "check": (["check", str(DEMO)], "1,575/1,575 events ", f"{DEMO}: clean under vllm-0.33"),
     "diff": (["diff", str(DEMO), "--policy", "vllm-0.33", "--policy", "pre-49502"], "1,575/1,575 events ", "diff of trace"),

@@ -63,7 +63,7 @@ def test_run_summary_is_these_lines(tmp_path: Path) -> None:
         "lookups: 1 (1 with a hit)",
         "prompt tokens: 65, hit tokens: 64 (hit ratio 98.46%)",
         "  group 0 full_attention block=16: loaded 3 blocks (48 tokens), skipped 0",
-        "  group 1 mamba block=16: loaded 1 blocks (16 tokens), skipped 3",
+        "  group 1 mamba block=16: loaded 1 block (16 tokens), skipped 3",
         "time: T",
         "flags: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)",
         "flagged lookups (first examples):",
@@ -78,8 +78,8 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     flagged = run_cli(["check", str(trace), "--policy", "pre-49502", "--examples", "0"])
     assert (flagged.exit_code, flagged.stdout) == (
         1,
-        f"{trace}: 1 flagged lookup(s) under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)\n"
-        "fail (--fail-on corruption): 1 lookup(s) with mamba_overrun 1 (corruption)\n",
+        f"{trace}: 1 flagged lookup under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)\n"
+        "fail (--fail-on corruption): 1 lookup with mamba_overrun 1 (corruption)\n",
     )
     clean = run_cli(["check", str(trace)])
     assert (clean.exit_code, clean.stdout) == (0, f"{trace}: clean under vllm-0.33 (no flags)\n")

@@ -103,7 +103,7 @@ def test_check_results_file(tmp_path: Path, trace_43559: Path) -> None:
     assert res.exit_code == 1
     assert (
         res.stdout.splitlines()[0]
-        == f"{out}: 1 flagged lookup(s) under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)"
+        == f"{out}: 1 flagged lookup under pre-49502: mamba_overrun 1 (corruption), eagle_not_dropped 1 (performance)"
     )
     frame = pl.read_parquet(out)
     assert frame["flags"].to_list() == [["mamba_overrun", "eagle_not_dropped"]]

@@ -65,7 +65,7 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     assert "vllm-0.33/mooncake FAILED, vllm-0.33/gpu ok" in got.stderr
     # vllm-0.34's engine expectation too (its engine rules are 0.33.0's).
     assert out.splitlines()[-1].startswith(
-        "2 passed, 1 failed, 4 skipped: 7 expectations of 1 traces"
+        "2 passed, 1 failed, 4 skipped: 7 expectations of 1 trace"
     )
 
 

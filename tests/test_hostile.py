@@ -109,7 +109,7 @@ def test_prompts_all_shorter_than_one_block(tmp_path: Path) -> None:
     out = tmp_path / "m.parquet"
     result = run_cli(["ingest", "mooncake", str(src), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "1 events (1 lookups, 0 stores" in result.stdout
+    assert "1 event (1 lookup, 0 stores" in result.stdout
     assert run_cli(["run", str(out), "-o", str(tmp_path / "r.parquet"), "-q"]).exit_code == 0
 
 

@@ -53,7 +53,7 @@ def test_a_row_declaring_too_many_hashes_is_refused_from_the_footer(tmp_path: Pa
     out = str(tmp_path / "r.parquet")
     refused(
         ["--max-row-hashes", "1000", "run", str(bomb), "-o", out, "-q"],
-        f"{bomb}: row group 0 declares 100,000 hashes in 1 rows, at least 100,000 hashes in "
+        f"{bomb}: row group 0 declares 100,000 hashes in 1 row, at least 100,000 hashes in "
         "one row, above the limit of 1,000 (`replay --max-row-hashes N ...` raises it)",
         tmp_path,
     )

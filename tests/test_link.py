@@ -55,8 +55,8 @@ def test_explain_and_minimize_follow_results_to_their_trace(tmp_path: Path) -> N
     # Under the results' own policy (pre-49502), not the default.
     assert by_results.stdout == by_trace.stdout
     assert by_results.stdout.splitlines()[0] == (
-        "request req-43559 (seq 2): max_length 64, 4 hashes of 16 tokens, policy pre-49502, "
-        "cache mooncake"
+        "request req-43559 (seq 2): max_length 64, 4 hashes of 16 tokens, "
+        "policy pre-49502 (here vllm-0.26), cache mooncake"
     )
     small = moved / "small.parquet"
     shrunk = run_cli(["minimize", results, "--request", "req-43559", "-o", small])

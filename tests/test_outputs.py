@@ -26,7 +26,8 @@ def test_diff_writes_markdown_and_html_by_extension(tmp_path: Path) -> None:
         "## Diff of trace issue-43559.parquet",
         "",
         f"- A = vllm-0.33: policy vllm-0.33, coordinator reference, cache mooncake ({TRACE})",
-        f"- B = pre-49502: policy pre-49502, coordinator reference, cache mooncake ({TRACE})",
+        f"- B = pre-49502: policy pre-49502 (here vllm-0.26), coordinator reference, cache "
+        f"mooncake ({TRACE})",
         "- lookups: 1 compared, 1 with a different hit (B higher on 1, lower on 0)",
         "- hit tokens: A 48, B 64: net +16 (B gains 16, loses 0)",
         "",

@@ -101,7 +101,7 @@ def test_check(tmp_path: Path, trace: Path) -> None:
     flagged = run_cli(["check", trace, "--examples", "0"])
     assert (flagged.exit_code, flagged.stderr.splitlines()) == (1, [NOTE])
     assert flagged.stdout.splitlines()[0] == (
-        f"{trace}: 1 flagged lookup(s) under vllm-0.26: mamba_overrun 1 (corruption), "
+        f"{trace}: 1 flagged lookup under vllm-0.26: mamba_overrun 1 (corruption), "
         "eagle_not_dropped 1 (performance)"
     )
     fixed = run_cli(["check", trace, "--vllm", "0.27.1"])
@@ -189,7 +189,8 @@ def test_bisect(trace: Path) -> None:
         "its column is marked (trace)"
     ]
     assert (
-        "| seq | request | vllm-0.22 | vllm-0.23 | vllm-0.24 | vllm-0.26 (trace) | vllm-0.27 | "
+        "| lookups | seq | request | vllm-0.22 | vllm-0.23 | vllm-0.24 | vllm-0.26 (trace) | "
+        "vllm-0.27 | "
         "vllm-0.28 | vllm-0.29 | vllm-0.30 | vllm-0.32 | vllm-0.33 | vllm-0.34 |"
     ) in result.stdout.splitlines()
     data = json.loads(run_cli(["bisect", trace, "--json"]).stdout)

@@ -139,7 +139,7 @@ def test_cli_ingest_with_the_plugin_file_needs_no_config(tmp_path: Path) -> None
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines()[-1] == (
-        f"wrote {out}: 3 batches, 6 rows, 1 lookups placed, 1 missing in 1 gap"
+        f"wrote {out}: 3 batches, 6 rows, 1 lookup placed, 1 missing in 1 gap"
     )
     assert [r[1] for r in order(out)][:3] == ["store", "lookup", "store"]
 

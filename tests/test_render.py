@@ -10,7 +10,7 @@ from replay.tools.render import record_summary_text
 
 def test_a_clean_recording_is_its_batches_and_rows() -> None:
     summary = RecordSummary(path=Path("t.parquet"), batches=1, rows=3, kv_events=3)
-    assert record_summary_text(summary) == "1 batches, 3 rows"
+    assert record_summary_text(summary) == "1 batch, 3 rows"
 
 
 def test_a_recording_names_every_way_the_stream_fell_short() -> None:

@@ -82,8 +82,8 @@ def test_explain_tables_of_the_43559_example(trace_43559: Path) -> None:
     assert example.explain is not None
     lines = example.explain.splitlines()
     assert lines[0] == (
-        "request req-43559 (seq 2): max_length 64, 4 hashes of 16 tokens, policy pre-49502, "
-        "cache mooncake"
+        "request req-43559 (seq 2): max_length 64, 4 hashes of 16 tokens, "
+        "policy pre-49502 (here vllm-0.26), cache mooncake"
     )
     assert "hit: 64 tokens (attention-verified 48)" in lines
     assert lines[-1] == MAMBA_ROW

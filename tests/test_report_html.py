@@ -228,7 +228,7 @@ def test_markup_in_the_trace_is_escaped_in_the_page_and_the_svg(tmp_path: Path) 
     attr = text.replace('"', "&quot;")
     assert f">{text}</text>" in svg.group(0)
     assert (
-        f'<path aria-label="group {attr}: 1 blocks loaded × 16 = 16 tokens (3 blocks skipped)"'
+        f'<path aria-label="group {attr}: 1 block loaded × 16 = 16 tokens (3 blocks skipped)"'
         in svg.group(0)
     )
     # Unescaped once, every text is what the trace holds.

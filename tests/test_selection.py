@@ -62,7 +62,12 @@ def test_select_flags_as_ruff_select_and_ignore() -> None:
     with pytest.raises(ReplayError) as err:
         select_flags("corruptoin")
     assert str(err.value) == (
-        "--fail-on: unknown flag or severity 'corruptoin', expected a comma-separated list of "
+        "--fail-on: unknown flag or severity 'corruptoin', did you mean 'corruption'?"
+    )
+    with pytest.raises(ReplayError) as err:
+        select_flags("nosuchflag")
+    assert str(err.value) == (
+        "--fail-on: unknown flag or severity 'nosuchflag', expected a comma-separated list of "
         "all, corruption, inconsistent, performance, observed, mamba_overrun, "
         "mamba_state_mismatch, hit_beyond_max_length, hit_misaligned, missing_block, "
         "eagle_not_dropped, observed_mismatch"
@@ -76,7 +81,7 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     assert (result.exit_code, result.stdout.splitlines()) == (
         0,
         [
-            f"{trace}: 18 flagged lookup(s) under pre-49502: eagle_not_dropped 18 (performance)",
+            f"{trace}: 18 flagged lookups under pre-49502: eagle_not_dropped 18 (performance)",
             "  eagle_not_dropped: request s100-t1 seq 427: hit 192 reaches group 0's whole "
             "match: EAGLE recomputes nothing past it",
             "pass (--fail-on corruption): no flag it selects",
@@ -85,7 +90,7 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     perf = run_cli(["check", trace, "--policy", "pre-49502", "--examples", "0", "--fail-on", "performance"])  # fmt: skip
     assert (perf.exit_code, perf.stdout.splitlines()[-1]) == (
         1,
-        "fail (--fail-on performance): 18 lookup(s) with eagle_not_dropped 18 (performance)",
+        "fail (--fail-on performance): 18 lookups with eagle_not_dropped 18 (performance)",
     )
     ignored = run_cli(["check", trace, "--policy", "pre-49502", "--examples", "0", "--fail-on", "all", "--ignore", "eagle_not_dropped"])  # fmt: skip
     assert (ignored.exit_code, ignored.stdout.splitlines()[-1]) == (
@@ -94,7 +99,9 @@ def test_check_fails_on_corruption_only_by_default() -> None:
     )
     bad = run_cli(["check", trace, "--ignore", "eagle"])
     assert (bad.exit_code, bad.stdout) == (2, "")
-    assert bad.stderr.startswith("error: --ignore: unknown flag or severity 'eagle', expected")
+    assert bad.stderr == (
+        "error: --ignore: unknown flag or severity 'eagle', did you mean 'eagle_not_dropped'?\n"
+    )
 
 
 def test_explain_lists_flags_worst_first_with_severity() -> None:

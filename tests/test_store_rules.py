@@ -197,8 +197,8 @@ def test_store_settings_validation() -> None:
         StoreSettings(retention_interval=-16)
     with pytest.raises(ReplayError, match="max_num_batched_tokens must be a positive"):
         StoreSettings(max_num_batched_tokens=0)
-    with pytest.raises(ReplayError, match="unknown cache 'cpu', expected one of mooncake, gpu"):
-        StoreSettings(cache="cpu")
+    with pytest.raises(ReplayError, match="unknown cache 'disk', expected one of mooncake, gpu"):
+        StoreSettings(cache="disk")
     assert StoreSettings().as_source() == {
         "cache": "mooncake",
         "retention_interval": 0,

@@ -278,7 +278,8 @@ def test_synth_store_options(tmp_path: Path) -> None:
             "max_num_batched_tokens 8 must be at least the scheduler block size 16: a Mamba "
             "prefill chunk ends on a block",
         ),
-        (["--cache", "cpu"], "--cache: expected one of mooncake, gpu, got 'cpu'"),
+        (["--cache", "cpu"], "--cache: no cache 'cpu', did you mean 'gpu'?"),
+        (["--cache", "disk"], "--cache: expected one of mooncake, gpu, got 'disk'"),
     ],
 )
 def test_synth_store_option_errors(tmp_path: Path, args: list[str], message: str) -> None:

@@ -55,7 +55,7 @@ def test_cat_gives_back_the_same_events(tmp_path: Path, demo_dir: Path) -> None:
     out = tmp_path / "again.parquet"
     result = run_cli(["cat", str(demo_dir), "-o", str(out)])
     assert result.exit_code == 0, result.stderr
-    assert result.stdout == f"{demo_dir} -> {out}: {open_trace(DEMO).num_rows} events\n"
+    assert result.stdout == f"{demo_dir} -> {out}: {open_trace(DEMO).num_rows:,} events\n"
     assert _rows(out).equals(_rows(DEMO))
     assert open_trace(out).config.to_json() == open_trace(DEMO).config.to_json()
 

@@ -112,8 +112,14 @@ def test_log_spaced_ranges_include_both_ends_and_round_to_whole_blocks() -> None
     ratios = [b / a for a, b in itertools.pairwise(values)]
     assert all(abs(r - 200 ** (1 / 9)) < 1e-3 for r in ratios)
     assert [
-        int(c.value) for c in log_spaced(parse_capacities("1")[0], parse_capacities("4")[0], 9)
+        int(c.value) for c in log_spaced(parse_capacities("1")[0], parse_capacities("4")[0], 4)
     ] == [1, 2, 3, 4]
+    # More points than whole sizes in the range: refused, not fewer runs silently (issue 36).
+    with pytest.raises(ReplayError) as caught:
+        log_spaced(parse_capacities("1")[0], parse_capacities("4")[0], 9)
+    assert str(caught.value) == (
+        "--points 9: from --min 1 to --max 4 there are only 4 sizes in blocks; give --points 2 to 4"
+    )
     pct = log_spaced(parse_capacities("1%")[0], parse_capacities("100%")[0], 3)
     assert [c.text for c in pct] == ["1%", "10%", "100%"]
     with pytest.raises(ReplayError, match="must be larger"):

@@ -447,9 +447,18 @@ def test_rows_carry_per_request_percentiles_and_the_sweep_its_ceiling(tmp_path: 
     assert shown[1].split()[-3:] == ["p50", "p90", "p99"]
     row = frame.row(0, named=True)
     assert shown[2].split()[-3:] == [f"{row[f'hit_ratio_p{q}']:.1%}" for q in (50, 90, 99)]
-    assert shown[3] == (
-        f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, {ceiling['hit_tokens']:,} "
-        f"hit tokens (a cache of {ceiling['capacity_blocks']:,} blocks never evicts)"
+    # The ceiling is a row like the runs, in their units (issue 36), and
+    # its capacity is said to be room enough, not a least size.
+    assert shown[3].split() == [
+        "unbounded",
+        f"{ceiling['hit_ratio']:.2%}",
+        f"{ceiling['hit_tokens']:,}",
+        "0",
+        *(f"{ceiling[f'hit_ratio_p{q}']:.1%}" for q in (50, 90, 99)),
+    ]
+    assert shown[4] == (
+        f"unbounded: a run with room for {ceiling['capacity_blocks']:,} blocks (the working "
+        f"set, {meta['working_set_blocks']:,}, and more), never full"
     )
 
 

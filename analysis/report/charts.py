@@ -23,6 +23,7 @@ from analysis.report.data import Bin, Point
 from analysis.report.fmt import fmt_time, is_relative, num, utc_datetime
 from analysis.report.vega import data, render_svg
 from replay.base.spec import GroupKind
+from replay.base.text import counted
 
 _W, _H = 680, 220
 _BLUE, _GREY, _PURPLE = "#2563eb", "#94a3b8", "#7c3aed"
@@ -250,8 +251,9 @@ def groups_svg(groups: Sequence[dict[str, Any]]) -> Markup:
             "count": num(g["tokens_saved"]),
             "kind": "mamba" if g["kind"] == GroupKind.MAMBA.value else "attention",
             "tip": (
-                f"group {g['label']}: {g['loaded_blocks']:,} blocks loaded × {g['block_size']} = "
-                f"{g['tokens_saved']:,} tokens ({g['skipped_blocks']:,} blocks skipped)"
+                f"group {g['label']}: {counted(g['loaded_blocks'], 'block')} loaded × "
+                f"{g['block_size']} = {counted(g['tokens_saved'], 'token')} "
+                f"({counted(g['skipped_blocks'], 'block')} skipped)"
             ),
         }
         for g in groups

@@ -36,13 +36,14 @@ def by_name(*items: N) -> dict[str, N]:
 
 
 def named(registry: Mapping[str, T], name: str, what: str) -> T:
-    """``registry[name]``, or the one-line error listing the known names."""
+    """``registry[name]``, or the one-line error naming the close names
+    (``did you mean``), else every known one."""
     try:
         return registry[name]
     except KeyError:
-        raise ReplayError(
-            f"unknown {what} {name!r}, expected one of {', '.join(registry)}"
-        ) from None
+        from replay.base.text import did_you_mean
+
+        raise ReplayError(f"unknown {what} {name!r}, {did_you_mean(name, registry)}") from None
 
 
 class ConfigError(ReplayError):

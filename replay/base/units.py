@@ -264,6 +264,13 @@ def log_spaced(
         raise ReplayError(f"{option}: a range takes 2 to {MAX_POINTS:,} points, got {points:,}")
     if high.value <= low.value:
         raise ReplayError(f"--max {high.text!r} must be larger than --min {low.text!r}")
+    whole = high.value - low.value + 1
+    if low.unit != "percent" and points > whole:
+        # Rounded to whole blocks or bytes, the range holds fewer sizes.
+        raise ReplayError(
+            f"{option} {points:,}: from --min {low.text} to --max {high.text} there are "
+            f"only {int(whole):,} sizes in {low.unit}; give --points 2 to {int(whole):,}"
+        )
     ratio = math.log(high.value / low.value)
     values: list[Fraction] = []
     for i in range(points):

@@ -93,7 +93,9 @@ def diff(
         trace, info = trace_of(inputs[0])
         inputs = (trace,)
         own = None if info is None else str(info.get("policy"))
-        policies = chosen_policies(trace, policies, vllm_versions, results_policy=own, most=2)
+        policies = chosen_policies(
+            trace, policies, vllm_versions, results_policy=own, most=2, alias_notes=False
+        )
     elif vllm_versions:
         raise fail("--vllm replays a trace; two results files are compared as they are")
     with progress_bar(as_json) as bar:
@@ -140,7 +142,9 @@ def diff(
     "--cache", "caches", CACHES, "A cache to bisect (repeatable). Default: gpu and mooncake."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
-@count_option("--limit", default=20, help="Changing lookups to print per cache.")
+@count_option(
+    "--limit", default=20, help="Rows (lookups that change identically) to print per cache."
+)
 def bisect(
     trace: Path,
     request_id: str | None,

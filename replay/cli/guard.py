@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail, note_at_end
+from replay.cli.options import Names
 from replay.cli.run import FAIL_ON, IGNORE
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
 
@@ -21,7 +22,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_polic
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
 @click.option(
     "--coordinator",
-    type=click.Choice(list(COORDINATORS)),
+    type=Names(COORDINATORS, "coordinator"),
     default="reference",
     show_default=True,
     help="reference: this project's coordinator (every policy's expectations); vllm: the "
@@ -30,7 +31,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_polic
 @click.option(
     "--cache",
     "caches",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     multiple=True,
     help="Check only the expectations of this cache (repeatable) [default: both].",
 )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command, fail
 from replay.cli.options import TRACE, count_option, integer_type, output_option
 from replay.cli.sources import config_options
@@ -55,11 +56,29 @@ def repair(file: Path, output: Path, config_path: str | None, block_size: int | 
 @command()
 @TRACE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def info(trace: Path, as_json: bool) -> None:
+@click.option(
+    "--requests",
+    is_flag=True,
+    help="Instead: every lookup's seq and request_id, one per line (what explain "
+    "--request and --seq take).",
+)
+def info(trace: Path, as_json: bool, requests: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
     from analysis.summary import trace_info
     from replay.engine.answers import resolve_cache
 
+    if requests:
+        if as_json:
+            raise fail("--requests and --json: give one")
+        from replay.base.text import printable
+        from replay.format.tracedir import open_trace
+
+        for frame in open_trace(trace).iter_frames(["kind", "seq", "request_id"]):
+            for seq, request_id in (
+                frame.filter(frame["kind"] == "lookup").select("seq", "request_id").iter_rows()
+            ):
+                click.echo(f"{seq}\t{printable(request_id or '')}")
+        return
     data = trace_info(trace)
     if as_json:
         from replay.cli import payloads
@@ -100,13 +119,13 @@ def state(trace: Path, at: int | None, group: int | None, output: Path | None, s
     click.echo(f"state {where}: {trace}")
     for gid in groups:
         keys = sorted(store.keys(gid))
-        click.echo(f"group {group_label(config, gid)}: {len(keys)} keys")
+        click.echo(f"group {group_label(config, gid)}: {counted(len(keys), 'key')}")
         for key in keys[:show]:
             click.echo(f"  {key.hex()}")
         if len(keys) > show:
-            click.echo(f"  … {len(keys) - show} more")
+            click.echo(f"  … {len(keys) - show:,} more")
     if output is not None:
         from replay.format.writer import write_keys
 
         n = write_keys(output, [(gid, sorted(store.keys(gid))) for gid in groups])
-        click.echo(f"wrote {n} keys to {output}")
+        click.echo(f"wrote {counted(n, 'key')} to {output}")

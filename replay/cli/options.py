@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from replay.base.errors import ReplayError
+from replay.base.text import close_names, did_you_mean
 from replay.base.units import (
     INT64_MAX,
     parse_bytes,
@@ -112,10 +113,30 @@ def count_option(
     )
 
 
-def repeated_choice(name: str, dest: str, choices: Iterable[str], help: str) -> Callable[[F], F]:
-    """An option given any number of times, each one of ``choices``; the
-    command gets them as the tuple ``dest``."""
-    return click.option(name, dest, type=click.Choice(list(choices)), multiple=True, help=help)
+class Names(click.Choice):  # type: ignore[type-arg]
+    """A choice among named things (policies, caches, coordinators): a typo
+    is answered with the close names (``did you mean 'vllm-0.33'?``), not
+    the whole list, which stays for a name nothing is close to."""
+
+    def __init__(self, choices: Iterable[str], what: str) -> None:
+        super().__init__(list(choices))
+        self.what = what
+
+    def get_invalid_choice_message(self, value: Any, ctx: click.Context | None) -> str:
+        close = close_names(str(value), [str(c) for c in self.choices])
+        if not close:
+            return super().get_invalid_choice_message(value, ctx)
+        return f"no {self.what} {value!r}, did you mean " + " or ".join(map(repr, close)) + "?"
+
+
+def repeated_choice(
+    name: str, dest: str, choices: Iterable[str], help: str, what: str | None = None
+) -> Callable[[F], F]:
+    """An option given any number of times, each one of ``choices`` (``what``
+    they are: the option's name by default); the command gets them as the
+    tuple ``dest``."""
+    names = Names(choices, what or name.lstrip("-"))
+    return click.option(name, dest, type=names, multiple=True, help=help)
 
 
 #: Sizes in tokens (block sizes, budgets, intervals): what a trace's config allows.
@@ -149,6 +170,8 @@ RETENTION = _Parsed("N|none", retention_interval)
 
 def _cache(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     if value not in CACHES:
+        if close_names(value, CACHES):
+            raise fail(f"--cache: no cache {value!r}, {did_you_mean(value, CACHES)}")
         raise fail(f"--cache: expected one of {', '.join(CACHES)}, got {value!r}")
     return value
 
@@ -220,7 +243,7 @@ def release_options(fn: F) -> F:
         [
             click.option(
                 "--policy",
-                type=click.Choice(list(POLICIES)),
+                type=Names(POLICIES, "policy"),
                 default=None,
                 help=f"The vLLM release policy whose stores and hits to produce [default: "
                 f"{DEFAULT_POLICY}]; recorded in the trace's source.",
@@ -299,6 +322,7 @@ def chosen_policies(
     results_policy: str | None = None,
     quiet: bool = False,
     most: int | None = 1,
+    alias_notes: bool = True,
 ) -> tuple[str, ...]:
     """The policies a command answers with (``choose_policies``: ``--policy``,
     ``--vllm``, a results file's own, the trace's recorded release, the
@@ -313,7 +337,9 @@ def chosen_policies(
 
         source = open_trace(trace).config.source
     try:
-        chosen = choose_policies(given, vllm=vllm, source=source, results_policy=results_policy)
+        chosen = choose_policies(
+            given, vllm=vllm, source=source, results_policy=results_policy, alias_notes=alias_notes
+        )
     except ReplayError as exc:
         if source is None:
             raise

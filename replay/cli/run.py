@@ -10,9 +10,11 @@ from pathlib import Path
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
+    Names,
     chosen_policies,
     count_option,
     integer_type,
@@ -39,7 +41,7 @@ from replay.tools.render import (
 
 POLICY = click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Coordinator semantics (default: a results file's own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}): "
@@ -47,7 +49,7 @@ POLICY = click.option(
 )
 CACHE = click.option(
     "--cache",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     default=None,
     help="Which vLLM cache answers: "
     + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
@@ -55,7 +57,7 @@ CACHE = click.option(
 )
 COORDINATOR = click.option(
     "--coordinator",
-    type=click.Choice(list(COORDINATORS)),
+    type=Names(COORDINATORS, "coordinator"),
     default="reference",
     show_default=True,
     help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
@@ -214,17 +216,25 @@ TRACE_OR_RESULTS = click.argument("trace", metavar="TRACE|RESULTS", type=click.P
 
 
 def _followed(
-    path: Path, policy: str | None, vllm: tuple[str, ...], cache: str | None
+    path: Path,
+    policy: str | None,
+    vllm: tuple[str, ...],
+    cache: str | None,
+    *,
+    alias_notes: bool = True,
 ) -> tuple[Path, str, str | None]:
     """A trace as it is; a results file: the trace it leads to, and its
     policy and cache unless the options name others. The policy is chosen
-    by the one rule (``chosen_policies``)."""
+    by the one rule (``chosen_policies``); ``alias_notes=False`` where the
+    output names an alias's release itself."""
     from replay.format.link import trace_of
     from replay.format.results import results_cache
 
     trace, info = trace_of(path)
     own = None if info is None else str(info.get("policy", DEFAULT_POLICY))
-    (chosen,) = chosen_policies(trace, (policy,) if policy else (), vllm, results_policy=own)
+    (chosen,) = chosen_policies(
+        trace, (policy,) if policy else (), vllm, results_policy=own, alias_notes=alias_notes
+    )
     return trace, chosen, cache or (None if info is None else results_cache(info))
 
 
@@ -234,7 +244,7 @@ def _followed(
 @SEQ
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Coordinator semantics (default: the results' own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}): "
@@ -260,7 +270,7 @@ def explain(
     from replay.engine.replay import explain_lookups
     from replay.tools.lookup_choice import choose_lookup
 
-    trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
+    trace, policy, cache = _followed(trace, policy, vllm_versions, cache, alias_notes=False)
 
     config, found = explain_lookups(
         trace, lambda e: e.request_id == request_id, policy, coordinator, cache=cache
@@ -388,7 +398,7 @@ def check(
         lookups = flags["seq"].n_unique() if counts else 0
         failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
         verdict = (
-            f"fail ({chosen}): {failed} lookup(s) with {counts_text(fails)}"
+            f"fail ({chosen}): {counted(failed, 'lookup')} with {counts_text(fails)}"
             if fails
             else f"pass ({chosen}): no flag it selects"
         )
@@ -427,7 +437,7 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
 )
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help="Policy under which the flag fires (default: the results' own, else the trace's "
     f"source.vllm_version, else {DEFAULT_POLICY}).",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command
 from replay.cli.options import TRACE, count_option, count_type, output_option
 
@@ -33,7 +34,7 @@ def split(trace: Path, output: Path, files: int) -> None:
     from replay.format.tracedir import split_trace
 
     n = split_trace(trace, output, files)
-    click.echo(f"{trace} -> {output}: {n} files")
+    click.echo(f"{trace} -> {output}: {counted(n, 'file')}")
 
 
 @command()
@@ -44,7 +45,7 @@ def cat(trace: Path, output: Path) -> None:
     from replay.format.tracedir import cat_trace
 
     n = cat_trace(trace, output)
-    click.echo(f"{trace} -> {output}: {n} events")
+    click.echo(f"{trace} -> {output}: {counted(n, 'event')}")
 
 
 WORKERS = click.option(

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from replay.base.text import counted
 from replay.cli.common import command, exit_on_signal, fail, group
 from replay.cli.options import (
     CAPACITY_BLOCKS,
     MODEL_HELP,
     SIZE_LIMIT,
+    Names,
     count_option,
     output_option,
     seconds_type,
@@ -310,7 +312,10 @@ def ingest_merge(trace: str, lookups: str, output: str) -> None:
 
     check_outputs({"-o": output}, [trace, lookups], formats={"-o": PARQUET})
     summary = merge_lookups(trace, lookups, output)
-    _say(f"wrote {output}: {summary.events} events, {summary.lookups} lookups merged")
+    _say(
+        f"wrote {output}: {counted(summary.events, 'event')}, "
+        f"{counted(summary.lookups, 'lookup')} merged"
+    )
 
 
 def _importer(format_name: str, doc: str) -> click.Command:
@@ -323,7 +328,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         "--model",
         default="full",
         show_default=True,
-        type=click.Choice(list(ARCHETYPES)),
+        type=Names(ARCHETYPES, "model"),
         help=MODEL_HELP,
     )
     @count_option(

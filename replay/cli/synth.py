@@ -13,6 +13,7 @@ from replay.cli.options import (
     MODEL_HELP,
     SEED,
     SIZE_LIMIT,
+    Names,
     count_option,
     output_option,
     store_options,
@@ -26,7 +27,7 @@ from replay.tools.render import synth_summary_text
 
 @command("synth")
 @output_option("Trace file to write (Parquet).", required=True)
-@click.option("--model", required=True, type=click.Choice(list(ARCHETYPES)), help=MODEL_HELP)
+@click.option("--model", required=True, type=Names(ARCHETYPES, "model"), help=MODEL_HELP)
 @count_option(
     "--requests",
     default=10_000,

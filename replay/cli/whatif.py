@@ -13,11 +13,13 @@ from typing import Any
 import click
 
 from replay.base.errors import Interrupted
+from replay.base.text import counted
 from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
+    Names,
     chosen_policies,
     count_option,
     fraction_type,
@@ -158,14 +160,14 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 )
 @click.option(
     "--cache",
-    type=click.Choice(list(CACHES)),
+    type=Names(CACHES, "cache"),
     default=None,
     help="gpu: vLLM's engine block pool; mooncake: a capacity-bounded external store. "
     "Default: the trace's source.cache, else mooncake.",
 )
 @click.option(
     "--policy",
-    type=click.Choice(list(POLICIES)),
+    type=Names(POLICIES, "policy"),
     default=None,
     help=f"The vLLM release policy: the semantics that compute each hit, and the "
     f"stores each request leaves behind [default: the trace's recorded release, "
@@ -394,7 +396,8 @@ def whatif(
                 stage.publish()
                 emitted = f" and their traces in {emit_traces}" if emit_traces is not None else ""
                 click.echo(
-                    f"wrote {output}{emitted}: partial, {len(rows)} of {len(specs)} runs finished",
+                    f"wrote {output}{emitted}: partial, {len(rows):,} of {counted(len(specs), 'run')} "
+                    "finished",
                     err=True,
                 )
             raise
@@ -409,4 +412,4 @@ def whatif(
         return
     for line in sweep_lines(trace, len(requests), meta, out_rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({len(out_rows)} runs in {seconds:.1f} s)")
+    click.echo(f"wrote {output} ({counted(len(out_rows), 'run')} in {seconds:.1f} s)")

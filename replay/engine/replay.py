@@ -79,8 +79,23 @@ def state_at(trace: TraceSource, before_seq: int | None) -> tuple[TraceConfig, S
     """The store as a lookup at ``before_seq`` sees it: every cache event with a
     smaller seq folded in, keyed by the exact hash bytes."""
     reader = open_trace(trace)
-    events = (event for event, _ in iter_events(reader))
-    return reader.config, fold(reader.config.num_groups, events, before=before_seq)
+    span: dict[str, int] = {}  # the first seq read and the last
+
+    def events() -> Iterator[Event]:
+        for event, _ in iter_events(reader):
+            span.setdefault("first", event.seq)
+            span["last"] = event.seq
+            yield event
+
+    store = fold(reader.config.num_groups, events(), before=before_seq)
+    if before_seq is not None and span and not span["first"] <= before_seq <= span["last"]:
+        if before_seq < span["first"]:  # the fold stopped at the first event
+            span["last"] = int(reader.read_frame(["seq"])["seq"].max())  # type: ignore[arg-type]
+        raise ReplayError(
+            f"{reader.name}: seq {before_seq} is outside the trace, whose seqs are "
+            f"{span['first']}..{span['last']}"
+        )
+    return reader.config, store
 
 
 def explain_lookups(

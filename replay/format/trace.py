@@ -200,7 +200,7 @@ def check_declared_sizes(pf: pq.ParquetFile, path: str) -> None:
         rows = max(1, rg.num_rows)
         if declared > rows * per_row:
             raise ROW_HASHES.refuse(
-                f"{path}: row group {i} declares {declared:,} hashes in {rows:,} rows, at least",
+                f"{path}: row group {i} declares {declared:,} hashes in {rows:,} row{'s' * (rows != 1)}, at least",
                 -(-declared // rows),
             )
 

@@ -15,6 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 from replay.base.errors import ReplayError
 from replay.base.limits import RECORD_BYTES
 from replay.base.spec import TraceConfig
+from replay.base.text import counted
 from replay.sources.plugin_log import PlacedLookup, parse_plugin_lookup
 from replay.sources.stream import NO_ANSWER
 from replay.sources.values import Report
@@ -249,7 +250,7 @@ class LookupSubscriber:
             if self._next is not None and seq > self._next:
                 self.lost += seq - self._next
                 self.report(
-                    f"lookups: {seq - self._next} message(s) from the plugin lost "
+                    f"lookups: {counted(seq - self._next, 'message')} from the plugin lost "
                     f"(seq {self._next}..{seq - 1}); their lookups are missing"
                 )
             self._next = seq + 1

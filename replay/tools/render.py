@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replay.base.spec import TraceConfig
-from replay.base.text import printable
-from replay.rules.coordinator import LookupOutcome, hit_alignment
+from replay.base.text import counted, printable
+from replay.rules.coordinator import POLICIES, LookupOutcome, hit_alignment
 from replay.rules.store import LookupEvent
 
 if TYPE_CHECKING:
@@ -37,11 +37,22 @@ def percent(ratio: float) -> str:
 
 
 def _numeric(cell: str) -> bool:
-    return cell.lstrip("+-").isdigit()
+    return cell.lstrip("+-").replace(",", "").isdigit()
+
+
+def _cell(value: object, identifier: bool) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and not identifier:
+        return f"{value:,}"
+    return str(value)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    # A count is thousands separated like every count in the text; a seq
+    # identifies a lookup and is written as the trace has it.
+    ids = [h == "seq" for h in headers]
+    cells = [[str(h) for h in headers]] + [
+        [_cell(c, i) for c, i in zip(row, ids, strict=True)] for row in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = [
         "  ".join(
@@ -80,14 +91,21 @@ def config_lines(config: TraceConfig, cache: str) -> list[str]:
     return lines
 
 
+def policy_label(policy: str | None, cache: str | None) -> str:
+    """A policy as a header names it: an alias with the release it takes in
+    ``cache`` (``Policy.label``)."""
+    found = POLICIES.get(policy or "")
+    return str(policy) if found is None or cache is None else found.label(cache)
+
+
 def explain_header(
     config: TraceConfig, lookup: LookupEvent[Any], policy: str, cache: str | None = None
 ) -> str:
     return (
         f"request {printable(lookup.request_id)} (seq {lookup.seq}): "
-        f"max_length {lookup.max_length}, "
-        f"{len(lookup.hashes)} hashes of {config.hash_block_size} tokens, policy {policy}"
-        + (f", cache {cache}" if cache else "")
+        f"max_length {lookup.max_length:,}, "
+        f"{counted(len(lookup.hashes), 'hash', 'hashes')} of {config.hash_block_size} tokens, "
+        f"policy {policy_label(policy, cache)}" + (f", cache {cache}" if cache else "")
     )
 
 
@@ -146,7 +164,10 @@ def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
             "",
         ]
     )
-    out.append(f"hit: {outcome.hit_tokens} tokens (attention-verified {outcome.verified_tokens})")
+    out.append(
+        f"hit: {counted(outcome.hit_tokens, 'token')} (attention-verified "
+        f"{outcome.verified_tokens:,})"
+    )
     mask_rows = []
     for g in outcome.groups:
         mask = "".join("#" if m else "." for m in g.mask())
@@ -155,7 +176,7 @@ def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
         if g.state_tokens is None:
             state = ""
         else:
-            state = f"state at {g.state_tokens}" if g.state_tokens else "no state"
+            state = f"state at {g.state_tokens:,}" if g.state_tokens else "no state"
         mask_rows.append(
             [group_label(config, g.group_id), g.mask_blocks, g.loaded_blocks, mask or "-", state]
         )
@@ -172,7 +193,10 @@ def explain_table(config: TraceConfig, outcome: LookupOutcome) -> str:
 def kinds_text(by_kind: Mapping[str, int]) -> str:
     """Events per kind: ``store 3, remove 1, clear 0, lookup 2``."""
     k = by_kind
-    return f"store {k['store']}, remove {k['remove']}, clear {k['clear']}, lookup {k['lookup']}"
+    return (
+        f"store {k['store']:,}, remove {k['remove']:,}, clear {k['clear']:,}, "
+        f"lookup {k['lookup']:,}"
+    )
 
 
 def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -182,8 +206,8 @@ def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
 def validate_line(path: Path, info: Mapping[str, Any]) -> str:
     """``replay validate``: the trace is valid, with its counts."""
     return (
-        f"ok: {path}: {info['events']} events ({kinds_text(info['events_by_kind'])}), "
-        f"{len(info['config']['kv_cache_groups'])} KV-cache groups"
+        f"ok: {path}: {counted(info['events'], 'event')} ({kinds_text(info['events_by_kind'])}), "
+        f"{counted(len(info['config']['kv_cache_groups']), 'KV-cache group')}"
     )
 
 
@@ -227,7 +251,7 @@ def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     ``examples`` and the ``results`` path; ``flags_text`` words its flag
     counts (``analysis.flags.counts_text``)."""
     lines = [
-        f"replayed {s['events']:,} events ({kinds_text(s['events_by_kind'])}) with "
+        f"replayed {counted(s['events'], 'event')} ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
         f"lookups: {s['lookups']:,} ({s['lookups_with_hit']:,} with a hit)",
         f"prompt tokens: {s['prompt_tokens']:,}, hit tokens: {s['hit_tokens']:,} "
@@ -235,14 +259,14 @@ def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     ]
     lines += [
         f"  group {g['group_id']} {g['kind']} block={g['block_size']}: loaded "
-        f"{g['loaded_blocks']:,} blocks ({g['loaded_tokens']:,} tokens), "
+        f"{counted(g['loaded_blocks'], 'block')} ({counted(g['loaded_tokens'], 'token')}), "
         f"skipped {g['skipped_blocks']:,}"
         for g in s["groups"]
     ]
     observed = s["observed"]
     if observed["lookups"]:
         lines.append(
-            f"observed hits: {observed['lookups']} reported, {observed['mismatches']} differ "
+            f"observed hits: {observed['lookups']:,} reported, {observed['mismatches']:,} differ "
             "from the replay"
         )
     lines.append(
@@ -273,7 +297,7 @@ def check_lines(
     if not lookups:
         return [f"{path}: clean under {policy} (no flags)"]
     return [
-        f"{path}: {lookups} flagged lookup(s) under {policy}: {counts_text}",
+        f"{path}: {counted(lookups, 'flagged lookup')} under {policy}: {counts_text}",
         *_example_lines(examples),
         verdict,
     ]
@@ -284,11 +308,12 @@ def minimize_lines(
 ) -> list[str]:
     """``replay minimize``: the sizes, and the expectation per policy."""
     lines = [
-        f"{trace}: {info['events_before']:,} events -> {output}: {info['events_after']:,} events"
+        f"{trace}: {counted(info['events_before'], 'event')} -> {output}: "
+        f"{counted(info['events_after'], 'event')}"
     ]
     for e in info["expect"]:
         flags = ", ".join(e["flags"]) or "no flags"
-        lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")
+        lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]:,}")
     return lines
 
 
@@ -299,7 +324,7 @@ def sweep_lines(
     ``meta`` (with the per-request hit-ratio percentiles when the runs have
     them), then the unbounded ceiling and the sample, when there are."""
     lines = [
-        f"{trace}: {lookups} lookups, {meta['cache']} cache, policy {meta['policy']}",
+        f"{trace}: {counted(lookups, 'lookup')}, {meta['cache']} cache, policy {meta['policy']}",
         f"{'capacity':>12} {'eviction':8} {'hit ratio':>9} {'hit tokens':>14} {'evicted':>10}"
         f" {'p50':>6} {'p90':>6} {'p99':>6}",
     ]
@@ -316,11 +341,22 @@ def sweep_lines(
     ]
     ceiling = meta.get("ceiling")
     if ceiling:
+        # The ceiling is a run like the rows, in their words and units; its
+        # capacity is only room enough, not the least that evicts nothing.
         lines.append(
-            f"unbounded ceiling: hit ratio {ceiling['hit_ratio']:.4f}, "
-            f"{ceiling['hit_tokens']:,} hit tokens (a cache of "
-            f"{ceiling['capacity_blocks']:,} blocks never evicts)"
+            f"{'unbounded':>12} {'':8} {percent(ceiling['hit_ratio']):>9} "
+            f"{ceiling['hit_tokens']:>14,} {ceiling['evicted_blocks']:>10,} "
+            f"{pct(ceiling, 'hit_ratio_p50')} {pct(ceiling, 'hit_ratio_p90')} "
+            f"{pct(ceiling, 'hit_ratio_p99')}"
         )
+        room = f"unbounded: a run with room for {ceiling['capacity_blocks']:,} blocks"
+        if meta.get("working_set_blocks"):
+            room += f" (the working set, {meta['working_set_blocks']:,}, and more)"
+        room += ", never full"
+        spare = [r["capacity_blocks"] for r in rows if r["evicted_blocks"] == 0]
+        if spare:
+            room += f"; the runs from {min(spare):,} blocks evict nothing either"
+        lines.append(room)
     sample = meta.get("sample")
     if sample:
         lines.append(
@@ -334,14 +370,15 @@ def sweep_lines(
 
 
 def _store_text(capacity: int | None) -> str:
-    return "unbounded store" if capacity is None else f"LRU store of {capacity:,} blocks"
+    return "unbounded store" if capacity is None else f"LRU store of {counted(capacity, 'block')}"
 
 
 def _events_text(s: Mapping[str, Any]) -> str:
     return (
-        f"{s['events']:,} events ({s['lookups']:,} lookups, {s['stores']:,} stores, "
-        f"{s['removes']:,} removes, {s['clears']:,} clears), "
-        f"{s['hash_entries']:,} hash entries, {s['bytes']:,} bytes"
+        f"{counted(s['events'], 'event')} ({counted(s['lookups'], 'lookup')}, "
+        f"{counted(s['stores'], 'store')}, {counted(s['removes'], 'remove')}, "
+        f"{counted(s['clears'], 'clear')}), {counted(s['hash_entries'], 'hash entry', 'hash entries')}, "
+        f"{counted(s['bytes'], 'byte')}"
     )
 
 
@@ -354,16 +391,17 @@ def _rules_text(s: Mapping[str, Any]) -> str:
 def synth_summary_text(s: Mapping[str, Any]) -> str:
     """``replay synth``: the summary of ``replay.sources.synth.synth_trace``."""
     text = (
-        f"Wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, seed {s['seed']}, "
-        f"{s['requests']:,} requests: "
+        f"{counted(s['requests'], 'request')}: "
         f"{_events_text(s)}."
     )
     injected = s["injected_overruns"]
     if injected:
         first = injected[0]
         text += (
-            f" Injected {len(injected)} #43559 overrun(s) (request ids overrun-NNNN-resend), "
+            f" Injected {counted(len(injected), '#43559 overrun')} (request ids "
+            "overrun-NNNN-resend), "
             f"e.g. {first['request_id']}: hit {first['hit_tokens_pre_49502']} tokens under "
             f"pre-49502, {first['hit_tokens_vllm_033']} under vllm-0.33."
         )
@@ -373,7 +411,7 @@ def synth_summary_text(s: Mapping[str, Any]) -> str:
 def ingest_summary_text(s: Mapping[str, Any]) -> str:
     """``replay ingest mooncake|bailian``: the summary of ``replay.sources.mooncake.ingest``."""
     return (
-        f"Wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
+        f"wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
         f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
         f"{_events_text(s)}. Prefix reuse {percent(s['reuse_ratio'])} "
@@ -381,31 +419,22 @@ def ingest_summary_text(s: Mapping[str, Any]) -> str:
     )
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n > 1 else ''}"
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n:,} {one if n == 1 else many}"
-
-
 def recorded_text(s: RecordSummary, output: object) -> str:
     """``replay record``'s last line: the KV events, lookups and gaps it
     received, then every other way the stream fell short."""
     missing = sum(g["count"] for g in s.gaps)
-    gaps = _count(len(s.gaps), "gap", "gaps")
+    gaps = counted(len(s.gaps), "gap")
     if missing:
-        gaps += f" ({_count(missing, 'batch', 'batches')} missing)"
+        gaps += f" ({counted(missing, 'batch', 'batches')} missing)"
     parts = [
-        f"recorded {_count(s.kv_events, 'KV event', 'KV events')} in "
-        f"{_count(s.batches, 'batch', 'batches')}",
-        "no lookup stream" if s.lookups is None else _count(s.lookups, "lookup", "lookups"),
+        f"recorded {counted(s.kv_events, 'KV event')} in {counted(s.batches, 'batch', 'batches')}",
+        "no lookup stream" if s.lookups is None else counted(s.lookups, "lookup"),
         gaps,
     ]
     if s.filled:
         parts.append(f"{s.filled:,} filled from the replay endpoint")
     if s.restarts:
-        parts.append(_count(len(s.restarts), "publisher restart", "publisher restarts"))
+        parts.append(counted(len(s.restarts), "publisher restart"))
     if s.skipped:
         parts.append(f"{s.skipped:,} malformed skipped")
     if s.dropped:
@@ -419,16 +448,16 @@ def recorded_text(s: RecordSummary, output: object) -> str:
 def record_summary_text(s: RecordSummary) -> str:
     """What ``replay record`` and ``ingest kv-events`` took: batches, rows,
     and every way the stream fell short."""
-    parts = [f"{s.batches} batches", f"{s.rows} rows"]
+    parts = [counted(s.batches, "batch", "batches"), counted(s.rows, "row")]
     if s.lookups is not None:
-        parts.append(f"{s.lookups} lookups placed")
+        parts.append(f"{counted(s.lookups, 'lookup')} placed")
     if s.filled:
-        parts.append(f"{s.filled} filled from the replay endpoint")
+        parts.append(f"{s.filled:,} filled from the replay endpoint")
     if s.gaps:
         missing = sum(g["count"] for g in s.gaps)
-        parts.append(f"{missing} missing in {_plural(len(s.gaps), 'gap')}")
+        parts.append(f"{missing:,} missing in {counted(len(s.gaps), 'gap')}")
     if s.restarts:
-        parts.append(_plural(len(s.restarts), "publisher restart"))
+        parts.append(counted(len(s.restarts), "publisher restart"))
     if s.skipped:
         parts.append(f"{s.skipped} malformed skipped")
     return ", ".join(parts)

@@ -59,6 +59,14 @@ class Policy(Entry):
             )
         return self.mooncake
 
+    def label(self, cache: str | Cache) -> str:
+        """The name as an answer's header shows it: an alias with the release
+        it takes in ``cache`` (``pre-49502 (here vllm-0.26)``), so that its
+        long note need not follow every command."""
+        if not self.stands_for:
+            return self.name
+        return f"{self.name} (here {self.release(cache).name})"
+
     def release(self, cache: str | Cache) -> Policy:
         """The release policy whose rules this one takes in ``cache`` (itself
         unless it is an alias)."""
@@ -349,13 +357,16 @@ def choose_policies(
     vllm: Sequence[str] = (),
     source: Mapping[str, Any] | None = None,
     results_policy: str | None = None,
+    alias_notes: bool = True,
 ) -> Chosen:
     """Every command's one rule for its policies: ``--policy`` (``given``),
     else each ``--vllm`` release's policy, else a results file's own policy,
     else the release that recorded the trace (``source.vllm_version``), else
     :data:`DEFAULT_POLICY`. Giving both ``--policy`` and ``--vllm`` is an
-    error; an alias among the chosen policies adds the line saying what it
-    means."""
+    error; an alias named here (``--policy``; a results file's was said
+    when it was made) adds the line saying what it means, unless the
+    command's output names its release itself (``alias_notes=False``:
+    :meth:`Policy.label`)."""
     notes: list[str] = []
     chosen = tuple(given)
     if vllm:
@@ -380,9 +391,12 @@ def choose_policies(
         chosen = (DEFAULT_POLICY,) if recorded is None else (recorded[0].name,)
         if recorded is not None:
             notes.append(f"{recorded[1]}; --policy or --vllm overrides")
-    notes.extend(
-        p.alias_note for p in map(POLICIES.get, dict.fromkeys(chosen)) if p and p.alias_note
-    )
+    if given:
+        notes.extend(
+            p.alias_note
+            for p in map(POLICIES.get, dict.fromkeys(chosen))
+            if p and p.alias_note and (alias_notes or not p.stands_for)
+        )
     return Chosen(chosen, tuple(notes))
 
 
