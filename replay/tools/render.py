@@ -438,10 +438,10 @@ def recorded_text(s: RecordSummary, output: object) -> str:
     if s.skipped:
         parts.append(f"{s.skipped:,} malformed skipped")
     if s.dropped:
-        parts.append(_count(s.dropped, "dropped connection", "dropped connections"))
+        parts.append(counted(s.dropped, "dropped connection"))
     where = f" to {output}"
     if s.segments is not None:
-        where += f" ({_count(s.segments, 'segment', 'segments')})"
+        where += f" ({counted(s.segments, 'segment')})"
     return ", ".join(parts) + where
 
 
