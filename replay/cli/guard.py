@@ -5,7 +5,6 @@ fails, 2 on bad input (or when nothing could be checked)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,7 +38,15 @@ from replay.rules.coordinator import CACHES, COORDINATORS
     "--json",
     "as_json",
     is_flag=True,
-    help="Print one JSON object: every expectation's outcome and the counts.",
+    help="Print one JSON object (docs/json.md): every expectation's outcome and the counts.",
+)
+@click.option(
+    "--junit-xml",
+    "junit",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="Also write a JUnit XML report: one test case per trace x policy x cache, the "
+    "failure text as its message (for CI).",
 )
 def test(
     paths: tuple[Path, ...],
@@ -48,18 +55,23 @@ def test(
     fail_on: tuple[str, ...],
     ignore: tuple[str, ...],
     as_json: bool,
+    junit: Path | None,
 ) -> None:
     """Check every expectation of the regression traces at PATH (files or
     directories; default: the corpus shipped with this package).
 
-    A failure prints, per failing trace, the expectation, what came instead
-    and the explain table of the first lookup that differs. One progress
-    line per trace goes to stderr.
+    Failures are grouped by what failed (policy, cache and the cause the
+    vLLM adapter names), smallest trace first: per group the smallest
+    failing trace in full (the expectation, what came instead, the explain
+    table of the first lookup that differs, commands that run as printed),
+    then one line per other trace. One progress line per trace goes to
+    stderr.
     """
     from analysis.expectations import (
         Verdict,
         corpus_dir,
         expectation_traces,
+        junit_xml,
         run_traces,
         test_failure_lines,
         test_progress_line,
@@ -67,6 +79,10 @@ def test(
     )
 
     traces = expectation_traces(list(paths) or [corpus_dir()])
+    if junit is not None:
+        from replay.format.paths import JUNIT, check_outputs
+
+        check_outputs({"--junit-xml": junit}, traces, text=True, formats={"--junit-xml": JUNIT})
     total = len(traces)
     done = [0]
 
@@ -80,8 +96,14 @@ def test(
     run = run_traces(
         traces, coordinator, caches or None, on_trace=progress, fail_on=fail_on, ignore=ignore
     )
+    if junit is not None:
+        from replay.format.paths import write_text
+
+        write_text(junit, junit_xml(run, coordinator), what="JUnit XML")
     if as_json:
-        click.echo(json.dumps(run.to_json(coordinator)))
+        from replay.cli.payloads import echo
+
+        echo("test", run.to_json(coordinator))
     else:
         for line in test_failure_lines(run.failed):
             click.echo(line)
