@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 VLLM_RELEASES := 0.19.1 0.21.0 0.22.1 0.23.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.32.0 0.33.0
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo test test-slow lint pytest smoke test-vllm test-vllm-releases test-ray bench traces clean mutants
+.PHONY: install demo test test-slow lint pytest smoke dist test-vllm test-vllm-releases test-ray bench traces clean mutants
 
 install: $(STAMP)
 
@@ -81,13 +81,17 @@ test-slow: $(STAMP)
 SMOKE := out/smoke
 SMOKE_BIN := $(SMOKE)/venv/bin
 
+# The files git would ship (committed or not, never ignored ones), copied
+# to $(1): a stale build/ in the checkout cannot put a deleted module in a wheel.
+define shipped_files
+	@mkdir -p $(1)
+	git ls-files -z --cached --others --exclude-standard \
+	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(1); done' sh
+endef
+
 smoke:
 	rm -rf $(SMOKE)
-	@mkdir -p $(SMOKE)/src
-	@# The files git would ship (committed or not, never ignored ones): a
-	@# stale build/ in the checkout cannot put a deleted module in the wheel.
-	git ls-files -z --cached --others --exclude-standard \
-	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(SMOKE)/src; done' sh
+	$(call shipped_files,$(SMOKE)/src)
 	$(PYTHON) -m venv $(SMOKE)/venv
 	$(SMOKE_BIN)/pip install -q --upgrade pip
 	$(SMOKE_BIN)/pip install -q --only-binary=:all: $(SMOKE)/src
@@ -106,6 +110,19 @@ smoke:
 	  assert frame.height == lookups > 0, (frame.height, lookups); \
 	  assert info['policy'] == 'vllm-0.33', info.get('policy'); \
 	  print(f'smoke: {frame.height} lookups read back from demo.results.parquet')"
+
+# The wheel a user installs without this checkout (README: Install):
+# dist/cache_trace_replay-VERSION-py3-none-any.whl, built from the shipped
+# files (the corpus inside), with pip's build isolation (setuptools from the
+# index).
+DIST_SRC := out/dist-src
+
+dist:
+	rm -rf $(DIST_SRC) dist
+	$(call shipped_files,$(DIST_SRC))
+	$(PYTHON) -m pip wheel -q --no-deps -w dist $(DIST_SRC)
+	@rm -rf $(DIST_SRC)
+	@ls dist/*.whl
 
 # The differential tests against the real vLLM coordinators of one release,
 # in a CPU virtualenv built once per release by tools/vllm-env.sh (a few

@@ -288,7 +288,8 @@ def minimize_lines(
     ]
     for e in info["expect"]:
         flags = ", ".join(e["flags"]) or "no flags"
-        lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]}")
+        where = f" ({e['cache']})" if e.get("cache") else ""
+        lines.append(f"  {e['policy']}{where}: {flags}; hit {e['hits'][request_id]}")
     return lines
 
 
