@@ -349,7 +349,7 @@ def check_trace(
     for v in todo:
         result = by_variant[Variant(policy=v.policy, cache=v.cache, coordinator=coordinator)]
         v.problems, differ = compare(v.entry, result, fail_on, ignore)
-        v.lookups = len(differ) if v.problems else 0
+        v.lookups = max(len(differ), 1) if v.problems else 0  # a total moved: one at least
         if v.problems and differ and explained:
             try:
                 v.explained = explain_text(

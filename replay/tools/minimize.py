@@ -51,13 +51,13 @@ def _rows(reader: TraceReader) -> list[Row]:
     return out
 
 
-def _candidate(config: TraceConfig, rows: Sequence[Row]) -> TableReader:
+def candidate(config: TraceConfig, rows: Sequence[Row]) -> TableReader:
     """The rows as a trace in memory: each shrinking step replays it as it
     would the file, with no file written or read."""
-    return TableReader(events_table(_renumbered(rows), config), config, name="<candidate>")
+    return TableReader(events_table(renumbered(rows), config), config, name="<candidate>")
 
 
-def _renumbered(rows: Sequence[Row]) -> list[Row]:
+def renumbered(rows: Sequence[Row]) -> list[Row]:
     return [{**{k: r.get(k) for k in TRACE_COLUMNS}, "seq": i} for i, r in enumerate(rows)]
 
 
@@ -81,8 +81,8 @@ def ddmin(items: list[Row], still_fails: Callable[[list[Row]], bool]) -> list[Ro
 
 
 #: One lookup's answer under one policy in one cache: its flags, its hit,
-#: and per group ``[mask blocks, loaded blocks]``.
-Answer = tuple[tuple[str, ...], int, list[list[int]]]
+#: per group ``[mask blocks, loaded blocks]``, and each group's own hit.
+Answer = tuple[tuple[str, ...], int, list[list[int]], list[int]]
 
 
 def valid_caches(config: TraceConfig) -> list[str]:
@@ -122,11 +122,11 @@ def answers(
     """The request's last lookup's answer per (policy, cache), one fold."""
     options = ReplayOptions(variants=tuple((p, c, coordinator) for p, c in variants))
     out: dict[tuple[str, str], Answer] = {}
-    for result in replay(_candidate(config, rows), options):
+    for result in replay(candidate(config, rows), options):
         res = judge(result.results, config)
         mine = res.filter(res["request_id"] == request_id)
         if mine.height == 0:
-            out[(result.policy, result.cache)] = ((), 0, [])
+            out[(result.policy, result.cache)] = ((), 0, [], [])
             continue
         masks = [
             [int(m), int(n)]
@@ -136,6 +136,7 @@ def answers(
             tuple(sorted(mine["flags"][-1])),
             int(mine["hit_tokens"][-1]),
             masks,
+            [int(h) for h in mine["group_hit_tokens"][-1]],
         )
     return out
 
@@ -188,8 +189,8 @@ def shrink(
 
 
 def expect_entries(request_id: str, got: Mapping[tuple[str, str], Answer]) -> list[dict[str, Any]]:
-    """The ``replay.expect`` entries of a small trace: per (policy, cache),
-    the request's flags, hit and load masks."""
+    """The ``replay.expect`` entries of a small trace (one lookup): per
+    (policy, cache), the request's flags, hit, load masks and group hits."""
     return [
         {
             "policy": policy,
@@ -197,8 +198,9 @@ def expect_entries(request_id: str, got: Mapping[tuple[str, str], Answer]) -> li
             "flags": {f: 1 for f in flags},
             "hits": {request_id: hit},
             "masks": {request_id: masks},
+            "group_hit_tokens": group_hits,
         }
-        for (policy, cache), (flags, hit, masks) in got.items()
+        for (policy, cache), (flags, hit, masks, group_hits) in got.items()
     ]
 
 
@@ -268,7 +270,7 @@ def minimize(
     write_trace(
         out,
         config,
-        _renumbered(final),
+        renumbered(final),
         expect={
             "expect": expect,
             "minimized_from": os.path.basename(reader.name),
