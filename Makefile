@@ -130,18 +130,23 @@ dist:
 # the lookup and the store differentials in the caches it has, against the
 # policy that models it.
 $(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
-	touch $(VLLM_STAMP)
+	@test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
+	@echo "test-vllm: this package into $(VLLM_VENV), editable (pip's output: $(VLLM_VENV).log)"
+	@$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]' >> $(VLLM_VENV).log 2>&1 \
+	  || { echo "test-vllm: the install failed; the last lines of $(VLLM_VENV).log:"; tail -n 20 $(VLLM_VENV).log; exit 1; }
+	@touch $(VLLM_STAMP)
 
 VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py tests/test_store_rules_vllm.py)
 
-# Then (for the release CI runs) the regression corpus through the installed
-# vLLM's own coordinators (the pytest route, as a vLLM developer runs it on
-# their branch).
+# Then (for the release CI runs) the CI recipe of docs/ci.md, as a vLLM
+# developer runs it on their branch (tools/vllm-ci.sh, from an empty
+# directory: the shipped corpus through `replay test --junit-xml` and
+# through pytest, and the drift check), with its reports in out/vllm-ci.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
-	$(if $(VLLM_TESTS),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/)
+	@echo "test-vllm: the vllm-marked tests against vLLM $(VLLM) ($(VLLM_VENV))"
+	@$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
+	$(if $(VLLM_TESTS),,@echo "test-vllm: the CI recipe, tools/vllm-ci.sh $(VLLM_VENV)/bin/python")
+	$(if $(VLLM_TESTS),,@REPLAY_INSTALL=0 OUT=out/vllm-ci bash tools/vllm-ci.sh $(VLLM_VENV)/bin/python)
 
 # Every modelled release, one after the other (each venv is built once).
 test-vllm-releases:

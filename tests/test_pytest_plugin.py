@@ -167,7 +167,9 @@ def test_replay_corpus_runs_the_shipped_corpus_from_any_directory(
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--replay-corpus", "-q", "-k", "issue-43559"
     )
-    result.assert_outcomes(passed=len(read_expectations(corpus_dir() / "issue-43559.parquet") or []))
+    result.assert_outcomes(
+        passed=len(read_expectations(corpus_dir() / "issue-43559.parquet") or [])
+    )
     # Without the option, an empty directory has nothing to collect.
     assert pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q").ret == 5
     # --pyargs names the same shipped directory.
@@ -175,4 +177,3 @@ def test_replay_corpus_runs_the_shipped_corpus_from_any_directory(
         "-p", "no:cacheprovider", "--pyargs", "replay.corpus", "--collect-only", "-q"
     )
     assert len([line for line in pyargs.outlines if "::" in line]) == len(_entries())
-
