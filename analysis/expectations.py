@@ -20,7 +20,7 @@ One engine for both faces, ``replay test`` and the pytest plugin: every
 expectation of a trace is checked from one fold of its store. Under the
 ``vllm`` coordinator only the expectations whose policy answers as the
 installed vLLM's release in their cache are checked
-(``replay.format.backends.vllm.installed_policy``); the others are skipped
+(``replay.adapters.vllm.backend.installed_policy``); the others are skipped
 with the reason. An entry without ``policy`` is checked under the release
 that recorded the trace (``source.vllm_version``), else the default.
 """
@@ -399,7 +399,7 @@ def planned_verdicts(
     match: str | None = None
     skip_reason = ""
     if coordinator == "vllm":
-        from replay.format.backends.vllm import installed_policy
+        from replay.adapters.vllm.backend import installed_policy
 
         match, skip_reason = installed_policy()
     verdicts: list[Verdict] = []
@@ -425,7 +425,7 @@ def planned_verdicts(
 def _is_setup_error(exc: Exception) -> bool:
     """The vLLM backend could not start (vLLM missing or its API moved): the
     environment's problem, reported as such, not a finding about vLLM."""
-    from replay.format.backends.vllm import VllmUnavailable
+    from replay.adapters.vllm.backend import VllmUnavailable
 
     return isinstance(exc, VllmUnavailable)
 

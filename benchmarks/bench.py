@@ -95,7 +95,7 @@ from replay.format.tracedir import open_trace
 t = time.perf_counter()
 config = open_trace({path!r}).config
 if {backend!r} == "vllm":
-    from replay.format.backends.vllm import VllmCoordinator as C
+    from replay.adapters.vllm.backend import VllmCoordinator as C
 else:
     from replay.rules.coordinator import Coordinator as C
 coord = C(config, "vllm-0.33")

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # vLLM's lookup path, function by function: what the corpus's branch
 # coverage is reported for (module file -> qualified names).
 LOOKUP_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "vllm/v1/core/kv_cache_manager.py": ("KVCacheManager.get_computed_blocks",),
     "vllm/v1/core/kv_cache_coordinator.py": (
         "KVCacheCoordinator.__init__",
         "UnitaryKVCacheCoordinator.find_longest_cache_hit",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 LOOKUP_MODULES = (
+    "vllm/v1/core/kv_cache_manager.py",
     "vllm/v1/core/kv_cache_coordinator.py",
     "vllm/v1/core/single_type_kv_cache_manager.py",
     "vllm/v1/core/block_pool.py",
@@ -55,7 +56,7 @@ def _random_answers(scenarios: int, seed: int) -> tuple[list[str], list[int]]:
     coordinators, default policy, on the seeded random scenarios
     (``tests.builders.random_scenarios``), with the scenario of each; an
     exception is an answer too."""
-    from replay.format.backends.vllm import VllmCoordinator
+    from replay.adapters.vllm.backend import VllmCoordinator
     from tests.builders import random_scenarios
 
     answers: list[str] = []

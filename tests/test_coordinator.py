@@ -134,7 +134,7 @@ def test_verification_holds_per_candidate_and_clears_on_a_shrink() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_vllm_backend_without_vllm_names_the_fix() -> None:
-    from replay.format.backends.vllm import VllmCoordinator
+    from replay.adapters.vllm.backend import VllmCoordinator
 
     with pytest.raises(ReplayError) as info:
         VllmCoordinator(config(fa()))

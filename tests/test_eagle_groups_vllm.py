@@ -37,9 +37,9 @@ pytest.importorskip(
     reason="vLLM not importable: run make test-vllm",
 )
 
+from replay.adapters.vllm.backend import VllmCoordinator
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.backends.vllm import VllmCoordinator
 from replay.rules.coordinator import Coordinator, build_spec_groups, check_config
 from replay.rules.store_rules import StoreRules, StoreSettings
 from tests.builders import (

@@ -27,7 +27,7 @@ TRACES = sorted(Path(__file__).parent.parent.joinpath("traces").glob("*.parquet"
 
 
 def _installed() -> str:
-    from replay.format.backends.vllm import installed_vllm_version
+    from replay.adapters.vllm.backend import installed_vllm_version
     from replay.rules.coordinator import policy_for_version
 
     return policy_for_version(installed_vllm_version()).name

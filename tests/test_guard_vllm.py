@@ -80,7 +80,7 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
     vllm-0.33 is checked in both caches; the others are skipped, naming the
     policy and the installed version."""
     from analysis.expectations import corpus_dir, read_expectations
-    from replay.format.backends.vllm import installed_vllm_version
+    from replay.adapters.vllm.backend import installed_vllm_version
 
     got = _replay("test", "--coordinator", "vllm")
     assert got.returncode == 0, got.stdout + got.stderr
@@ -113,7 +113,7 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     """`pytest --replay-coordinator vllm` (and REPLAY_COORDINATOR=vllm):
     the vllm-0.33 items pass against vLLM, the others skip with the reason;
     with the gate removed, the mooncake item of issue-43559 fails."""
-    from replay.format.backends.vllm import installed_vllm_version
+    from replay.adapters.vllm.backend import installed_vllm_version
 
     shutil.copy(ISSUE, pytester.path / ISSUE.name)
     version = installed_vllm_version()
@@ -186,7 +186,7 @@ def _moved(setup: str, cache: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_moved_internal_api_is_one_line_naming_it() -> None:
-    from replay.format.backends.vllm import installed_vllm_version
+    from replay.adapters.vllm.backend import installed_vllm_version
 
     version = installed_vllm_version()
     cases = [
@@ -223,7 +223,7 @@ def test_a_moved_internal_api_is_one_line_naming_it() -> None:
 
 
 def test_the_installed_version_picks_the_policy() -> None:
-    from replay.format.backends.vllm import policy_for_vllm
+    from replay.adapters.vllm.backend import policy_for_vllm
 
     assert policy_for_vllm("0.33.0") == "vllm-0.33"
     assert policy_for_vllm("0.34.1.dev12+g1234abcd") == "vllm-0.33"  # an editable main

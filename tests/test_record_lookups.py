@@ -1,7 +1,7 @@
 """Lookups from the vLLM plugin: exact placement, the plugin's file, the live stream.
 
 The records here are written in the plugin's documented format
-(``replay/base/vllm_plugin.py``); ``tests/test_record_scheduler.py`` produces
+(``replay/adapters/vllm/plugin.py``); ``tests/test_record_scheduler.py`` produces
 them with vLLM's real scheduler. The live test sends them through the
 plugin's own ZMQ sink (no vLLM needed for it).
 """
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from replay.base import vllm_plugin
+from replay.adapters.vllm import plugin as vllm_plugin
+from replay.adapters.vllm import wire
 from replay.cli.sources import ingest, record
 from replay.format.tracedir import open_trace
 from replay.sources.record import ingest_dumps
@@ -219,7 +220,7 @@ def test_the_entry_point_is_installed_and_inert_without_the_variable(
         e for e in entry_points(group="vllm.general_plugins") if e.name == "cache_trace_replay"
     ]
     assert ep.value == "replay.vllm_plugin:register"
-    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    monkeypatch.delenv(wire.ENV, raising=False)
     ep.load()()
     assert not vllm_plugin.installed()
 

@@ -76,7 +76,8 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from replay.base import vllm_plugin  # noqa: E402
+from replay.adapters.vllm import plugin as vllm_plugin  # noqa: E402
+from replay.adapters.vllm import wire  # noqa: E402
 
 VOCAB = 1000
 MAX_MODEL_LEN = 2048
@@ -570,12 +571,12 @@ def test_the_plugin_is_inert_unless_replay_lookups_is_set(
 ) -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    monkeypatch.delenv(wire.ENV, raising=False)
     vllm_plugin.register()
     assert not vllm_plugin.installed()
     assert not hasattr(Scheduler.schedule, "__wrapped__")
     assert not hasattr(KVCacheManager.get_computed_blocks, "__wrapped__")
-    monkeypatch.setenv(vllm_plugin.ENV, str(tmp_path / "lookups.jsonl"))
+    monkeypatch.setenv(wire.ENV, str(tmp_path / "lookups.jsonl"))
     vllm_plugin.register()
     try:
         assert vllm_plugin.installed()

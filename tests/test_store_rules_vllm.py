@@ -47,9 +47,9 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
+from replay.adapters.vllm.backend import installed_vllm_version, vllm_groups
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.backends.vllm import installed_vllm_version, vllm_groups
 from replay.rules.coordinator import RELEASES, Coordinator, policy_for_version
 from replay.rules.coordinator.stores import policy_stores
 from replay.rules.store_rules import StoreRules, StoreSettings

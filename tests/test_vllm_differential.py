@@ -38,9 +38,9 @@ pytest.importorskip(
 
 import contextlib
 
+from replay.adapters.vllm.backend import VllmCoordinator, installed_vllm_version
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.format.backends.vllm import VllmCoordinator, installed_vllm_version
 from replay.rules.coordinator import POLICIES as ALL_POLICIES
 from replay.rules.coordinator import (
     RELEASES,

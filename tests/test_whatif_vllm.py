@@ -29,8 +29,8 @@ pytest.importorskip(
     "vllm.v1.core.kv_cache_manager", reason="vLLM not importable: run make test-vllm"
 )
 
+from replay.adapters.vllm.backend import vllm_groups
 from replay.base.spec import GroupKind, TraceConfig
-from replay.format.backends.vllm import vllm_groups
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.rules.blockpool import GpuCache

@@ -69,7 +69,7 @@ def make_coordinator(
             where = f"{path}: " if path is not None else ""
             raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
     if coordinator == "vllm":
-        from replay.format.backends.vllm import VllmCoordinator
+        from replay.adapters.vllm.backend import VllmCoordinator
 
         return VllmCoordinator(config, policy, cache)
     raise ReplayError(

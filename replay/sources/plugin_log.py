@@ -1,4 +1,4 @@
-"""The vLLM plugin's lookup log (``replay.base.vllm_plugin``), and the placer that
+"""The vLLM plugin's lookup log (``replay.adapters.vllm.plugin``), and the placer that
 puts each of its lookups at its exact place among the KV events."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ PLUGIN_RECORD_TYPES = ("engine", "lookup")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlacedLookup:
-    """A lookup the vLLM plugin (``replay.base.vllm_plugin``) recorded, with its
+    """A lookup the vLLM plugin (``replay.adapters.vllm.plugin``) recorded, with its
     exact place: before the ``position``-th event of KV-event batch ``batch``
     of the engine ``instance``."""
 

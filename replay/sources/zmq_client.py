@@ -100,11 +100,11 @@ def binds(endpoint: str) -> bool:
 
 
 class LookupSubscriber:
-    """The SUB side of the vLLM plugin's lookup stream (``replay.base.vllm_plugin``):
+    """The SUB side of the vLLM plugin's lookup stream (``replay.adapters.vllm.plugin``):
     engine facts, lookups and watermarks, with lost messages reported."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, report: Report) -> None:
-        from replay.base.vllm_plugin import TOPIC
+        from replay.adapters.vllm.wire import TOPIC
 
         self.endpoint = endpoint
         self.report = report

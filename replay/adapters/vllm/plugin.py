@@ -60,9 +60,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-ENV = "REPLAY_LOOKUPS"
-TOPIC = b"replay.lookups"
-FORMAT = "replay.lookups/1"
+from replay.adapters.vllm.wire import ENV, FORMAT, TOPIC
 
 _U64 = (1 << 64) - 1
 

@@ -38,7 +38,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
@@ -51,6 +51,27 @@ from replay.rules.coordinator.hybrid import (
 )
 from replay.rules.coordinator.policy import policy_for_version
 
+#: Every name of vLLM's starting with an underscore that this package
+#: touches, because vLLM offers no public way in: why, and the releases it
+#: was checked on. ``tests/test_adapters_private_names.py`` scans the package
+#: and fails on any other (and on an entry no longer used).
+PRIVATE_NAMES: dict[str, tuple[str, str]] = {
+    # The hybrid engine coordinator's spec groups (``attention_groups``) keep
+    # the per-group finder hits to themselves; a pass-through manager class
+    # records them. ``SpecGroup`` is a named tuple from 0.29: its own copy
+    # with one field changed, and the test that it is one.
+    "_replace": ("namedtuple copy of a SpecGroup with manager_cls replaced", "0.32.0-0.34.0"),
+    "_fields": ("namedtuple test: a SpecGroup (0.29+) or a plain tuple", "0.32.0-0.34.0"),
+    # ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins the
+    # distributed groups: ``VllmStoreWorker`` makes the worker with
+    # ``__new__`` and sets the state its ``lookup`` reads.
+    "_capacity_only": ("worker state read first by lookup (False)", "0.32.0-0.34.0"),
+    "_kv_cache_groups": ("worker state: the coordinator's kv_cache_groups", "0.32.0-0.34.0"),
+    "_lookup_key_prefixes": ("worker state: one key prefix per group", "0.32.0-0.34.0"),
+    "_selective_lease": ("worker state read by 0.34's lookup (None: no lease)", "0.34.0"),
+    "_record_kv_connector_operation": ("worker's statistics hook (ignored)", "0.32.0-0.34.0"),
+}
+
 
 class VllmUnavailable(ReplayError):
     """The installed vLLM cannot answer: it does not import, or its internal
@@ -62,7 +83,7 @@ def _missing_vllm(exc: ImportError) -> str:
     import os
     import sys
 
-    # The checkout that holds this package: replay/format/backends/vllm.py.
+    # The checkout that holds this package: replay/adapters/vllm/backend.py.
     root = os.path.dirname(
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     )
@@ -127,18 +148,15 @@ def _require(owner: Any, name: str, where: str) -> Any:
         ) from None
 
 
-def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
-    """Call ``function`` with the keyword arguments its signature takes;
-    a required parameter this backend does not know is the API having moved."""
-    import inspect
-
+def _check_known(function: Any, where: str, n_args: int, kwargs: dict[str, Any]) -> bool:
+    """Whether ``function`` takes any keyword (``**kwargs``); a required
+    parameter this backend does not know is the API having moved."""
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):
-        return function(*args, **kwargs)
-    positional = list(params.values())[: len(args)]
+        return True
+    positional = list(params.values())[:n_args]
     rest = [p for p in params.values() if p not in positional]
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
     for p in rest:
         required = p.default is inspect.Parameter.empty and p.kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -150,7 +168,14 @@ def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
                 f"`{where}` requires a parameter `{p.name}` this backend does not know "
                 "(its internal API moved)"
             )
-    if not accepts_any:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
+
+
+def _call_known(function: Any, where: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``function`` with the keyword arguments its signature takes;
+    a required parameter this backend does not know is the API having moved."""
+    if not _check_known(function, where, len(args), kwargs):
+        params = inspect.signature(function).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return function(*args, **kwargs)
 
@@ -183,7 +208,7 @@ def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _fields(cls: Any) -> set[str]:
+def _dataclass_fields(cls: Any) -> set[str]:
     return set(getattr(cls, "__dataclass_fields__", {}))
 
 
@@ -237,10 +262,87 @@ class _RecordingManager:
         return result
 
 
+_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+
+
+def _ignore(*_args: Any, **_kwargs: Any) -> None:
+    """The worker's operation statistics: nobody reads them here."""
+
+
+def _absent(_block_hash: Hashable) -> bool:
+    return False
+
+
+class _TokenDb:
+    """What the worker's lookup reads of a group's token database."""
+
+    def __init__(self, block_size: int, hash_block_size: int) -> None:
+        self.block_size = block_size
+        self.chunk_size = block_size
+        self.hash_block_size = hash_block_size
+
+
+class _TraceStore:
+    """The Mooncake store as the worker's lookup asks it: ``batch_is_exist``
+    of key strings (``{prefix}@{hash hex}``), answered from the trace's keys
+    (``contains[g]``) for the lookup in hand."""
+
+    def __init__(self, prefixes: dict[str, int]) -> None:
+        self.prefixes = prefixes
+        self.contains: Sequence[Callable[[Hashable], bool]] = ()
+        self.by_hex: dict[str, Hashable] = {}
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        out = []
+        for key in keys:
+            prefix, _, hex_hash = key.rpartition("@")
+            unit = self.by_hex.get(hex_hash)
+            gid = self.prefixes[prefix]
+            out.append(1 if unit is not None and self.contains[gid](unit) else 0)
+        return out
+
+
+class _RecordingMirror:
+    """Pass-through to the ``MooncakeStoreCoordinator`` that keeps the load
+    masks of its last ``find_longest_cache_hit`` (the worker drops them)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.masks: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        masks, hit = self.inner.find_longest_cache_hit(*args, **kwargs)
+        self.masks = masks
+        return masks, hit
+
+
+class _LookupLength:
+    """Pass-through to the engine coordinator that keeps the lookup length
+    ``get_computed_blocks`` asked it for."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.max_length: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        self.max_length = max_cache_hit_length
+        return self.inner.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+
+
+def _is_named_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
 def _with_manager(group: Any, manager: Any) -> Any:
     """A spec group (a named tuple from 0.27, a plain tuple before) with its
     manager class replaced."""
-    if hasattr(group, "_replace"):
+    if _is_named_tuple(group):
         return group._replace(manager_cls=manager)
     return (group[0], group[1], manager, *group[3:])
 
@@ -258,7 +360,7 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
         return iface.FullAttentionSpec(**common)
     if group.kind is GroupKind.SLIDING_WINDOW:
         window: dict[str, Any] = {"sliding_window": group.sliding_window}
-        if "extra_retained_tokens" in _fields(iface.SlidingWindowSpec):
+        if "extra_retained_tokens" in _dataclass_fields(iface.SlidingWindowSpec):
             window["extra_retained_tokens"] = group.extra_retained_tokens
         elif group.extra_retained_tokens:
             raise ReplayError(
@@ -282,7 +384,7 @@ def vllm_groups(config: TraceConfig, iface: Any, torch: Any) -> list[Any]:
     """vLLM ``KVCacheGroupSpec`` objects for a trace's groups, in group order
     (equal trace specs give equal vLLM specs, so groups merge as in vLLM)."""
     # Per-group EAGLE flags exist from 0.20.0; before, use_eagle drops for all.
-    flags = "is_eagle_group" in _fields(iface.KVCacheGroupSpec)
+    flags = "is_eagle_group" in _dataclass_fields(iface.KVCacheGroupSpec)
     return [
         iface.KVCacheGroupSpec(
             layer_names=[g.name or f"model.layers.{gid}"],
@@ -324,8 +426,6 @@ def _probe(iface: Any, module: Any, utils: Any, cache: str) -> None:
     where = _COORDINATOR_MODULES[cache]
     if cache == "gpu":
         _require(module, "get_kv_cache_coordinator", where)
-        _require(utils, "KVCacheBlock", "vllm.v1.core.kv_cache_utils")
-        _require(utils, "make_block_hash_with_group_id", "vllm.v1.core.kv_cache_utils")
     else:
         _require(module, "MooncakeStoreCoordinator", where)
         _require(module, "ExternalCachedBlockPool", where)
@@ -335,6 +435,10 @@ class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
     name = "vllm"
+    #: Where a Mooncake lookup enters vLLM: the mirror's
+    #: ``find_longest_cache_hit`` at the trace's ``max_length`` (the policies
+    #: model this), or the store worker's own ``lookup`` (``VllmStoreWorker``).
+    mooncake_entry = "coordinator"
 
     def _prepare(self) -> None:
         config = self.config
@@ -363,6 +467,10 @@ class VllmCoordinator(LookupCoordinator):
             )
         )
         _probe(iface, module, utils, self.cache.name)
+        if self.cache.name == "gpu":
+            # Imported after the probe: it imports the coordinator's names.
+            self._manager_module: Any = _vllm_module("vllm.v1.core.kv_cache_manager")
+            _require(self._manager_module, "KVCacheManager", "vllm.v1.core.kv_cache_manager")
         if installed.rules(self.cache.name) != self.cache:
             modelled = self.policy.release(self.cache.name)
             raise ReplayError(
@@ -390,66 +498,180 @@ class VllmCoordinator(LookupCoordinator):
                 f"express the trace's scheduler_block_size {config.scheduler_block_size}"
             )
         groups = vllm_groups(config, iface, torch)
+        self._iface: Any = iface
+        self._groups_vllm = groups
+        if self.cache.name == "gpu":
+            self._engine_kwargs: dict[str, Any] = {
+                "max_model_len": _MAX_MODEL_LEN,
+                "max_in_flight_tokens": _MAX_IN_FLIGHT_TOKENS,
+                "max_num_batched_tokens": _MAX_IN_FLIGHT_TOKENS,
+                "use_eagle": config.use_eagle,
+                "enable_caching": True,
+                "log_stats": False,
+                "enable_kv_cache_events": False,
+                "dcp_world_size": 1,
+                "pcp_world_size": 1,
+                "scheduler_block_size": config.scheduler_block_size,
+                "hash_block_size": config.hash_block_size,
+                # The trace's flag can only turn partial hits off
+                # (from 0.30.0; before, the release ignores it).
+                "allow_partial_hash_hits": config.enable_partial_hash_hits,
+            }
+            self._request_modules = (
+                _vllm_module("vllm.v1.request"),
+                _vllm_module("vllm.sampling_params"),
+            )
+            _require(self._request_modules[0], "Request", "vllm.v1.request")
+            _require(self._request_modules[1], "SamplingParams", "vllm.sampling_params")
+            self._build_engine(_POOL_BLOCKS)
+            return
         try:
-            if self.cache.name == "gpu":
-                build = module.get_kv_cache_coordinator
-                coordinator = _call_known(
-                    build,
-                    f"{_COORDINATOR_MODULES['gpu']}.get_kv_cache_coordinator",
-                    iface.KVCacheConfig(
-                        num_blocks=_POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
-                    ),
-                    **_accepted(
-                        build,
-                        {
-                            "max_model_len": _MAX_MODEL_LEN,
-                            "max_in_flight_tokens": _MAX_IN_FLIGHT_TOKENS,
-                            "max_num_batched_tokens": _MAX_IN_FLIGHT_TOKENS,
-                            "use_eagle": config.use_eagle,
-                            "enable_caching": True,
-                            "enable_kv_cache_events": False,
-                            "dcp_world_size": 1,
-                            "pcp_world_size": 1,
-                            "scheduler_block_size": config.scheduler_block_size,
-                            "hash_block_size": config.hash_block_size,
-                            # The trace's flag can only turn partial hits off
-                            # (from 0.30.0; before, the release ignores it).
-                            "allow_partial_hash_hits": config.enable_partial_hash_hits,
-                        },
-                    ),
-                )
-            else:
-                cls = module.MooncakeStoreCoordinator
-                coordinator = _call_known(
-                    cls,
-                    f"{_COORDINATOR_MODULES['mooncake']}.MooncakeStoreCoordinator",
-                    groups,
-                    config.scheduler_block_size,
-                    config.hash_block_size,
-                    **_accepted(
-                        cls.__init__,
-                        {
-                            "use_eagle": config.use_eagle,
-                            # From 0.32.0 the mirror takes the flag as given.
-                            "enable_partial_hash_hits": config.enable_partial_hash_hits,
-                        },
-                    ),
-                )
+            cls = module.MooncakeStoreCoordinator
+            coordinator = _call_known(
+                cls,
+                f"{_COORDINATOR_MODULES['mooncake']}.MooncakeStoreCoordinator",
+                groups,
+                config.scheduler_block_size,
+                config.hash_block_size,
+                **_accepted(
+                    cls.__init__,
+                    {
+                        "use_eagle": config.use_eagle,
+                        # From 0.32.0 the mirror takes the flag as given.
+                        "enable_partial_hash_hits": config.enable_partial_hash_hits,
+                    },
+                ),
+            )
         except (AssertionError, ValueError) as exc:
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
-        if self.cache.name == "gpu":
-            pool = _require(coordinator, "block_pool", "the engine coordinator")
-            _require(pool, "null_block", "BlockPool")
-            cached = _require(pool, "cached_block_hash_to_block", "BlockPool")
-            _require(cached, "insert", "BlockPool.cached_block_hash_to_block")
-            _require(cached, "_cache", "BlockPool.cached_block_hash_to_block")
+        self._install(coordinator)
+        self._worker: Any = None
+        if self.mooncake_entry == "worker":
+            self._worker = self._store_worker()
+
+    def _store_worker(self) -> Any:
+        """The Mooncake store worker's own ``lookup`` over this coordinator, or
+        ``None`` where the release's worker cannot be driven (then the
+        coordinator's ``find_longest_cache_hit`` answers, as the worker's
+        lookup would call it).
+
+        ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins
+        vLLM's distributed groups, so the worker is made without it
+        (``__new__``) and given the state its ``lookup`` reads: the public
+        ``coord``, ``hash_block_size``, ``token_dbs`` (each group's block
+        size) and ``store`` (``_TraceStore``, answering ``batch_is_exist``
+        from the trace's keys), and the private names of ``PRIVATE_NAMES``."""
+        try:
+            module = importlib.import_module(_WORKER_MODULE)
+            worker_cls = module.MooncakeStoreWorker
+            params = list(inspect.signature(worker_cls.lookup).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        if params[1:3] != ["num_tokens", "block_hashes"]:
+            return None
+        groups = self._coordinator.kv_cache_groups
+        prefixes = {f"replay-group-{gid}": gid for gid in range(len(groups))}
+        self._store = _TraceStore(prefixes)
+        self._mirror = _RecordingMirror(self._coordinator)
+        worker = worker_cls.__new__(worker_cls)
+        state: dict[str, Any] = {
+            "coord": self._mirror,
+            "hash_block_size": self.config.hash_block_size,
+            "token_dbs": [
+                _TokenDb(g.kv_cache_spec.block_size, self.config.hash_block_size) for g in groups
+            ],
+            "store": self._store,
+            "_capacity_only": False,
+            "_kv_cache_groups": groups,
+            "_lookup_key_prefixes": tuple((prefix,) for prefix in prefixes),
+            "_selective_lease": None,
+            "_record_kv_connector_operation": _ignore,
+        }
+        for name, value in state.items():
+            setattr(worker, name, value)
+        try:
+            # One lookup of a block no group holds: a release whose lookup
+            # reads state this backend does not give falls back.
+            self._store.contains = [_absent] * len(groups)
+            self._store.by_hex = {}
+            worker.lookup(2 * self.config.hash_block_size, [b"replay-probe"])
+        except (AttributeError, TypeError):
+            return None
+        return worker
+
+    def _worker_lookup(
+        self,
+        block_hashes: list[Hashable],
+        max_length: int,
+        contains: Sequence[Callable[[Hashable], bool]],
+    ) -> tuple[list[list[bool]], int]:
+        """``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` for a prompt
+        of ``max_length + 1`` tokens: vLLM's own length alignment
+        (``align_lookup_length``), lookup masks, store queries and retry below
+        the prompt's end. The masks are those of its last coordinator call."""
+        by_hex: dict[str, Hashable] = {cast(bytes, h).hex(): h for h in block_hashes}
+        for key, unit in self._joined_units(block_hashes).items():
+            by_hex[cast(bytes, key).hex()] = unit
+        self._store.contains = contains
+        self._store.by_hex = by_hex
+        self._mirror.masks = None
+        result = self._worker.lookup(max_length + 1, block_hashes)
+        hit = int(result.hit_length)
+        masks = self._mirror.masks
+        if masks is None:  # the worker answered before asking the coordinator
+            masks = [[] for _ in self.config.groups]
+        return [list(m) for m in masks], hit
+
+    def _build_engine(self, num_blocks: int) -> None:
+        """vLLM's ``KVCacheManager`` over a pool of ``num_blocks`` blocks, with
+        the engine coordinator as ``get_kv_cache_coordinator`` builds it for
+        the trace's configuration installed as the manager's ``coordinator``
+        (and its pool as the manager's ``block_pool``): the manager's
+        constructor does not take every flag a trace sets (the scheduler never
+        passes ``allow_partial_hash_hits``; releases before 0.24 take no block
+        sizes). The manager's own ``get_computed_blocks`` then runs each lookup."""
+        where = f"{_COORDINATOR_MODULES['gpu']}.get_kv_cache_coordinator"
+        build = self._module.get_kv_cache_coordinator
+        kv_config = self._iface.KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=self._groups_vllm
+        )
+        kwargs = _accepted(build, self._engine_kwargs)
+        try:
+            coordinator = _call_known(build, where, kv_config, **kwargs)
+            manager_cls = self._manager_module.KVCacheManager
+            manager = _call_known(
+                manager_cls,
+                "vllm.v1.core.kv_cache_manager.KVCacheManager",
+                kv_config,
+                **_accepted(manager_cls.__init__, self._engine_kwargs),
+            )
+        except (AssertionError, ValueError) as exc:
+            raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
+        for name in ("coordinator", "block_pool", "get_computed_blocks"):
+            _require(manager, name, "KVCacheManager")
+        pool = _require(coordinator, "block_pool", "the engine coordinator")
+        for name in (
+            "null_block",
+            "get_new_blocks",
+            "cache_full_blocks",
+            "free_blocks",
+            "get_num_free_blocks",
+        ):
+            _require(pool, name, "BlockPool")
+        manager.coordinator = coordinator
+        manager.block_pool = pool
+        self._manager: Any = manager
+        self._pool_blocks = num_blocks
+        self._install(coordinator)
+
+    def _install(self, coordinator: Any) -> None:
+        """Keep ``coordinator``, recording each spec group's finder hits."""
+        config = self.config
         self._unitary = not hasattr(coordinator, "attention_groups")
         if not self._unitary:
             for group in coordinator.attention_groups:
                 # A named tuple from 0.29 on; a plain (spec, group ids, manager) before.
-                fields = (
-                    ("_replace", "manager_cls", "group_ids") if hasattr(group, "_fields") else ()
-                )
+                fields = ("_replace", "manager_cls", "group_ids") if _is_named_tuple(group) else ()
                 for field in fields:
                     _require(group, field, f"{type(coordinator).__name__}.attention_groups[i]")
         self._spec_group_of = [0] * config.num_groups
@@ -489,9 +711,9 @@ class VllmCoordinator(LookupCoordinator):
             for i in range(len(self._hits)):
                 self._hits[i] = 0
             if self.cache.name == "gpu":
-                blocks, hit = self._engine_lookup(block_hashes, max_length, contains)
-                null = self._coordinator.block_pool.null_block
-                masks = [[b is not null for b in blks] for blks in blocks]
+                masks, hit = self._engine_lookup(block_hashes, max_length, contains)
+            elif self._worker is not None:
+                masks, hit = self._worker_lookup(block_hashes, max_length, contains)
             else:
                 pool_cls = self._module.ExternalCachedBlockPool
                 pool = pool_cls(
@@ -536,31 +758,117 @@ class VllmCoordinator(LookupCoordinator):
         block_hashes: list[Hashable],
         max_length: int,
         contains: Sequence[Callable[[Hashable], bool]],
-    ) -> tuple[Any, int]:
-        """The engine's lookup over a block pool that caches exactly the
-        present keys among the request's hashes, emptied afterwards."""
-        pool = self._coordinator.block_pool
-        cached = pool.cached_block_hash_to_block
-        block_cls = self._utils.KVCacheBlock
-        key_of = self._utils.make_block_hash_with_group_id
-        next_id = _POOL_BLOCKS
+    ) -> tuple[list[list[bool]], int]:
+        """The engine's own entry: ``KVCacheManager.get_computed_blocks`` for a
+        request of ``max_length + 1`` tokens whose block hashes are the
+        lookup's, over a pool that caches exactly the trace's present keys
+        among them. The keys are written as vLLM writes them: blocks taken
+        with ``get_new_blocks``, hashed and cached by ``cache_full_blocks``
+        (a null block where a group holds no key: vLLM skips it, as for a
+        sliding window's or Mamba's skipped blocks) and, for a key inside a
+        block, ``cache_partial_block``; then freed with
+        ``free_blocks`` so they sit cached and evictable; afterwards evicted
+        with ``evict_blocks``. The manager picks the lookup length itself
+        (``num_tokens - 1``); a length other than the trace's is an error."""
+        config = self.config
+        hbs = config.hash_block_size
+        partial = getattr(self._manager.block_pool, "cache_partial_block", None) is not None
+        need = 1 + sum(
+            len(block_hashes) if partial else len(block_hashes) * hbs // g.block_size
+            for g in config.groups
+        )
+        if need > self._pool_blocks:
+            self._build_engine(max(need, 2 * self._pool_blocks))
+        request = self._request(block_hashes, max_length)
+        manager = self._manager
+        pool = manager.block_pool
+        taken: list[Any] = []
         try:
-            for gid, has in enumerate(contains):
-                for h in dict.fromkeys(block_hashes):
-                    if has(h):
-                        cached.insert(key_of(h, gid), block_cls(block_id=next_id))
-                        next_id += 1
-                # Before 0.24 a block larger than the hash unit is keyed by its
-                # units joined: present when its last unit is (the trace's key).
-                for i, key in self._joined_keys(block_hashes, gid):
-                    if has(block_hashes[i]):
-                        cached.insert(key_of(key, gid), block_cls(block_id=next_id))
-                        next_id += 1
-            # (blocks, hit) before 0.26.0, (blocks, hit, uncached prefix) after.
-            found = self._coordinator.find_longest_cache_hit(block_hashes, max_length)
+            for gid, (group, has) in enumerate(zip(config.groups, contains, strict=True)):
+                k = group.block_size // hbs
+                # A block's key is its last hash unit's (joined units before
+                # 0.24: vLLM derives it; present when the last unit is).
+                present = [has(block_hashes[i * k + k - 1]) for i in range(len(block_hashes) // k)]
+                new = pool.get_new_blocks(sum(present))
+                taken.extend(new)
+                fresh = iter(new)
+                blocks = [next(fresh) if p else pool.null_block for p in present]
+                _call_known(
+                    pool.cache_full_blocks,
+                    "BlockPool.cache_full_blocks",
+                    request=request,
+                    blocks=blocks,
+                    num_cached_blocks=0,
+                    num_full_blocks=len(blocks),
+                    block_size=group.block_size,
+                    kv_cache_group_id=gid,
+                )
+                if partial and k > 1:
+                    # A key inside a block (partial hash hits, from 0.30):
+                    # vLLM registers it on a block with cache_partial_block.
+                    units = [
+                        u for u in range(len(block_hashes)) if (u + 1) % k and has(block_hashes[u])
+                    ]
+                    inner = pool.get_new_blocks(len(units))
+                    taken.extend(inner)
+                    for u, block in zip(units, inner, strict=True):
+                        _call_known(
+                            pool.cache_partial_block,
+                            "BlockPool.cache_partial_block",
+                            request=request,
+                            block=block,
+                            num_tokens=(u + 1) * hbs,
+                            kv_cache_group_id=gid,
+                            block_size=group.block_size,
+                        )
+            pool.free_blocks(taken)
+            seen = _LookupLength(manager.coordinator)
+            manager.coordinator = seen
+            try:
+                found = manager.get_computed_blocks(request)
+            finally:
+                manager.coordinator = seen.inner
         finally:
-            cached._cache.clear()
-        return found[0], found[1]
+            self._evict(pool, taken)
+        if seen.max_length != max_length:
+            raise ReplayError(
+                f"vLLM's KVCacheManager.get_computed_blocks looked up {seen.max_length} "
+                f"tokens of a {max_length + 1}-token prompt; the lookup asks for {max_length} "
+                "(num_tokens - 1)"
+            )
+        null = pool.null_block
+        masks = [[b is not null for b in blks] for blks in found[0].blocks]
+        return masks, int(found[1])
+
+    def _evict(self, pool: Any, taken: list[Any]) -> None:
+        """Leave the pool empty: every block the lookup cached evicted
+        (``evict_blocks``; ``reset_prefix_cache`` where a release lacks it)."""
+        if not taken:
+            return
+        if pool.get_num_free_blocks() != self._pool_blocks - 1:
+            # A lookup failed half-way: start over from a fresh pool.
+            self._build_engine(self._pool_blocks)
+            return
+        evict = getattr(pool, "evict_blocks", None)
+        if evict is not None:
+            evict({b.block_id for b in taken})
+        else:
+            pool.reset_prefix_cache()
+
+    def _request(self, block_hashes: list[Hashable], max_length: int) -> Any:
+        """A vLLM ``Request`` of ``max_length + 1`` tokens whose block hashes
+        are ``block_hashes`` (its ``block_hasher`` gives them)."""
+        request_mod, sampling = self._request_modules
+        return _call_known(
+            request_mod.Request,
+            "vllm.v1.request.Request",
+            request_id="replay-lookup",
+            prompt_token_ids=[0] * (max_length + 1),
+            sampling_params=sampling.SamplingParams(max_tokens=1),
+            pooling_params=None,
+            eos_token_id=None,
+            block_hasher=lambda _request: list(block_hashes),
+        )
 
     def _groups(self, masks: Sequence[list[bool]]) -> tuple[GroupOutcome, ...]:
         out = []
@@ -585,3 +893,20 @@ class VllmCoordinator(LookupCoordinator):
                 )
             )
         return tuple(out)
+
+
+class VllmStoreWorker(VllmCoordinator):
+    """``VllmCoordinator`` whose Mooncake lookups enter vLLM where the
+    connector's do: ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``
+    for a prompt of ``max_length + 1`` tokens, with its own length alignment,
+    lookup masks, store queries and retry below the prompt's end.
+
+    Not the default: the policies model the mirror's coordinator at the
+    trace's ``max_length``, and the worker answers differently where its store
+    query stops at the aligned prompt length while an EAGLE group's finder
+    peeks one block past it (the peek finds nothing: shorter hits), and where
+    a trace's lookup carries fewer hashes than its prompt's full blocks (the
+    worker's aligned length indexes past them). See docs/vllm.md."""
+
+    name = "vllm-worker"
+    mooncake_entry = "worker"
