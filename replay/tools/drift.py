@@ -93,7 +93,7 @@ def _compare(
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]] | None, Exception | None]:
     """Both answers of every lookup of ``rows`` in ``cache``, from one fold;
     vLLM raising is its answer (``None`` and the exception)."""
-    from replay.format.backends.vllm import VllmUnavailable
+    from replay.adapters.vllm.backend import VllmUnavailable
 
     variants = ((policy, cache, "reference"), (policy, cache, "vllm"))
     try:
