@@ -158,8 +158,8 @@ def _drift(
 ) -> None:
     """``replay test --coordinator vllm --random N``: the drift check."""
     from analysis.flags import add_flags
-    from replay.cli.progress import progress_bar
     from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
+    from replay.cli.progress import progress_bar
     from replay.format.paths import PARQUET, check_outputs
     from replay.tools.drift import Difference, check_drift
     from replay.tools.render import drift_lines
