@@ -205,3 +205,36 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert result.exit_code == 2, (arg, result.output)
         assert result.stderr.splitlines()[-1] == message
         assert result.stdout == ""
+
+
+def test_the_drift_check_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
+    """``--random`` compares the installed vLLM (its run is
+    tests/test_adopt_vllm.py); what it does not take is one line, exit 2,
+    before any work."""
+    cases = {
+        (
+            "--random",
+            "5",
+        ): "error: --random: the drift check compares the installed vLLM, give --coordinator vllm",
+        (
+            "--coordinator",
+            "vllm",
+            "--random",
+            "0",
+        ): "error: --random 0: expected at least 1 configuration",
+        (
+            "--coordinator",
+            "vllm",
+            "--random",
+            "5",
+            str(TRACES),
+        ): "error: --random: PATH is not taken (the drift check answers both caches)",
+        (
+            "-o",
+            str(tmp_path / "d.parquet"),
+        ): "error: -o: only with --random (the drift check writes a trace)",
+    }
+    for args, message in cases.items():
+        result = run_cli(["test", *args])
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", message + "\n"), args
+    assert list(tmp_path.iterdir()) == []

@@ -105,8 +105,10 @@ WRONG: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("synth", "-o"): (["--model", "full", "--requests", "10", "-o", "{o}"], "t.md", PARQUET_ONLY),
     ("split", "-o"): (["{t}", "--files", "2", "-o", "{o}"], "parts.parquet", ""),
     ("cat", "-o"): (["{t}", "-o", "{o}"], "one.md", PARQUET_ONLY),
+    ("test", "-o"): (["--coordinator", "vllm", "--random", "1", "-o", "{o}"], "drift.md", PARQUET_ONLY),
+    ("test", "--junit-xml"): (["{t}", "--junit-xml", "{o}"], "junit.json", ".xml (JUnit XML)"),
 }  # fmt: skip
-OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces"}
+OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces", "--junit-xml"}
 
 
 def test_the_table_holds_every_output_option() -> None:

@@ -171,12 +171,12 @@ def _drift(
     for given, what in ((paths, "PATH"), (caches, "--cache"), (junit, "--junit-xml")):
         if given:
             raise fail(f"--random: {what} is not taken (the drift check answers both caches)")
+    if output is not None:
+        check_outputs({"-o": output}, [], formats={"-o": PARQUET})
     version = installed_vllm_version()
     policy, _ = installed_policy()
     if policy is None:
         raise fail(f"--random: no policy of this project models the installed vLLM {version}")
-    if output is not None:
-        check_outputs({"-o": output}, [], formats={"-o": PARQUET})
 
     def where(diff: Difference) -> Path:
         path = output or Path(f"drift-vllm-{version}-seed-{seed}.parquet")
