@@ -366,6 +366,11 @@ def check_trace(
                 if coordinator != "vllm" or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
+        # Here, for a failure under vllm, the adapter's one line naming the
+        # first of vLLM's calls whose answer differs goes into ``v.cause``
+        # (``differ[0]`` is the lookup): ``failure_block`` prints it as
+        # ``cause: ...``, ``failure_groups`` groups by it, the JUnit message
+        # and ``--json`` carry it.
     return verdicts
 
 
