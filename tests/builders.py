@@ -33,8 +33,12 @@ from replay.sources.scenarios import (
     random_scenarios,
     scenario_rows,
 )
+from replay.sources.scenarios import (
+    make_config as config,
+)
 
 __all__ = [
+    "config",
     "Scenario",
     "equal_spec",
     "mutate_store",
@@ -140,28 +144,6 @@ def cl(bs: int, chunk: int) -> GroupSpec:
 
 def mb(bs: int = 16, *, eagle: bool = False) -> GroupSpec:
     return GroupSpec(kind=MB, block_size=bs, mamba_cache_mode="align", is_eagle_group=eagle)
-
-
-def config(
-    *groups: GroupSpec,
-    hbs: int = 16,
-    sbs: int | None = None,
-    eagle: bool = False,
-    partial: bool = False,
-    check: str | None = "mooncake",
-) -> TraceConfig:
-    """A configuration of ``groups`` (the scheduler block defaults to the LCM
-    of the block sizes), checked for the ``check`` cache unless None."""
-    cfg = TraceConfig(
-        groups=groups,
-        hash_block_size=hbs,
-        scheduler_block_size=sbs or math.lcm(*(g.block_size for g in groups)),
-        use_eagle=eagle,
-        enable_partial_hash_hits=partial,
-    )
-    if check is not None:
-        check_config(cfg, check)
-    return cfg
 
 
 # --- random configurations for the differential tests ------------------------

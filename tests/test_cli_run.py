@@ -97,9 +97,9 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
     # pre-32802's releases had no Mooncake mirror, so it is pinned in gpu only.
     assert small.stdout.splitlines() == [
         f"{trace}: 3 events -> {out}: 3 events",
+        "  vllm-0.33 (mooncake): no flags; hit 48",
+        "  pre-49502 (mooncake): eagle_not_dropped, mamba_overrun; hit 64",
         "  vllm-0.33 (gpu): no flags; hit 48",
         "  pre-49502 (gpu): eagle_not_dropped, mamba_overrun; hit 64",
         "  pre-32802 (gpu): no flags; hit 48",
-        "  vllm-0.33 (mooncake): no flags; hit 48",
-        "  pre-49502 (mooncake): eagle_not_dropped, mamba_overrun; hit 64",
     ]

@@ -191,11 +191,11 @@ def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> N
     # vllm-0.33 at 0), in both caches; pre-32802's releases had no Mooncake
     # mirror: not pinned there.
     assert [(e["policy"], e["cache"], e["flags"], e["hits"]) for e in from_file["expect"]] == [
+        ("vllm-0.33", "mooncake", {}, {"victim": 112}),
+        ("pre-49502", "mooncake", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 128}),
         ("vllm-0.33", "gpu", {}, {"victim": 112}),
         ("pre-49502", "gpu", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 128}),
         ("pre-32802", "gpu", {}, {"victim": 112}),
-        ("vllm-0.33", "mooncake", {}, {"victim": 112}),
-        ("pre-49502", "mooncake", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 128}),
     ]
     a = open_trace(out_dir / "a.parquet").read_frame()
     assert a.equals(open_trace(out_dir / "b.parquet").read_frame())

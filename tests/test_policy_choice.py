@@ -157,13 +157,13 @@ def test_minimize(tmp_path: Path, trace: Path) -> None:
     # engine has the gate: clean there).
     overrun = {"eagle_not_dropped": 1, "mamba_overrun": 1}
     assert [(e["policy"], e["cache"], e["flags"]) for e in read_expectations(out) or []] == [
+        ("vllm-0.33", "mooncake", {}),
+        ("pre-49502", "mooncake", overrun),
+        ("vllm-0.26", "mooncake", overrun),
         ("vllm-0.33", "gpu", {}),
         ("pre-49502", "gpu", overrun),
         ("pre-32802", "gpu", {}),
         ("vllm-0.26", "gpu", {}),
-        ("vllm-0.33", "mooncake", {}),
-        ("pre-49502", "mooncake", overrun),
-        ("vllm-0.26", "mooncake", overrun),
     ]
     results = _results(trace, tmp_path / "r.parquet", "--policy", "vllm-0.33")
     clean = run_cli(["minimize", results, "--request", "req-43559", "-o", out])

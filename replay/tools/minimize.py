@@ -34,7 +34,7 @@ from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import Coordinator, check_config, pinned_policies
+from replay.rules.coordinator import CACHES, Coordinator, check_config, pinned_policies
 
 Row = dict[str, Any]
 
@@ -88,7 +88,7 @@ Answer = tuple[tuple[str, ...], int, list[list[int]], list[int]]
 def valid_caches(config: TraceConfig) -> list[str]:
     """The caches (of vLLM's two) whose checks this configuration passes."""
     out = []
-    for cache in ("gpu", "mooncake"):
+    for cache in CACHES:
         try:
             check_config(config, cache)
         except ConfigError:
