@@ -38,8 +38,8 @@ from replay.sources.scenarios import (
 )
 
 __all__ = [
-    "config",
     "Scenario",
+    "config",
     "equal_spec",
     "mutate_store",
     "random_chain",
