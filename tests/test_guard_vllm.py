@@ -98,7 +98,10 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
         f"policy pre-49502 is not checked: the installed vLLM {version} is modelled by "
         "policy vllm-0.33"
     ) in last
-    assert len(got.stderr.splitlines()) == len(traces)  # a progress line per trace
+    # A progress line per trace (vLLM may log a line of its own beside them,
+    # e.g. that chunked local attention disables fine-grained hits).
+    progress = [line for line in got.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == len(traces)
 
 
 def test_a_mutant_that_does_not_apply_is_refused(tmp_path: Path) -> None:
@@ -137,7 +140,7 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     mutated.stdout.fnmatch_lines(
         [
             "issue-43559.parquet under policy vllm-0.33 in the mooncake cache:",
-            "request req-43559: expected hit 48, replayed 64",
+            "  request req-43559: expected hit 48, replayed 64",
         ]
     )
 
