@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.project-installed
 VLLM_RELEASES := 0.19.1 0.21.0 0.22.1 0.23.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.32.0 0.33.0 0.34.0
 DEMO_TRACE := traces/demo-full-mamba-eagle.parquet
 
-.PHONY: install demo demo-flagged test test-slow lint pytest smoke test-vllm test-vllm-releases test-ray bench traces clean mutants
+.PHONY: install demo demo-flagged test test-slow lint pytest smoke dist test-vllm test-vllm-releases test-ray bench traces clean mutants
 
 install: $(STAMP)
 
@@ -95,13 +95,17 @@ test-slow: $(STAMP)
 SMOKE := out/smoke
 SMOKE_BIN := $(SMOKE)/venv/bin
 
+# The files git would ship (committed or not, never ignored ones), copied
+# to $(1): a stale build/ in the checkout cannot put a deleted module in a wheel.
+define shipped_files
+	@mkdir -p $(1)
+	git ls-files -z --cached --others --exclude-standard \
+	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(1); done' sh
+endef
+
 smoke:
 	rm -rf $(SMOKE)
-	@mkdir -p $(SMOKE)/src
-	@# The files git would ship (committed or not, never ignored ones): a
-	@# stale build/ in the checkout cannot put a deleted module in the wheel.
-	git ls-files -z --cached --others --exclude-standard \
-	  | xargs -0 sh -c 'for f do [ ! -e "$$f" ] || cp -P --parents "$$f" $(SMOKE)/src; done' sh
+	$(call shipped_files,$(SMOKE)/src)
 	$(PYTHON) -m venv $(SMOKE)/venv
 	$(SMOKE_BIN)/pip install -q --upgrade pip
 	$(SMOKE_BIN)/pip install -q --only-binary=:all: $(SMOKE)/src
@@ -121,24 +125,42 @@ smoke:
 	  assert info['policy'] == 'vllm-0.33', info.get('policy'); \
 	  print(f'smoke: {frame.height} lookups read back from demo.results.parquet')"
 
+# The wheel a user installs without this checkout (README: Install):
+# dist/cache_trace_replay-VERSION-py3-none-any.whl, built from the shipped
+# files (the corpus inside), with pip's build isolation (setuptools from the
+# index).
+DIST_SRC := out/dist-src
+
+dist:
+	rm -rf $(DIST_SRC) dist
+	$(call shipped_files,$(DIST_SRC))
+	$(PYTHON) -m pip wheel -q --no-deps -w dist $(DIST_SRC)
+	@rm -rf $(DIST_SRC)
+	@ls dist/*.whl
+
 # The differential tests against the real vLLM coordinators of one release,
 # in a CPU virtualenv built once per release by tools/vllm-env.sh (a few
 # minutes the first time). 0.33.0 runs every vLLM test; another release runs
 # the lookup and the store differentials in the caches it has, against the
 # policy that models it.
 $(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]'
-	touch $(VLLM_STAMP)
+	@test -x $(VLLM_VENV)/bin/python || bash tools/vllm-env.sh $(VLLM_VENV) $(VLLM)
+	@echo "test-vllm: this package into $(VLLM_VENV), editable (pip's output: $(VLLM_VENV).log)"
+	@$(VLLM_VENV)/bin/pip install -q -e '.[dev,record]' >> $(VLLM_VENV).log 2>&1 \
+	  || { echo "test-vllm: the install failed; the last lines of $(VLLM_VENV).log:"; tail -n 20 $(VLLM_VENV).log; exit 1; }
+	@touch $(VLLM_STAMP)
 
 VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py tests/test_store_rules_vllm.py)
 
-# Then (for the release CI runs) the regression corpus through the installed
-# vLLM's own coordinators (the pytest route, as a vLLM developer runs it on
-# their branch).
+# Then (for the release CI runs) the CI recipe of docs/ci.md, as a vLLM
+# developer runs it on their branch (tools/vllm-ci.sh, from an empty
+# directory: the shipped corpus through `replay test --junit-xml` and
+# through pytest, and the drift check), with its reports in out/vllm-ci.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
-	$(if $(VLLM_TESTS),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider --replay-coordinator vllm traces/)
+	@echo "test-vllm: the vllm-marked tests against vLLM $(VLLM) ($(VLLM_VENV))"
+	@$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
+	$(if $(VLLM_TESTS),,@echo "test-vllm: the CI recipe, tools/vllm-ci.sh $(VLLM_VENV)/bin/python")
+	$(if $(VLLM_TESTS),,@REPLAY_INSTALL=0 OUT=out/vllm-ci bash tools/vllm-ci.sh $(VLLM_VENV)/bin/python)
 
 # Every modelled release, one after the other (each venv is built once).
 test-vllm-releases:

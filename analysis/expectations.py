@@ -110,13 +110,6 @@ def entry_policy(entry: dict[str, Any], source: Mapping[str, Any] | None = None)
     return choose_policies(given, source=source).policies[0]
 
 
-def entry_label(entry: dict[str, Any], source: Mapping[str, Any] | None = None) -> str:
-    label = entry_policy(entry, source)
-    if entry.get("cache"):
-        label += f"-{entry['cache']}"
-    return label
-
-
 @dataclass
 class Verdict:
     """One expectation of one trace, checked (or skipped)."""
@@ -132,6 +125,19 @@ class Verdict:
     explained: list[str] = field(default_factory=list)
     #: why it was not checked
     skipped: str | None = None
+    #: lookups whose answer differs (pinned requests with another hit or
+    #: mask, flagged lookups), the count a grouped failure adds up
+    lookups: int = 0
+    #: events in the trace: failures print smallest trace first
+    events: int = 0
+    #: the one-line cause of the first differing lookup, from the adapter
+    #: that answered (e.g. which of vLLM's finder calls returned what);
+    #: failures with the same cause are grouped under it. ``None``: no
+    #: adapter said (the reference coordinator, or a cause not found).
+    cause: str | None = None
+    #: the ``replay explain`` commands of the first differing lookups, each
+    #: runnable as printed (the trace's absolute path)
+    commands: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -235,10 +241,15 @@ def explain_text(
     request_ids: Sequence[str],
     *,
     cache_named: bool = True,
+    commands: list[str] | None = None,
 ) -> list[str]:
     """``replay explain`` of each request (its last lookup). Under vLLM the
     reference's fixed point, step by step, comes first (vLLM exposes no
-    steps), then vLLM's own answer: hit and every group's mask."""
+    steps), then vLLM's own answer: hit and every group's mask. ``name`` is
+    the trace as the printed commands name it; each command goes into
+    ``commands`` too."""
+    import shlex
+
     from replay.engine.replay import explain_lookups
     from replay.tools.render import explain_table
 
@@ -255,14 +266,20 @@ def explain_text(
     for rid in dict.fromkeys(request_ids):
         if rid not in outcomes["reference"]:
             continue
-        command = f"replay explain {name} --request {rid} --policy {policy}"
+        command = f"replay explain {shlex.quote(name)} --request {shlex.quote(rid)}"
+        command += f" --policy {policy}"
         if cache_named:
             command += f" --cache {cache}"
         if coordinator == "vllm":
-            out += ["", f"{command} (what policy {policy} computes, step by step):"]
+            command += " --coordinator vllm"
+        if commands is not None:
+            commands.append(command)
+        if coordinator == "vllm":
+            reference = command.removesuffix(" --coordinator vllm")
+            out += ["", f"{reference} (what policy {policy} computes, step by step):"]
             out.append(explain_table(config, outcomes["reference"][rid]))
             if rid in outcomes["vllm"]:
-                out += ["", f"{command} --coordinator vllm (what the installed vLLM answered):"]
+                out += ["", f"{command} (what the installed vLLM answered):"]
                 out.append(explain_table(config, outcomes["vllm"][rid]))
         else:
             out += ["", f"{command}:"]
@@ -305,6 +322,9 @@ def check_trace(
 
     reader = open_trace(path)
     verdicts = planned_verdicts(path, reader.config, coordinator, caches, only)
+    size = _events(reader)
+    for v in verdicts:
+        v.events = size
     todo = [v for v in verdicts if v.skipped is None]
     variants = list(
         dict.fromkeys(
@@ -325,10 +345,12 @@ def check_trace(
             v.problems = [_vllm_raised(exc)]
         return verdicts
     by_variant = dict(zip(variants, results, strict=True))
-    shown = name or path.name
+    # The printed commands run from anywhere: the trace's absolute path.
+    shown = name or str(path.resolve())
     for v in todo:
         result = by_variant[Variant(policy=v.policy, cache=v.cache, coordinator=coordinator)]
         v.problems, differ = compare(v.entry, result, fail_on, ignore)
+        v.lookups = max(len(differ), 1) if v.problems else 0  # a total moved: one at least
         if v.problems and differ and explained:
             try:
                 v.explained = explain_text(
@@ -339,12 +361,24 @@ def check_trace(
                     coordinator,
                     differ[:explained],
                     cache_named=bool(v.entry.get("cache")),
+                    commands=v.commands,
                 )
             except Exception as exc:
                 if coordinator != "vllm" or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
+        # Here, for a failure under vllm, the adapter's one line naming the
+        # first of vLLM's calls whose answer differs goes into ``v.cause``
+        # (``differ[0]`` is the lookup): ``failure_block`` prints it as
+        # ``cause: ...``, ``failure_groups`` groups by it, the JUnit message
+        # and ``--json`` carry it.
     return verdicts
+
+
+def _events(reader: Any) -> int:
+    """The trace's events (its rows), read from the footer."""
+    rows = getattr(reader, "num_rows", 0)  # a method of a file, a property of a directory
+    return int(rows() if callable(rows) else rows)
 
 
 def planned_verdicts(
@@ -418,10 +452,15 @@ class Run:
         return [v for v in self.verdicts if v.skipped is None]
 
     def to_json(self, coordinator: str) -> dict[str, Any]:
-        """``replay test --json``: the counts and every expectation's outcome."""
+        """``replay test --json``'s body (``docs/json.md``; the CLI adds the
+        ``version`` and ``command`` frame): the counts and every
+        expectation's outcome, in the order the traces ran."""
         skipped = len(self.verdicts) - len(self.checked)
         return {
+            "trace": None,
+            "traces": list(dict.fromkeys(str(v.trace) for v in self.verdicts)),
             "coordinator": coordinator,
+            "expectations_total": len(self.verdicts),
             "passed": len(self.checked) - len(self.failed),
             "failed": len(self.failed),
             "skipped": skipped,
@@ -431,10 +470,13 @@ class Run:
                     "trace": str(v.trace),
                     "policy": v.policy,
                     "cache": v.cache,
-                    "status": "skipped"
-                    if v.skipped is not None
-                    else ("failed" if v.failed else "passed"),
+                    "coordinator": coordinator,
+                    "status": _status(v),
+                    "events": v.events,
+                    "lookups": v.lookups,
+                    "cause": v.cause,
                     "problems": v.problems,
+                    "commands": v.commands,
                     "reason": v.skipped,
                 }
                 for v in self.verdicts
@@ -468,7 +510,7 @@ def run_traces(
 
 
 def _verdict_word(v: Verdict) -> str:
-    return "skipped" if v.skipped is not None else ("FAILED" if v.failed else "ok")
+    return {"skipped": "skipped", "failed": "FAILED", "passed": "ok"}[_status(v)]
 
 
 def test_progress_line(
@@ -485,18 +527,103 @@ def test_progress_line(
     )
 
 
-def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
-    """Per failing expectation: the trace, policy and cache, what did not
+def _status(v: Verdict) -> str:
+    return "skipped" if v.skipped is not None else ("failed" if v.failed else "passed")
+
+
+def failure_block(v: Verdict) -> list[str]:
+    """One failing expectation in full: the trace, policy and cache, the
+    cause (the one line an adapter gives, when it gave one), what did not
     hold, and the explain text of the first lookup that differs."""
-    out: list[str] = []
+    return [
+        f"FAILED {v.trace.name} under policy {v.policy} in the {v.cache} cache:",
+        *([f"  cause: {v.cause}"] if v.cause else []),
+        *(f"  {p}" for p in v.problems),
+        *v.explained,
+    ]
+
+
+def failure_groups(failed: Sequence[Verdict]) -> list[list[Verdict]]:
+    """Failing expectations grouped by what failed: the policy, the cache and
+    the adapter's cause (without one, every failure of a policy in a cache
+    is one group); each group smallest trace first, the group with the
+    smallest trace first."""
+    groups: dict[tuple[str, str, str | None], list[Verdict]] = {}
     for v in failed:
-        out += [
-            f"FAILED {v.trace.name} under policy {v.policy} in the {v.cache} cache:",
-            *(f"  {p}" for p in v.problems),
-            *v.explained,
-            "",
-        ]
+        groups.setdefault((v.policy, v.cache, v.cause), []).append(v)
+    ordered = [
+        sorted(vs, key=lambda v: (v.events, v.trace.name, v.trace)) for vs in groups.values()
+    ]
+    return sorted(ordered, key=lambda vs: (vs[0].events, vs[0].trace.name, vs[0].policy))
+
+
+def _lookups_text(n: int) -> str:
+    return f"{n} lookup{'s' if n != 1 else ''}"
+
+
+def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
+    """The failures of a run, grouped by cause (``failure_groups``): per
+    group one heading (``42 lookups in 9 traces ...``), the smallest trace
+    in full (``failure_block``), then one line per other trace of the group
+    with its first problem and a command that runs as printed."""
+    out: list[str] = []
+    for group in failure_groups(failed):
+        first = group[0]
+        lookups = sum(v.lookups for v in group)
+        traces = len({v.trace for v in group})
+        heading = (
+            f"{_lookups_text(lookups)} in {traces} trace{'s' if traces != 1 else ''} "
+            f"differ under policy {first.policy} in the {first.cache} cache"
+        )
+        out.append(heading + (f": {first.cause}" if first.cause else ""))
+        out += [*failure_block(first), ""]
+        if len(group) > 1:
+            out.append(f"the other {len(group) - 1} of this group, smallest first:")
+            for v in group[1:]:
+                line = f"  {v.trace.name} ({v.events} events, {_lookups_text(v.lookups)}): "
+                line += v.problems[0] if v.problems else "failed"
+                out.append(line)
+                if v.commands:
+                    out.append(f"    {v.commands[0]}")
+            out.append("")
     return out
+
+
+def junit_xml(run: Run, coordinator: str) -> str:
+    """``replay test --junit-xml``: one ``testcase`` per trace x policy x
+    cache (``classname`` the trace, ``name`` policy and cache), a
+    ``failure`` whose message is the first problem and whose text is the
+    whole failure, a ``skipped`` with the reason."""
+    import xml.etree.ElementTree as ET
+
+    skipped = len(run.verdicts) - len(run.checked)
+    suites = ET.Element("testsuites")
+    suite = ET.SubElement(
+        suites,
+        "testsuite",
+        name=f"replay test --coordinator {coordinator}",
+        tests=str(len(run.verdicts)),
+        failures=str(len(run.failed)),
+        errors="0",
+        skipped=str(skipped),
+        time=f"{run.seconds:.3f}",
+    )
+    for v in run.verdicts:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=v.trace.stem,
+            name=f"{v.trace.stem}[{v.policy}-{v.cache}]",
+            file=str(v.trace),
+        )
+        if v.skipped is not None:
+            ET.SubElement(case, "skipped", message=v.skipped)
+        elif v.failed:
+            message = (f"{v.cause}: " if v.cause else "") + v.problems[0]
+            failure = ET.SubElement(case, "failure", message=message, type="ExpectationMismatch")
+            failure.text = "\n".join(failure_block(v))
+    ET.indent(suites)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, "unicode") + "\n"
 
 
 def test_summary_line(run: Run, coordinator: str) -> str:

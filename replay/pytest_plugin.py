@@ -10,8 +10,12 @@ release in their cache are checked and the others are skipped with the
 reason. An expectation without a policy takes the release that recorded the
 trace (``source.vllm_version``), else the default, as every command does.
 Registered through
-the ``pytest11`` entry point, so ``pip install cache-trace-replay`` then
-``pytest traces/`` runs a corpus.
+the ``pytest11`` entry point (``-p no:cache_trace_replay`` turns it off), so once the
+package is installed ``pytest traces/`` runs a corpus, and ``pytest
+--replay-corpus`` (from any directory) runs the corpus shipped inside the
+package (``pytest --pyargs replay.corpus`` names the same directory). Test
+ids name the trace, the policy and the cache:
+``issue-43559.parquet::issue-43559[vllm-0.33-gpu]``.
 
 The flags take the choices of ``replay check`` (``analysis.selection``):
 ``--replay-ignore FLAG|SEVERITY,...`` leaves those flags out of the
@@ -29,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from analysis.expectations import entry_label, read_expectations
+from analysis.expectations import read_expectations
 
 __all__ = ["read_expectations"]
 
@@ -48,6 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"default) or the installed vLLM's own (vllm); also ${COORDINATOR_ENV}.",
     )
     group.addoption(
+        "--replay-corpus",
+        action="store_true",
+        default=False,
+        help="Collect the regression corpus shipped inside the package (replay/corpus), "
+        "from any directory; without test paths, only the corpus.",
+    )
+    group.addoption(
         "--replay-fail-on",
         action="append",
         default=[],
@@ -63,6 +74,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("replay_fail_on", "as --replay-fail-on", default="")
     parser.addini("replay_ignore", "as --replay-ignore", default="")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--replay-corpus", default=False):
+        return
+    from analysis.expectations import corpus_dir
+
+    corpus = str(corpus_dir())
+    # Paths given on the command line are collected beside the corpus; with
+    # none (the invocation directory or testpaths), the corpus alone.
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        config.args.append(corpus)
+    else:
+        config.args[:] = [corpus]
 
 
 def _choice(config: pytest.Config, name: str) -> list[str]:
@@ -154,10 +179,11 @@ class TraceFile(pytest.File):
         for verdict in planned_verdicts(self.path, config, coordinator):
             item = TraceItem.from_parent(
                 self,
-                name=f"{self.path.stem}[{entry_label(verdict.entry, config.source)}]",
+                name=f"{self.path.stem}[{verdict.policy}-{verdict.cache}]",
                 entry=verdict.entry,
                 coordinator=coordinator,
                 policy=verdict.policy,
+                cache=verdict.cache,
             )
             if verdict.skipped is not None:
                 item.add_marker(pytest.mark.skip(reason=verdict.skipped))
@@ -170,18 +196,18 @@ class ExpectationMismatch(Exception):
 
 class TraceItem(pytest.Item):
     def __init__(
-        self, *, entry: dict[str, Any], coordinator: str, policy: str, **kwargs: Any
+        self, *, entry: dict[str, Any], coordinator: str, policy: str, cache: str, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.entry = entry
         self.coordinator = coordinator
         #: the entry's policy, else the trace's recorded release's (``entry_policy``)
         self.policy = policy
-        #: the cache that answers; unset: the trace's own (``source.cache``)
-        self.cache = str(entry["cache"]) if entry.get("cache") else None
+        #: the cache that answers (the entry's, else the trace's own)
+        self.cache = cache
 
     def runtest(self) -> None:
-        from analysis.expectations import check_trace
+        from analysis.expectations import check_trace, failure_block
 
         verdicts = check_trace(
             self.path,
@@ -193,13 +219,13 @@ class TraceItem(pytest.Item):
         )
         (verdict,) = verdicts
         if verdict.problems:
-            raise ExpectationMismatch("\n".join(verdict.problems + verdict.explained))
+            # The text replay test prints for it (its cause line included).
+            raise ExpectationMismatch("\n".join(failure_block(verdict)).removeprefix("FAILED "))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, ExpectationMismatch):
-            where = f" in the {self.cache} cache" if self.cache else ""
-            return f"{self.path.name} under policy {self.policy}{where}:\n{excinfo.value}"
+            return str(excinfo.value)
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"trace {self.path.name} [{self.policy}]"
+        return self.path, 0, f"trace {self.path.name} [{self.policy}-{self.cache}]"

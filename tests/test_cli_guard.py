@@ -63,15 +63,121 @@ def test_a_failing_expectation_says_what_moved_and_explains_the_first_lookup(
     result = run_cli(["test", str(path)])
     assert result.exit_code == 1, result.output
     lines = result.stdout.splitlines()
-    assert lines[:4] == [
+    assert lines[:5] == [
+        "1 lookup in 1 trace differ under policy vllm-0.33 in the gpu cache",
         "FAILED t.parquet under policy vllm-0.33 in the gpu cache:",
         "  request second: expected hit 64, replayed 48",
         "",
-        "replay explain t.parquet --request second --policy vllm-0.33 --cache gpu:",
+        f"replay explain {path} --request second --policy vllm-0.33 --cache gpu:",
     ]
     assert "hit: 48 tokens (attention-verified 48)" in result.stdout
     assert lines[-1].startswith("1 passed, 1 failed, 0 skipped: 2 expectations of 1 trace")
     assert result.stderr.startswith("[1/1] t.parquet: vllm-0.33/gpu FAILED, vllm-0.33/mooncake ok")
+
+
+def _failing(path: Path, requests: int, extra_stores: int = 0) -> Path:
+    """A full + Mamba trace whose ``requests`` lookups are each pinned one
+    block too high in the gpu cache (``extra_stores`` unrelated events make
+    it bigger)."""
+    hs = chain(4, path.stem)
+    rows: list[dict[str, object]] = [
+        {"kind": "store", "group_id": 0, "block_hashes": chain(2, f"{path.stem}-{i}")}
+        for i in range(extra_stores)
+    ]
+    rows += [
+        {"kind": "store", "group_id": 0, "block_hashes": hs},
+        {"kind": "store", "group_id": 1, "block_hashes": hs},
+        *(
+            {"kind": "lookup", "request_id": f"r{i}", "block_hashes": hs, "max_length": 64}
+            for i in range(requests)
+        ),
+    ]
+    expect = [
+        {"policy": "vllm-0.33", "cache": "gpu", "hits": {f"r{i}": 64 for i in range(requests)}}
+    ]
+    return write_trace(path, full_mamba(), rows, expect={"expect": expect})
+
+
+def test_failures_are_grouped_smallest_trace_first_with_commands_that_run(
+    tmp_path: Path, monkeypatch: object
+) -> None:
+    """Issue 31: the failures of one policy and cache are one group, headed
+    by how many lookups in how many traces; the smallest trace is shown in
+    full whatever its name, the others one line each; every printed command
+    runs as printed from another directory."""
+    import os
+    import shlex
+
+    big = _failing(tmp_path / "a-big.parquet", 3, extra_stores=40)
+    small = _failing(tmp_path / "z-small.parquet", 2)
+    result = run_cli(["test", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "5 lookups in 2 traces differ under policy vllm-0.33 in the gpu cache",
+        "FAILED z-small.parquet under policy vllm-0.33 in the gpu cache:",
+        "  request r0: expected hit 64, replayed 48",
+        "  request r1: expected hit 64, replayed 48",
+    ]
+    rest = lines[lines.index("the other 1 of this group, smallest first:") :]
+    command = f"replay explain {big} --request r0 --policy vllm-0.33 --cache gpu"
+    assert rest[:3] == [
+        "the other 1 of this group, smallest first:",
+        "  a-big.parquet (45 events, 3 lookups): request r0: expected hit 64, replayed 48",
+        f"    {command}",
+    ]
+    assert result.stdout.count("FAILED ") == 1
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        explained = run_cli(shlex.split(command)[1:])
+        shown = [ln for ln in lines if ln.startswith(f"replay explain {small}")]
+        again = run_cli(shlex.split(shown[0].split(":")[0])[1:])
+    finally:
+        os.chdir(cwd)
+    assert explained.exit_code == 0, explained.output
+    assert "hit: 48 tokens (attention-verified 48)" in explained.stdout
+    assert again.exit_code == 0, again.output
+
+
+def test_junit_xml_has_one_test_case_per_trace_policy_and_cache(tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(TRACES / "issue-43559.parquet", traces)
+    _failing(traces / "t.parquet", 1)
+    report = tmp_path / "junit.xml"
+    result = run_cli(["test", str(traces), "--junit-xml", str(report)])
+    assert result.exit_code == 1, result.output
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    cases = suite.findall("testcase")
+    entries = len(read_expectations(traces / "issue-43559.parquet") or []) + 1
+    assert (len(cases), suite.get("tests"), suite.get("failures")) == (entries, str(entries), "1")
+    assert {c.get("name") for c in cases} >= {
+        "issue-43559[vllm-0.33-gpu]",
+        "issue-43559[vllm-0.33-mooncake]",
+        "issue-43559[pre-49502-gpu]",
+        "t[vllm-0.33-gpu]",
+    }
+    (failed,) = [c for c in cases if c.find("failure") is not None]
+    failure = failed.find("failure")
+    assert failure is not None
+    assert (failed.get("classname"), failed.get("name")) == ("t", "t[vllm-0.33-gpu]")
+    assert failure.get("message") == "request r0: expected hit 64, replayed 48"
+    assert (failure.text or "").startswith(
+        "FAILED t.parquet under policy vllm-0.33 in the gpu cache:\n"
+        "  request r0: expected hit 64, replayed 48\n"
+    )
+    # Refused before any work: a name that says another format.
+    bad = run_cli(["test", str(traces), "--junit-xml", str(tmp_path / "junit.txt")])
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith(
+        f"error: --junit-xml {tmp_path / 'junit.txt'}: .txt is not an extension"
+    )
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -148,3 +254,36 @@ def test_policy_chooses_what_an_unmodelled_vllm_is_checked_as(
         "error: --policy chooses the policy the installed vLLM is checked as: give "
         "--coordinator vllm\n"
     )
+
+
+def test_the_drift_check_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
+    """``--random`` compares the installed vLLM (its run is
+    tests/test_adopt_vllm.py); what it does not take is one line, exit 2,
+    before any work."""
+    cases = {
+        (
+            "--random",
+            "5",
+        ): "error: --random: the drift check compares the installed vLLM, give --coordinator vllm",
+        (
+            "--coordinator",
+            "vllm",
+            "--random",
+            "0",
+        ): "error: --random 0: expected at least 1 configuration",
+        (
+            "--coordinator",
+            "vllm",
+            "--random",
+            "5",
+            str(TRACES),
+        ): "error: --random: PATH is not taken (the drift check answers both caches)",
+        (
+            "-o",
+            str(tmp_path / "d.parquet"),
+        ): "error: -o: only with --random (the drift check writes a trace)",
+    }
+    for args, message in cases.items():
+        result = run_cli(["test", *args])
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", message + "\n"), args
+    assert list(tmp_path.iterdir()) == []

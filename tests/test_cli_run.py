@@ -92,9 +92,16 @@ def test_check_and_minimize_summaries(tmp_path: Path) -> None:
         f"error: {trace}: request 'req-43559' raises no flag under vllm-0.33: nothing to minimize\n",
     )
     small = run_cli(["minimize", str(trace), "--request", "req-43559", "--policy", "pre-49502", "-o", str(out)])  # fmt: skip
+    # Every pinned policy in both caches, with the original lookup's answers
+    # (issue 31: the lookup is no longer shortened to a hit of 0 and 16);
+    # pre-32802's releases had no Mooncake mirror, so it is pinned in gpu only.
     assert small.stdout.splitlines() == [
-        f"{trace}: 3 events -> {out}: 2 events",
-        "  vllm-0.33: no flags; hit 0",
-        "  vllm-0.34: no flags; hit 0",
-        "  pre-49502: eagle_not_dropped, mamba_overrun; hit 16",
-    ]  # in the Mooncake mirror: pre-32802's releases had none, so it is not pinned
+        f"{trace}: 3 events -> {out}: 3 events",
+        "  vllm-0.33 (mooncake): no flags; hit 48",
+        "  vllm-0.34 (mooncake): no flags; hit 48",
+        "  pre-49502 (mooncake): eagle_not_dropped, mamba_overrun; hit 64",
+        "  vllm-0.33 (gpu): no flags; hit 48",
+        "  vllm-0.34 (gpu): no flags; hit 48",
+        "  pre-49502 (gpu): eagle_not_dropped, mamba_overrun; hit 64",
+        "  pre-32802 (gpu): no flags; hit 48",
+    ]

@@ -45,6 +45,7 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     assert got.returncode == 1, got.stderr
     out = got.stdout
     assert out.startswith(
+        "1 lookup in 1 trace differ under policy vllm-0.33 in the mooncake cache\n"
         "FAILED issue-43559.parquet under policy vllm-0.33 in the mooncake cache:\n"
         "  flags: expected none, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}\n"
         "  hit tokens: expected 48 in all, replayed 64\n"
@@ -53,7 +54,7 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     ), out
     # The reference's fixed point (Mamba bound 48, no margin), then vLLM's answer.
     assert (
-        "replay explain issue-43559.parquet --request req-43559 --policy vllm-0.33 "
+        f"replay explain {ISSUE} --request req-43559 --policy vllm-0.33 "
         "--cache mooncake (what policy vllm-0.33 computes, step by step):"
     ) in out
     assert "   1  1 [1]                mamba              48       0       48" in out
@@ -146,7 +147,7 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     mutated.stdout.fnmatch_lines(
         [
             "issue-43559.parquet under policy vllm-0.33 in the mooncake cache:",
-            "request req-43559: expected hit 48, replayed 64",
+            "  request req-43559: expected hit 48, replayed 64",
         ]
     )
 

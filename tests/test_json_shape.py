@@ -228,3 +228,24 @@ def test_bisect() -> None:
     # Every key but the policy names keying answers, cells and not_modelled.
     named = {p["policy"] for c in data["caches"] for p in c["releases"]}
     assert _keys(data) - named <= _documented("bisect")
+
+
+def test_test(tmp_path: Path) -> None:
+    """``replay test --json``: the versioned frame, then the counts and one
+    entry per trace x policy x cache (issue 31)."""
+    data = _json(["test", TRACE, "--json"])
+    assert list(data)[:3] == ["version", "command", "trace"]
+    assert (data["version"], data["command"], data["trace"]) == (1, "test", None)
+    assert data["traces"] == [str(TRACE)]
+    assert (data["passed"], data["failed"], data["skipped"]) == (5, 0, 0)
+    assert data["expectations_total"] == 5
+    first = data["expectations"][0]
+    assert list(first)[:4] == ["trace", *VARIANT]
+    assert (first["status"], first["lookups"], first["cause"], first["problems"]) == (
+        "passed",
+        0,
+        None,
+        [],
+    )
+    assert isinstance(data["seconds"], float)
+    assert _keys(data) <= _documented("test")

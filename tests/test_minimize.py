@@ -12,7 +12,7 @@ from analysis.flags import add_flags
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations
-from tests.builders import chain, full_mamba
+from tests.builders import chain, full_mamba, replay_trace
 from tests.conftest import run_cli
 
 
@@ -71,6 +71,23 @@ def test_injected_overrun_shrinks_to_a_handful_of_events(tmp_path: Path) -> None
     by_policy = {e["policy"]: e for e in expect}
     assert by_policy["vllm-0.33"]["flags"] == {}
     assert "mamba_overrun" in by_policy["pre-49502"]["flags"]
+    # Issue 31: both caches and every pinned policy, each with the answer the
+    # original lookup got in the big trace.
+    assert sorted((e["policy"], e["cache"]) for e in expect) == [
+        ("pre-32802", "gpu"),
+        ("pre-49502", "gpu"),
+        ("pre-49502", "mooncake"),
+        ("vllm-0.33", "gpu"),
+        ("vllm-0.33", "mooncake"),
+    ]
+    for e in expect:
+        result = replay_trace(big, policy=e["policy"], cache=e["cache"])
+        victim = result.results.filter(pl.col("request_id") == "victim")
+        assert e["hits"] == {"victim": victim["hit_tokens"][-1]}, e
+        assert e["masks"]["victim"] == [
+            [m, n]
+            for m, n in zip(victim["mask_blocks"][-1], victim["loaded_blocks"][-1], strict=True)
+        ], e
     # The minimized trace still tells the story: clean by default, overrun before #49502.
     assert run_cli(["check", str(small)]).exit_code == 0
     assert run_cli(["check", str(small), "--policy", "pre-49502"]).exit_code == 1
@@ -167,16 +184,24 @@ def test_minimize_reads_a_trace_from_memory_and_writes_once(tmp_path: Path) -> N
         stream, "victim", out_dir / "b.parquet", flag="mamba_overrun", judge=add_flags
     )
     assert from_bytes == from_file
-    assert (from_file["events_before"], from_file["events_after"]) == (2314, 2)
-    assert [(e["policy"], e["flags"], e["hits"]) for e in from_file["expect"]] == [
-        ("vllm-0.33", {}, {"victim": 0}),
-        ("vllm-0.34", {}, {"victim": 0}),
-        ("pre-49502", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 16}),
-        # pre-32802's releases had no Mooncake mirror: not pinned there
+    # Three events: the flag alone needs two, the other policies' original
+    # answers one more.
+    assert (from_file["events_before"], from_file["events_after"]) == (2314, 3)
+    # The original lookup's answers (issue 31: the shrunk trace used to pin
+    # vllm-0.33 at 0), in both caches; pre-32802's releases had no Mooncake
+    # mirror: not pinned there.
+    assert [(e["policy"], e["cache"], e["flags"], e["hits"]) for e in from_file["expect"]] == [
+        ("vllm-0.33", "mooncake", {}, {"victim": 112}),
+        ("vllm-0.34", "mooncake", {}, {"victim": 112}),
+        ("pre-49502", "mooncake", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 128}),
+        ("vllm-0.33", "gpu", {}, {"victim": 112}),
+        ("vllm-0.34", "gpu", {}, {"victim": 112}),
+        ("pre-49502", "gpu", {"eagle_not_dropped": 1, "mamba_overrun": 1}, {"victim": 128}),
+        ("pre-32802", "gpu", {}, {"victim": 112}),
     ]
     a = open_trace(out_dir / "a.parquet").read_frame()
     assert a.equals(open_trace(out_dir / "b.parquet").read_frame())
-    assert a["kind"].to_list() == ["store", "lookup"]
+    assert a["kind"].to_list() == ["store", "store", "lookup"]
     assert sorted(p.name for p in out_dir.iterdir()) == ["a.parquet", "b.parquet"]
     expect_b = read_expectations(out_dir / "b.parquet")
     assert expect_b == from_file["expect"]

@@ -108,8 +108,10 @@ WRONG: dict[tuple[str, str], tuple[list[str], str, str]] = {
     ("cat", "-o"): (["{t}", "-o", "{o}"], "one.md", PARQUET_ONLY),
     ("watch", "-o"): (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "-o", "{o}"], "rolling.parquet", ""),
     ("repair", "-o"): (["{t}", "-o", "{o}"], "fixed.md", PARQUET_ONLY),
+    ("test", "-o"): (["--coordinator", "vllm", "--random", "1", "-o", "{o}"], "drift.md", PARQUET_ONLY),
+    ("test", "--junit-xml"): (["{t}", "--junit-xml", "{o}"], "junit.json", ".xml (JUnit XML)"),
 }  # fmt: skip
-OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces"}
+OUTPUT_OPTIONS = {"-o", "--dump", "--emit-traces", "--junit-xml"}
 
 
 def test_the_table_holds_every_output_option() -> None:

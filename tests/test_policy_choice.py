@@ -152,13 +152,20 @@ def test_minimize(tmp_path: Path, trace: Path) -> None:
     small = run_cli(["minimize", trace, "--request", "req-43559", "-o", out])
     assert small.exit_code == 0, small.output
     assert small.stderr.splitlines() == [NOTE]
-    # Shrunk under vllm-0.26, and pinned under it beside the default, the
-    # newest release and the aliases.
-    assert [(e["policy"], e["flags"]) for e in read_expectations(out) or []] == [
-        ("vllm-0.33", {}),
-        ("vllm-0.34", {}),
-        ("pre-49502", {"eagle_not_dropped": 1, "mamba_overrun": 1}),
-        ("vllm-0.26", {"eagle_not_dropped": 1, "mamba_overrun": 1}),
+    # Shrunk under vllm-0.26 (the trace's own mooncake cache), and pinned
+    # under it beside the default and the aliases, in both caches (the 0.26
+    # engine has the gate: clean there).
+    overrun = {"eagle_not_dropped": 1, "mamba_overrun": 1}
+    assert [(e["policy"], e["cache"], e["flags"]) for e in read_expectations(out) or []] == [
+        ("vllm-0.33", "mooncake", {}),
+        ("vllm-0.34", "mooncake", {}),
+        ("pre-49502", "mooncake", overrun),
+        ("vllm-0.26", "mooncake", overrun),
+        ("vllm-0.33", "gpu", {}),
+        ("vllm-0.34", "gpu", {}),
+        ("pre-49502", "gpu", overrun),
+        ("pre-32802", "gpu", {}),
+        ("vllm-0.26", "gpu", {}),
     ]
     results = _results(trace, tmp_path / "r.parquet", "--policy", "vllm-0.33")
     clean = run_cli(["minimize", results, "--request", "req-43559", "-o", out])

@@ -135,19 +135,20 @@ def test_failure_output_names_what_moved_and_explains_it(
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*broken.parquet under policy vllm-0.33:",
-            "flags: expected {'mamba_overrun': 1}, replayed none",
-            "hit tokens: expected 768 in all, replayed 576",
-            "request r0: expected hit 64, replayed 48",
-            "request r7: expected hit 64, replayed 48",
-            "... and 2 more requests with another hit",
-            "replay explain broken.parquet --request r0 --policy vllm-0.33:",
+            "*broken.parquet under policy vllm-0.33 in the mooncake cache:",
+            "  flags: expected {'mamba_overrun': 1}, replayed none",
+            "  hit tokens: expected 768 in all, replayed 576",
+            "  request r0: expected hit 64, replayed 48",
+            "  request r7: expected hit 64, replayed 48",
+            "  ... and 2 more requests with another hit",
+            # Runnable as printed, from anywhere: the trace's absolute path.
+            f"replay explain {pytester.path / 'broken.parquet'} --request r0 --policy vllm-0.33:",
             "*full_attention*",
         ]
     )
     text = result.stdout.str()
     assert "request r8: expected" not in text
-    assert text.count("replay explain broken.parquet --request") == 3
+    assert text.count(f"replay explain {pytester.path / 'broken.parquet'} --request") == 3
 
 
 def test_nothing_checked_is_not_a_pass(
@@ -173,3 +174,33 @@ def test_nothing_checked_is_not_a_pass(
     # The reference coordinator checks every one: the session passes.
     checked = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert checked.ret == pytest.ExitCode.OK
+
+
+def test_replay_corpus_runs_the_shipped_corpus_from_any_directory(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 31: ``pytest --replay-corpus`` in a directory holding nothing
+    collects the corpus inside the package, one item per trace x policy x
+    cache, each id naming all three; with a path it collects both."""
+    from analysis.expectations import corpus_dir
+
+    collected = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--replay-corpus", "--collect-only", "-q"
+    )
+    ids = [line for line in collected.outlines if "::" in line]
+    assert len(ids) == len(_entries())
+    assert "issue-43559.parquet::issue-43559[vllm-0.33-gpu]" in ids
+    assert "issue-43559.parquet::issue-43559[pre-49502-mooncake]" in ids
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--replay-corpus", "-q", "-k", "issue-43559"
+    )
+    result.assert_outcomes(
+        passed=len(read_expectations(corpus_dir() / "issue-43559.parquet") or [])
+    )
+    # Without the option, an empty directory has nothing to collect.
+    assert pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q").ret == 5
+    # --pyargs names the same shipped directory.
+    pyargs = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--pyargs", "replay.corpus", "--collect-only", "-q"
+    )
+    assert len([line for line in pyargs.outlines if "::" in line]) == len(_entries())

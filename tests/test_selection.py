@@ -140,8 +140,8 @@ def test_pytest_plugin_takes_the_same_choices(
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*open.parquet under policy pre-49502:",
-            "flags: mamba_overrun 1 (corruption) (--fail-on corruption)",
+            "*open.parquet under policy pre-49502 in the mooncake cache:",
+            "  flags: mamba_overrun 1 (corruption) (--fail-on corruption)",
         ]
     )
     ok = pytester.runpytest_subprocess(
@@ -151,7 +151,7 @@ def test_pytest_plugin_takes_the_same_choices(
     ok.assert_outcomes(passed=1, failed=1)
     ok.stdout.fnmatch_lines(
         [
-            "flags: expected {'mamba_overrun': 1}, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}"
+            "  flags: expected {'mamba_overrun': 1}, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}"
         ]
     )
     quiet = pytester.runpytest_subprocess(

@@ -14,6 +14,10 @@
 # gguf and diskcache for the older releases. The newest range, <5.21, is
 # inside both 0.33.0's pin (>=5.16.1,<5.21) and 0.34.0's (>=5.16.1,<5.23).
 # WHEELS (default /work/wheels, else pip's cache) holds the vLLM wheels.
+#
+# One line per step on the terminal; pip's output (its resolver's complaints
+# about the dependencies vLLM declares and this environment leaves out are
+# expected) goes to LOG (default VENV.log), which a failed step names.
 set -euo pipefail
 VENV=${1:?usage: tools/vllm-env.sh VENV VERSION}
 VERSION=${2:?usage: tools/vllm-env.sh VENV VERSION}
@@ -25,22 +29,41 @@ case 1 in
   $((minor < 32))) transformers='transformers>=5.10.4,<5.18' ;;
   *) transformers='transformers>=5.16.1,<5.21' ;;
 esac
+LOG=${LOG:-$VENV.log}
+: > "$LOG"
 start=$(date +%s)
-python3 -m venv "$VENV"
+n=0
+# step WHAT COMMAND...: one line, the command's output in $LOG.
+step() {
+  local what=$1 t0
+  shift
+  n=$((n + 1))
+  t0=$(date +%s)
+  printf 'vllm-env [%d/5] %s ... ' "$n" "$what"
+  echo "== $what: $*" >> "$LOG"
+  if "$@" >> "$LOG" 2>&1; then
+    echo "ok ($(( $(date +%s) - t0 )) s)"
+  else
+    echo "FAILED; the last lines of $LOG:"
+    tail -n 20 "$LOG" | sed 's/^/  /'
+    exit 1
+  fi
+}
 PIP="$VENV/bin/pip"
-"$PIP" install -q --upgrade pip
-"$PIP" install -q torch==2.13.0
+step "virtualenv $VENV" bash -c "python3 -m venv '$VENV' && '$PIP' install -q --upgrade pip"
+step "torch 2.13.0 (CPU)" "$PIP" install -q torch==2.13.0
 if [ -d "$WHEELS" ]; then
-  "$PIP" install -q --no-deps --find-links "$WHEELS" "vllm==$VERSION"
+  step "vllm $VERSION (no dependencies)" "$PIP" install -q --no-deps --find-links "$WHEELS" "vllm==$VERSION"
 else
-  "$PIP" install -q --no-deps "vllm==$VERSION"
+  step "vllm $VERSION (no dependencies)" "$PIP" install -q --no-deps "vllm==$VERSION"
 fi
-"$PIP" install -q packaging urllib3 "$transformers" aiohttp requests \
+step "the modules vLLM's import chain reaches" "$PIP" install -q packaging urllib3 "$transformers" aiohttp requests \
   openai-harmony openai pillow pybase64 cloudpickle uvloop py-cpuinfo \
   prometheus_client xgrammar fastapi partial-json-parser llguidance msgspec \
   pyzmq numpy regex cachetools psutil pydantic typing_extensions cbor2 xxhash blake3 einops \
   gguf diskcache sentencepiece tokenizers protobuf
-"$VENV/bin/python" - "$VERSION" <<'PY'
+printf 'vllm-env [5/5] importing vLLM ... '
+"$VENV/bin/python" - "$VERSION" 2>>"$LOG" <<'PY' || { echo "FAILED; the error is at the end of $LOG"; exit 1; }
 import importlib, sys
 import vllm
 assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
@@ -53,4 +76,4 @@ except ImportError:
     mirror = "(no Mooncake store mirror in this release)"
 print(f"vllm {vllm.__version__}: engine coordinator importable {mirror}")
 PY
-echo "built $VENV (vllm $VERSION) in $(( $(date +%s) - start ))s"
+echo "built $VENV (vllm $VERSION) in $(( $(date +%s) - start ))s; pip's output: $LOG"

@@ -13,12 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.format.writer import write_trace
-from replay.rules.coordinator import CACHES, check_config
+from replay.tools.minimize import valid_caches
 from tests.builders import (
     Scenario,
     answerable,
@@ -330,18 +329,6 @@ def _group_totals(results: Any) -> list[int]:
     """Per group_id, the sum over every lookup of that group's own hit."""
     per_lookup = results["group_hit_tokens"].to_list()
     return [sum(col) for col in zip(*per_lookup, strict=True)] if per_lookup else []
-
-
-def valid_caches(config: TraceConfig) -> list[str]:
-    """The caches (of vLLM's two) that can answer this configuration."""
-    out = []
-    for cache in CACHES:
-        try:
-            check_config(config, cache)
-        except ConfigError:
-            continue
-        out.append(cache)
-    return out
 
 
 def replayed_results(

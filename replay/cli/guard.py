@@ -5,7 +5,6 @@ fails, 2 on bad input (or when nothing could be checked)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -50,7 +49,36 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_polic
     "--json",
     "as_json",
     is_flag=True,
-    help="Print one JSON object: every expectation's outcome and the counts.",
+    help="Print one JSON object (docs/json.md): every expectation's outcome and the counts.",
+)
+@click.option(
+    "--junit-xml",
+    "junit",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="Also write a JUnit XML report: one test case per trace x policy x cache, the "
+    "failure text as its message (for CI).",
+)
+@click.option(
+    "--random",
+    "random_count",
+    type=int,
+    default=None,
+    metavar="N",
+    help="The drift check (with --coordinator vllm): answer N random configurations through "
+    "the installed vLLM and the policy that models it, print the agreement; on a difference "
+    "write the smallest differing trace (-o) and exit 1.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="The random configurations' seed."
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --random: where the smallest differing trace goes "
+    "[default: ./drift-vllm-VERSION-seed-S.parquet].",
 )
 def test(
     paths: tuple[Path, ...],
@@ -60,18 +88,26 @@ def test(
     fail_on: tuple[str, ...],
     ignore: tuple[str, ...],
     as_json: bool,
+    junit: Path | None,
+    random_count: int | None,
+    seed: int,
+    output: Path | None,
 ) -> None:
     """Check every expectation of the regression traces at PATH (files or
     directories; default: the corpus shipped with this package).
 
-    A failure prints, per failing trace, the expectation, what came instead
-    and the explain table of the first lookup that differs. One progress
-    line per trace goes to stderr.
+    Failures are grouped by what failed (policy, cache and the cause the
+    vLLM adapter names), smallest trace first: per group the smallest
+    failing trace in full (the expectation, what came instead, the explain
+    table of the first lookup that differs, commands that run as printed),
+    then one line per other trace. One progress line per trace goes to
+    stderr.
     """
     from analysis.expectations import (
         Verdict,
         corpus_dir,
         expectation_traces,
+        junit_xml,
         run_traces,
         test_failure_lines,
         test_progress_line,
@@ -93,7 +129,16 @@ def test(
         assumed = installed_version_policy()
         if assumed.note:
             note_at_end(assumed.note)
+    if random_count is not None:
+        _drift(random_count, seed, coordinator, paths, caches, junit, output, as_json)
+        return
+    if output is not None:
+        raise fail("-o: only with --random (the drift check writes a trace)")
     traces = expectation_traces(list(paths) or [corpus_dir()])
+    if junit is not None:
+        from replay.format.paths import JUNIT, check_outputs
+
+        check_outputs({"--junit-xml": junit}, traces, text=True, formats={"--junit-xml": JUNIT})
     total = len(traces)
     done = [0]
 
@@ -107,8 +152,14 @@ def test(
     run = run_traces(
         traces, coordinator, caches or None, on_trace=progress, fail_on=fail_on, ignore=ignore
     )
+    if junit is not None:
+        from replay.format.paths import write_text
+
+        write_text(junit, junit_xml(run, coordinator), what="JUnit XML")
     if as_json:
-        click.echo(json.dumps(run.to_json(coordinator)))
+        from replay.cli.payloads import echo
+
+        echo("test", run.to_json(coordinator))
     else:
         for line in test_failure_lines(run.failed):
             click.echo(line)
@@ -119,4 +170,81 @@ def test(
             + (run.verdicts[0].skipped if run.verdicts and run.verdicts[0].skipped else "none")
         )
     if run.failed:
+        sys.exit(1)
+
+
+def _drift(
+    count: int,
+    seed: int,
+    coordinator: str,
+    paths: tuple[Path, ...],
+    caches: tuple[str, ...],
+    junit: Path | None,
+    output: Path | None,
+    as_json: bool,
+) -> None:
+    """``replay test --coordinator vllm --random N``: the drift check."""
+    from analysis.flags import add_flags
+    from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
+    from replay.cli.progress import progress_bar
+    from replay.format.paths import PARQUET, check_outputs
+    from replay.tools.drift import Difference, check_drift
+    from replay.tools.render import drift_lines
+
+    if coordinator != "vllm":
+        raise fail("--random: the drift check compares the installed vLLM, give --coordinator vllm")
+    if count < 1:
+        raise fail(f"--random {count}: expected at least 1 configuration")
+    for given, what in ((paths, "PATH"), (caches, "--cache"), (junit, "--junit-xml")):
+        if given:
+            raise fail(f"--random: {what} is not taken (the drift check answers both caches)")
+    if output is not None:
+        check_outputs({"-o": output}, [], formats={"-o": PARQUET})
+    version = installed_vllm_version()
+    policy, _ = installed_policy()
+    if policy is None:
+        raise fail(f"--random: no policy of this project models the installed vLLM {version}")
+
+    def where(diff: Difference) -> Path:
+        path = output or Path(f"drift-vllm-{version}-seed-{seed}.parquet")
+        if output is None:
+            check_outputs({"-o": path}, [], formats={"-o": PARQUET})
+        return path.resolve()
+
+    with progress_bar() as bar:
+
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.count(done, total, f"{done:,}/{total:,} configurations")
+
+        report = check_drift(
+            count,
+            seed,
+            policy,
+            judge=add_flags,
+            output=where,
+            version=version,
+            progress=progress,
+        )
+    if as_json:
+        from dataclasses import asdict
+
+        from replay.cli.payloads import echo
+
+        first = asdict(report.first) if report.first is not None else None
+        echo(
+            "test",
+            {
+                "trace": first["written"] if first else None,
+                "coordinator": "vllm",
+                "vllm": version,
+                **{k: v for k, v in asdict(report).items() if k != "first"},
+                "seconds": round(report.seconds, 3),
+                "first": first,
+            },
+        )
+    else:
+        for line in drift_lines(report, version):
+            click.echo(line)
+    if report.first is not None:
         sys.exit(1)

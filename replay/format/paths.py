@@ -113,9 +113,23 @@ class OutputTarget:
 PARQUET = {".parquet": "parquet"}
 TEXT_REPORT = {".md": "md", ".markdown": "md", ".html": "html", ".htm": "html"}
 KV_DUMP = {".kvdump": "kvdump"}
-NAMES = {"parquet": "Parquet", "md": "Markdown", "html": "HTML", "kvdump": "KV-event dump"}
+JUNIT = {".xml": "xml"}
+NAMES = {
+    "parquet": "Parquet",
+    "md": "Markdown",
+    "html": "HTML",
+    "kvdump": "KV-event dump",
+    "xml": "JUnit XML",
+}
 #: Extensions that name a file: never the name of an output directory.
-FILE_EXTENSIONS = {**PARQUET, **TEXT_REPORT, **KV_DUMP, ".json": "JSON", ".jsonl": "JSON lines"}
+FILE_EXTENSIONS = {
+    **PARQUET,
+    **TEXT_REPORT,
+    **KV_DUMP,
+    **JUNIT,
+    ".json": "JSON",
+    ".jsonl": "JSON lines",
+}
 _NO_EXTENSION = (*STDOUT_NAMES, os.devnull)
 
 

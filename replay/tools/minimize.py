@@ -5,21 +5,27 @@
    change its answer); other lookups go too.
 2. Delta debugging (ddmin) over the remaining events.
 3. Shorten the lookup's hashes from the end while the flag still fires.
-The result gets a ``replay.expect`` entry for every policy, ready to commit
-into ``traces/``. The flags are the caller's judgement (``judge``: the
-analyses' ``add_flags``): a tool sits below the analyses and never imports
-them.
+Every step must also keep the lookup's answer (flags, hit, every group's
+load mask) under every policy a regression trace pins, in every cache the
+configuration is valid for: the small trace pins what the original lookup
+got, in both caches (``traces/build.py`` pins the same policies). The
+result gets those ``replay.expect`` entries, ready to commit into
+``traces/``. The flags are the caller's judgement (``judge``: the analyses'
+``add_flags``): a tool sits below the analyses and never imports them.
+
+:func:`shrink` is the reduction alone, under any predicate (the drift
+check's ``vLLM and its policy still differ``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import polars as pl
 
-from replay.base.errors import ReplayError
+from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
 from replay.engine.answers import resolve_cache
 from replay.engine.replay import iter_events
@@ -28,7 +34,7 @@ from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import pinned_policies
+from replay.rules.coordinator import CACHES, Coordinator, check_config, pinned_policies
 
 Row = dict[str, Any]
 
@@ -45,34 +51,13 @@ def _rows(reader: TraceReader) -> list[Row]:
     return out
 
 
-def _candidate(config: TraceConfig, rows: Sequence[Row]) -> TableReader:
+def candidate(config: TraceConfig, rows: Sequence[Row]) -> TableReader:
     """The rows as a trace in memory: each shrinking step replays it as it
     would the file, with no file written or read."""
-    return TableReader(events_table(_renumbered(rows), config), config, name="<candidate>")
+    return TableReader(events_table(renumbered(rows), config), config, name="<candidate>")
 
 
-def _request_answer(results: Any, request_id: str) -> tuple[set[str], int]:
-    """The flags and the hit of the request's last lookup (none: no flags, 0)."""
-    mine = results.filter(results["request_id"] == request_id)
-    if mine.height == 0:
-        return set(), 0
-    return set(mine["flags"][-1]), int(mine["hit_tokens"][-1])
-
-
-def _flags_of(
-    config: TraceConfig,
-    rows: Sequence[Row],
-    request_id: str,
-    policy: str,
-    judge: Judge,
-    cache: str | None = None,
-) -> tuple[set[str], int]:
-    options = ReplayOptions(policies=(policy,), caches=(cache,))
-    (result,) = replay(_candidate(config, rows), options)
-    return _request_answer(judge(result.results, config), request_id)
-
-
-def _renumbered(rows: Sequence[Row]) -> list[Row]:
+def renumbered(rows: Sequence[Row]) -> list[Row]:
     return [{**{k: r.get(k) for k in TRACE_COLUMNS}, "seq": i} for i, r in enumerate(rows)]
 
 
@@ -95,6 +80,130 @@ def ddmin(items: list[Row], still_fails: Callable[[list[Row]], bool]) -> list[Ro
     return items
 
 
+#: One lookup's answer under one policy in one cache: its flags, its hit,
+#: per group ``[mask blocks, loaded blocks]``, and each group's own hit.
+Answer = tuple[tuple[str, ...], int, list[list[int]], list[int]]
+
+
+def valid_caches(config: TraceConfig) -> list[str]:
+    """The caches (of vLLM's two) whose checks this configuration passes."""
+    out = []
+    for cache in CACHES:
+        try:
+            check_config(config, cache)
+        except ConfigError:
+            continue
+        out.append(cache)
+    return out
+
+
+def pinned_variants(config: TraceConfig, also: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """(policy, cache) a regression trace pins: in every valid cache, the
+    default release, the aliases and ``also``, where each answers."""
+    out = []
+    for cache in valid_caches(config):
+        for policy in pinned_policies(cache, tuple(also)):
+            try:
+                Coordinator(config, policy, cache)
+            except ConfigError:
+                continue
+            out.append((policy, cache))
+    return out
+
+
+def answers(
+    config: TraceConfig,
+    rows: Sequence[Row],
+    request_id: str,
+    variants: Sequence[tuple[str, str]],
+    judge: Judge,
+    coordinator: str = "reference",
+) -> dict[tuple[str, str], Answer]:
+    """The request's last lookup's answer per (policy, cache), one fold."""
+    options = ReplayOptions(variants=tuple((p, c, coordinator) for p, c in variants))
+    out: dict[tuple[str, str], Answer] = {}
+    for result in replay(candidate(config, rows), options):
+        res = judge(result.results, config)
+        mine = res.filter(res["request_id"] == request_id)
+        if mine.height == 0:
+            out[(result.policy, result.cache)] = ((), 0, [], [])
+            continue
+        masks = [
+            [int(m), int(n)]
+            for m, n in zip(mine["mask_blocks"][-1], mine["loaded_blocks"][-1], strict=True)
+        ]
+        out[(result.policy, result.cache)] = (
+            tuple(sorted(mine["flags"][-1])),
+            int(mine["hit_tokens"][-1]),
+            masks,
+            [int(h) for h in mine["group_hit_tokens"][-1]],
+        )
+    return out
+
+
+def shrink(
+    config: TraceConfig,
+    rows: Sequence[Row],
+    t: int,
+    still_fails: Callable[[list[Row]], bool],
+) -> list[Row]:
+    """The smallest rows (events, then the lookup ``rows[t]`` last) on which
+    ``still_fails`` holds: unrelated keys and lookups cut, ddmin over the
+    events, the lookup shortened from the end. ``still_fails(rows[: t +
+    1])`` must hold."""
+    target = rows[t]
+    wanted = set(target["block_hashes"])
+    events: list[Row] = []
+    for r in rows[:t]:
+        if r["kind"] in ("store", "remove"):
+            keep = [h for h in r["block_hashes"] if h in wanted]
+            if keep:
+                events.append({**r, "block_hashes": keep})
+        elif r["kind"] == "clear":
+            events.append(r)
+    if not still_fails([*events, target]):
+        raise ReplayError("cutting unrelated events lost the difference (please report)")
+    events = ddmin(events, lambda evs: still_fails([*evs, target]))
+    # Shorten the lookup from the end while it still fails.
+    hbs = config.hash_block_size
+    n = len(target["block_hashes"])
+    while n > 1:
+        shorter = {
+            **target,
+            "block_hashes": target["block_hashes"][: n - 1],
+            "max_length": min(target["max_length"], n * hbs - 1),
+        }
+        shorter["num_tokens"] = shorter["max_length"] + 1
+        if not still_fails([*events, shorter]):
+            break
+        target, n = shorter, n - 1
+    kept = set(target["block_hashes"])
+    events = [
+        {**e, "block_hashes": [h for h in e["block_hashes"] if h in kept]}
+        if e["kind"] in ("store", "remove")
+        else e
+        for e in events
+    ]
+    events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
+    return [*events, target]
+
+
+def expect_entries(request_id: str, got: Mapping[tuple[str, str], Answer]) -> list[dict[str, Any]]:
+    """The ``replay.expect`` entries of a small trace (one lookup): per
+    (policy, cache), the request's flags, hit, load masks and group hits."""
+    return [
+        {
+            "policy": policy,
+            "cache": cache,
+            "flags": {f: 1 for f in flags},
+            "hits": {request_id: hit},
+            "masks": {request_id: masks},
+            "group_hit_tokens": group_hits,
+        }
+        for (policy, cache), (flags, hit, masks, group_hits) in got.items()
+    ]
+
+
 def minimize(
     trace: TraceSource,
     request_id: str,
@@ -107,9 +216,10 @@ def minimize(
     judge: Judge,
     progress: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """``cache`` (default: the trace's own) answers every replay, and the
-    expectations name it when it was asked for; ``seq`` picks the lookup when
-    the request id occurs in several. The trace is read once; every
+    """``cache`` (default: the trace's own) is where the flag must keep
+    firing under ``policy``; the answers under every pinned policy in every
+    valid cache must stay the original lookup's. ``seq`` picks the lookup
+    when the request id occurs in several. The trace is read once; every
     shrinking step replays its rows in memory, and ``out`` is written once,
     at the end. ``progress(replays, events, of)`` is told after each
     shrinking replay how many replays ran and how many of the ``of`` events
@@ -125,85 +235,42 @@ def minimize(
         if r["kind"] == "lookup" and r["request_id"] == request_id
     }
     t = targets[choose_lookup(reader.name, request_id, list(targets), seq)]
-    wanted = set(rows[t]["block_hashes"])
+    shrinking = (policy, resolve_cache(config, cache))
+    variants = list(dict.fromkeys([*pinned_variants(config, (policy,)), shrinking]))
 
-    def has_flag(flags: set[str]) -> bool:
+    def has_flag(flags: Sequence[str]) -> bool:
         return flag in flags if flag is not None else bool(flags)
 
-    if not has_flag(_flags_of(config, rows[: t + 1], request_id, policy, judge, cache)[0]):
+    original = answers(config, rows[: t + 1], request_id, variants, judge)
+    if not has_flag(original[shrinking][0]):
         what = f"{flag} flag" if flag else "flag"
         raise ReplayError(
             f"{reader.name}: request {request_id!r} raises no {what} under {policy}: "
             "nothing to minimize"
         )
-    events: list[Row] = []
-    for r in rows[:t]:
-        if r["kind"] in ("store", "remove"):
-            keep = [h for h in r["block_hashes"] if h in wanted]
-            if keep:
-                events.append({**r, "block_hashes": keep})
-        elif r["kind"] == "clear":
-            events.append(r)
-    target = rows[t]
     replays = 0
-    kept_events = len(events)
+    kept_events = t
 
-    def fails(evs: list[Row], tgt: Row = target) -> bool:
+    def fails(candidate: list[Row]) -> bool:
         nonlocal replays, kept_events
-        failed = has_flag(_flags_of(config, [*evs, tgt], request_id, policy, judge, cache)[0])
+        got = answers(config, candidate, request_id, variants, judge)
+        failed = has_flag(got[shrinking][0]) and got == original
         replays += 1
         if failed:
-            kept_events = min(kept_events, len(evs))
+            kept_events = min(kept_events, len(candidate) - 1)
         if progress is not None:
             progress(replays, kept_events, t)
         return failed
 
-    if not fails(events):
-        raise ReplayError(f"{reader.name}: cutting unrelated events lost the flag (please report)")
-    events = ddmin(events, fails)
-    # Shorten the lookup from the end while the flag holds.
-    hbs = config.hash_block_size
-    n = len(target["block_hashes"])
-    while n > 1:
-        shorter = {
-            **target,
-            "block_hashes": target["block_hashes"][: n - 1],
-            "max_length": min(target["max_length"], n * hbs - 1),
-        }
-        shorter["num_tokens"] = shorter["max_length"] + 1
-        if not fails(events, shorter):
-            break
-        target, n = shorter, n - 1
-    kept = set(target["block_hashes"])
-    events = [
-        {**e, "block_hashes": [h for h in e["block_hashes"] if h in kept]}
-        if e["kind"] in ("store", "remove")
-        else e
-        for e in events
-    ]
-    events = [e for e in events if e["kind"] == "clear" or e["block_hashes"]]
-    final = [*events, target]
-    # The expectations, from one fold of the final rows, of the policy it was
-    # shrunk under, the default release and the aliases (the bugs' releases)
-    # that have this cache; every other release is `replay bisect`'s.
-    pinned = pinned_policies(resolve_cache(config, cache), (policy,))
-    options = ReplayOptions(policies=pinned, caches=(cache,))
-    expect = []
-    for result in replay(_candidate(config, final), options):
-        flags, hit = _request_answer(judge(result.results, config), request_id)
-        counts = {f: 1 for f in sorted(flags)}
-        entry: dict[str, Any] = {
-            "policy": result.policy,
-            "flags": counts,
-            "hits": {request_id: hit},
-        }
-        if cache is not None:
-            entry["cache"] = cache
-        expect.append(entry)
+    try:
+        final = shrink(config, rows, t, fails)
+    except ReplayError as exc:
+        raise ReplayError(f"{reader.name}: {exc}") from None
+    expect = expect_entries(request_id, original)
     write_trace(
         out,
         config,
-        _renumbered(final),
+        renumbered(final),
         expect={
             "expect": expect,
             "minimized_from": os.path.basename(reader.name),

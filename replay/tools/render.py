@@ -5,6 +5,7 @@ The figures come from ``analysis.summary``; this module only words them."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -313,7 +314,43 @@ def minimize_lines(
     ]
     for e in info["expect"]:
         flags = ", ".join(e["flags"]) or "no flags"
-        lines.append(f"  {e['policy']}: {flags}; hit {e['hits'][request_id]:,}")
+        where = f" ({e['cache']})" if e.get("cache") else ""
+        lines.append(f"  {e['policy']}{where}: {flags}; hit {e['hits'][request_id]:,}")
+    return lines
+
+
+def _answer_text(answer: Mapping[str, Any]) -> str:
+    if "error" in answer:
+        return f"raised {answer['error']}"
+    masks = [[m, n] for m, n in zip(answer["mask_blocks"], answer["loaded_blocks"], strict=True)]
+    text = f"hit {answer['hit_tokens']}, group hits {answer['group_hit_tokens']}, [mask, loaded] {masks}"
+    state = answer.get("mamba_state_tokens")
+    return text + (f", Mamba state at {state}" if state is not None else "")
+
+
+def drift_lines(report: Any, version: str) -> list[str]:
+    """``replay test --random``: the agreement, then the first difference
+    and the regression trace written for it."""
+    share = report.agreed / report.lookups if report.lookups else 1.0
+    caches = ", ".join(f"{c} {a:,}/{n:,}" for c, (n, a) in sorted(report.per_cache.items()))
+    lines = [
+        f"drift check: {report.scenarios:,} random configurations (seed {report.seed}), "
+        f"{report.lookups:,} lookups through vLLM {version} and policy {report.policy}: "
+        f"{report.agreed:,} agreed ({percent(share)}; {caches}) in {report.seconds:.1f} s"
+    ]
+    d = report.first
+    if d is None:
+        return lines
+    lines += [
+        f"{report.differences:,} configuration x cache pairs differ; the first: configuration "
+        f"{d.scenario}, request {d.request_id}, {d.cache} cache:",
+        f"  policy {report.policy}: {_answer_text(d.policy_answer)}",
+        f"  vLLM {version}: {_answer_text(d.vllm_answer)}",
+        f"wrote the smallest differing trace ({d.events_before:,} -> {d.events_after:,} events) "
+        f"to {d.written}: it pins the policy's answers in every valid cache; commit it "
+        "with your regression traces. To see it fail:",
+        f"  replay test --coordinator vllm {shlex.quote(str(d.written))}",
+    ]
     return lines
 
 
