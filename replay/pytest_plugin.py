@@ -76,7 +76,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("replay_ignore", "as --replay-ignore", default="")
 
 
+#: Per session: regression-trace expectations checked and skipped.
+_TALLY = pytest.StashKey[dict[str, int]]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_TALLY] = {"checked": 0, "skipped": 0}
     if not config.getoption("--replay-corpus", default=False):
         return
     from analysis.expectations import corpus_dir
@@ -118,14 +123,6 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         return installed_version_policy().note or None
     except ReplayError as exc:
         return str(exc)
-
-
-#: Per session: regression-trace expectations checked and skipped.
-_TALLY = pytest.StashKey[dict[str, int]]()
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_TALLY] = {"checked": 0, "skipped": 0}
 
 
 @pytest.hookimpl(hookwrapper=True)
