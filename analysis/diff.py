@@ -44,7 +44,7 @@ from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, wi
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import readable
-from replay.engine.answers import Progress, resolve_cache
+from replay.engine.answers import Progress
 from replay.engine.run import ReplayOptions, replay
 from replay.format.paths import arrow_file
 from replay.format.results import is_results_file, read_results, results_cache, results_config
@@ -57,6 +57,7 @@ from replay.rules.coordinator import (
     get_cache,
     hit_alignment,
     lookup_spec,
+    resolve_cache,
 )
 from replay.tools.render import group_label
 

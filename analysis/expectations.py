@@ -358,8 +358,7 @@ def planned_verdicts(
     skipped: under ``vllm``, an expectation whose policy answers otherwise
     than the installed vLLM's release in its cache (an alias is checked in
     the cache where it means the installed release)."""
-    from replay.engine.answers import resolve_cache
-    from replay.rules.coordinator import POLICIES, same_rules
+    from replay.rules.coordinator import POLICIES, resolve_cache, same_rules
 
     entries = read_expectations(path) if only is None else [only]
     if entries is None:

@@ -27,7 +27,7 @@ def validate(trace: Path) -> None:
 def info(trace: Path, as_json: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
     from analysis.summary import trace_info
-    from replay.engine.answers import resolve_cache
+    from replay.rules.coordinator import resolve_cache
 
     data = trace_info(trace)
     if as_json:

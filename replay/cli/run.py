@@ -256,8 +256,8 @@ def explain(
     the lookup's flags. Given a RESULTS file, explains in its trace (which
     the results lead to) under its policy and cache."""
     from analysis.flags import flag_lines, lookup_flags
-    from replay.engine.answers import resolve_cache
     from replay.engine.replay import explain_lookups
+    from replay.rules.coordinator import resolve_cache
     from replay.tools.lookup_choice import choose_lookup
 
     trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
@@ -352,9 +352,9 @@ def check(
     counts = flag_counts(flags)
     fails = failing(counts, selected)
     if as_json:
-        from replay.engine.answers import resolve_cache
         from replay.format.results import results_cache
         from replay.format.tracedir import open_trace
+        from replay.rules.coordinator import resolve_cache
 
         if is_results_file(path):
             info = results_info(path)

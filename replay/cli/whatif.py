@@ -245,8 +245,8 @@ def whatif(
     kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
-    from replay.engine.answers import resolve_cache
     from replay.format.paths import PARQUET, check_outputs, staged_outputs
+    from replay.rules.coordinator import resolve_cache
     from replay.whatif.requests import load_requests
     from replay.whatif.sizes import block_bytes, page_sizes
     from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep

@@ -39,16 +39,10 @@ from replay.rules.coordinator import (
     LookupOutcome,
     get_cache,
     get_policy,
-    trace_cache,
+    resolve_cache,
 )
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.store import LookupEvent
-
-
-def resolve_cache(config: TraceConfig, cache: str | None) -> str:
-    """The cache that answers: the one asked for, else the one the trace's
-    events describe (``source.cache``), else the Mooncake store."""
-    return get_cache(cache).name if cache is not None else trace_cache(config.source)
 
 
 def make_coordinator(

@@ -9,8 +9,8 @@ from typing import Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Progress, Variant, resolve_cache
-from replay.rules.coordinator import DEFAULT_POLICY
+from replay.engine.answers import Progress, Variant
+from replay.rules.coordinator import DEFAULT_POLICY, resolve_cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,6 +1,13 @@
 """The reference coordinator: vLLM's hybrid cache-hit semantics, per release."""
 
-from replay.rules.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
+from replay.rules.coordinator.cache import (
+    CACHES,
+    DEFAULT_CACHE,
+    Cache,
+    get_cache,
+    resolve_cache,
+    trace_cache,
+)
 from replay.rules.coordinator.finders import FINDERS, FinderResult, block_view
 from replay.rules.coordinator.hybrid import (
     Coordinator,
@@ -70,6 +77,7 @@ __all__ = [
     "pinned_policies",
     "policy_for_version",
     "policy_rules",
+    "resolve_cache",
     "same_rules",
     "trace_cache",
 ]
