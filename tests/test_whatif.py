@@ -13,14 +13,14 @@ import pytest
 
 from analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
-from replay.format.sweepfile import read_sweep
+from replay.format.sweepfile import SWEEP_COLUMNS, read_sweep
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
 from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
 from replay.sources.archetypes import archetype_config
 from replay.whatif.requests import load_requests
-from replay.whatif.sweep import SWEEP_COLUMNS, RunSpec, simulate, sweep
+from replay.whatif.sweep import RunSpec, simulate, sweep
 from tests.builders import random_archetype_config, random_prompts, replay_trace, unit_hashes
 from tests.conftest import run_cli
 

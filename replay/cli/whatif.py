@@ -246,10 +246,11 @@ def whatif(
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
     from replay.format.paths import PARQUET, check_outputs, staged_outputs
+    from replay.format.sweepfile import PERCENTILE_COLUMNS, write_sweep
     from replay.rules.coordinator import resolve_cache
     from replay.whatif.requests import load_requests
     from replay.whatif.sizes import block_bytes, page_sizes
-    from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep
+    from replay.whatif.sweep import RunSpec, emit_path, sweep
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)

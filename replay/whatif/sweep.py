@@ -47,7 +47,13 @@ import pyarrow as pa
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
+from replay.format.sweepfile import (
+    COMPILED,
+    ONE_PASS,
+    PER_CAPACITY,
+    PERCENTILE_COLUMNS,
+    PYTHON,
+)
 from replay.format.writer import TraceWriter
 from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
 from replay.rules.coordinator import (
@@ -66,8 +72,6 @@ from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
 from replay.whatif.requests import Requests
 
-PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
-
 
 def hit_ratio_percentiles(
     hits: npt.NDArray[np.int64], num_tokens: npt.NDArray[np.int64]
@@ -80,25 +84,6 @@ def hit_ratio_percentiles(
     ratios = np.where(hits > 0, hits, 0) / np.maximum(num_tokens, 1)
     values = np.percentile(ratios, [50, 90, 99], method="lower")
     return {c: float(v) for c, v in zip(PERCENTILE_COLUMNS, values, strict=True)}
-
-
-_RATIO_AT = SWEEP_BASE_COLUMNS.index("hit_ratio") + 1
-#: The columns the sweep writes itself; the face adds one count per flag,
-#: from each run's facts (``analysis.flags.sweep_flag_counts``).
-SWEEP_COLUMNS = (
-    *SWEEP_BASE_COLUMNS[:_RATIO_AT],
-    *PERCENTILE_COLUMNS,
-    *SWEEP_BASE_COLUMNS[_RATIO_AT:],
-    "method",
-    "simulator",
-)
-#: How a row was computed (its ``method``): its own simulation, or the one
-#: pass over every LRU capacity (``replay.whatif.stack``, where it is exact).
-PER_CAPACITY, ONE_PASS = "per-capacity", "one-pass"
-#: Which code computed a row (its ``simulator``): a compiled kernel
-#: (``replay.whatif.kernel``, ``mooncake_kernel``, ``stack``) or the Python
-#: model (the configurations, policies or emitted traces they do not cover).
-COMPILED, PYTHON = "compiled", "python"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,7 +172,7 @@ def simulate(
     compiled: bool = True,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``), under
+    """One run of the sweep: its row (``replay.format.sweepfile.SWEEP_SCHEMA``), under
     ``facts`` every lookup's answer and facts as results columns (the
     analyses count the flags from them: the what-if never imports its
     judge) and under ``_hits`` per request its hit tokens (-1 not admitted,
@@ -723,42 +708,6 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     for proc in processes:
         with contextlib.suppress(Exception):
             proc.join(timeout=5)
-
-
-def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
-    """The runs as the sweep file's frame: ``SWEEP_COLUMNS``, then the
-    counts the face added (one per flag), in the rows' order."""
-    schema: dict[str, Any] = {
-        "capacity_blocks": pl.Int64,
-        "capacity_bytes": pl.Int64,
-        "eviction": pl.String,
-        "cache": pl.String,
-        "policy": pl.String,
-        "lookups": pl.Int64,
-        "prompt_tokens": pl.Int64,
-        "hit_tokens": pl.Int64,
-        "hit_ratio": pl.Float64,
-        "hit_ratio_p50": pl.Float64,
-        "hit_ratio_p90": pl.Float64,
-        "hit_ratio_p99": pl.Float64,
-        "evicted_blocks": pl.Int64,
-        "not_admitted": pl.Int64,
-        "preempted": pl.Int64,
-        "seconds": pl.Float64,
-        "method": pl.String,
-        "simulator": pl.String,
-    }
-    counts = [
-        c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
-    ]
-    schema.update(dict.fromkeys(counts, pl.Int64))
-    return pl.DataFrame([{c: r[c] for c in schema} for r in rows], schema=schema)
-
-
-def write_sweep(
-    path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], metadata: dict[str, Any]
-) -> Path:
-    return write_sweep_frame(path, sweep_frame(rows), metadata)
 
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
