@@ -1,14 +1,10 @@
-"""``replay whatif``: click only, over ``replay.whatif.sweep``."""
+"""``replay whatif``: click only, over the one what-if call (``replay.whatif.run.whatif``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -245,12 +241,8 @@ def whatif(
     kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
     from analysis.flags import sweep_flag_counts
-    from replay.format.paths import PARQUET, check_outputs, staged_outputs
-    from replay.format.sweepfile import PERCENTILE_COLUMNS, write_sweep
-    from replay.rules.coordinator import resolve_cache
-    from replay.whatif.requests import load_requests
-    from replay.whatif.sizes import block_bytes, page_sizes
-    from replay.whatif.sweep import RunSpec, emit_path, sweep
+    from replay.format.paths import PARQUET, check_outputs
+    from replay.whatif.run import Sweep, WhatifOptions, whatif
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
@@ -266,134 +258,38 @@ def whatif(
     (policy,) = chosen_policies(
         trace, (policy,) if policy else (), (vllm_version,) if vllm_version else ()
     )
-    retention = release_retention(retention_interval, policy)
-    requests = load_requests(trace)
-    config = requests.config
-    cache_name = resolve_cache(config, cache)
-    found = page_sizes(config, page_bytes, None if model_config is None else str(model_config))
-    pages, page_source = found if found is not None else (None, None)
-    unit = capacities[0].unit
-    if unit == "bytes" and pages is None:
-        raise fail(
-            f"capacity {capacities[0].text!r}: bytes need the groups' page sizes, which the "
-            "trace does not record: give --page-bytes (e.g. 2MiB, or one per group: "
-            "2MiB,512KiB) or --model-config config.json"
-        )
-    working_set = requests.working_set_blocks()
-    cost = block_bytes(pages) if pages is not None else None
-    sizes: list[tuple[int, int | None]] = []
-    for c in capacities:
-        n = c.blocks(block_bytes=cost, working_set=working_set)
-        if unit == "bytes" and cache_name == "mooncake":
-            sizes.append((n, c.bytes))
-        else:
-            sizes.append((n, c.bytes if c.bytes is not None else (n * cost if cost else None)))
-    run = functools.partial(
-        RunSpec,
-        cache=cache_name,
-        policy=policy,
-        retention_interval=retention,
-        max_num_batched_tokens=max_num_batched_tokens,
-        page_bytes=pages if unit == "bytes" else None,
-    )
-    sample_info: dict[str, object] | None = None
-    scale = 1.0
-    if sample is not None:
-        requests, sample_info = requests.sample(sample)
-        scale = sample
-        sample_info["capacities"] = (
-            f"each run simulates {sample:g} x its capacity on the sampled sessions "
-            "(spatial sampling); rows give the full trace's capacity"
-        )
-
-    def simulated(n: int, b: int | None) -> tuple[int, int | None]:
-        if scale == 1.0:
-            return n, b
-        return max(1, round(n * scale)), None if b is None else max(1, round(b * scale))
-
-    specs = [
-        run(eviction=e, capacity_blocks=sim_n, capacity_bytes=sim_b)
-        for n, b in sizes
-        for e in names
-        for sim_n, sim_b in [simulated(n, b)]
-    ]
-    given = [(n, b) for n, b in sizes for _ in names]
-    # The emitted traces and the sweep file appear together or not at all
-    # (a signal mid-sweep still writes the finished runs, marked partial).
-    with staged_outputs() as stage:
-        if emit_traces is not None:
-            staging = stage.directory(emit_traces, "--emit-traces")
-            specs = [dataclasses.replace(spec, emit=emit_path(staging, spec)) for spec in specs]
-        # The unbounded ceiling: a cache that never evicts (checked below).
-        room = requests.working_set_blocks() + 2 * requests.max_request_blocks() + 64
-        ceiling_spec = run(
-            eviction="lru", capacity_blocks=room, capacity_bytes=None, page_bytes=None
-        )
-        started = time.perf_counter()
-        rows: dict[int, dict[str, Any]] = {}
-        meta: dict[str, Any] = {
-            "version": 1,
-            "trace": trace.name,
-            "trace_config": config.to_json(),
-            "cache": cache_name,
-            "policy": policy,
-            "vllm_version": vllm_version,
-            "retention_interval": retention,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "page_bytes": list(pages) if pages else None,
-            "page_bytes_source": page_source,
-            "block_bytes": cost,
-            "capacity_unit": unit,
-            "capacities": [c.text for c in capacities],
-            "working_set_blocks": working_set,
-            "sample": sample_info,
-            "ceiling": None,
-            "partial": False,
-        }
-
-        def keep(k: int, row: dict[str, Any]) -> None:
-            if k < len(specs):
-                n, b = given[k]
-                # The run's facts judged: one count per flag kind.
-                counted = sweep_flag_counts([row], config)[0]
-                rows[k] = {**counted, "capacity_blocks": n, "capacity_bytes": b}
-            else:
-                meta["ceiling"] = {
-                    c: row[c]
-                    for c in ("capacity_blocks", "hit_ratio", "hit_tokens", "evicted_blocks")
-                } | {p: row[p] for p in PERCENTILE_COLUMNS}
-
-        def finished_rows() -> list[dict[str, Any]]:
-            return [rows[k] for k in sorted(rows)]
-
-        try:
-            with progress_bar(quiet) as bar:
-                sweep(
-                    requests,
-                    [*specs, ceiling_spec],
+    partial: list[Sweep] = []
+    try:
+        with progress_bar(quiet) as bar:
+            result = whatif(
+                trace,
+                WhatifOptions(
+                    capacities=tuple(capacities),
+                    evictions=tuple(names),
+                    cache=cache,
+                    policy=policy,
+                    vllm_version=vllm_version,
+                    retention_interval=release_retention(retention_interval, policy),
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    page_bytes=page_bytes,
+                    model_config=model_config,
+                    sample=sample,
                     jobs=jobs or os.cpu_count() or 1,
+                    output=output,
+                    emit_traces=emit_traces,
+                    count_flags=sweep_flag_counts,
                     progress=None if bar is None else _sweep_progress(bar),
-                    on_row=keep,
-                )
-        except BaseException:
-            # A signal (or an error) mid-sweep: keep the runs that finished.
-            if rows:
-                meta["partial"] = True
-                meta["seconds"] = time.perf_counter() - started
-                write_sweep(output, finished_rows(), meta)
-                click.echo(
-                    f"wrote {output}: partial, {len(rows)} of {len(specs)} runs finished", err=True
-                )
-            raise
-        ceiling = meta["ceiling"]
-        if ceiling is not None and ceiling["evicted_blocks"]:
-            meta["ceiling"] = None  # not unbounded after all: say nothing rather than a bound
-        seconds = time.perf_counter() - started
-        meta["seconds"] = seconds
-        out_rows = finished_rows()
-        write_sweep(stage.file(output), out_rows, meta)
+                    on_partial=partial.append,
+                ),
+            )
+    except BaseException:
+        for p in partial:
+            click.echo(
+                f"wrote {output}: partial, {len(p.rows)} of {p.runs} runs finished", err=True
+            )
+        raise
     if quiet:
         return
-    for line in sweep_lines(trace, len(requests), meta, out_rows):
+    for line in sweep_lines(trace, result.requests, result.metadata, result.rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({len(out_rows)} runs in {seconds:.1f} s)")
+    click.echo(f"wrote {output} ({len(result.rows)} runs in {result.metadata['seconds']:.1f} s)")
