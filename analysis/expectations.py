@@ -148,8 +148,9 @@ def compare(
     flags out of the comparison on both sides; an entry without ``flags``
     fails when a flag ``fail_on`` selects fires (``replay check``'s choices,
     default: corruption)."""
-    from analysis.flags import counts_text, flag_counts, result_flags
+    from analysis.flags import flag_counts, result_flags, worst_first
     from analysis.selection import failing, select_flags, selection_text
+    from replay.tools.render import counts_text
 
     flags = result_flags(result)
     problems: list[str] = []
@@ -198,7 +199,9 @@ def compare(
     else:
         fails = failing(got, select_flags(fail_on, ignore))
         if fails:
-            problems.append(f"flags: {counts_text(fails)} ({selection_text(fail_on, ignore)})")
+            problems.append(
+                f"flags: {counts_text(worst_first(fails))} ({selection_text(fail_on, ignore)})"
+            )
             chosen = flags.filter(flags["flag"].is_in(list(fails)))
             flagged = [str(r) for r in chosen["request_id"].unique(maintain_order=True).to_list()]
     if "hit_tokens" in entry:

@@ -322,12 +322,13 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
 atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
-from analysis.flags import save_results
+from analysis.flags import flag_results
 from replay.engine.run import ReplayOptions, replay
+from replay.format.link import save_results
 stats = {{}}
 options = ReplayOptions(policies=("vllm-0.33",), workers={workers}, stats=stats)
 r = replay({path!r}, options)[0]
-save_results(r, {out!r})
+save_results(flag_results([r])[0], {out!r})
 done(time.perf_counter() - t, replayed=r.seconds, **stats)
 """
 

@@ -122,17 +122,18 @@ def run(
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
     from analysis.flags import (
-        counts_text,
         flag_counts,
         flag_examples,
         flag_results,
         flags_table,
-        save_results,
         severity,
+        worst_first,
     )
     from analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
+    from replay.format.link import save_results
     from replay.format.paths import PARQUET, check_outputs, output_format, staged_outputs
+    from replay.tools.render import counts_text
 
     policies = chosen_policies(
         trace, dict.fromkeys(policies), dict.fromkeys(vllm_versions), quiet=quiet, most=None
@@ -206,7 +207,7 @@ def run(
     if quiet:
         return
     for summary in summaries:
-        for line in run_summary_lines(summary, counts_text(summary["flags"])):
+        for line in run_summary_lines(summary, counts_text(worst_first(summary["flags"]))):
             click.echo(line)
 
 
@@ -255,10 +256,11 @@ def explain(
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags. Given a RESULTS file, explains in its trace (which
     the results lead to) under its policy and cache."""
-    from analysis.flags import flag_lines, lookup_flags
+    from analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
     from replay.rules.coordinator import resolve_cache
     from replay.tools.lookup_choice import choose_lookup
+    from replay.tools.render import flag_lines
 
     trace, policy, cache = _followed(trace, policy, vllm_versions, cache)
 
@@ -329,9 +331,10 @@ def check(
     listed with its severity, worst first.
     """
     from analysis.check import check_path
-    from analysis.flags import counts_text, flag_counts, flag_examples
+    from analysis.flags import flag_counts, flag_examples, worst_first
     from analysis.selection import failing, select_flags, selection_text
     from replay.format.results import is_results_file, results_info
+    from replay.tools.render import counts_text
 
     selected = select_flags(fail_on, ignore)
     chosen = selection_text(fail_on, ignore)
@@ -388,12 +391,17 @@ def check(
         lookups = flags["seq"].n_unique() if counts else 0
         failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
         verdict = (
-            f"fail ({chosen}): {failed} lookup(s) with {counts_text(fails)}"
+            f"fail ({chosen}): {failed} lookup(s) with {counts_text(worst_first(fails))}"
             if fails
             else f"pass ({chosen}): no flag it selects"
         )
         for line in check_lines(
-            path, policy_used, counts_text(counts), lookups, flag_examples(flags, examples), verdict
+            path,
+            policy_used,
+            counts_text(worst_first(counts)),
+            lookups,
+            flag_examples(flags, examples),
+            verdict,
         ):
             click.echo(line)
     if fails:

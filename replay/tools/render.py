@@ -225,7 +225,7 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
 def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
     """``replay run``: ``analysis.summary.run_summary`` with the flagged
     ``examples`` and the ``results`` path; ``flags_text`` words its flag
-    counts (``analysis.flags.counts_text``)."""
+    counts (``counts_text``)."""
     lines = [
         f"replayed {s['events']:,} events ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
@@ -427,3 +427,18 @@ def record_summary_text(s: RecordSummary) -> str:
     if s.skipped:
         parts.append(f"{s.skipped} malformed skipped")
     return ", ".join(parts)
+
+
+def flag_lines(flags: Sequence[Any]) -> str:
+    """A lookup's flags (``analysis.flags.lookup_flags``: worst first, each
+    with its ``flag``, ``severity`` and ``detail``) as ``replay explain``
+    prints them under its table."""
+    if not flags:
+        return "flags: none"
+    return "\n".join(["flags:", *(f"  {f.flag} ({f.severity}): {f.detail}" for f in flags)])
+
+
+def counts_text(counts: Sequence[tuple[str, int, str]]) -> str:
+    """Lookups per flag (``analysis.flags.worst_first``), each with its
+    severity: ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
+    return ", ".join(f"{f} {n} ({s})" for f, n, s in counts)
