@@ -276,7 +276,7 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
         (["--points", "3", "--min", "10k"], "--points, --min and --max go together"),
         (["--points", "3", "--min", "10k", "--max", "1GiB"], "are in different units"),
         (["--capacity", "10", "--points", "3"], "exactly one of"),
-        (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
+        (["--capacity-blocks", "10", "--eviction", "mru"], "unknown eviction order 'mru'"),
         (["--capacity-bytes", "1GiB"], "need the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),
         (["--capacity-blocks", "10", "--retention-interval", "x"], "--retention-interval"),

@@ -9,7 +9,7 @@ One module per command group:
 - ``analysis``: diff, report (compare replays, write reports)
 - ``sources``: record and every ``ingest`` importer (traces from elsewhere)
 - ``synth``: synth (synthetic traces)
-- ``whatif``: whatif (other cache sizes and eviction policies)
+- ``whatif``: whatif (other cache sizes and eviction orders)
 - ``scale``: split, cat, and ``run --workers/--ray`` (beyond one file, one process)
 
 and what they share: ``common`` (the error and signal rules), ``options``

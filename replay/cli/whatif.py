@@ -77,7 +77,7 @@ def _names(values: tuple[str, ...]) -> list[str]:
             name = name.strip()
             if name not in EVICTIONS:
                 raise fail(
-                    f"--eviction: unknown policy {name!r}, expected one of {', '.join(EVICTIONS)}"
+                    f"--eviction: unknown eviction order {name!r}, expected one of {', '.join(EVICTIONS)}"
                 )
             if name not in out:
                 out.append(name)
@@ -102,7 +102,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 
 @command(
     "whatif",
-    short_help="Hit ratios of TRACE's requests under other cache sizes and eviction policies.",
+    short_help="Hit ratios of TRACE's requests under other cache sizes and eviction orders.",
 )
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
@@ -147,7 +147,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     multiple=True,
     default=("lru",),
     show_default=True,
-    help="Eviction policies, repeated or comma-separated: lru (gpu: vLLM's own free-queue "
+    help="Eviction orders, repeated or comma-separated: lru (gpu: vLLM's own free-queue "
     "order), fifo, lfu, belady (offline: evicts the key whose next use is furthest ahead; "
     "the optimum for independent keys, a near-upper bound for prefix chains).",
 )
@@ -228,11 +228,11 @@ def whatif(
     quiet: bool,
 ) -> None:
     """Re-simulate TRACE's requests against a cache of other sizes and
-    eviction policies, with the exact hybrid semantics of the chosen vLLM release
+    eviction orders, with the exact hybrid semantics of the chosen vLLM release
     (--vllm/--policy, else the trace's recorded release, else 0.33): the trace's
     store/remove/clear rows are dropped; each lookup, in seq order, gets its
     hit from the simulated cache, then leaves behind the stores vLLM would
-    make for that hit, evicting per the policy. Requests run one at a time
+    make for that hit, evicting in the eviction order. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
     per-request hit-ratio percentiles and its method (gpu LRU capacities

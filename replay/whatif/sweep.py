@@ -4,7 +4,7 @@ The trace's ``store`` / ``remove`` / ``clear`` rows are dropped; its lookups,
 in ``seq`` order, are the requests. For each, the hit is computed against
 the simulated cache by the project's exact coordinator, then the request
 leaves behind what vLLM 0.33 would store for that hit (``replay.rules.store_rules``),
-evicting per the policy when the cache is full. One request at a time: no
+evicting in the run's eviction order when the cache is full. One request at a time: no
 concurrency model.
 
 * ``gpu``: vLLM's engine block pool (``replay.rules.blockpool.GpuCache``): N
@@ -13,7 +13,7 @@ concurrency model.
   cached block to evict from the same pool.
 * ``mooncake``: a capacity-bounded external store of keys: a hit refreshes
   the keys the lookup loads, a store adds the keys of the request's stores,
-  and while the store is over capacity the policy's victim goes.
+  and while the store is over capacity the eviction order's victim goes.
 
 ``belady`` evicts the key whose next use (the next request whose prompt
 holds its hash) is furthest, deepest first among equals. That is the
