@@ -14,14 +14,14 @@ from replay.base.errors import ReplayError
 from replay.engine.answers import Progress
 from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
-from replay.rules.coordinator import DEFAULT_POLICY
+from replay.rules.coordinator import DEFAULT_COORDINATOR, DEFAULT_POLICY
 
 
 def check_path(
     path: str | os.PathLike[str],
     *,
     policy: str | None,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     cache: str | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> tuple[pl.DataFrame, str]:

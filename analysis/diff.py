@@ -51,6 +51,7 @@ from replay.format.results import is_results_file, read_results, results_cache, 
 from replay.format.tracedir import open_trace
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import (
+    DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
     build_spec_groups,
     eagle_group_ids,
@@ -488,7 +489,7 @@ def diff_policies(
             "(or give two results files and no --policy)"
         )
     pa_, pb = _pair("--policy", policies, DEFAULT_POLICY)
-    ca, cb = _pair("--coordinator", coordinators, "reference")
+    ca, cb = _pair("--coordinator", coordinators, DEFAULT_COORDINATOR)
     if len(policies) < 2 and len(coordinators) < 2 and len(caches) < 2:
         raise ReplayError(
             f"{trace}: a trace needs two sides to diff: give --policy twice "

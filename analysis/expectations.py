@@ -39,6 +39,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.schema import EXPECT_META_KEY
 from replay.format.trace import TraceReader
+from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, REFERENCE, get_coordinator
 
 #: How many wrong requests a failure lists.
 SHOWN = 10
@@ -245,7 +246,8 @@ def explain_text(
     from replay.tools.render import explain_table
 
     wanted = set(request_ids)
-    coordinators = ["reference"] + (["vllm"] if coordinator == "vllm" else [])
+    oracle = get_coordinator(coordinator).installed_vllm
+    coordinators = [REFERENCE.name] + ([coordinator] if oracle else [])
     outcomes: dict[str, dict[str, Any]] = {}
     config = reader.config
     for coord in coordinators:
@@ -255,20 +257,23 @@ def explain_text(
         outcomes[coord] = {lookup.request_id: outcome for lookup, outcome, _ in found}
     out: list[str] = []
     for rid in dict.fromkeys(request_ids):
-        if rid not in outcomes["reference"]:
+        if rid not in outcomes[REFERENCE.name]:
             continue
         command = f"replay explain {name} --request {rid} --policy {policy}"
         if cache_named:
             command += f" --cache {cache}"
-        if coordinator == "vllm":
+        if oracle:
             out += ["", f"{command} (what policy {policy} computes, step by step):"]
-            out.append(explain_table(config, outcomes["reference"][rid]))
-            if rid in outcomes["vllm"]:
-                out += ["", f"{command} --coordinator vllm (what the installed vLLM answered):"]
-                out.append(explain_table(config, outcomes["vllm"][rid]))
+            out.append(explain_table(config, outcomes[REFERENCE.name][rid]))
+            if rid in outcomes[coordinator]:
+                out += [
+                    "",
+                    f"{command} --coordinator {coordinator} (what the installed vLLM answered):",
+                ]
+                out.append(explain_table(config, outcomes[coordinator][rid]))
         else:
             out += ["", f"{command}:"]
-            out.append(explain_table(config, outcomes["reference"][rid]))
+            out.append(explain_table(config, outcomes[REFERENCE.name][rid]))
     return out
 
 
@@ -286,7 +291,7 @@ def _vllm_raised(exc: Exception) -> str:
 
 def check_trace(
     path: Path,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     caches: Iterable[str] | None = None,
     *,
     explained: int = 1,
@@ -321,7 +326,7 @@ def check_trace(
             ReplayOptions(variants=tuple((v.policy, v.cache, coordinator) for v in variants)),
         )
     except Exception as exc:
-        if coordinator != "vllm" or _is_setup_error(exc):
+        if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):
             raise
         for v in todo:
             v.problems = [_vllm_raised(exc)]
@@ -343,7 +348,7 @@ def check_trace(
                     cache_named=bool(v.entry.get("cache")),
                 )
             except Exception as exc:
-                if coordinator != "vllm" or _is_setup_error(exc):
+                if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
     return verdicts
@@ -371,7 +376,8 @@ def planned_verdicts(
     wanted_caches = None if caches is None else set(caches)
     match: str | None = None
     skip_reason = ""
-    if coordinator == "vllm":
+    oracle = get_coordinator(coordinator).installed_vllm
+    if oracle:
         from replay.format.backends.vllm import installed_policy
 
         match, skip_reason = installed_policy()
@@ -389,7 +395,7 @@ def planned_verdicts(
         if wanted_caches is not None and cache not in wanted_caches:
             continue
         verdict = Verdict(path, entry, policy, cache)
-        if coordinator == "vllm" and (match is None or not same_rules(policy, match, cache)):
+        if oracle and (match is None or not same_rules(policy, match, cache)):
             verdict.skipped = skip_reason.format(policy=policy)
         verdicts.append(verdict)
     return verdicts

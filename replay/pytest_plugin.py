@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from analysis.expectations import entry_label, read_expectations
+from replay.rules.coordinator.kinds import COORDINATORS, DEFAULT_COORDINATOR
 
 __all__ = ["read_expectations"]
 
@@ -42,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cache-trace-replay", "regression traces (replay.expect)")
     group.addoption(
         "--replay-coordinator",
-        choices=("reference", "vllm"),
+        choices=tuple(COORDINATORS),
         default=None,
         help="Check regression traces against this project's coordinator (reference, the "
         f"default) or the installed vLLM's own (vllm); also ${COORDINATOR_ENV}.",
@@ -76,9 +77,9 @@ def _coordinator(config: pytest.Config) -> str:
     if chosen:
         return str(chosen)
     env = os.environ.get(COORDINATOR_ENV, "").strip()
-    if env and env not in ("reference", "vllm"):
-        raise pytest.UsageError(f"{COORDINATOR_ENV}={env!r}: expected reference or vllm")
-    return env or "reference"
+    if env and env not in COORDINATORS:
+        raise pytest.UsageError(f"{COORDINATOR_ENV}={env!r}: expected {' or '.join(COORDINATORS)}")
+    return env or DEFAULT_COORDINATOR
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:

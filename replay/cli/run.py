@@ -25,6 +25,7 @@ from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import (
     CACHES,
     COORDINATORS,
+    DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
     POLICIES,
 )
@@ -56,7 +57,7 @@ CACHE = click.option(
 COORDINATOR = click.option(
     "--coordinator",
     type=click.Choice(list(COORDINATORS)),
-    default="reference",
+    default=DEFAULT_COORDINATOR,
     show_default=True,
     help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
 )

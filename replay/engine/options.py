@@ -10,7 +10,7 @@ from typing import Any
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Progress, Variant
-from replay.rules.coordinator import DEFAULT_POLICY, resolve_cache
+from replay.rules.coordinator import DEFAULT_COORDINATOR, DEFAULT_POLICY, resolve_cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,7 +24,7 @@ class ReplayOptions:
 
     policies: tuple[str, ...] = (DEFAULT_POLICY,)
     caches: tuple[str | None, ...] = (None,)
-    coordinator: str = "reference"
+    coordinator: str = DEFAULT_COORDINATOR
     #: Explicit variants (a cache of None: the trace's); replaces the above.
     variants: tuple[tuple[str, str | None, str], ...] = ()
     #: Also keep, per lookup and group, which hash units the store held.

@@ -24,7 +24,7 @@ from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Progress, Variant
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
-from replay.rules.coordinator import LookupOutcome, resolve_cache
+from replay.rules.coordinator import DEFAULT_COORDINATOR, LookupOutcome, resolve_cache
 from replay.rules.facts import LookupFacts
 from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
 
@@ -87,7 +87,7 @@ def explain_lookups(
     path: TraceSource,
     select: Callable[[LookupEvent[bytes]], bool],
     policy: str,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     *,
     cache: str | None = None,
     until_seq: int | None = None,

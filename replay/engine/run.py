@@ -17,6 +17,7 @@ from replay.engine.answers import Answers, ReplayResult
 from replay.engine.options import ReplayOptions
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
+from replay.rules.coordinator import get_coordinator
 
 __all__ = ["ReplayOptions", "replay"]
 
@@ -45,7 +46,10 @@ def replay(trace: TraceSource, options: ReplayOptions | None = None) -> list[Rep
 
 def _on_ray(trace: TraceSource, options: ReplayOptions) -> list[ReplayResult]:
     where = "--ray" if options.ray_address is not None else "--workers"
-    if any(k != "reference" for k in [options.coordinator, *(v[2] for v in options.variants)]):
+    if any(
+        not get_coordinator(k).on_ray
+        for k in [options.coordinator, *(v[2] for v in options.variants)]
+    ):
         raise ReplayError("--coordinator vllm runs in one process: drop --workers/--ray to use it")
     if options.unit_present:
         raise ReplayError("--unit-present runs in one process: drop --workers/--ray")

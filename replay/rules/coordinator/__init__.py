@@ -24,6 +24,12 @@ from replay.rules.coordinator.hybrid import (
     lookup_spec,
     partial_hits,
 )
+from replay.rules.coordinator.kinds import (
+    COORDINATORS,
+    DEFAULT_COORDINATOR,
+    CoordinatorKind,
+    get_coordinator,
+)
 from replay.rules.coordinator.policy import (
     ALIASES,
     DEFAULT_POLICY,
@@ -40,14 +46,12 @@ from replay.rules.coordinator.policy import (
     same_rules,
 )
 
-#: Who answers the lookups: this project's coordinator, or the installed vLLM's.
-COORDINATORS = ("reference", "vllm")
-
 __all__ = [
     "ALIASES",
     "CACHES",
     "COORDINATORS",
     "DEFAULT_CACHE",
+    "DEFAULT_COORDINATOR",
     "DEFAULT_POLICY",
     "EMULATIONS",
     "FINDERS",
@@ -56,6 +60,7 @@ __all__ = [
     "Cache",
     "Chosen",
     "Coordinator",
+    "CoordinatorKind",
     "FinderResult",
     "GroupOutcome",
     "LookupCoordinator",
@@ -70,6 +75,7 @@ __all__ = [
     "eagle_group_ids",
     "engine_derives_partial_hits",
     "get_cache",
+    "get_coordinator",
     "get_policy",
     "hit_alignment",
     "lookup_spec",
