@@ -24,7 +24,7 @@ from typing import Any
 from analysis.flags import flag_results
 from replay.base.errors import ConfigError, ReplayError
 from replay.engine.options import ReplayOptions
-from replay.engine.run import replay
+from replay.engine.run import Variant, replay
 from replay.format.tracedir import open_trace
 from replay.rules.coordinator import RELEASES, Coordinator, Policy
 from replay.rules.coordinator.policy import recorded_release, version_key
@@ -91,7 +91,7 @@ def bisect(
     config = reader.config
     recorded = recorded_release(config.source)
     releases = releases_between(first, last)
-    variants: list[tuple[str, str | None, str]] = []
+    variants: list[Variant] = []
     skipped: dict[str, dict[str, str]] = {c: {} for c in caches}
     for cache in caches:
         for policy in releases:
@@ -100,7 +100,7 @@ def bisect(
             except ConfigError as exc:
                 skipped[cache][policy.name] = str(exc)
                 continue
-            variants.append((policy.name, cache, "reference"))
+            variants.append(Variant(policy=policy.name, cache=cache))
     options = ReplayOptions(variants=tuple(variants))
     results = flag_results(replay(reader, options)) if variants else []
     by_variant: dict[tuple[str, str], list[Answer]] = {}

@@ -45,7 +45,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import readable
 from replay.engine.answers import Progress
-from replay.engine.run import ReplayOptions, replay
+from replay.engine.run import ReplayOptions, Variant, replay
 from replay.format.paths import arrow_file
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
@@ -503,7 +503,10 @@ def diff_policies(
     la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
     # Both sides from one fold of the trace: presence does not depend on the
     # policy, the cache or the coordinator.
-    sides = ((pa_, ka, ca), (pb, kb, cb))
+    sides = (
+        Variant(policy=pa_, cache=ka, coordinator=ca),
+        Variant(policy=pb, cache=kb, coordinator=cb),
+    )
     results = replay(reader, ReplayOptions(variants=sides, progress=progress))
     a, b = (
         Side(

@@ -323,7 +323,12 @@ def check_trace(
     try:
         results = replay(
             reader,
-            ReplayOptions(variants=tuple((v.policy, v.cache, coordinator) for v in variants)),
+            ReplayOptions(
+                variants=tuple(
+                    Variant(policy=v.policy, cache=v.cache, coordinator=coordinator)
+                    for v in variants
+                )
+            ),
         )
     except Exception as exc:
         if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):

@@ -187,7 +187,7 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
     import io
 
     from replay.base.errors import ReplayError
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
 
     missing = tmp_path / "nowhere.parquet"  # never opened: each refusal comes first
     for options, message in [
@@ -196,7 +196,10 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
             "--coordinator vllm runs in one process: drop --workers/--ray to use it",
         ),
         (
-            ReplayOptions(ray_address="auto", variants=(("vllm-0.33", None, "vllm"),)),
+            ReplayOptions(
+                ray_address="auto",
+                variants=(Variant(policy="vllm-0.33", cache="mooncake", coordinator="vllm"),),
+            ),
             "--coordinator vllm runs in one process: drop --workers/--ray to use it",
         ),
         (

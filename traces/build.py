@@ -340,11 +340,11 @@ def replayed_results(
 ) -> dict[tuple[str, str], Any]:
     """Each (policy, cache)'s ``ReplayResult``, every valid cache the policy
     answers in, from one fold of ``trace``."""
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
     from replay.rules.coordinator import POLICIES
 
     variants = tuple(
-        (p, c, "reference")
+        Variant(policy=p, cache=c)
         for p in (policies or POLICIES)
         for c in valid_caches(config)
         if answerable(config, p, c)

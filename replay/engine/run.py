@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 
 from replay.base.errors import ReplayError
-from replay.engine.answers import Answers, ReplayResult
+from replay.engine.answers import Answers, ReplayResult, Variant
 from replay.engine.options import ReplayOptions
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
 from replay.rules.coordinator import get_coordinator
 
-__all__ = ["ReplayOptions", "replay"]
+__all__ = ["ReplayOptions", "Variant", "replay"]
 
 
 def replay(trace: TraceSource, options: ReplayOptions | None = None) -> list[ReplayResult]:
@@ -48,7 +48,7 @@ def _on_ray(trace: TraceSource, options: ReplayOptions) -> list[ReplayResult]:
     where = "--ray" if options.ray_address is not None else "--workers"
     if any(
         not get_coordinator(k).on_ray
-        for k in [options.coordinator, *(v[2] for v in options.variants)]
+        for k in [options.coordinator, *(v.coordinator for v in options.variants)]
     ):
         raise ReplayError("--coordinator vllm runs in one process: drop --workers/--ray to use it")
     if options.unit_present:
