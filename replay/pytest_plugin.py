@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from analysis.expectations import entry_label, read_expectations
+from replay.base.errors import ReplayError, worded
 from replay.rules.coordinator.kinds import COORDINATORS, DEFAULT_COORDINATOR
 
 __all__ = ["read_expectations"]
@@ -37,6 +38,15 @@ __all__ = ["read_expectations"]
 #: How many of the lookups that differ a failure explains.
 EXPLAINED = 3
 COORDINATOR_ENV = "REPLAY_COORDINATOR"
+#: The library's parameters, as this plugin names them
+#: (``replay.base.errors.worded``); a limit keeps its environment variable.
+OPTIONS = {
+    "coordinator": "--replay-coordinator",
+    "fail_on": "--replay-fail-on",
+    "ignore": "--replay-ignore",
+    "policy": "the entry's policy",
+    "cache": "the entry's cache",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -145,6 +155,9 @@ class TraceItem(pytest.Item):
         if isinstance(excinfo.value, ExpectationMismatch):
             where = f" in the {self.cache} cache" if self.cache else ""
             return f"{self.path.name} under policy {self.policy}{where}:\n{excinfo.value}"
+        if isinstance(excinfo.value, ReplayError):
+            # A library error, in this plugin's words (its options).
+            return f"{self.path.name}: {worded(str(excinfo.value), OPTIONS)}"
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:

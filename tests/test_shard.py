@@ -193,18 +193,18 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
     for options, message in [
         (
             ReplayOptions(workers=2, coordinator="vllm"),
-            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it",
         ),
         (
             ReplayOptions(
                 ray_address="auto",
                 variants=(Variant(policy="vllm-0.33", cache="mooncake", coordinator="vllm"),),
             ),
-            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it",
         ),
         (
             ReplayOptions(workers=2, unit_present=True),
-            "--unit-present runs in one process: drop --workers/--ray",
+            "`unit_present` runs in one process: drop `workers`/`ray_address`",
         ),
     ]:
         with pytest.raises(ReplayError) as err:
@@ -212,7 +212,7 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
         assert str(err.value) == message
     with pytest.raises(ReplayError) as err:
         replay(io.BytesIO(b""), ReplayOptions(workers=2))
-    assert str(err.value) == "--workers: Ray replays a trace file or directory by its path"
+    assert str(err.value) == "`workers`: Ray replays a trace file or directory by its path"
     rng = random.Random(3)
     config = random_config(rng)
     path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 5))

@@ -19,7 +19,7 @@ from replay.base.units import (
     parse_seed,
     shown,
 )
-from replay.cli.common import fail, note_at_end
+from replay.cli.common import fail, note_at_end, reworded
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES, choose_policies
 from replay.sources.archetypes import ARCHETYPES
 
@@ -49,7 +49,7 @@ class _Parsed(click.ParamType):  # type: ignore[type-arg]
         try:
             return self._parse(value, option)
         except ReplayError as exc:
-            raise fail(str(exc)) from None
+            raise fail(reworded(exc)) from None
 
 
 def count_type(least: int = 0, most: int = INT64_MAX) -> _Parsed:
@@ -165,7 +165,7 @@ def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, s
             (policy,) if policy else (), vllm=(vllm_version,) if vllm_version else ()
         )
     except ReplayError as exc:
-        raise fail(str(exc)) from None
+        raise fail(reworded(exc)) from None
     return chosen.policies[0], vllm_version
 
 

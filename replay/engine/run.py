@@ -45,14 +45,16 @@ def replay(trace: TraceSource, options: ReplayOptions | None = None) -> list[Rep
 
 
 def _on_ray(trace: TraceSource, options: ReplayOptions) -> list[ReplayResult]:
-    where = "--ray" if options.ray_address is not None else "--workers"
+    where = "`ray_address`" if options.ray_address is not None else "`workers`"
     if any(
         not get_coordinator(k).on_ray
         for k in [options.coordinator, *(v.coordinator for v in options.variants)]
     ):
-        raise ReplayError("--coordinator vllm runs in one process: drop --workers/--ray to use it")
+        raise ReplayError(
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it"
+        )
     if options.unit_present:
-        raise ReplayError("--unit-present runs in one process: drop --workers/--ray")
+        raise ReplayError("`unit_present` runs in one process: drop `workers`/`ray_address`")
     if not isinstance(trace, str | os.PathLike):
         raise ReplayError(f"{where}: Ray replays a trace file or directory by its path")
     from replay.engine.cluster import import_ray, replay_on_ray

@@ -73,8 +73,8 @@ def run_sizes(
     if unit == "bytes" and pages is None:
         raise ReplayError(
             f"capacity {capacities[0].text!r}: bytes need the groups' page sizes, which the "
-            "trace does not record: give --page-bytes (e.g. 2MiB, or one per group: "
-            "2MiB,512KiB) or --model-config config.json"
+            "trace does not record: give `page_bytes` (e.g. 2MiB, or one per group: "
+            "2MiB,512KiB) or `model_config` config.json"
         )
     cost = block_bytes(pages) if pages is not None else None
     sizes: list[tuple[int, int | None]] = []

@@ -55,7 +55,7 @@ class Policy(Entry):
         if self.mooncake is None:
             raise ConfigError(
                 f"policy {self.name} (vLLM {self.releases}) has no Mooncake store "
-                "mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
+                "mirror: it came with #42828 in vLLM 0.22.0; use `cache` gpu"
             )
         return self.mooncake
 
@@ -342,13 +342,13 @@ def choose_policies(
     chosen = tuple(given)
     if vllm:
         if chosen:
-            raise ReplayError("--vllm and --policy both choose the policy: give one")
+            raise ReplayError("`vllm` and `policy` both choose the policy: give one")
         releases = []
         for version in vllm:
             try:
                 release = policy_for_version(version)
             except ReplayError as exc:
-                raise ReplayError(f"--vllm: {exc}") from None
+                raise ReplayError(f"`vllm`: {exc}") from None
             releases.append(release.name)
             notes.append(f"policy {release.name}: vLLM {version} (vLLM {release.releases})")
         chosen = tuple(releases)
@@ -385,7 +385,7 @@ def recorded_release(source: Mapping[str, Any] | None) -> tuple[Policy, str] | N
         release = policy_for_version(recorded)
     except ReplayError as exc:
         raise ReplayError(
-            f"the trace's source.vllm_version: {exc}; choose one with --policy"
+            f"the trace's source.vllm_version: {exc}; choose one with `policy`"
         ) from None
     return release, (
         f"policy {release.name}: the trace's vLLM {recorded} (source.vllm_version, "
