@@ -61,3 +61,25 @@ def test_the_cli_says_its_flags(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert result.output == "error: give at most one of --page-bytes and --model-config\n"
+
+
+@pytest.mark.parametrize("command", ["run", "explain", "check", "minimize", "diff", "whatif"])
+def test_every_command_that_reads_a_trace_says_it_follows_the_recorded_release(
+    command: str,
+) -> None:
+    """``--policy`` is declared once (``policy_options``): its help says
+    the one rule, never a bare default."""
+    import click
+
+    from replay.cli import cli
+    from replay.cli.options import policy_default
+
+    group = cli
+    assert isinstance(group, click.Group)
+    cmd = group.commands[command]
+    (policy,) = [p for p in cmd.params if p.name in ("policy", "policies")]
+    (vllm,) = [p for p in cmd.params if p.name == "vllm_versions"]
+    results = command in ("explain", "check", "minimize", "diff")
+    assert isinstance(policy, click.Option) and isinstance(vllm, click.Option)
+    assert policy_default(results=results) in str(policy.help)
+    assert str(vllm.help).startswith("As --policy, by a vLLM release")

@@ -9,39 +9,37 @@ import click
 
 from replay.cli.common import command, fail, note_at_end
 from replay.cli.options import (
+    cache_option,
     chosen_policies,
     count_option,
     output_option,
+    policy_options,
     repeated_choice,
-    vllm_option,
 )
 from replay.cli.progress import progress_bar
-from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
+from replay.rules.coordinator import COORDINATORS
 from replay.rules.coordinator.policy import recorded_release
 
 
 @command("diff")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@repeated_choice(
-    "--policy",
-    "policies",
-    POLICIES,
-    "With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 --policy pre-49502). "
-    "Default: a results file's own, else the trace's source.vllm_version, else vllm-0.33.",
+@policy_options(
+    "of each side: with a trace, give it twice, side A then side B "
+    "(e.g. --policy vllm-0.33 --policy pre-49502)",
+    multiple=True,
+    results=True,
+    described=False,
 )
-@vllm_option(multiple=True)
 @repeated_choice(
     "--coordinator",
     "coordinators",
     COORDINATORS,
     "With a trace: once for both sides, or twice (A, B). Default: reference.",
 )
-@repeated_choice(
-    "--cache",
-    "caches",
-    CACHES,
+@cache_option(
     "With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
-    "where the Mooncake mirror drifts from the engine). Default: the trace's source.cache.",
+    "where the Mooncake mirror drifts from the engine)",
+    multiple=True,
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
 @output_option(
@@ -136,9 +134,7 @@ def diff(
 @click.option("--request", "request_id", default=None, help="Only this request's lookups.")
 @click.option("--from", "first", metavar="VERSION", default=None, help="Oldest vLLM release.")
 @click.option("--to", "last", metavar="VERSION", default=None, help="Newest vLLM release.")
-@repeated_choice(
-    "--cache", "caches", CACHES, "A cache to bisect (repeatable). Default: gpu and mooncake."
-)
+@cache_option("A cache to bisect (repeatable)", multiple=True, default="Default: gpu and mooncake.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
 @count_option("--limit", default=20, help="Changing lookups to print per cache.")
 def bisect(

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail
-from replay.cli.run import FAIL_ON, IGNORE
+from replay.cli.options import FAIL_ON, IGNORE
 from replay.rules.coordinator import CACHES, COORDINATORS
 
 

@@ -13,21 +13,20 @@ import click
 from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
+    cache_option,
     chosen_policies,
     count_option,
     integer_type,
     output_option,
-    repeated_choice,
-    vllm_option,
+    policy_options,
+    selection_options,
 )
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import (
-    CACHES,
     COORDINATORS,
     DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
-    POLICIES,
 )
 from replay.tools.render import (
     check_lines,
@@ -38,22 +37,6 @@ from replay.tools.render import (
     run_summary_lines,
 )
 
-POLICY = click.option(
-    "--policy",
-    type=click.Choice(list(POLICIES)),
-    default=None,
-    help="Coordinator semantics (default: a results file's own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}): "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
-)
-CACHE = click.option(
-    "--cache",
-    type=click.Choice(list(CACHES)),
-    default=None,
-    help="Which vLLM cache answers: "
-    + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
-    + ". Default: the trace's source.cache (recorded KV events: gpu), else mooncake.",
-)
 COORDINATOR = click.option(
     "--coordinator",
     type=click.Choice(list(COORDINATORS)),
@@ -75,22 +58,11 @@ SEQ = click.option(
     "Results file (default: NAME.results.parquet beside the trace). With several "
     "--policy, each policy's name goes before the suffix."
 )
-@repeated_choice(
-    "--policy",
-    "policies",
-    POLICIES,
-    f"Coordinator semantics (default {DEFAULT_POLICY}); repeat it for one results file "
-    "per policy from one fold: "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+@policy_options(
+    "whose semantics answer each lookup; repeat it for one results file per policy from one fold",
+    multiple=True,
 )
-@repeated_choice(
-    "--cache",
-    "caches",
-    CACHES,
-    "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
-    "repeat it for one results file per cache from the same fold.",
-)
-@vllm_option(multiple=True)
+@cache_option("Repeat it for one results file per cache from the same fold", multiple=True)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -234,16 +206,8 @@ def _followed(
 @TRACE_OR_RESULTS
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
 @SEQ
-@click.option(
-    "--policy",
-    type=click.Choice(list(POLICIES)),
-    default=None,
-    help="Coordinator semantics (default: the results' own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}): "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
-)
-@vllm_option()
-@CACHE
+@policy_options("whose semantics explain the lookup", results=True)
+@cache_option()
 @COORDINATOR
 def explain(
     trace: Path,
@@ -286,30 +250,12 @@ def explain(
         click.echo("")
 
 
-FAIL_ON = click.option(
-    "--fail-on",
-    "fail_on",
-    multiple=True,
-    metavar="SEVERITY|FLAG,...",
-    help="Which flags fail: severities (corruption, inconsistent, performance, observed), "
-    "flag names or all, comma-separated  [default: corruption]",
-)
-IGNORE = click.option(
-    "--ignore",
-    multiple=True,
-    metavar="FLAG|SEVERITY,...",
-    help="Flags (or severities) that never fail, taken from what --fail-on selects.",
-)
-
-
 @command()
 @click.argument("path", type=click.Path(path_type=Path))
-@POLICY
-@vllm_option()
-@CACHE
+@policy_options("whose semantics the flags are checked under (a trace is replayed)", results=True)
+@cache_option()
 @COORDINATOR
-@FAIL_ON
-@IGNORE
+@selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @count_option("--examples", default=10, help="Flagged lookups to list.")
 def check(
@@ -434,15 +380,8 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
     help="Keep this flag, e.g. mamba_overrun (`replay check --help` names them all; default: "
     "any flag).",
 )
-@click.option(
-    "--policy",
-    type=click.Choice(list(POLICIES)),
-    default=None,
-    help="Policy under which the flag fires (default: the results' own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}).",
-)
-@vllm_option()
-@CACHE
+@policy_options("under which the flag fires", results=True, described=False)
+@cache_option()
 @output_option("The small trace to write.", required=True)
 def minimize(
     trace: Path,

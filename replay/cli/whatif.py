@@ -13,15 +13,16 @@ from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
+    cache_option,
     chosen_policies,
     count_option,
     fraction_type,
     optional_retention,
     output_option,
+    policy_options,
     release_retention,
 )
 from replay.cli.progress import Bar, progress_bar
-from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
 
 
@@ -151,27 +152,13 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     "order), fifo, lfu, belady (offline: evicts the key whose next use is furthest ahead; "
     "the optimum for independent keys, a near-upper bound for prefix chains).",
 )
-@click.option(
-    "--cache",
-    type=click.Choice(list(CACHES)),
-    default=None,
-    help="gpu: vLLM's engine block pool; mooncake: a capacity-bounded external store. "
-    "Default: the trace's source.cache, else mooncake.",
+@cache_option(
+    "Simulated at each capacity: gpu as vLLM's engine block pool, mooncake as a "
+    "capacity-bounded external store"
 )
-@click.option(
-    "--policy",
-    type=click.Choice(list(POLICIES)),
-    default=None,
-    help=f"The vLLM release policy: the semantics that compute each hit, and the "
-    f"stores each request leaves behind [default: the trace's recorded release, "
-    f"else {DEFAULT_POLICY}].",
-)
-@click.option(
-    "--vllm",
-    "vllm_version",
-    metavar="VERSION",
-    default=None,
-    help="Simulate this vLLM release (e.g. 0.26.0): its policy's hits and stores.",
+@policy_options(
+    "whose semantics compute each hit and the stores each request leaves behind",
+    described=False,
 )
 @click.option(
     "--retention-interval",
@@ -218,7 +205,7 @@ def whatif(
     evictions: tuple[str, ...],
     cache: str | None,
     policy: str | None,
-    vllm_version: str | None,
+    vllm_versions: tuple[str, ...],
     retention_interval: int | str | None,
     max_num_batched_tokens: int,
     output: Path,
@@ -255,9 +242,7 @@ def whatif(
     names = _names(evictions)
     # The one policy rule of every command that reads a trace: --policy, else
     # --vllm, else the release that recorded the trace, else the default.
-    (policy,) = chosen_policies(
-        trace, (policy,) if policy else (), (vllm_version,) if vllm_version else ()
-    )
+    (policy,) = chosen_policies(trace, (policy,) if policy else (), vllm_versions)
     partial: list[Sweep] = []
     try:
         with progress_bar(quiet) as bar:
@@ -268,7 +253,7 @@ def whatif(
                     evictions=tuple(names),
                     cache=cache,
                     policy=policy,
-                    vllm_version=vllm_version,
+                    vllm_version=next(iter(vllm_versions), None),
                     retention_interval=release_retention(retention_interval, policy),
                     max_num_batched_tokens=max_num_batched_tokens,
                     page_bytes=page_bytes,
