@@ -1,5 +1,5 @@
 """The compiled gpu what-if (``replay.whatif.kernel``) against the Python
-block-pool model it ports (``replay.blockpool.GpuCache``, itself checked
+block-pool model it ports (``replay.rules.blockpool.GpuCache``, itself checked
 against vLLM's ``KVCacheManager`` in ``test_whatif_vllm.py``): random
 configurations, prompts, budgets, retention settings, policies, capacities
 and evictions; every request's hit, every lookup's facts and the evicted blocks

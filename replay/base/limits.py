@@ -57,7 +57,7 @@ GROUP_HASHES = Limit(
 #: of the store's slots (replay.engine.kernels), so one long hash among short
 #: ones costs its own bytes only, but a trace of them is likely a mistake.
 HASH_BYTES = Limit("max_hash_bytes", "REPLAY_MAX_HASH_BYTES", 128, "bytes in one hash")
-#: What the store's keys can hold at all (replay.kernels).
+#: What the store's keys can hold at all (replay.engine.kernels).
 MAX_HASH_BYTES = 65534
 #: Bytes of one line of a JSONL input.
 LINE_BYTES = Limit("max_line_bytes", "REPLAY_MAX_LINE_BYTES", 64 << 20, "bytes in one line")

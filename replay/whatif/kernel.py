@@ -1,15 +1,15 @@
 """The what-if's GPU block pool, compiled: one numba call per run.
 
-A port of ``replay.blockpool.GpuCache`` (the pool, its free queue and
+A port of ``replay.rules.blockpool.GpuCache`` (the pool, its free queue and
 eviction orders), of the reference coordinator's fixed point
-(``replay.coordinator.hybrid.Coordinator.lookup_present`` with the finders
-of ``replay.coordinator.finders``), of the store rules
+(``replay.rules.coordinator.hybrid.Coordinator.lookup_present`` with the finders
+of ``replay.rules.coordinator.finders``), of the store rules
 (``replay.rules.store_rules.StoreRules``, ``gpu`` cache) and of the lookup
 facts (``replay.rules.facts.FactRules``), for the configurations the block
 pool covers: every group's block one hash unit, full attention, sliding
 window and Mamba (align) groups, with or without EAGLE, under every policy.
 The requests come as dense integer ids of their hashes
-(``replay.whatif.Requests``), so a key is ``(group, id)`` and the tables
+(``replay.whatif.requests.Requests``), so a key is ``(group, id)`` and the tables
 are flat arrays indexed by it.
 
 The Python model stays the specification: ``tests/test_whatif_kernel.py``

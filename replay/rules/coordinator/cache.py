@@ -12,7 +12,7 @@ per-kind finders:
 
 A ``Cache`` is one path's rules in one release range, kept as fields so the
 fixed point exists once; ``ENGINE`` and ``MIRROR`` are vLLM 0.33.0's. A
-release policy (``replay.coordinator.policy``) holds one ``Cache`` per path
+release policy (``replay.rules.coordinator.policy``) holds one ``Cache`` per path
 that existed in it.
 """
 

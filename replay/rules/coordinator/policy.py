@@ -1,6 +1,6 @@
 """Policies: one per range of vLLM releases whose lookup behaves the same.
 
-A policy holds, for each of vLLM's two lookup paths (``replay.coordinator.
+A policy holds, for each of vLLM's two lookup paths (``replay.rules.coordinator.
 cache``), the rules that path followed in those releases, or ``None`` when
 the path did not exist (the Mooncake store mirror arrived in 0.22.0). A
 behaviour change in vLLM becomes a new policy here (new field values, and a
