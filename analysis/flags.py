@@ -44,9 +44,6 @@ import polars as pl
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import printable
-
-# Its callers move to replay.format.link in the mechanical commit that follows.
-from replay.format.link import save_results as save_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
 from replay.rules.facts import FactRules, LookupFacts

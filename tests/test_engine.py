@@ -10,8 +10,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import save_results
 from replay.base.spec import TraceConfig
+from replay.format.link import save_results
 from replay.format.results import read_results
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator

@@ -449,7 +449,7 @@ def test_results_files_with_and_without_facts(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     from analysis.check import check_path
-    from analysis.flags import save_results
+    from replay.format.link import save_results
 
     path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
     out = save_results(replay_trace(path, policy="pre-49502"), tmp_path / "t.results.parquet")

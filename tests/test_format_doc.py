@@ -109,7 +109,7 @@ def test_results_metadata_fields_are_the_written_ones(tmp_path: Path) -> None:
 
     import pyarrow.parquet as pq
 
-    from analysis.flags import save_results
+    from replay.format.link import save_results
 
     trace = Path(__file__).resolve().parents[1] / "traces" / "demo-full-mamba-eagle.parquet"
     out = save_results(replay_trace(trace), tmp_path / "r.results.parquet")
