@@ -66,7 +66,7 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             )
             try:
                 # A retention the policy's release could not be given is skipped.
-                StoreRules(config, spec.store_policy())
+                StoreRules(config, spec.store_settings())
             except ReplayError:
                 continue
             mine = simulate(requests, spec)

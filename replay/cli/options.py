@@ -234,7 +234,7 @@ def release_options(fn: F) -> F:
 
 
 def store_options(fn: F) -> F:
-    """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
+    """The store rules' options of a trace source (``replay.rules.store_rules.StoreSettings``)."""
     for decorator in reversed(
         [
             click.option(

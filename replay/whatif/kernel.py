@@ -46,7 +46,7 @@ from replay.rules.coordinator import Coordinator, get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import build_spec_groups, hit_alignment, partial_hits
 from replay.rules.coordinator.stores import STORES_033, policy_stores
-from replay.rules.store_rules import StorePolicy, StoreRules
+from replay.rules.store_rules import StoreRules, StoreSettings
 
 FA, SWA, MAMBA = 0, 1, 2
 LRU, FIFO, LFU, BELADY = 0, 1, 2, 3
@@ -139,14 +139,14 @@ def shape_supported(config: TraceConfig, cache: str, kinds: Mapping[GroupKind, i
 def compile_config(
     config: TraceConfig,
     policy: str,
-    store_policy: StorePolicy,
+    store_settings: StoreSettings,
     eviction: str,
     capacity: int,
     num_keys: int,
     max_model_len: int = 1 << 20,
 ) -> KernelConfig:
     coordinator = Coordinator(config, policy, "gpu")
-    rules = StoreRules(config, store_policy)
+    rules = StoreRules(config, store_settings)
     specs = build_spec_groups(config, "gpu")
     spec_of = {gid: sg.index for sg in specs for gid in sg.group_ids}
     eagle_attention = {
@@ -164,8 +164,8 @@ def compile_config(
     params[P_VERIFY_ONCE] = coordinator.cache.verify_eagle_once
     params[P_MAMBA_PEEK] = coordinator.cache.mamba_peek_margin
     params[P_A] = rules.alignment
-    params[P_BUDGET] = store_policy.max_num_batched_tokens
-    r = store_policy.retention_interval
+    params[P_BUDGET] = store_settings.max_num_batched_tokens
+    r = store_settings.retention_interval
     params[P_RETENTION] = -1 if r is None else r
     params[P_HAS_MAMBA] = rules.has_mamba
     params[P_UNITARY] = rules.unitary

@@ -65,8 +65,8 @@ from replay.rules.coordinator import (
 )
 from replay.rules.coordinator.finders import block_view
 from replay.rules.facts import FactRules, LookupFacts
-from replay.rules.mooncake_store import MooncakeStore
-from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.rules.mooncake_store import MooncakeCache
+from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
@@ -99,8 +99,8 @@ class RunSpec:
     page_bytes: tuple[int, ...] | None = None
     emit: str | None = None
 
-    def store_policy(self) -> StorePolicy:
-        return StorePolicy(
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(
             retention_interval=self.retention_interval,
             max_num_batched_tokens=self.max_num_batched_tokens,
             cache=self.cache,
@@ -196,14 +196,14 @@ def simulate(
         return requests.next_use(key, now)
 
     gpu: GpuCache | None = None
-    store: MooncakeStore | None = None
+    store: MooncakeCache | None = None
     if spec.cache == "gpu":
         gpu = GpuCache(
             config,
             min(spec.capacity_blocks, requests.useful_blocks()),
             policy=spec.policy,
             eviction=spec.eviction,
-            store_policy=spec.store_policy(),
+            store_settings=spec.store_settings(),
             next_use=next_use if spec.eviction == "belady" else None,
             on_key=on_key,
         )
@@ -223,8 +223,8 @@ def simulate(
             capacity, costs = spec.capacity_bytes, spec.page_bytes
         else:
             capacity, costs = spec.capacity_blocks, (1,) * groups
-        store = MooncakeStore(groups, order, capacity, costs, on_key)
-        rules = StoreRules(config, spec.store_policy())
+        store = MooncakeCache(groups, order, capacity, costs, on_key)
+        rules = StoreRules(config, spec.store_settings())
         coordinator = Coordinator(config, spec.policy, "mooncake")
     else:
         raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
@@ -418,7 +418,7 @@ def run_hits(
     k = whatif_kernel.compile_config(
         config,
         spec.policy,
-        spec.store_policy(),
+        spec.store_settings(),
         spec.eviction,
         # A pool its requests cannot fill never evicts: simulated at what they fill.
         min(spec.capacity_blocks, requests.useful_blocks()),
@@ -492,7 +492,7 @@ def _simulate_compiled(
         else:
             capacity, costs = spec.capacity_blocks, (1,) * requests.config.num_groups
         run = mooncake_kernel.run_store(
-            requests, spec.policy, spec.store_policy(), spec.eviction, capacity, costs, control
+            requests, spec.policy, spec.store_settings(), spec.eviction, capacity, costs, control
         )
         if run is None:
             raise Stopped
@@ -550,9 +550,9 @@ def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
         if spec.capacity_blocks < 1:
             raise ReplayError(f"capacity must be at least one block, got {spec.capacity_blocks}")
         try:
-            StoreRules(config, spec.store_policy())
+            StoreRules(config, spec.store_settings())
             if spec.cache == "gpu":
-                GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
+                GpuCache(config, 1, policy=spec.policy, store_settings=spec.store_settings())
             else:
                 Coordinator(config, spec.policy, "mooncake")
         except ReplayError as exc:
