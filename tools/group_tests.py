@@ -155,11 +155,19 @@ def apply(planned: dict[str, str]) -> None:
             text,
         )
         text = re.sub(r"Path\(__file__\)\.parent\b", "Path(__file__).parent.parent", text)
+        text = re.sub(
+            r"(Path\(__file__\)(?:\.resolve\(\))?\.parents\[)(\d+)\]",
+            lambda m: f"{m[1]}{int(m[2]) + 1}]",
+            text,
+        )
         path.write_text(text)
     listed = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     )
     cited = re.compile(r"tests/test_\w+\.py")
+    # The tests import each other as modules too (tests.test_diff).
+    modules = {o[:-3].replace("/", "."): n[:-3].replace("/", ".") for o, n in planned.items()}
+    imported = re.compile(r"\btests\.test_\w+")
     for f in listed.stdout.split():
         p = ROOT / f
         if not p.is_file() or p.suffix in (".parquet", ".png"):
@@ -169,6 +177,7 @@ def apply(planned: dict[str, str]) -> None:
         except UnicodeDecodeError:
             continue
         new_text = cited.sub(lambda m: planned.get(m[0], m[0]), text)
+        new_text = imported.sub(lambda m: modules.get(m[0], m[0]), new_text)
         if new_text != text:
             p.write_text(new_text)
 
