@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (".py", ".md", ".toml", ".j2", ".sh", ".cfg", ".yml", ".yaml", ".txt")
 DOTTED = re.compile(r"(?<![\w./-])((?:replay|analysis)(?:\.[A-Za-z_]\w*)+)")
-#: A cited document: a hyphenated name (``coordinator-semantics.md``) or one
-#: under docs/ (short names such as ``d.md`` are example outputs).
+#: A cited document: a hyphenated name (a design note's) or one under docs/
+#: (short names such as ``d.md`` are example outputs).
 CITED_MD = re.compile(r"(?<![\w/.-])((?:docs/)?(?:[a-z]+(?:-[a-z]+)+|(?<=docs/)\w+)\.md)\b")
 #: Dotted names that are not modules: keys and topics the files and the
 #: wire carry, and a local variable named ``replay``.
