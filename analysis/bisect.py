@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.flags import flag_results
+from replay.analysis.flags import flag_results
 from replay.base.errors import ConfigError, ReplayError
 from replay.engine.options import ReplayOptions
 from replay.engine.run import Variant, replay

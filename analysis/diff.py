@@ -6,7 +6,7 @@ trace. A lookup is *changed* when its hit differs; every changed lookup gets
 one explanation:
 
 1. a flag present on one side and not the other (the first in
-   ``analysis.flags.FLAG_KINDS`` order: ``mamba_overrun`` before
+   ``replay.analysis.flags.FLAG_KINDS`` order: ``mamba_overrun`` before
    ``eagle_not_dropped`` before ``observed_mismatch``). A flag is a finding
    about the hit, so it is the better story: on the #43559 trace the
    ``pre-49502`` side gains 16 tokens exactly where it gains ``mamba_overrun``;
@@ -40,7 +40,13 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
-from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, with_flag_column
+from replay.analysis.flags import (
+    FLAG_KINDS,
+    add_flags,
+    has_facts,
+    recompute_flags,
+    with_flag_column,
+)
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import readable

@@ -149,8 +149,8 @@ def compare(
     flags out of the comparison on both sides; an entry without ``flags``
     fails when a flag ``fail_on`` selects fires (``replay check``'s choices,
     default: corruption)."""
-    from analysis.flags import flag_counts, result_flags, worst_first
-    from analysis.selection import failing, select_flags, selection_text
+    from replay.analysis.flags import flag_counts, result_flags, worst_first
+    from replay.analysis.selection import failing, select_flags, selection_text
     from replay.tools.render import counts_text
 
     flags = result_flags(result)

@@ -82,7 +82,7 @@ done(secs, pl.read_parquet({out!r}, columns=["hit_tokens"])["hit_tokens"].to_lis
 """
 
 ENGINE = """
-from analysis.flags import flag_results
+from replay.analysis.flags import flag_results
 from replay.engine.run import replay
 t = time.perf_counter()
 (r,) = flag_results(replay({path!r}))
@@ -322,7 +322,7 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
 atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
-from analysis.flags import flag_results
+from replay.analysis.flags import flag_results
 from replay.engine.run import ReplayOptions, replay
 from replay.format.link import save_results
 stats = {{}}

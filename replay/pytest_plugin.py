@@ -1,6 +1,6 @@
 """pytest plugin: every trace with an expectation becomes a test, per
 expectation (a policy and a cache). The schema and the checking live in
-``analysis.expectations`` (``replay test`` runs the same checks).
+``replay.analysis.expectations`` (``replay test`` runs the same checks).
 
 ``pytest traces/`` checks the expectations against this project's
 coordinator; ``pytest --replay-coordinator vllm traces/`` (or
@@ -13,7 +13,7 @@ Registered through
 the ``pytest11`` entry point, so ``pip install cache-trace-replay`` then
 ``pytest traces/`` runs a corpus.
 
-The flags take the choices of ``replay check`` (``analysis.selection``):
+The flags take the choices of ``replay check`` (``replay.analysis.selection``):
 ``--replay-ignore FLAG|SEVERITY,...`` leaves those flags out of the
 comparison on both sides; an entry without ``flags`` fails when a flag that
 ``--replay-fail-on SEVERITY|FLAG,...`` selects fires (default: corruption).
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from analysis.expectations import entry_label, read_expectations
+from replay.analysis.expectations import entry_label, read_expectations
 from replay.base.errors import ReplayError, worded
 from replay.rules.coordinator.kinds import COORDINATORS, DEFAULT_COORDINATOR
 
@@ -102,7 +102,7 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
 
 class TraceFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        from analysis.expectations import planned_verdicts
+        from replay.analysis.expectations import planned_verdicts
         from replay.format.tracedir import open_trace
 
         coordinator = _coordinator(self.config)
@@ -137,7 +137,7 @@ class TraceItem(pytest.Item):
         self.cache = str(entry["cache"]) if entry.get("cache") else None
 
     def runtest(self) -> None:
-        from analysis.expectations import check_trace
+        from replay.analysis.expectations import check_trace
 
         verdicts = check_trace(
             self.path,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from analysis.expectations import corpus_dir, read_expectations
+from replay.analysis.expectations import corpus_dir, read_expectations
 from replay.format.writer import write_trace
 from replay.rules.coordinator import POLICIES
 from tests.builders import chain, full_mamba, issue_43559_rows

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 
-from analysis.diff import DIFF_META_KEY, diff_inputs
+from replay.analysis.diff import DIFF_META_KEY, diff_inputs
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli import cli
 from replay.cli.analysis import diff

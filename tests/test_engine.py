@@ -162,7 +162,7 @@ def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Pa
 
 
 def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) -> None:
-    from analysis.flags import lookup_flags
+    from replay.analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
     from replay.format.tracedir import open_trace
 

@@ -118,7 +118,7 @@ def test_results_metadata_fields_are_the_written_ones(tmp_path: Path) -> None:
 
 
 def test_flag_names_listed_are_the_flags() -> None:
-    from analysis.flags import FLAG_KINDS
+    from replay.analysis.flags import FLAG_KINDS
 
     meaning = doc_table("### Results columns")["flags"][2]
     assert re.findall(r"`([a-z_]+)`", meaning)[: len(FLAG_KINDS)] == list(FLAG_KINDS)

@@ -87,7 +87,7 @@ def test_every_cited_markdown_file_is_in_the_repository() -> None:
     assert missing == {}
 
 
-@pytest.mark.parametrize("name", ["replay.rules.coordinator.policy", "analysis.flags.FLAGS"])
+@pytest.mark.parametrize("name", ["replay.rules.coordinator.policy", "replay.analysis.flags.FLAGS"])
 def test_a_real_name_resolves_and_a_moved_one_does_not(name: str) -> None:
     assert _resolves(name)
     assert not _resolves(name.replace("rules.", "").replace("flags.FLAGS", "flagz"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.flags import FLAG_KINDS, FLAGS, SEVERITIES, by_severity, severity, worst_first
-from analysis.selection import failing, select_flags, selection_text
+from replay.analysis.flags import FLAG_KINDS, FLAGS, SEVERITIES, by_severity, severity, worst_first
+from replay.analysis.selection import failing, select_flags, selection_text
 from replay.base.errors import ReplayError
 from replay.format.writer import write_trace
 from replay.tools.render import counts_text

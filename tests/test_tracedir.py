@@ -14,7 +14,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.flags import result_flags
+from replay.analysis.flags import result_flags
 from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import TraceDir, open_trace
 from replay.format.writer import events_table, write_trace

@@ -11,7 +11,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import FLAG_KINDS
+from replay.analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
 from replay.format.sweepfile import SWEEP_COLUMNS, read_sweep
 from replay.format.tracedir import open_trace

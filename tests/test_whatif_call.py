@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from analysis.flags import FLAG_KINDS, sweep_flag_counts
+from replay.analysis.flags import FLAG_KINDS, sweep_flag_counts
 from replay.base.errors import ReplayError
 from replay.base.units import parse_capacities
 from replay.format.sweepfile import SWEEP_COLUMNS, read_sweep

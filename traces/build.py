@@ -356,7 +356,7 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
     """Pin what the replay gives now, per policy and cache: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
-    from analysis.flags import flag_counts, result_flags
+    from replay.analysis.flags import flag_counts, result_flags
     from replay.rules.coordinator import pinned_policies
 
     # The current release and the aliases (the releases of the bugs the

@@ -1,5 +1,5 @@
 """``replay diff``, ``replay bisect`` and ``replay report``: click only, over
-``analysis.diff``, ``analysis.bisect`` and ``analysis.report``."""
+``replay.analysis.diff``, ``replay.analysis.bisect`` and ``replay.analysis.report``."""
 
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def diff(
     group whose own hit moved; between two caches, also the cache rule behind
     each change. Exit status 0 (a report), 2 on bad input.
     """
-    from analysis.diff import diff_inputs, write_diff
-    from analysis.diff_text import render_text
+    from replay.analysis.diff import diff_inputs, write_diff
+    from replay.analysis.diff_text import render_text
     from replay.format.paths import NAMES, PARQUET, TEXT_REPORT, check_outputs, output_format
 
     check_outputs({"-o": output}, list(inputs), text=fmt in ("md", "html"))
@@ -105,7 +105,7 @@ def diff(
     if output is not None and fmt == "parquet":
         write_diff(result, output)
     elif output is not None:
-        from analysis.diff_text import render_html, render_markdown
+        from replay.analysis.diff_text import render_html, render_markdown
         from replay.format.paths import write_text
 
         render = render_markdown if fmt == "md" else render_html
@@ -160,8 +160,8 @@ def bisect(
     A cache a release did not have is listed with the reason. Exit status 0
     (a report), 2 on bad input.
     """
-    from analysis.bisect import bisect as run_bisect
-    from analysis.bisect import markdown
+    from replay.analysis.bisect import bisect as run_bisect
+    from replay.analysis.bisect import markdown
 
     report = run_bisect(
         trace,
@@ -209,7 +209,7 @@ def report(
     and the configuration. `-o -` prints it on standard output. Of a what-if
     SWEEP file (replay whatif): hit ratio against capacity per eviction
     policy, and the table (-o x.md: Markdown)."""
-    from analysis.report import build_report, default_report_path, write_report
+    from replay.analysis.report import build_report, default_report_path, write_report
     from replay.format.paths import TEXT_REPORT, check_input, check_outputs, output_format
     from replay.format.sweepfile import is_sweep_file
 
@@ -220,7 +220,7 @@ def report(
     fmt = output_format("-o", output, TEXT_REPORT, given=fmt, default=fmt or "html")
     out = output or default_report_path(results, fmt)
     if sweep:
-        from analysis.report import write_sweep_report
+        from replay.analysis.report import write_sweep_report
 
         check_outputs({"-o": out}, [results], text=True)
         target = write_sweep_report(results, out, fmt)

@@ -56,7 +56,7 @@ def test(
     and the explain table of the first lookup that differs. One progress
     line per trace goes to stderr.
     """
-    from analysis.expectations import (
+    from replay.analysis.expectations import (
         Verdict,
         corpus_dir,
         expectation_traces,
@@ -74,7 +74,7 @@ def test(
         done[0] += 1
         click.echo(test_progress_line(done[0], total, path, verdicts, seconds), err=True)
 
-    from analysis.selection import select_flags
+    from replay.analysis.selection import select_flags
 
     select_flags(fail_on, ignore)  # an unknown name: one line before any replay
     run = run_traces(

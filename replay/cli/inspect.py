@@ -16,7 +16,7 @@ from replay.tools.render import group_label, info_lines, validate_line
 @TRACE
 def validate(trace: Path) -> None:
     """Check TRACE against format v1; print ok and the counts, or the first problem."""
-    from analysis.summary import trace_info
+    from replay.analysis.summary import trace_info
 
     click.echo(validate_line(trace, trace_info(trace)))
 
@@ -26,7 +26,7 @@ def validate(trace: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(trace: Path, as_json: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
-    from analysis.summary import trace_info
+    from replay.analysis.summary import trace_info
     from replay.rules.coordinator import resolve_cache
 
     data = trace_info(trace)

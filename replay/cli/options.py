@@ -338,7 +338,7 @@ def cache_option(
     return click.option("--cache", type=click.Choice(list(CACHES)), default=None, help=help)
 
 
-#: ``--fail-on`` and ``--ignore``: which flags fail (``analysis.selection``).
+#: ``--fail-on`` and ``--ignore``: which flags fail (``replay.analysis.selection``).
 FAIL_ON = click.option(
     "--fail-on",
     "fail_on",

@@ -94,7 +94,7 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import (
+    from replay.analysis.flags import (
         flag_counts,
         flag_examples,
         flag_results,
@@ -102,7 +102,7 @@ def run(
         severity,
         worst_first,
     )
-    from analysis.summary import run_summary
+    from replay.analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
     from replay.format.link import save_results
     from replay.format.paths import PARQUET, check_outputs, output_format, staged_outputs
@@ -221,7 +221,7 @@ def explain(
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags. Given a RESULTS file, explains in its trace (which
     the results lead to) under its policy and cache."""
-    from analysis.flags import lookup_flags
+    from replay.analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
     from replay.rules.coordinator import resolve_cache
     from replay.tools.lookup_choice import choose_lookup
@@ -277,9 +277,9 @@ def check(
     `replay run` (checked as it is, against its trace). Every flag is
     listed with its severity, worst first.
     """
-    from analysis.check import check_path
-    from analysis.flags import flag_counts, flag_examples, worst_first
-    from analysis.selection import failing, select_flags, selection_text
+    from replay.analysis.check import check_path
+    from replay.analysis.flags import flag_counts, flag_examples, worst_first
+    from replay.analysis.selection import failing, select_flags, selection_text
     from replay.format.results import is_results_file, results_info
     from replay.tools.render import counts_text
 
@@ -396,7 +396,7 @@ def minimize(
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/.
     Given a RESULTS file, shrinks its trace under its policy and cache."""
-    from analysis.flags import FLAG_KINDS, add_flags
+    from replay.analysis.flags import FLAG_KINDS, add_flags
     from replay.format.paths import PARQUET, check_outputs
     from replay.tools.minimize import minimize as run_minimize
 

@@ -227,7 +227,7 @@ def whatif(
     per-capacity) and simulator (compiled, or the Python model where the
     kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT or SIGTERM
     writes the runs that finished (marked partial)."""
-    from analysis.flags import sweep_flag_counts
+    from replay.analysis.flags import sweep_flag_counts
     from replay.format.paths import PARQUET, check_outputs
     from replay.whatif.run import Sweep, WhatifOptions, whatif
 

@@ -390,7 +390,7 @@ def results_frame(
     alignment: int,
 ) -> pl.DataFrame:
     """A variant's answers and facts, one row per lookup: the results but
-    their flags (``ANSWER_SCHEMA``; ``analysis.flags`` adds those)."""
+    their flags (``ANSWER_SCHEMA``; ``replay.analysis.flags`` adds those)."""
     schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
     if lookup_rows:
         rows = pl.concat(lookup_rows, rechunk=True).to_arrow()

@@ -6,7 +6,7 @@ Every face calls ``replay``: ``replay run``, ``replay check``, ``replay diff``,
 benchmark. Its options are one frozen dataclass (``ReplayOptions``); a
 refusal is a ``ReplayError`` (a one-line message the CLI prints). The results
 hold each lookup's answer and facts; the flags are the analyses' to add
-(``analysis.flags.flag_results``)."""
+(``replay.analysis.flags.flag_results``)."""
 
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ class Replayed(Protocol):
 
 def save_results(result: Replayed, out: str | os.PathLike[str]) -> Path:
     """Write a replay's results file: its answers, facts and flags (the
-    analyses add them: ``analysis.flags.flag_results``), with the path
+    analyses add them: ``replay.analysis.flags.flag_results``), with the path
     (relative to ``out``) and the fingerprint of the trace they came from."""
     meta = {**result.metadata(), **link(result.trace_path, out)}
     return write_results(out, result.results.to_arrow(), meta)

@@ -23,7 +23,7 @@ SWEEP_META_KEY = b"replay.sweep"
 PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
 #: The sweep file's columns and their types, in order: one row per run. One
 #: count per flag kind follows them (the analyses' judgement of the run's
-#: facts, ``analysis.flags.sweep_flag_counts``), each an Int64.
+#: facts, ``replay.analysis.flags.sweep_flag_counts``), each an Int64.
 SWEEP_SCHEMA: dict[str, Any] = {
     "capacity_blocks": pl.Int64,
     "capacity_bytes": pl.Int64,

@@ -32,7 +32,7 @@ from replay.rules.coordinator import pinned_policies, resolve_cache
 Row = dict[str, Any]
 
 #: Adds ``flags`` to a results frame of a trace of that configuration
-#: (``analysis.flags.add_flags``).
+#: (``replay.analysis.flags.add_flags``).
 Judge = Callable[[pl.DataFrame, TraceConfig], pl.DataFrame]
 
 

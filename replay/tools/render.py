@@ -1,7 +1,7 @@
 """Plain text of the project's objects, shared by the CLI and the reports
 (no I/O here): tables, group labels, the explain table, and every summary a
 command prints (of a trace, a replay, a check, a sweep, a written or recorded trace).
-The figures come from ``analysis.summary``; this module only words them."""
+The figures come from ``replay.analysis.summary``; this module only words them."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def validate_line(path: Path, info: Mapping[str, Any]) -> str:
 
 
 def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: str) -> list[str]:
-    """``replay info``: ``analysis.summary.trace_info`` of a trace whose
+    """``replay info``: ``replay.analysis.summary.trace_info`` of a trace whose
     replays ``cache`` answers."""
     first, last = info["seq_range"]
     span = info["time_span"]
@@ -223,7 +223,7 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
 
 
 def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
-    """``replay run``: ``analysis.summary.run_summary`` with the flagged
+    """``replay run``: ``replay.analysis.summary.run_summary`` with the flagged
     ``examples`` and the ``results`` path; ``flags_text`` words its flag
     counts (``counts_text``)."""
     lines = [
@@ -430,7 +430,7 @@ def record_summary_text(s: RecordSummary) -> str:
 
 
 def flag_lines(flags: Sequence[Any]) -> str:
-    """A lookup's flags (``analysis.flags.lookup_flags``: worst first, each
+    """A lookup's flags (``replay.analysis.flags.lookup_flags``: worst first, each
     with its ``flag``, ``severity`` and ``detail``) as ``replay explain``
     prints them under its table."""
     if not flags:
@@ -439,6 +439,6 @@ def flag_lines(flags: Sequence[Any]) -> str:
 
 
 def counts_text(counts: Sequence[tuple[str, int, str]]) -> str:
-    """Lookups per flag (``analysis.flags.worst_first``), each with its
+    """Lookups per flag (``replay.analysis.flags.worst_first``), each with its
     severity: ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
     return ", ".join(f"{f} {n} ({s})" for f, n, s in counts)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 #: ``progress(requests_done, requests_total, runs_done, runs_total)``
 SweepProgress = Callable[[int, int, int, int], None]
 #: The analyses' judgement of a run: its rows with, in place of their
-#: ``facts``, one count per flag kind (``analysis.flags.sweep_flag_counts``).
+#: ``facts``, one count per flag kind (``replay.analysis.flags.sweep_flag_counts``).
 CountFlags = Callable[[Sequence[dict[str, Any]], TraceConfig], list[dict[str, Any]]]
 
 
