@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import command, fail, note_at_end
+from replay.base.errors import worded
+from replay.cli.common import FLAGS, command, fail, note_at_end
 from replay.cli.options import (
     cache_option,
     chosen_policies,
@@ -170,6 +171,8 @@ def bisect(
         last=last,
         request_id=request_id,
     )
+    for part in report["caches"]:  # the library's reasons, in this command's words
+        part["not_modelled"] = {p: worded(t, FLAGS) for p, t in part["not_modelled"].items()}
     recorded = recorded_release({"vllm_version": report["trace_vllm_version"]})
     if recorded is not None:
         note_at_end(f"{recorded[1]}; its column is marked (trace)")
