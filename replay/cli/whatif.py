@@ -229,7 +229,8 @@ def whatif(
     writes the runs that finished (marked partial)."""
     from replay.analysis.flags import sweep_flag_counts
     from replay.format.paths import PARQUET, check_outputs
-    from replay.whatif.run import Sweep, WhatifOptions, whatif
+    from replay.whatif.run import Sweep, WhatifOptions
+    from replay.whatif.run import whatif as simulate
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
@@ -246,7 +247,7 @@ def whatif(
     partial: list[Sweep] = []
     try:
         with progress_bar(quiet) as bar:
-            result = whatif(
+            result = simulate(
                 trace,
                 WhatifOptions(
                     capacities=tuple(capacities),

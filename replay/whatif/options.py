@@ -13,7 +13,7 @@ from replay.base.units import Capacity
 from replay.rules.coordinator import DEFAULT_POLICY
 
 if TYPE_CHECKING:
-    from replay.whatif.run import Sweep
+    from replay.whatif.sweep import Sweep
 
 #: ``progress(requests_done, requests_total, runs_done, runs_total)``
 SweepProgress = Callable[[int, int, int, int], None]

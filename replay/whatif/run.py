@@ -16,48 +16,20 @@ import dataclasses
 import functools
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.units import Capacity
 from replay.format.paths import PARQUET, check_outputs, staged_outputs
-from replay.format.sweepfile import PERCENTILE_COLUMNS, sweep_frame, write_sweep
+from replay.format.sweepfile import PERCENTILE_COLUMNS
 from replay.rules.coordinator import resolve_cache
 from replay.whatif.options import WhatifOptions
 from replay.whatif.requests import Requests, load_requests
 from replay.whatif.sizes import block_bytes, page_sizes
-from replay.whatif.sweep import RunSpec, emit_path, sweep
+from replay.whatif.sweep import RunSpec, Sweep, emit_path, sweep
 
 __all__ = ["Sweep", "WhatifOptions", "whatif"]
-
-
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    """A sweep's runs, one row per (capacity, eviction) in the order asked,
-    and its settings (the sweep file's metadata: ``ceiling``, ``sample``,
-    ``partial``...)."""
-
-    rows: list[dict[str, Any]]
-    metadata: dict[str, Any]
-    #: The requests simulated (the sample's, with ``sample``).
-    requests: int
-    #: The runs asked for (more than ``rows`` when the sweep is partial).
-    runs: int
-
-    @property
-    def partial(self) -> bool:
-        return bool(self.metadata["partial"])
-
-    def frame(self) -> pl.DataFrame:
-        """The sweep file's frame (``replay.format.sweepfile.SWEEP_SCHEMA``)."""
-        return sweep_frame(self.rows)
-
-    def write(self, path: str | os.PathLike[str]) -> Path:
-        return write_sweep(path, self.rows, self.metadata)
 
 
 def run_sizes(

@@ -53,6 +53,8 @@ from replay.format.sweepfile import (
     PER_CAPACITY,
     PERCENTILE_COLUMNS,
     PYTHON,
+    sweep_frame,
+    write_sweep,
 )
 from replay.format.writer import TraceWriter
 from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
@@ -708,6 +710,31 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     for proc in processes:
         with contextlib.suppress(Exception):
             proc.join(timeout=5)
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """A sweep's runs, one row per (capacity, eviction) in the order asked,
+    and its settings (the sweep file's metadata: ``ceiling``, ``sample``,
+    ``partial``...)."""
+
+    rows: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    #: The requests simulated (the sample's, with ``sample``).
+    requests: int
+    #: The runs asked for (more than ``rows`` when the sweep is partial).
+    runs: int
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.metadata["partial"])
+
+    def frame(self) -> pl.DataFrame:
+        """The sweep file's frame (``replay.format.sweepfile.SWEEP_SCHEMA``)."""
+        return sweep_frame(self.rows)
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_sweep(path, self.rows, self.metadata)
 
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:
