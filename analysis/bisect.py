@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.flags import flag_results
+from replay.analysis.flags import flag_results
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.text import counted
 from replay.engine.options import ReplayOptions
-from replay.engine.run import replay
+from replay.engine.run import Variant, replay
 from replay.format.tracedir import open_trace
 from replay.rules.coordinator import RELEASES, Coordinator, Policy
 from replay.rules.coordinator.policy import recorded_release, version_key
@@ -104,7 +104,7 @@ def bisect(
     config = reader.config
     recorded = recorded_release(config.source)
     releases = releases_between(first, last)
-    variants: list[tuple[str, str | None, str]] = []
+    variants: list[Variant] = []
     skipped: dict[str, dict[str, str]] = {c: {} for c in caches}
     for cache in caches:
         for policy in releases:
@@ -113,7 +113,7 @@ def bisect(
             except ConfigError as exc:
                 skipped[cache][policy.name] = str(exc)
                 continue
-            variants.append((policy.name, cache, "reference"))
+            variants.append(Variant(policy=policy.name, cache=cache))
     options = ReplayOptions(variants=tuple(variants))
     results = flag_results(replay(reader, options)) if variants else []
     by_variant: dict[tuple[str, str], list[Answer]] = {}

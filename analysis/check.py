@@ -1,5 +1,5 @@
 """`replay check`'s input: the flags of a trace (replayed now) or of a
-results file (as written). Apart from analysis.flags so that the flag rules
+results file (as written). Apart from replay.analysis.flags so that the flag rules
 never import the replay that calls them (issue 21)."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from collections.abc import Callable
 
 import polars as pl
 
-from analysis.flags import result_flags, results_flags
+from replay.analysis.flags import result_flags, results_flags
 from replay.base.errors import ReplayError
 from replay.engine.answers import Progress
 from replay.engine.run import ReplayOptions, replay
 from replay.format.results import is_results_file, read_results, results_cache, results_config
-from replay.rules.coordinator import DEFAULT_POLICY
+from replay.rules.coordinator import DEFAULT_COORDINATOR, DEFAULT_POLICY
 
 
 def check_path(
     path: str | os.PathLike[str],
     *,
     policy: str | None,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     cache: str | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> tuple[pl.DataFrame, str]:

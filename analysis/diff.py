@@ -6,7 +6,7 @@ trace. A lookup is *changed* when its hit differs; every changed lookup gets
 one explanation:
 
 1. a flag present on one side and not the other (the first in
-   ``analysis.flags.FLAG_KINDS`` order: ``mamba_overrun`` before
+   ``replay.analysis.flags.FLAG_KINDS`` order: ``mamba_overrun`` before
    ``eagle_not_dropped`` before ``observed_mismatch``). A flag is a finding
    about the hit, so it is the better story: on the #43559 trace the
    ``pre-49502`` side gains 16 tokens exactly where it gains ``mamba_overrun``;
@@ -40,23 +40,31 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
-from analysis.flags import FLAG_KINDS, add_flags, has_facts, recompute_flags, with_flag_column
+from replay.analysis.flags import (
+    FLAG_KINDS,
+    add_flags,
+    has_facts,
+    recompute_flags,
+    with_flag_column,
+)
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import readable
-from replay.engine.answers import Progress, resolve_cache
-from replay.engine.run import ReplayOptions, replay
+from replay.engine.answers import Progress
+from replay.engine.run import ReplayOptions, Variant, replay
 from replay.format.paths import arrow_file
 from replay.format.results import is_results_file, read_results, results_cache, results_config
 from replay.format.tracedir import open_trace
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import (
+    DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
     build_spec_groups,
     eagle_group_ids,
     get_cache,
     hit_alignment,
     lookup_spec,
+    resolve_cache,
 )
 from replay.tools.render import group_label
 
@@ -487,7 +495,7 @@ def diff_policies(
             "(or give two results files and no --policy)"
         )
     pa_, pb = _pair("--policy", policies, DEFAULT_POLICY)
-    ca, cb = _pair("--coordinator", coordinators, "reference")
+    ca, cb = _pair("--coordinator", coordinators, DEFAULT_COORDINATOR)
     if len(policies) < 2 and len(coordinators) < 2 and len(caches) < 2:
         raise ReplayError(
             f"{trace}: a trace needs two sides to diff: give --policy twice "
@@ -501,7 +509,10 @@ def diff_policies(
     la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
     # Both sides from one fold of the trace: presence does not depend on the
     # policy, the cache or the coordinator.
-    sides = ((pa_, ka, ca), (pb, kb, cb))
+    sides = (
+        Variant(policy=pa_, cache=ka, coordinator=ca),
+        Variant(policy=pb, cache=kb, coordinator=cb),
+    )
     results = replay(reader, ReplayOptions(variants=sides, progress=progress))
     a, b = (
         Side(

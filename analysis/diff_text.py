@@ -3,7 +3,7 @@ explains the changes (flags, groups, cache rules) and the first changed
 lookups, as plain text on the terminal, Markdown for a pull request or one
 HTML page (``-o d.md``, ``-o d.html``). The three are laid out from the same
 lines and tables (:func:`diff_sections`); the diff itself is computed in
-``analysis.diff``."""
+``replay.analysis.diff``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from analysis.diff import DiffResult
-from analysis.flags import severity
+from replay.analysis.diff import DiffResult
+from replay.analysis.flags import severity
 from replay.base.text import counted, printable
 from replay.tools.render import policy_label, table
 
@@ -149,7 +149,7 @@ def render_text(diff: DiffResult, limit: int = 20) -> str:
 
 def render_markdown(diff: DiffResult, limit: int = 20) -> str:
     """The diff for a pull request: the lines, then each table."""
-    from analysis.report.markdown import md_table
+    from replay.analysis.report.markdown import md_table
 
     out = [f"## Diff of trace {diff.trace}", ""]
     out += [f"- {line}" for line in diff_lines(diff)] + [""]
@@ -161,8 +161,8 @@ def render_markdown(diff: DiffResult, limit: int = 20) -> str:
 
 def render_html(diff: DiffResult, limit: int = 20) -> str:
     """The diff as one self-contained page (the report's frame and styles)."""
-    from analysis.report.html import environment
-    from analysis.report.html import table as html_table
+    from replay.analysis.report.html import environment
+    from replay.analysis.report.html import table as html_table
 
     return (
         environment()

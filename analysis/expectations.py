@@ -40,6 +40,7 @@ from replay.base.spec import TraceConfig
 from replay.base.text import counted
 from replay.format.schema import EXPECT_META_KEY
 from replay.format.trace import TraceReader
+from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, REFERENCE, get_coordinator
 
 #: How many wrong requests a failure lists.
 SHOWN = 10
@@ -155,8 +156,9 @@ def compare(
     flags out of the comparison on both sides; an entry without ``flags``
     fails when a flag ``fail_on`` selects fires (``replay check``'s choices,
     default: corruption)."""
-    from analysis.flags import counts_text, flag_counts, result_flags
-    from analysis.selection import failing, select_flags, selection_text
+    from replay.analysis.flags import flag_counts, result_flags, worst_first
+    from replay.analysis.selection import failing, select_flags, selection_text
+    from replay.tools.render import counts_text
 
     flags = result_flags(result)
     problems: list[str] = []
@@ -205,7 +207,9 @@ def compare(
     else:
         fails = failing(got, select_flags(fail_on, ignore))
         if fails:
-            problems.append(f"flags: {counts_text(fails)} ({selection_text(fail_on, ignore)})")
+            problems.append(
+                f"flags: {counts_text(worst_first(fails))} ({selection_text(fail_on, ignore)})"
+            )
             chosen = flags.filter(flags["flag"].is_in(list(fails)))
             flagged = [str(r) for r in chosen["request_id"].unique(maintain_order=True).to_list()]
     if "hit_tokens" in entry:
@@ -254,7 +258,8 @@ def explain_text(
     from replay.tools.render import explain_table
 
     wanted = set(request_ids)
-    coordinators = ["reference"] + (["vllm"] if coordinator == "vllm" else [])
+    oracle = get_coordinator(coordinator).installed_vllm
+    coordinators = [REFERENCE.name] + ([coordinator] if oracle else [])
     outcomes: dict[str, dict[str, Any]] = {}
     config = reader.config
     for coord in coordinators:
@@ -264,26 +269,26 @@ def explain_text(
         outcomes[coord] = {lookup.request_id: outcome for lookup, outcome, _ in found}
     out: list[str] = []
     for rid in dict.fromkeys(request_ids):
-        if rid not in outcomes["reference"]:
+        if rid not in outcomes[REFERENCE.name]:
             continue
         command = f"replay explain {shlex.quote(name)} --request {shlex.quote(rid)}"
         command += f" --policy {policy}"
         if cache_named:
             command += f" --cache {cache}"
-        if coordinator == "vllm":
-            command += " --coordinator vllm"
+        if oracle:
+            command += f" --coordinator {coordinator}"
         if commands is not None:
             commands.append(command)
-        if coordinator == "vllm":
-            reference = command.removesuffix(" --coordinator vllm")
+        if oracle:
+            reference = command.removesuffix(f" --coordinator {coordinator}")
             out += ["", f"{reference} (what policy {policy} computes, step by step):"]
-            out.append(explain_table(config, outcomes["reference"][rid]))
-            if rid in outcomes["vllm"]:
+            out.append(explain_table(config, outcomes[REFERENCE.name][rid]))
+            if rid in outcomes[coordinator]:
                 out += ["", f"{command} (what the installed vLLM answered):"]
-                out.append(explain_table(config, outcomes["vllm"][rid]))
+                out.append(explain_table(config, outcomes[coordinator][rid]))
         else:
             out += ["", f"{command}:"]
-            out.append(explain_table(config, outcomes["reference"][rid]))
+            out.append(explain_table(config, outcomes[REFERENCE.name][rid]))
     return out
 
 
@@ -301,7 +306,7 @@ def _vllm_raised(exc: Exception) -> str:
 
 def check_trace(
     path: Path,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     caches: Iterable[str] | None = None,
     *,
     explained: int = 1,
@@ -336,10 +341,15 @@ def check_trace(
     try:
         results = replay(
             reader,
-            ReplayOptions(variants=tuple((v.policy, v.cache, coordinator) for v in variants)),
+            ReplayOptions(
+                variants=tuple(
+                    Variant(policy=v.policy, cache=v.cache, coordinator=coordinator)
+                    for v in variants
+                )
+            ),
         )
     except Exception as exc:
-        if coordinator != "vllm" or _is_setup_error(exc):
+        if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):
             raise
         for v in todo:
             v.problems = [_vllm_raised(exc)]
@@ -364,7 +374,7 @@ def check_trace(
                     commands=v.commands,
                 )
             except Exception as exc:
-                if coordinator != "vllm" or _is_setup_error(exc):
+                if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
         # Here, for a failure under vllm, the adapter's one line naming the
@@ -393,8 +403,7 @@ def planned_verdicts(
     skipped: under ``vllm``, an expectation whose policy answers otherwise
     than the installed vLLM's release in its cache (an alias is checked in
     the cache where it means the installed release)."""
-    from replay.engine.answers import resolve_cache
-    from replay.rules.coordinator import POLICIES, same_rules
+    from replay.rules.coordinator import POLICIES, resolve_cache, same_rules
 
     entries = read_expectations(path) if only is None else [only]
     if entries is None:
@@ -404,7 +413,8 @@ def planned_verdicts(
     wanted_caches = None if caches is None else set(caches)
     match: str | None = None
     skip_reason = ""
-    if coordinator == "vllm":
+    oracle = get_coordinator(coordinator).installed_vllm
+    if oracle:
         from replay.adapters.vllm.backend import installed_policy
 
         match, skip_reason = installed_policy()
@@ -422,7 +432,7 @@ def planned_verdicts(
         if wanted_caches is not None and cache not in wanted_caches:
             continue
         verdict = Verdict(path, entry, policy, cache)
-        if coordinator == "vllm" and (match is None or not same_rules(policy, match, cache)):
+        if oracle and (match is None or not same_rules(policy, match, cache)):
             verdict.skipped = skip_reason.format(policy=policy)
         verdicts.append(verdict)
     return verdicts

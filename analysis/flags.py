@@ -35,10 +35,8 @@ least ``mask_blocks x block_size`` over the non-Mamba groups):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -46,8 +44,6 @@ import polars as pl
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.base.text import printable
-from replay.format.link import link
-from replay.format.results import write_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
 from replay.rules.facts import FactRules, LookupFacts
@@ -410,17 +406,6 @@ def flag_results(results: Sequence[ReplayResult]) -> list[ReplayResult]:
     return [replace(r, results=add_flags(r.results, r.config)) for r in results]
 
 
-def save_results(result: ReplayResult, out: str | os.PathLike[str]) -> Path:
-    """Write a replay's results file: its answers, facts and flags, with the
-    path (relative to ``out``) and the fingerprint of the trace they came
-    from (``replay.format.link``)."""
-    frame = result.results
-    if "flags" not in frame.columns:
-        frame = add_flags(frame, result.config)
-    meta = {**result.metadata(), **link(result.trace_path, out)}
-    return write_results(out, frame.to_arrow(), meta)
-
-
 def result_flags(result: ReplayResult) -> pl.DataFrame:
     """One row per (lookup, flag) of a replay, with the numbers that prove it."""
     return flags_table(add_flags(result.results, result.config))
@@ -435,6 +420,7 @@ class Flag:
     actual: int | None
     expected: int | None
     detail: str
+    severity: str
 
 
 def lookup_flags(
@@ -445,7 +431,7 @@ def lookup_flags(
     max_length: int | None,
     observed: int | None,
 ) -> list[Flag]:
-    """The flags of one explained lookup, by the same expressions."""
+    """The flags of one explained lookup, by the same expressions, worst first."""
     row = pl.DataFrame(
         {
             "hit_tokens": [outcome.hit_tokens],
@@ -471,7 +457,8 @@ def lookup_flags(
         },
     )
     _, details = flag_exprs(Layout.of(config))
-    return [Flag(**d) for d in row.select(details).item()]
+    flags = [Flag(**d, severity=severity(d["flag"])) for d in row.select(details).item()]
+    return sorted(flags, key=lambda f: SEVERITIES.index(f.severity))
 
 
 def sweep_flag_counts(rows: Sequence[dict[str, Any]], config: TraceConfig) -> list[dict[str, Any]]:
@@ -491,25 +478,10 @@ def sweep_flag_counts(rows: Sequence[dict[str, Any]], config: TraceConfig) -> li
     return out
 
 
-def flag_lines(flags: Sequence[Flag]) -> str:
-    """A lookup's flags as ``replay explain`` prints them under its table."""
-    if not flags:
-        return "flags: none"
-    return "\n".join(
-        [
-            "flags:",
-            *(
-                f"  {f.flag} ({severity(f.flag)}): {f.detail}"
-                for f in sorted(flags, key=lambda f: SEVERITIES.index(severity(f.flag)))
-            ),
-        ]
-    )
-
-
-def counts_text(counts: Mapping[str, int]) -> str:
-    """Lookups per flag, worst first, each with its severity:
-    ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
-    return ", ".join(f"{f} {counts[f]:,} ({severity(f)})" for f in by_severity(list(counts)))
+def worst_first(counts: Mapping[str, int]) -> list[tuple[str, int, str]]:
+    """Lookups per flag, worst first: (flag, count, severity) each, as
+    ``replay.tools.render.counts_text`` words them."""
+    return [(f, counts[f], severity(f)) for f in by_severity(list(counts))]
 
 
 def flags_table(results: pl.DataFrame) -> pl.DataFrame:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from analysis.flags import FLAG_KINDS, SEVERITIES, severity
+from replay.analysis.flags import FLAG_KINDS, SEVERITIES, severity
 from replay.base.errors import ReplayError
 from replay.base.text import close_names, did_you_mean
 

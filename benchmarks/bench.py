@@ -98,7 +98,7 @@ done(secs, pl.read_parquet({out!r}, columns=["hit_tokens"])["hit_tokens"].to_lis
 """
 
 ENGINE = """
-from analysis.flags import flag_results
+from replay.analysis.flags import flag_results
 from replay.engine.run import replay
 t = time.perf_counter()
 (r,) = flag_results(replay({path!r}))
@@ -345,12 +345,13 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb", dir="/tmp")
 atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 t = time.perf_counter()
 import ray
-from analysis.flags import save_results
+from replay.analysis.flags import flag_results
 from replay.engine.run import ReplayOptions, replay
+from replay.format.link import save_results
 stats = {{}}
 options = ReplayOptions(policies=("vllm-0.33",), workers={workers}, stats=stats)
 r = replay({path!r}, options)[0]
-save_results(r, {out!r})
+save_results(flag_results([r])[0], {out!r})
 done(time.perf_counter() - t, replayed=r.seconds, **stats)
 """
 

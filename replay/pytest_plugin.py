@@ -1,6 +1,6 @@
 """pytest plugin: every trace with an expectation becomes a test, per
 expectation (a policy and a cache). The schema and the checking live in
-``analysis.expectations`` (``replay test`` runs the same checks).
+``replay.analysis.expectations`` (``replay test`` runs the same checks).
 
 ``pytest traces/`` checks the expectations against this project's
 coordinator; ``pytest --replay-coordinator vllm traces/`` (or
@@ -17,7 +17,7 @@ package (``pytest --pyargs replay.corpus`` names the same directory). Test
 ids name the trace, the policy and the cache:
 ``issue-43559.parquet::issue-43559[vllm-0.33-gpu]``.
 
-The flags take the choices of ``replay check`` (``analysis.selection``):
+The flags take the choices of ``replay check`` (``replay.analysis.selection``):
 ``--replay-ignore FLAG|SEVERITY,...`` leaves those flags out of the
 comparison on both sides; an entry without ``flags`` fails when a flag that
 ``--replay-fail-on SEVERITY|FLAG,...`` selects fires (default: corruption).
@@ -33,20 +33,31 @@ from typing import Any
 
 import pytest
 
-from analysis.expectations import read_expectations
+from replay.analysis.expectations import read_expectations
+from replay.base.errors import ReplayError, worded
+from replay.rules.coordinator.kinds import COORDINATORS, DEFAULT_COORDINATOR, get_coordinator
 
 __all__ = ["read_expectations"]
 
 #: How many of the lookups that differ a failure explains.
 EXPLAINED = 3
 COORDINATOR_ENV = "REPLAY_COORDINATOR"
+#: The library's parameters, as this plugin names them
+#: (``replay.base.errors.worded``); a limit keeps its environment variable.
+OPTIONS = {
+    "coordinator": "--replay-coordinator",
+    "fail_on": "--replay-fail-on",
+    "ignore": "--replay-ignore",
+    "policy": "the entry's policy",
+    "cache": "the entry's cache",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cache-trace-replay", "regression traces (replay.expect)")
     group.addoption(
         "--replay-coordinator",
-        choices=("reference", "vllm"),
+        choices=tuple(COORDINATORS),
         default=None,
         help="Check regression traces against this project's coordinator (reference, the "
         f"default) or the installed vLLM's own (vllm); also ${COORDINATOR_ENV}.",
@@ -84,7 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_TALLY] = {"checked": 0, "skipped": 0}
     if not config.getoption("--replay-corpus", default=False):
         return
-    from analysis.expectations import corpus_dir
+    from replay.analysis.expectations import corpus_dir
 
     corpus = str(corpus_dir())
     # Paths given on the command line are collected beside the corpus; with
@@ -106,18 +117,17 @@ def _coordinator(config: pytest.Config) -> str:
     if chosen:
         return str(chosen)
     env = os.environ.get(COORDINATOR_ENV, "").strip()
-    if env and env not in ("reference", "vllm"):
-        raise pytest.UsageError(f"{COORDINATOR_ENV}={env!r}: expected reference or vllm")
-    return env or "reference"
+    if env and env not in COORDINATORS:
+        raise pytest.UsageError(f"{COORDINATOR_ENV}={env!r}: expected {' or '.join(COORDINATORS)}")
+    return env or DEFAULT_COORDINATOR
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Under ``vllm``, the line that says which policy a vLLM no policy
     models (a newer release, a development build) is checked as."""
-    if _coordinator(config) != "vllm":
+    if not get_coordinator(_coordinator(config)).installed_vllm:
         return None
     from replay.adapters.vllm.backend import installed_version_policy
-    from replay.base.errors import ReplayError
 
     try:
         return installed_version_policy().note or None
@@ -168,7 +178,7 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Col
 
 class TraceFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        from analysis.expectations import planned_verdicts
+        from replay.analysis.expectations import planned_verdicts
         from replay.format.tracedir import open_trace
 
         coordinator = _coordinator(self.config)
@@ -204,7 +214,7 @@ class TraceItem(pytest.Item):
         self.cache = cache
 
     def runtest(self) -> None:
-        from analysis.expectations import check_trace, failure_block
+        from replay.analysis.expectations import check_trace, failure_block
 
         verdicts = check_trace(
             self.path,
@@ -222,6 +232,9 @@ class TraceItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, ExpectationMismatch):
             return str(excinfo.value)
+        if isinstance(excinfo.value, ReplayError):
+            # A library error, in this plugin's words (its options).
+            return f"{self.path.name}: {worded(str(excinfo.value), OPTIONS)}"
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:

@@ -407,8 +407,8 @@ def replay_trace(
     progress_every: float = 0.2,
 ) -> Any:
     """One variant of ``trace`` through ``replay.engine.run.replay``, with
-    its flags (``analysis.flags.flag_results``)."""
-    from analysis.flags import flag_results
+    its flags (``replay.analysis.flags.flag_results``)."""
+    from replay.analysis.flags import flag_results
     from replay.engine.run import ReplayOptions, replay
 
     options = ReplayOptions(
@@ -433,7 +433,7 @@ def replay_sharded(
     shards: int = 1,
 ) -> Any:
     """Every policy in every cache with ``shards`` key shards, flagged."""
-    from analysis.flags import flag_results
+    from replay.analysis.flags import flag_results
     from replay.engine.run import ReplayOptions, replay
 
     options = ReplayOptions(

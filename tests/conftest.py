@@ -38,7 +38,7 @@ def trace_43559(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def inputs_once(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One of each input a command reads, built once per session."""
-    from analysis.flags import save_results
+    from replay.format.link import save_results
     from replay.format.writer import write_trace
     from replay.sources.dump import DumpWriter
     from tests.builders import replay_trace

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from click.testing import CliRunner, Result
 
-from analysis.flags import save_results
 from replay.cli.analysis import report
+from replay.format.link import save_results
 from tests.builders import replay_trace
 
 #: The Mamba row of the #43559 lookup's explain table.

@@ -46,7 +46,7 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
     lookup's hit; with the engine's gate removed vLLM fails it in the gpu
     cache, with the mirror's (#49502) in the mooncake cache; unmodified,
     it passes."""
-    from analysis.expectations import read_expectations
+    from replay.analysis.expectations import read_expectations
 
     small = tmp_path / "small.parquet"
     made = _replay(

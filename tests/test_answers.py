@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.flags import lookup_flags
+from replay.analysis.flags import lookup_flags
 from replay.engine.answers import Answers, Variant
 from replay.engine.run import ReplayOptions, replay
 from replay.engine.shard import replay_answers

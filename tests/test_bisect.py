@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.bisect import releases_between
+from replay.analysis.bisect import releases_between
 from replay.base.errors import ReplayError
 from tests.conftest import run_cli
 

@@ -131,7 +131,9 @@ def test_sliding_window_blocks_below_the_window_are_freed_at_each_chunk() -> Non
     # attention or the window group; only the replay boundary's tail
     # (window block 3) is hashed.
     config = archetype_config("full+swa", 16, sliding_window=17)
-    cache = GpuCache(config, 20, store_policy=StoreSettings(cache="gpu", max_num_batched_tokens=16))
+    cache = GpuCache(
+        config, 20, store_settings=StoreSettings(cache="gpu", max_num_batched_tokens=16)
+    )
     units = _units("w", 4)
     assert cache.request(units, 69, 68).admitted
     # Tables: full [1, 3, 2, 4, 5], window [-, -, -, 6, 7]; freed group by
@@ -147,13 +149,17 @@ def test_mamba_frees_each_state_once_the_next_one_is_computed() -> None:
     # before freed at the next chunk (unhashed: reused at once); at
     # retention 0 only the state at the replay boundary (64) is hashed.
     config = archetype_config("full+mamba", 16)
-    cache = GpuCache(config, 12, store_policy=StoreSettings(cache="gpu", max_num_batched_tokens=16))
+    cache = GpuCache(
+        config, 12, store_settings=StoreSettings(cache="gpu", max_num_batched_tokens=16)
+    )
     units = _units("m", 4)
     result = cache.request(units, 67, 66)
     assert result.admitted and result.completed
     assert list(cache.pool.copies[1].values()) == [[6]]
     assert cache.pool.allocate(12) == [7, 5, *range(8, 13), 4, 2, 3, 1, 6]
-    again = GpuCache(config, 12, store_policy=StoreSettings(cache="gpu", max_num_batched_tokens=16))
+    again = GpuCache(
+        config, 12, store_settings=StoreSettings(cache="gpu", max_num_batched_tokens=16)
+    )
     again.request(units, 67, 66)
     assert again.request(units, 67, 66).hit_tokens == 64
 

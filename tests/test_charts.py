@@ -8,14 +8,14 @@ import re
 
 from markupsafe import Markup
 
-from analysis.report.charts import (
+from replay.analysis.report.charts import (
     groups_svg,
     histogram_svg,
     nice_ticks,
     time_ticks,
     timeline_svg,
 )
-from analysis.report.data import Bin, Point
+from replay.analysis.report.data import Bin, Point
 
 
 def _texts(svg: str) -> list[str]:
@@ -256,7 +256,7 @@ def test_a_title_is_escaped_text() -> None:
 def test_the_sweep_chart_points_show_their_run_on_hover() -> None:
     import polars as pl
 
-    from analysis.report.sweep import sweep_chart_svg
+    from replay.analysis.report.sweep import sweep_chart_svg
 
     frame = pl.DataFrame(
         {

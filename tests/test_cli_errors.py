@@ -512,7 +512,7 @@ def test_an_empty_hash_in_a_dump_is_a_skipped_batch_not_a_bad_trace(tmp_path: Pa
 
 
 def test_check_with_no_lookups_has_nothing_to_check(tmp_path: Path) -> None:
-    from analysis.flags import save_results
+    from replay.format.link import save_results
     from replay.format.writer import write_trace
     from tests.builders import replay_trace
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.expectations import corpus_dir, read_expectations
+from replay.analysis.expectations import corpus_dir, read_expectations
 from replay.format.writer import write_trace
 from replay.rules.coordinator import POLICIES
 from tests.builders import chain, full_mamba, issue_43559_rows, vllm_metadata

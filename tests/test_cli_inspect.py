@@ -79,7 +79,7 @@ def test_state_at_a_seq_and_written_as_parquet(tmp_path: Path) -> None:
 def test_a_relative_trace_shows_elapsed_time_not_1970(tmp_path: Path) -> None:
     """The public Mooncake trace's clock starts at zero: info and the report
     say +00:58:57, never a date in 1970."""
-    from analysis.report import build_report, render_html
+    from replay.analysis.report import build_report, render_html
 
     hs = chain(3, "rel")
     zero = datetime(1970, 1, 1, tzinfo=UTC)

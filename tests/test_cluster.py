@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from analysis.flags import flag_results  # noqa: E402
+from replay.analysis.flags import flag_results  # noqa: E402
 from replay.engine.cluster import NAMESPACE, ClusterError, ShardPool, replay_on_ray  # noqa: E402
 from replay.engine.run import ReplayOptions, replay  # noqa: E402
 

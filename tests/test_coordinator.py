@@ -1,6 +1,6 @@
 """The reference coordinator: it passes the coordinators' contract
-(``tests/contracts/coordinator.py``: every rule of coordinator-semantics.md
-that looks only at lookup outcomes, with vLLM 0.33.0's exact answers, which
+(``tests/contracts/coordinator.py``: every rule of the coordinator's
+semantics (the design notes, kept outside this repository) that looks only at lookup outcomes, with vLLM 0.33.0's exact answers, which
 ``tests/test_vllm_differential.py`` runs against vLLM's own coordinator), and
 here the rules that look at its own workings: spec groups, explain steps.
 """

@@ -23,11 +23,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 
-from analysis.diff import DIFF_META_KEY, diff_inputs
-from analysis.flags import save_results
+from replay.analysis.diff import DIFF_META_KEY, diff_inputs
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.cli import cli
 from replay.cli.analysis import diff
+from replay.format.link import save_results
 from replay.format.results import read_results, write_results
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.format.writer import write_trace

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.diff import diff_inputs
-from analysis.diff_text import render_text
+from replay.analysis.diff import diff_inputs
+from replay.analysis.diff_text import render_text
 from tests.test_diff import write_workload
 
 

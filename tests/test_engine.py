@@ -10,8 +10,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import save_results
 from replay.base.spec import TraceConfig
+from replay.format.link import save_results
 from replay.format.results import read_results
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
@@ -162,7 +162,7 @@ def test_run_writes_unit_present_only_when_asked(tmp_path: Path, trace_43559: Pa
 
 
 def test_explain_stops_at_until_seq_and_answers_as_the_replay(tmp_path: Path) -> None:
-    from analysis.flags import lookup_flags
+    from replay.analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
     from replay.format.tracedir import open_trace
 

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from analysis.flags import result_flags
+from replay.analysis.flags import result_flags
 from replay.format.results import read_results
 from replay.format.writer import write_trace
 from tests.builders import random_config, random_rows, replay_trace
@@ -121,16 +121,21 @@ def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) 
     --coordinator vllm` runs them): vLLM asks by hash, answered from the
     same presence bytes, and agrees with the reference on every column but
     the coordinator's name; explain answers by hash too."""
-    from analysis.flags import flag_results, lookup_flags
+    from replay.analysis.flags import flag_results, lookup_flags
     from replay.engine.replay import explain_lookups
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
     from replay.format.tracedir import open_trace
 
     rng = random.Random(9500 + seed)
     config = random_config(rng)
     path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 16))
     reader = open_trace(path)
-    variants = tuple((p, c, k) for p in POLICIES for c in CACHES for k in ("reference", "vllm"))
+    variants = tuple(
+        Variant(policy=p, cache=c, coordinator=k)
+        for p in POLICIES
+        for c in CACHES
+        for k in ("reference", "vllm")
+    )
     got = flag_results(replay(reader, ReplayOptions(variants=variants, unit_present=True)))
     for ref, theirs in zip(got[::2], got[1::2], strict=True):
         assert (ref.coordinator, theirs.coordinator) == ("reference", "vllm")

@@ -12,7 +12,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
+from replay.analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
 from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.schema import FACT_COLUMNS
@@ -354,7 +354,7 @@ def test_flag_column_lists_each_lookups_flags(tmp_path: Path) -> None:
 
 
 def test_every_flag_is_one_registry_entry_with_a_severity() -> None:
-    from analysis.flags import FLAGS
+    from replay.analysis.flags import FLAGS
 
     assert (
         tuple(FLAGS)
@@ -398,7 +398,7 @@ def test_a_flag_is_one_expression_and_the_expression_matches_its_details(
 ) -> None:
     """A new registry entry is all a new flag takes; and on random traces
     each flag's expression holds exactly where it has details."""
-    from analysis.flags import FLAGS, FlagKind, Layout, add_flags, flag_exprs
+    from replay.analysis.flags import FLAGS, FlagKind, Layout, add_flags, flag_exprs
     from replay.engine.run import ReplayOptions, replay
 
     rng = random.Random(77)
@@ -448,8 +448,8 @@ def test_results_files_with_and_without_facts(tmp_path: Path) -> None:
     flags it was written with."""
     import pyarrow.parquet as pq
 
-    from analysis.check import check_path
-    from analysis.flags import save_results
+    from replay.analysis.check import check_path
+    from replay.format.link import save_results
 
     path = write_trace(tmp_path / "t.parquet", full_mamba(), issue_43559_rows())
     out = save_results(replay_trace(path, policy="pre-49502"), tmp_path / "t.results.parquet")

@@ -115,7 +115,7 @@ def test_results_metadata_fields_are_the_written_ones(tmp_path: Path) -> None:
 
     import pyarrow.parquet as pq
 
-    from analysis.flags import save_results
+    from replay.format.link import save_results
 
     trace = Path(__file__).resolve().parents[1] / "traces" / "demo-full-mamba-eagle.parquet"
     out = save_results(replay_trace(trace), tmp_path / "r.results.parquet")
@@ -124,7 +124,7 @@ def test_results_metadata_fields_are_the_written_ones(tmp_path: Path) -> None:
 
 
 def test_flag_names_listed_are_the_flags() -> None:
-    from analysis.flags import FLAG_KINDS
+    from replay.analysis.flags import FLAG_KINDS
 
     meaning = doc_table("### Results columns")["flags"][2]
     assert re.findall(r"`([a-z_]+)`", meaning)[: len(FLAG_KINDS)] == list(FLAG_KINDS)

@@ -39,8 +39,8 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis.flags import save_results
 from replay.cli import cli
+from replay.format.link import save_results
 from replay.format.results import read_results
 from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import open_trace

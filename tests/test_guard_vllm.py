@@ -82,8 +82,8 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
     """No PATH: the corpus inside the installed package. Every expectation of
     vllm-0.33 is checked in both caches; the others are skipped, naming the
     policy and the installed version."""
-    from analysis.expectations import corpus_dir, read_expectations
     from replay.adapters.vllm.backend import installed_vllm_version
+    from replay.analysis.expectations import corpus_dir, read_expectations
     from replay.rules.coordinator import same_rules
 
     got = _replay("test", "--coordinator", "vllm")

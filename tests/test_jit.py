@@ -25,7 +25,7 @@ PROBE = (
 
 def _read_only_copy(tmp_path: Path) -> Path:
     pkg = tmp_path / "pkg"
-    for name in ("replay", "analysis"):
+    for name in ("replay",):
         shutil.copytree(ROOT / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "home").mkdir()
     return pkg

@@ -294,7 +294,7 @@ def test_many_keys_grow_the_table_in_a_replay(tmp_path: Path) -> None:
     rows = [{"seq": i, **r} for i, r in enumerate(rows)]
     _check(tmp_path, config, rows, "vllm-0.33")
     path = tmp_path / "t.parquet"
-    from analysis.summary import trace_info
+    from replay.analysis.summary import trace_info
 
     assert trace_info(path)["distinct_keys_per_group"] == [20_000, len(keys[::3])]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from analysis.flags import add_flags
+from replay.analysis.flags import add_flags
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.pytest_plugin import read_expectations

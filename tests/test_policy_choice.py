@@ -60,7 +60,7 @@ def test_the_rule_in_its_order() -> None:
     chosen = choose_policies(["pre-49502"], source=source)
     assert chosen.policies == ("pre-49502",)
     assert chosen.notes == (get_policy("pre-49502").alias_note,)
-    with pytest.raises(ReplayError, match=r"^--vllm and --policy both choose the policy"):
+    with pytest.raises(ReplayError, match=r"^`vllm` and `policy` both choose the policy"):
         choose_policies(["vllm-0.33"], vllm=["0.26.0"])
     with pytest.raises(ReplayError, match=r"^the trace's source.vllm_version: vLLM 0.12.0 is "):
         choose_policies(source={"vllm_version": "0.12.0"})

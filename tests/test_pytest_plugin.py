@@ -182,7 +182,7 @@ def test_replay_corpus_runs_the_shipped_corpus_from_any_directory(
     """Issue 31: ``pytest --replay-corpus`` in a directory holding nothing
     collects the corpus inside the package, one item per trace x policy x
     cache, each id naming all three; with a path it collects both."""
-    from analysis.expectations import corpus_dir
+    from replay.analysis.expectations import corpus_dir
 
     collected = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--replay-corpus", "--collect-only", "-q"

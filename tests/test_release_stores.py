@@ -315,7 +315,7 @@ def test_the_gpu_pool_model_refuses_a_release_with_another_free_order() -> None:
     config = archetype_config("full", 16, None, False)
     settings = StoreSettings(retention_interval=None, cache="gpu", policy="vllm-0.22")
     with pytest.raises(ConfigError, match=r"covers vLLM 0.24 and later \(policy vllm-0.22 frees"):
-        GpuCache(config, 100, policy="vllm-0.22", store_policy=settings)
+        GpuCache(config, 100, policy="vllm-0.22", store_settings=settings)
     assert policy_stores("vllm-0.26").free_order == "unhashed-front"
 
 

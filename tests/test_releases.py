@@ -299,7 +299,7 @@ def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -
     the engine and vllm-0.26 in the mirror, pre-32802 as vllm-0.16 in the
     engine (hit, masks, group hits, facts), and each refuses what its
     release refuses."""
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
     from replay.format.tracedir import open_trace
 
     config = open_trace(trace).config
@@ -311,7 +311,7 @@ def test_pre_49502_answers_as_its_releases_on_every_bundled_trace(trace: Path) -
             with pytest.raises(ConfigError, match=re.escape(str(exc).split(": ")[-1])):
                 Coordinator(config, alias, cache)
             continue
-        variants += [(alias, cache, "reference"), (release, cache, "reference")]
+        variants += [Variant(policy=alias, cache=cache), Variant(policy=release, cache=cache)]
     if not variants:
         return
     results = replay(trace, ReplayOptions(variants=tuple(variants)))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.report import build_report
-from analysis.report.build import explain_examples
+from replay.analysis.report import build_report
+from replay.analysis.report.build import explain_examples
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.trace import TraceReader

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import polars as pl
 
-from analysis.report import data
-from analysis.report.data import Example
+from replay.analysis.report import data
+from replay.analysis.report.data import Example
 from tests.builders import full_mamba
 
 T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)

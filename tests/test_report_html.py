@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from markupsafe import escape
 
-from analysis.report import build_report, render_html
 from replay import __version__
+from replay.analysis.report import build_report, render_html
 from replay.base.spec import TraceConfig
 from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows

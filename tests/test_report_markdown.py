@@ -7,8 +7,8 @@ from pathlib import Path
 
 import polars as pl
 
-from analysis.report import build_report, render_markdown, render_sweep_markdown
-from analysis.report.markdown import md_table
+from replay.analysis.report import build_report, render_markdown, render_sweep_markdown
+from replay.analysis.report.markdown import md_table
 from tests.reports import MAMBA_ROW, invoke_report, results_of
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from analysis.report import build_report, default_report_path, write_report
+from replay.analysis.report import build_report, default_report_path, write_report
 from replay.base.errors import ReplayError
 from tests.reports import invoke_report, report_error, results_of
 

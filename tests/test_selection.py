@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from analysis.flags import FLAG_KINDS, FLAGS, SEVERITIES, by_severity, counts_text, severity
-from analysis.selection import failing, select_flags, selection_text
+from replay.analysis.flags import FLAG_KINDS, FLAGS, SEVERITIES, by_severity, severity, worst_first
+from replay.analysis.selection import failing, select_flags, selection_text
 from replay.base.errors import ReplayError
 from replay.format.writer import write_trace
+from replay.tools.render import counts_text
 from tests.builders import full_mamba, issue_43559_rows
 from tests.conftest import run_cli
 
@@ -35,7 +36,7 @@ def test_every_flag_has_a_severity() -> None:
         "observed_mismatch",
         "zz_new",
     ]
-    assert counts_text({"eagle_not_dropped": 18, "mamba_overrun": 2}) == (
+    assert counts_text(worst_first({"eagle_not_dropped": 18, "mamba_overrun": 2})) == (
         "mamba_overrun 2 (corruption), eagle_not_dropped 18 (performance)"
     )
 

@@ -187,21 +187,24 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
     import io
 
     from replay.base.errors import ReplayError
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
 
     missing = tmp_path / "nowhere.parquet"  # never opened: each refusal comes first
     for options, message in [
         (
             ReplayOptions(workers=2, coordinator="vllm"),
-            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it",
         ),
         (
-            ReplayOptions(ray_address="auto", variants=(("vllm-0.33", None, "vllm"),)),
-            "--coordinator vllm runs in one process: drop --workers/--ray to use it",
+            ReplayOptions(
+                ray_address="auto",
+                variants=(Variant(policy="vllm-0.33", cache="mooncake", coordinator="vllm"),),
+            ),
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it",
         ),
         (
             ReplayOptions(workers=2, unit_present=True),
-            "--unit-present runs in one process: drop --workers/--ray",
+            "`unit_present` runs in one process: drop `workers`/`ray_address`",
         ),
     ]:
         with pytest.raises(ReplayError) as err:
@@ -209,7 +212,7 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
         assert str(err.value) == message
     with pytest.raises(ReplayError) as err:
         replay(io.BytesIO(b""), ReplayOptions(workers=2))
-    assert str(err.value) == "--workers: Ray replays a trace file or directory by its path"
+    assert str(err.value) == "`workers`: Ray replays a trace file or directory by its path"
     rng = random.Random(3)
     config = random_config(rng)
     path = write_trace(tmp_path / "t.parquet", config, random_rows(rng, config, 5))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from analysis.summary import trace_info
+from replay.analysis.summary import trace_info
 from replay.format.trace import TraceReader
 from replay.format.writer import write_trace
 from tests.builders import full_mamba, issue_43559_rows

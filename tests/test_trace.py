@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.flags import result_flags, save_results
+from replay.analysis.flags import result_flags
 from replay.base.errors import ReplayError, TraceError
+from replay.format.link import save_results
 from replay.format.results import read_results, write_results
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import open_trace

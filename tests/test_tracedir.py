@@ -14,7 +14,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.flags import result_flags
+from replay.analysis.flags import result_flags
 from replay.format.schema import TRACE_META_KEY
 from replay.format.tracedir import TraceDir, open_trace
 from replay.format.writer import events_table, write_trace
@@ -273,7 +273,7 @@ def test_split_of_a_bad_trace_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_cat_never_writes_over_or_into_its_input(tmp_path: Path, demo_dir: Path) -> None:
-    # The one output guard of replay.paths (issue 25): its words, for every command.
+    # The one output guard of replay.format.paths (issue 25): its words, for every command.
     inside = demo_dir / "all.parquet"
     assert _error(["cat", str(demo_dir), "-o", str(inside)]) == (
         f"error: -o {inside}: lies inside the input directory {demo_dir}; refusing to write "

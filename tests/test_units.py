@@ -1,4 +1,4 @@
-"""``replay.units``: exact counts, byte sizes, percentages and log ranges."""
+"""``replay.base.units``: exact counts, byte sizes, percentages and log ranges."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from analysis.flags import add_flags
 from replay.adapters.vllm import plugin as vllm_plugin
+from replay.analysis.flags import add_flags
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.cli import cli

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from analysis.flags import add_flags
+from replay.analysis.flags import add_flags
 from replay.engine.run import replay
 
 pytestmark = pytest.mark.vllm

@@ -11,22 +11,22 @@ from typing import Any
 import polars as pl
 import pytest
 
-from analysis.flags import FLAG_KINDS
+from replay.analysis.flags import FLAG_KINDS
 from replay.base.spec import TraceConfig
-from replay.format.sweepfile import read_sweep
+from replay.format.sweepfile import SWEEP_COLUMNS, read_sweep
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
 from replay.sources.archetypes import archetype_config
 from replay.whatif.requests import load_requests
-from replay.whatif.sweep import SWEEP_COLUMNS, RunSpec, simulate, sweep
+from replay.whatif.sweep import RunSpec, simulate, sweep
 from tests.builders import random_archetype_config, random_prompts, replay_trace, unit_hashes
 from tests.conftest import run_cli
 
 
 def rules_trace(
-    path: Path, config: TraceConfig, cache: str, policy: StorePolicy, prompts: list[list[int]]
+    path: Path, config: TraceConfig, cache: str, policy: StoreSettings, prompts: list[list[int]]
 ) -> Path:
     """A trace whose stores are what the store rules say each request leaves
     behind, in an unbounded store (the trace's own hits)."""
@@ -64,10 +64,10 @@ def rules_trace(
     return write_trace(path, config, rows)
 
 
-def random_case(rng: random.Random, cache: str) -> tuple[TraceConfig, StorePolicy]:
+def random_case(rng: random.Random, cache: str) -> tuple[TraceConfig, StoreSettings]:
     config = random_archetype_config(rng)
     sparse = config.num_groups > 1
-    return config, StorePolicy(
+    return config, StoreSettings(
         retention_interval=rng.choice((0, None)) if sparse else 0,
         max_num_batched_tokens=config.scheduler_block_size * rng.choice((1, 3, 64)),
         cache=cache,
@@ -79,7 +79,9 @@ def observed_hits(path: str | Path) -> list[int]:
     return frame.filter(pl.col("kind") == "lookup")["observed_hit_tokens"].to_list()
 
 
-def spec_for(policy: StorePolicy, cache: str, eviction: str, capacity: int, emit: Path) -> RunSpec:
+def spec_for(
+    policy: StoreSettings, cache: str, eviction: str, capacity: int, emit: Path
+) -> RunSpec:
     return RunSpec(
         cache=cache,
         eviction=eviction,
@@ -138,7 +140,7 @@ def _full_attention_runs(
     for case in range(6):
         bs = rng.choice((16, 32))
         config = archetype_config("full", bs)
-        policy = StorePolicy(cache=cache, max_num_batched_tokens=bs * rng.choice((1, 4, 64)))
+        policy = StoreSettings(cache=cache, max_num_batched_tokens=bs * rng.choice((1, 4, 64)))
         prompts = random_prompts(rng, bs, 60)
         trace = rules_trace(tmp_path / f"f{case}.parquet", config, cache, policy, prompts)
         requests = load_requests(trace)
@@ -195,7 +197,9 @@ def test_parse_bytes() -> None:
 def _demo_trace(tmp_path: Path) -> Path:
     config = archetype_config("full+mamba", 16, 16, True)
     prompts = random_prompts(random.Random(3), 16, 40)
-    return rules_trace(tmp_path / "demo.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
+    return rules_trace(
+        tmp_path / "demo.parquet", config, "gpu", StoreSettings(cache="gpu"), prompts
+    )
 
 
 @pytest.mark.slow
@@ -276,7 +280,7 @@ def test_cli_capacity_bytes_uses_the_page_sizes(tmp_path: Path) -> None:
         (["--points", "3", "--min", "10k"], "--points, --min and --max go together"),
         (["--points", "3", "--min", "10k", "--max", "1GiB"], "are in different units"),
         (["--capacity", "10", "--points", "3"], "exactly one of"),
-        (["--capacity-blocks", "10", "--eviction", "mru"], "unknown policy 'mru'"),
+        (["--capacity-blocks", "10", "--eviction", "mru"], "unknown eviction order 'mru'"),
         (["--capacity-bytes", "1GiB"], "need the groups' page sizes"),
         (["--capacity-bytes", "1GiB", "--page-bytes", "1,2,3"], "3 sizes for 2 KV-cache groups"),
         (["--capacity-blocks", "10", "--retention-interval", "x"], "--retention-interval"),
@@ -539,7 +543,9 @@ def test_sigterm_mid_sweep_exits_143_with_the_finished_runs_and_no_temporary_fil
 
     config = archetype_config("full+mamba", 16, 16, True)
     prompts = random_prompts(random.Random(9), 16, 1000)
-    trace = rules_trace(tmp_path / "big.parquet", config, "gpu", StorePolicy(cache="gpu"), prompts)
+    trace = rules_trace(
+        tmp_path / "big.parquet", config, "gpu", StoreSettings(cache="gpu"), prompts
+    )
     out = tmp_path / "out" / "sweep.parquet"
     out.parent.mkdir()
     root = Path(__file__).resolve().parents[1]

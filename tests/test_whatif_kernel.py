@@ -1,5 +1,5 @@
 """The compiled gpu what-if (``replay.whatif.kernel``) against the Python
-block-pool model it ports (``replay.blockpool.GpuCache``, itself checked
+block-pool model it ports (``replay.rules.blockpool.GpuCache``, itself checked
 against vLLM's ``KVCacheManager`` in ``test_whatif_vllm.py``): random
 configurations, prompts, budgets, retention settings, policies, capacities
 and evictions; every request's hit, every lookup's facts and the evicted blocks
@@ -66,7 +66,7 @@ def test_compiled_runs_equal_the_python_model(seed: int, tmp_path: Path) -> None
             )
             try:
                 # A retention the policy's release could not be given is skipped.
-                StoreRules(config, spec.store_policy())
+                StoreRules(config, spec.store_settings())
             except ReplayError:
                 continue
             mine = simulate(requests, spec)

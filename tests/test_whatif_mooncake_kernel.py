@@ -18,7 +18,7 @@ import pytest
 from replay.base.errors import ReplayError
 from replay.format.writer import write_trace
 from replay.rules.coordinator import POLICIES
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 from replay.whatif import mooncake_kernel
 from replay.whatif.requests import Requests, load_requests
@@ -84,7 +84,7 @@ def test_compiled_mooncake_runs_equal_the_python_model(seed: int, tmp_path: Path
                 max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
             )
             try:
-                StorePolicy(
+                StoreSettings(
                     cache="mooncake",
                     retention_interval=spec.retention_interval,
                     max_num_batched_tokens=spec.max_num_batched_tokens,

@@ -34,7 +34,7 @@ from replay.base.spec import GroupKind, TraceConfig
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from replay.rules.blockpool import GpuCache
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 from replay.whatif.kernel import NOT_ADMITTED, supported
 from replay.whatif.kernel import PREEMPTED as KERNEL_PREEMPTED
@@ -150,7 +150,7 @@ def run_both(
     v: SimpleNamespace,
     config: TraceConfig,
     capacity: int,
-    policy: StorePolicy,
+    policy: StoreSettings,
     prompts: list[list[int]],
     hashes_out: list[list[bytes]] | None = None,
 ) -> tuple[list[int | None], list[int | None], int]:
@@ -158,7 +158,7 @@ def run_both(
     model's evicted cached blocks. ``hashes_out`` collects vLLM's hashes."""
     budget = policy.max_num_batched_tokens
     engine = Engine(v, config, capacity, budget, policy.retention_interval)
-    model = GpuCache(config, capacity, store_policy=policy)
+    model = GpuCache(config, capacity, store_settings=policy)
     theirs: list[int | None] = []
     mine: list[int | None] = []
     for i, tokens in enumerate(prompts):
@@ -176,7 +176,7 @@ def whatif_hits(
     tmp: Path,
     config: TraceConfig,
     capacity: int,
-    policy: StorePolicy,
+    policy: StoreSettings,
     prompts: list[list[int]],
     hashes: list[list[bytes]],
 ) -> tuple[list[int], int]:
@@ -205,7 +205,7 @@ def compiled_hits(
     tmp: Path,
     config: TraceConfig,
     capacity: int,
-    policy: StorePolicy,
+    policy: StoreSettings,
     prompts: list[list[int]],
     hashes: list[list[bytes]],
 ) -> list[int | None]:
@@ -250,13 +250,13 @@ def test_block_pool_hits_match_vllm(
     total = sum(-(-len(p) // bs) for p in prompts) * config.num_groups
     sparse = config.num_groups > 1
     runs = [
-        (total, StorePolicy(cache="gpu")),
-        (largest + largest // 4, StorePolicy(cache="gpu", max_num_batched_tokens=2048)),
-        (3 * largest, StorePolicy(cache="gpu")),
-        (longest * 2 // 3, StorePolicy(cache="gpu", max_num_batched_tokens=4096)),
+        (total, StoreSettings(cache="gpu")),
+        (largest + largest // 4, StoreSettings(cache="gpu", max_num_batched_tokens=2048)),
+        (3 * largest, StoreSettings(cache="gpu")),
+        (longest * 2 // 3, StoreSettings(cache="gpu", max_num_batched_tokens=4096)),
     ]
     if sparse:
-        runs.append((2 * largest, StorePolicy(cache="gpu", retention_interval=None)))
+        runs.append((2 * largest, StoreSettings(cache="gpu", retention_interval=None)))
     report = []
     unbounded_hits = 0
     for capacity, policy in runs:
@@ -310,7 +310,7 @@ def test_block_pool_matches_vllm_on_random_sessions(
         a = config.scheduler_block_size
         sparse = config.num_groups > 1
         retention = rng.choice((0, None, 2 * a)) if sparse else 0
-        policy = StorePolicy(
+        policy = StoreSettings(
             cache="gpu",
             retention_interval=retention,
             max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),

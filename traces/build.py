@@ -336,11 +336,11 @@ def replayed_results(
 ) -> dict[tuple[str, str], Any]:
     """Each (policy, cache)'s ``ReplayResult``, every valid cache the policy
     answers in, from one fold of ``trace``."""
-    from replay.engine.run import ReplayOptions, replay
+    from replay.engine.run import ReplayOptions, Variant, replay
     from replay.rules.coordinator import POLICIES
 
     variants = tuple(
-        (p, c, "reference")
+        Variant(policy=p, cache=c)
         for p in (policies or POLICIES)
         for c in valid_caches(config)
         if answerable(config, p, c)
@@ -352,7 +352,7 @@ def replayed_expectation(trace: TraceSource, config: TraceConfig) -> list[dict[s
     """Pin what the replay gives now, per policy and cache: flag counts, the total hit
     tokens and every request's hit, so a coordinator that answers wrongly
     fails every item, not only those with flags."""
-    from analysis.flags import flag_counts, result_flags
+    from replay.analysis.flags import flag_counts, result_flags
     from replay.rules.coordinator import pinned_policies
 
     # The current release and the aliases (the releases of the bugs the

@@ -16,11 +16,11 @@ One job per module:
 - ``writer``: default paths and atomic writing.
 """
 
-from analysis.report.build import build_report
-from analysis.report.data import Bin, Example, Point, ReportData
-from analysis.report.html import render_html, render_sweep_html
-from analysis.report.markdown import render_markdown, render_sweep_markdown
-from analysis.report.writer import (
+from replay.analysis.report.build import build_report
+from replay.analysis.report.data import Bin, Example, Point, ReportData
+from replay.analysis.report.html import render_html, render_sweep_html
+from replay.analysis.report.markdown import render_markdown, render_sweep_markdown
+from replay.analysis.report.writer import (
     FORMATS,
     default_report_path,
     write_report,

@@ -8,10 +8,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from analysis.flags import results_flags
-from analysis.report import data
-from analysis.report.data import ReportData
-from analysis.report.inputs import lookup_mismatch, read_report_results, resolve_trace
+from replay.analysis.flags import results_flags
+from replay.analysis.report import data
+from replay.analysis.report.data import ReportData
+from replay.analysis.report.inputs import lookup_mismatch, read_report_results, resolve_trace
 from replay.base.errors import ReplayError
 from replay.engine.answers import Progress
 from replay.engine.replay import explain_lookups

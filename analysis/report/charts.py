@@ -1,8 +1,8 @@
 """The report's charts, drawn with Altair and rendered to inline SVG offline
-by vl-convert (``analysis.report.vega``): a report must open from a mail
+by vl-convert (``replay.analysis.report.vega``): a report must open from a mail
 attachment or a CI artifact with no CDN in reach. The hit-ratio timeline,
 the hit-length histogram and the tokens per group; the what-if sweep's
-chart is ``analysis.report.sweep``'s.
+chart is ``replay.analysis.report.sweep``'s.
 
 Ticks and their labels are the report's own (``nice_ticks``, ``time_ticks``,
 ``fmt.num``, ``fmt.fmt_time``), so a chart spells a number or a time as the
@@ -19,9 +19,9 @@ from typing import Any
 
 from markupsafe import Markup
 
-from analysis.report.data import Bin, Point
-from analysis.report.fmt import fmt_time, is_relative, num, utc_datetime
-from analysis.report.vega import data, render_svg
+from replay.analysis.report.data import Bin, Point
+from replay.analysis.report.fmt import fmt_time, is_relative, num, utc_datetime
+from replay.analysis.report.vega import data, render_svg
 from replay.base.spec import GroupKind
 from replay.base.text import counted
 

@@ -14,16 +14,16 @@ from typing import Any
 
 import polars as pl
 
-from analysis.flags import FLAGS, SEVERITIES, by_severity, severity
-from analysis.report.fmt import fmt_time, pct
-from analysis.summary import hit_figures, prompt_tokens_expr
+from replay.analysis.flags import FLAGS, SEVERITIES, by_severity, severity
+from replay.analysis.report.fmt import fmt_time, pct
+from replay.analysis.summary import hit_figures, prompt_tokens_expr
 from replay.base.spec import TraceConfig
 from replay.tools.render import group_label
 
 TIMELINE_BINS = 40
 HISTOGRAM_BINS = 30
 
-#: What each flag means, as the report words it (from ``analysis.flags.FLAGS``).
+#: What each flag means, as the report words it (from ``replay.analysis.flags.FLAGS``).
 FLAG_MEANINGS: dict[str, str] = {name: kind.meaning for name, kind in FLAGS.items()}
 
 

@@ -20,12 +20,12 @@ from typing import Any
 import jinja2
 import polars as pl
 
-from analysis.flags import SEVERITIES
-from analysis.report import charts
-from analysis.report.data import Example, ReportData
-from analysis.report.fmt import num, pct
-from analysis.report.sweep import sweep_chart_svg, sweep_context, sweep_table
 from replay import __version__
+from replay.analysis.flags import SEVERITIES
+from replay.analysis.report import charts
+from replay.analysis.report.data import Example, ReportData
+from replay.analysis.report.fmt import num, pct
+from replay.analysis.report.sweep import sweep_chart_svg, sweep_context, sweep_table
 from replay.tools.render import config_lines
 
 _BINNED_BY = {
@@ -70,7 +70,7 @@ def table(
 @cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("analysis.report", "templates"),
+        loader=jinja2.PackageLoader("replay.analysis.report", "templates"),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

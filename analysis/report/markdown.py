@@ -10,10 +10,10 @@ from typing import Any
 
 import polars as pl
 
-from analysis.flags import SEVERITIES
-from analysis.report.data import ReportData
-from analysis.report.fmt import num, pct
-from analysis.report.sweep import sweep_context, sweep_table
+from replay.analysis.flags import SEVERITIES
+from replay.analysis.report.data import ReportData
+from replay.analysis.report.fmt import num, pct
+from replay.analysis.report.sweep import sweep_context, sweep_table
 from replay.tools.render import config_lines
 
 

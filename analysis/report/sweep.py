@@ -8,10 +8,10 @@ from typing import Any
 import polars as pl
 from markupsafe import Markup
 
-from analysis.flags import FLAG_KINDS
-from analysis.report.fmt import pct
-from analysis.report.vega import data as inline_data
-from analysis.report.vega import render_svg, tooltip
+from replay.analysis.flags import FLAG_KINDS
+from replay.analysis.report.fmt import pct
+from replay.analysis.report.vega import data as inline_data
+from replay.analysis.report.vega import render_svg, tooltip
 
 
 def sweep_table(frame: pl.DataFrame) -> tuple[list[str], list[list[str]]]:

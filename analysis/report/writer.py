@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from analysis.report.data import ReportData
-from analysis.report.html import render_html, render_sweep_html
-from analysis.report.markdown import render_markdown, render_sweep_markdown
+from replay.analysis.report.data import ReportData
+from replay.analysis.report.html import render_html, render_sweep_html
+from replay.analysis.report.markdown import render_markdown, render_sweep_markdown
 from replay.base.errors import ReplayError
 from replay.format.paths import OutputTarget, check_outputs, write_text
 from replay.format.sweepfile import read_sweep

@@ -7,6 +7,7 @@ The CLI turns them into exit status 2 without a traceback.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -15,7 +16,18 @@ T = TypeVar("T")
 
 
 class ReplayError(Exception):
-    """A user-facing error: bad input, bad configuration, bad request."""
+    """A user-facing error: bad input, bad configuration, bad request.
+
+    The library words it in its own terms: a parameter (or the environment
+    variable of a limit) in backquotes, `page_bytes`; a face rewords those
+    into its own (``worded``): the CLI into its flags, the pytest plugin
+    into its options."""
+
+
+def worded(message: str, names: Mapping[str, str]) -> str:
+    """``message`` with each backquoted parameter that ``names`` knows
+    replaced by the face's word for it (the others left as they are)."""
+    return re.sub(r"`([A-Za-z_][\w.]*)`", lambda m: names.get(m[1], m[0]), message)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,7 +9,7 @@ One module per command group:
 - ``analysis``: diff, report (compare replays, write reports)
 - ``sources``: record and every ``ingest`` importer (traces from elsewhere)
 - ``synth``: synth (synthetic traces)
-- ``whatif``: whatif (other cache sizes and eviction policies)
+- ``whatif``: whatif (other cache sizes and eviction orders)
 - ``scale``: split, cat, and ``run --workers/--ray`` (beyond one file, one process)
 
 and what they share: ``common`` (the error and signal rules), ``options``
@@ -27,7 +27,7 @@ import click
 from replay.base.limits import HASH_BYTES, LIMITS, MAX_HASH_BYTES
 from replay.base.units import INT64_MAX
 from replay.cli import analysis, guard, inspect, run, scale, sources, synth, watch, whatif
-from replay.cli.common import Group, run_main
+from replay.cli.common import Group, limit_flag, run_main
 from replay.cli.options import count_type
 
 # The sections of `replay --help`, in the order a user meets them.
@@ -70,7 +70,7 @@ def _set_limit(ctx: click.Context, param: click.Parameter, value: int | None) ->
     processes it starts), restored when it ends."""
     if value is None:
         return
-    limit = next(lim for lim in LIMITS if lim.option == param.opts[0])
+    limit = next(lim for lim in LIMITS if limit_flag(lim) == param.opts[0])
     before = os.environ.get(limit.env)
     os.environ[limit.env] = str(value)
 
@@ -86,7 +86,7 @@ def _set_limit(ctx: click.Context, param: click.Parameter, value: int | None) ->
 def _limit_options(fn: Any) -> Any:
     for limit in reversed(LIMITS):
         fn = click.option(
-            limit.option,
+            limit_flag(limit),
             type=count_type(1, MAX_HASH_BYTES if limit is HASH_BYTES else INT64_MAX),
             default=None,
             expose_value=False,

@@ -1,5 +1,5 @@
 """``replay diff``, ``replay bisect`` and ``replay report``: click only, over
-``analysis.diff``, ``analysis.bisect`` and ``analysis.report``."""
+``replay.analysis.diff``, ``replay.analysis.bisect`` and ``replay.analysis.report``."""
 
 from __future__ import annotations
 
@@ -7,41 +7,40 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import command, fail, note_at_end
+from replay.base.errors import worded
+from replay.cli.common import FLAGS, command, fail, note_at_end
 from replay.cli.options import (
+    cache_option,
     chosen_policies,
     count_option,
     output_option,
+    policy_options,
     repeated_choice,
-    vllm_option,
 )
 from replay.cli.progress import progress_bar
-from replay.rules.coordinator import CACHES, COORDINATORS, POLICIES
+from replay.rules.coordinator import COORDINATORS
 from replay.rules.coordinator.policy import recorded_release
 
 
 @command("diff")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@repeated_choice(
-    "--policy",
-    "policies",
-    POLICIES,
-    "With a trace: give twice, side A then side B (e.g. --policy vllm-0.33 --policy pre-49502). "
-    "Default: a results file's own, else the trace's source.vllm_version, else vllm-0.33.",
+@policy_options(
+    "of each side: with a trace, give it twice, side A then side B "
+    "(e.g. --policy vllm-0.33 --policy pre-49502)",
+    multiple=True,
+    results=True,
+    described=False,
 )
-@vllm_option(multiple=True)
 @repeated_choice(
     "--coordinator",
     "coordinators",
     COORDINATORS,
     "With a trace: once for both sides, or twice (A, B). Default: reference.",
 )
-@repeated_choice(
-    "--cache",
-    "caches",
-    CACHES,
+@cache_option(
     "With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
-    "where the Mooncake mirror drifts from the engine). Default: the trace's source.cache.",
+    "where the Mooncake mirror drifts from the engine)",
+    multiple=True,
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
 @output_option(
@@ -81,8 +80,8 @@ def diff(
     group whose own hit moved; between two caches, also the cache rule behind
     each change. Exit status 0 (a report), 2 on bad input.
     """
-    from analysis.diff import diff_inputs, write_diff
-    from analysis.diff_text import render_text
+    from replay.analysis.diff import diff_inputs, write_diff
+    from replay.analysis.diff_text import render_text
     from replay.format.paths import NAMES, PARQUET, TEXT_REPORT, check_outputs, output_format
 
     check_outputs({"-o": output}, list(inputs), text=fmt in ("md", "html"))
@@ -109,7 +108,7 @@ def diff(
     if output is not None and fmt == "parquet":
         write_diff(result, output)
     elif output is not None:
-        from analysis.diff_text import render_html, render_markdown
+        from replay.analysis.diff_text import render_html, render_markdown
         from replay.format.paths import write_text
 
         render = render_markdown if fmt == "md" else render_html
@@ -138,9 +137,7 @@ def diff(
 @click.option("--request", "request_id", default=None, help="Only this request's lookups.")
 @click.option("--from", "first", metavar="VERSION", default=None, help="Oldest vLLM release.")
 @click.option("--to", "last", metavar="VERSION", default=None, help="Newest vLLM release.")
-@repeated_choice(
-    "--cache", "caches", CACHES, "A cache to bisect (repeatable). Default: gpu and mooncake."
-)
+@cache_option("A cache to bisect (repeatable)", multiple=True, default="Default: gpu and mooncake.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every lookup).")
 @count_option(
     "--limit", default=20, help="Rows (lookups that change identically) to print per cache."
@@ -168,8 +165,8 @@ def bisect(
     A cache a release did not have is listed with the reason. Exit status 0
     (a report), 2 on bad input.
     """
-    from analysis.bisect import bisect as run_bisect
-    from analysis.bisect import markdown
+    from replay.analysis.bisect import bisect as run_bisect
+    from replay.analysis.bisect import markdown
 
     report = run_bisect(
         trace,
@@ -178,6 +175,8 @@ def bisect(
         last=last,
         request_id=request_id,
     )
+    for part in report["caches"]:  # the library's reasons, in this command's words
+        part["not_modelled"] = {p: worded(t, FLAGS) for p, t in part["not_modelled"].items()}
     recorded = recorded_release({"vllm_version": report["trace_vllm_version"]})
     if recorded is not None:
         note_at_end(f"{recorded[1]}; its column is marked (trace)")
@@ -217,7 +216,7 @@ def report(
     and the configuration. `-o -` prints it on standard output. Of a what-if
     SWEEP file (replay whatif): hit ratio against capacity per eviction
     policy, and the table (-o x.md: Markdown)."""
-    from analysis.report import build_report, default_report_path, write_report
+    from replay.analysis.report import build_report, default_report_path, write_report
     from replay.format.paths import TEXT_REPORT, check_input, check_outputs, output_format
     from replay.format.sweepfile import is_sweep_file
 
@@ -228,7 +227,7 @@ def report(
     fmt = output_format("-o", output, TEXT_REPORT, given=fmt, default=fmt or "html")
     out = output or default_report_path(results, fmt)
     if sweep:
-        from analysis.report import write_sweep_report
+        from replay.analysis.report import write_sweep_report
 
         check_outputs({"-o": out}, [results], text=True)
         target = write_sweep_report(results, out, fmt)

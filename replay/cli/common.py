@@ -22,7 +22,8 @@ from typing import IO, Any
 
 import click
 
-from replay.base.errors import Interrupted, ReplayError
+from replay.base.errors import Interrupted, ReplayError, worded
+from replay.base.limits import LIMITS, Limit
 from replay.base.text import printable, readable_name
 from replay.format.paths import EXIT_SIGNALS, note_signal, remove_leftovers
 
@@ -164,7 +165,7 @@ def command_guard() -> Iterator[None]:
                 remove_leftovers()
                 raise
         except ReplayError as exc:
-            raise fail(str(exc)) from None
+            raise fail(reworded(exc)) from None
         except BrokenPipeError as exc:
             if exc.filename is not None:  # a file or socket of the command's, not stdout
                 raise fail(f"{exc.filename}: {exc.strerror or exc}") from None
@@ -176,6 +177,32 @@ def command_guard() -> Iterator[None]:
             raise exit_on_signal(signal.SIGINT) from None
         except Interrupted as exc:
             raise exit_on_signal(exc.signum) from None
+
+
+def limit_flag(limit: Limit) -> str:
+    """The ``replay`` group's option that sets a limit (``--max-row-hashes``)."""
+    return "--" + limit.name.replace("_", "-")
+
+
+#: The library's parameters, as the command line names them: a library error
+#: names a parameter in backquotes (``replay.base.errors.worded``).
+FLAGS: dict[str, str] = {
+    "cache": "--cache",
+    "coordinator": "--coordinator",
+    "model_config": "--model-config",
+    "page_bytes": "--page-bytes",
+    "policy": "--policy",
+    "ray_address": "--ray",
+    "unit_present": "--unit-present",
+    "vllm": "--vllm",
+    "workers": "--workers",
+    **{limit.env: f"`replay {limit_flag(limit)} N ...`" for limit in LIMITS},
+}
+
+
+def reworded(exc: ReplayError) -> str:
+    """A library error in the command line's words (its flags)."""
+    return worded(str(exc), FLAGS)
 
 
 class _UsageInOneLine(click.Command):

@@ -12,8 +12,7 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail, note_at_end
-from replay.cli.options import Names
-from replay.cli.run import FAIL_ON, IGNORE
+from replay.cli.options import FAIL_ON, IGNORE, Names
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
 
 
@@ -103,7 +102,7 @@ def test(
     then one line per other trace. One progress line per trace goes to
     stderr.
     """
-    from analysis.expectations import (
+    from replay.analysis.expectations import (
         Verdict,
         corpus_dir,
         expectation_traces,
@@ -146,7 +145,7 @@ def test(
         done[0] += 1
         click.echo(test_progress_line(done[0], total, path, verdicts, seconds), err=True)
 
-    from analysis.selection import select_flags
+    from replay.analysis.selection import select_flags
 
     select_flags(fail_on, ignore)  # an unknown name: one line before any replay
     run = run_traces(
@@ -184,8 +183,8 @@ def _drift(
     as_json: bool,
 ) -> None:
     """``replay test --coordinator vllm --random N``: the drift check."""
-    from analysis.flags import add_flags
     from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
+    from replay.analysis.flags import add_flags
     from replay.cli.progress import progress_bar
     from replay.format.paths import PARQUET, check_outputs
     from replay.tools.drift import Difference, check_drift

@@ -18,7 +18,7 @@ from replay.tools.render import group_label, info_lines, validate_line
 @TRACE
 def validate(trace: Path) -> None:
     """Check TRACE against format v1; print ok and the counts, or the first problem."""
-    from analysis.summary import trace_info
+    from replay.analysis.summary import trace_info
 
     click.echo(validate_line(trace, trace_info(trace)))
 
@@ -64,8 +64,8 @@ def repair(file: Path, output: Path, config_path: str | None, block_size: int | 
 )
 def info(trace: Path, as_json: bool, requests: bool) -> None:
     """KV-cache groups and config, event counts, time span, distinct keys, lookups."""
-    from analysis.summary import trace_info
-    from replay.engine.answers import resolve_cache
+    from replay.analysis.summary import trace_info
+    from replay.rules.coordinator import resolve_cache
 
     if requests:
         if as_json:

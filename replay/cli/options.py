@@ -21,7 +21,7 @@ from replay.base.units import (
     parse_segment,
     shown,
 )
-from replay.cli.common import fail, note_at_end
+from replay.cli.common import fail, note_at_end, reworded
 from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES, choose_policies
 from replay.sources.archetypes import ARCHETYPES
 
@@ -51,7 +51,7 @@ class _Parsed(click.ParamType):  # type: ignore[type-arg]
         try:
             return self._parse(value, option)
         except ReplayError as exc:
-            raise fail(str(exc)) from None
+            raise fail(reworded(exc)) from None
 
 
 def count_type(least: int = 0, most: int = INT64_MAX) -> _Parsed:
@@ -194,7 +194,7 @@ def release_choice(policy: str | None, vllm_version: str | None) -> tuple[str, s
             (policy,) if policy else (), vllm=(vllm_version,) if vllm_version else ()
         )
     except ReplayError as exc:
-        raise fail(str(exc)) from None
+        raise fail(reworded(exc)) from None
     return chosen.policies[0], vllm_version
 
 
@@ -263,7 +263,7 @@ def release_options(fn: F) -> F:
 
 
 def store_options(fn: F) -> F:
-    """The store rules' options of a trace source (``replay.rules.store_rules.StorePolicy``)."""
+    """The store rules' options of a trace source (``replay.rules.store_rules.StoreSettings``)."""
     for decorator in reversed(
         [
             click.option(
@@ -296,22 +296,97 @@ def store_options(fn: F) -> F:
     return release_options(fn)
 
 
-# ---------------------------------------------------------------- policies
+# ---------------------------------------------------------------- the shared option bundles
+
+
+def policy_default(*, results: bool = False) -> str:
+    """What every command that reads a trace answers under when neither
+    ``--policy`` nor ``--vllm`` is given (``choose_policies``)."""
+    own = "a results file's own policy, else " if results else ""
+    return f"Default: {own}the release that recorded the trace (source.vllm_version), else {DEFAULT_POLICY}."
 
 
 def vllm_option(multiple: bool = False) -> Callable[[F], F]:
-    """``--vllm VERSION``: answer as that vLLM release (its policy), wherever
-    ``--policy`` is taken; repeatable where ``--policy`` is."""
+    """``--vllm VERSION``: as ``--policy``, by a vLLM version (the policy that
+    models it); repeatable where ``--policy`` is."""
     return click.option(
         "--vllm",
         "vllm_versions",
         metavar="VERSION",
         multiple=True,
-        help="Answer as this vLLM release (e.g. 0.26.0): the policy that models it"
+        help="As --policy, by a vLLM release (e.g. 0.26.0): the policy that models it"
         + ("; repeatable like --policy" if multiple else "")
-        + ". Default: the trace's source.vllm_version (the release that recorded it), "
-        f"else {DEFAULT_POLICY}.",
+        + ".",
     )
+
+
+def policy_options(
+    what: str, *, multiple: bool = False, results: bool = False, described: bool = True
+) -> Callable[[F], F]:
+    """``--policy`` and ``--vllm VERSION``, declared once for every command
+    that reads a trace: the vLLM release whose semantics ``what`` says the
+    command applies, its default the one rule (``policy_default``).
+    ``multiple``: repeatable (the command gets ``policies``, else
+    ``policy``); ``results``: a results file's own policy comes first;
+    ``described``: each policy's meaning in the help."""
+    listing = (
+        " Policies: " + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values())
+        if described
+        else ""
+    )
+    help = f"The vLLM release policy {what}. {policy_default(results=results)}{listing}"
+    policy = (
+        repeated_choice("--policy", "policies", POLICIES, help)
+        if multiple
+        else click.option("--policy", type=Names(POLICIES, "policy"), default=None, help=help)
+    )
+    vllm = vllm_option(multiple)
+
+    def apply(fn: F) -> F:
+        return policy(vllm(fn))
+
+    return apply
+
+
+CACHE_DEFAULT = "Default: the trace's source.cache (recorded KV events: gpu), else mooncake."
+
+
+def cache_option(
+    what: str = "", *, multiple: bool = False, default: str = CACHE_DEFAULT
+) -> Callable[[F], F]:
+    """``--cache``, declared once: which of vLLM's caches answers, ``what``
+    the command does with it; ``multiple``: repeatable (``caches``)."""
+    help = (
+        "Which vLLM cache answers: "
+        + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
+        + (f". {what}" if what else "")
+        + f". {default}"
+    )
+    if multiple:
+        return repeated_choice("--cache", "caches", CACHES, help)
+    return click.option("--cache", type=Names(CACHES, "cache"), default=None, help=help)
+
+
+#: ``--fail-on`` and ``--ignore``: which flags fail (``replay.analysis.selection``).
+FAIL_ON = click.option(
+    "--fail-on",
+    "fail_on",
+    multiple=True,
+    metavar="SEVERITY|FLAG,...",
+    help="Which flags fail: severities (corruption, inconsistent, performance, observed), "
+    "flag names or all, comma-separated  [default: corruption]",
+)
+IGNORE = click.option(
+    "--ignore",
+    multiple=True,
+    metavar="FLAG|SEVERITY,...",
+    help="Flags (or severities) that never fail, taken from what --fail-on selects.",
+)
+
+
+def selection_options(fn: F) -> F:
+    """``--fail-on`` and ``--ignore``, declared once."""
+    return FAIL_ON(IGNORE(fn))
 
 
 def chosen_policies(

@@ -19,7 +19,7 @@ from typing import Any
 import click
 import polars as pl
 
-from analysis.flags import by_severity, severity
+from replay.analysis.flags import by_severity, severity
 
 JSON_VERSION = 1
 
@@ -55,7 +55,7 @@ def variant(policy: str, cache: str, coordinator: str, **rest: Any) -> dict[str,
 
 
 def info(data: Mapping[str, Any]) -> dict[str, Any]:
-    """``replay info``: ``analysis.summary.trace_info`` under the shared keys."""
+    """``replay info``: ``replay.analysis.summary.trace_info`` under the shared keys."""
     renamed = {
         "path": "trace",
         "lookup_prompt_tokens": "prompt_tokens",

@@ -15,20 +15,20 @@ from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
     Names,
+    cache_option,
     chosen_policies,
     count_option,
     integer_type,
     output_option,
-    repeated_choice,
-    vllm_option,
+    policy_options,
+    selection_options,
 )
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import (
-    CACHES,
     COORDINATORS,
+    DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
-    POLICIES,
 )
 from replay.tools.render import (
     check_lines,
@@ -39,26 +39,10 @@ from replay.tools.render import (
     run_summary_lines,
 )
 
-POLICY = click.option(
-    "--policy",
-    type=Names(POLICIES, "policy"),
-    default=None,
-    help="Coordinator semantics (default: a results file's own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}): "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
-)
-CACHE = click.option(
-    "--cache",
-    type=Names(CACHES, "cache"),
-    default=None,
-    help="Which vLLM cache answers: "
-    + "; ".join(f"{c.name}: {c.description}" for c in CACHES.values())
-    + ". Default: the trace's source.cache (recorded KV events: gpu), else mooncake.",
-)
 COORDINATOR = click.option(
     "--coordinator",
     type=Names(COORDINATORS, "coordinator"),
-    default="reference",
+    default=DEFAULT_COORDINATOR,
     show_default=True,
     help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
 )
@@ -76,22 +60,11 @@ SEQ = click.option(
     "Results file (default: NAME.results.parquet beside the trace). With several "
     "--policy, each policy's name goes before the suffix."
 )
-@repeated_choice(
-    "--policy",
-    "policies",
-    POLICIES,
-    f"Coordinator semantics (default {DEFAULT_POLICY}); repeat it for one results file "
-    "per policy from one fold: "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
+@policy_options(
+    "whose semantics answer each lookup; repeat it for one results file per policy from one fold",
+    multiple=True,
 )
-@repeated_choice(
-    "--cache",
-    "caches",
-    CACHES,
-    "Which vLLM cache answers (default: the trace's source.cache, else mooncake); "
-    "repeat it for one results file per cache from the same fold.",
-)
-@vllm_option(multiple=True)
+@cache_option("Repeat it for one results file per cache from the same fold", multiple=True)
 @COORDINATOR
 @WORKERS
 @RAY
@@ -123,18 +96,19 @@ def run(
 
     Exit status 0 whatever the flags (use `replay check` to fail on them), 2 on bad input.
     """
-    from analysis.flags import (
-        counts_text,
+    from replay.analysis.flags import (
         flag_counts,
         flag_examples,
         flag_results,
         flags_table,
-        save_results,
         severity,
+        worst_first,
     )
-    from analysis.summary import run_summary
+    from replay.analysis.summary import run_summary
     from replay.engine.run import ReplayOptions, replay
+    from replay.format.link import save_results
     from replay.format.paths import PARQUET, check_outputs, output_format, staged_outputs
+    from replay.tools.render import counts_text
 
     policies = chosen_policies(
         trace, dict.fromkeys(policies), dict.fromkeys(vllm_versions), quiet=quiet, most=None
@@ -208,7 +182,7 @@ def run(
     if quiet:
         return
     for summary in summaries:
-        for line in run_summary_lines(summary, counts_text(summary["flags"])):
+        for line in run_summary_lines(summary, counts_text(worst_first(summary["flags"]))):
             click.echo(line)
 
 
@@ -242,16 +216,8 @@ def _followed(
 @TRACE_OR_RESULTS
 @click.option("--request", "request_id", required=True, help="The request_id of a lookup.")
 @SEQ
-@click.option(
-    "--policy",
-    type=Names(POLICIES, "policy"),
-    default=None,
-    help="Coordinator semantics (default: the results' own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}): "
-    + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()),
-)
-@vllm_option()
-@CACHE
+@policy_options("whose semantics explain the lookup", results=True)
+@cache_option()
 @COORDINATOR
 def explain(
     trace: Path,
@@ -265,10 +231,11 @@ def explain(
     """Show how the coordinator decided one request's hit, step by step, and
     the lookup's flags. Given a RESULTS file, explains in its trace (which
     the results lead to) under its policy and cache."""
-    from analysis.flags import flag_lines, lookup_flags
-    from replay.engine.answers import resolve_cache
+    from replay.analysis.flags import lookup_flags
     from replay.engine.replay import explain_lookups
+    from replay.rules.coordinator import resolve_cache
     from replay.tools.lookup_choice import choose_lookup
+    from replay.tools.render import flag_lines
 
     trace, policy, cache = _followed(trace, policy, vllm_versions, cache, alias_notes=False)
 
@@ -293,30 +260,12 @@ def explain(
         click.echo("")
 
 
-FAIL_ON = click.option(
-    "--fail-on",
-    "fail_on",
-    multiple=True,
-    metavar="SEVERITY|FLAG,...",
-    help="Which flags fail: severities (corruption, inconsistent, performance, observed), "
-    "flag names or all, comma-separated  [default: corruption]",
-)
-IGNORE = click.option(
-    "--ignore",
-    multiple=True,
-    metavar="FLAG|SEVERITY,...",
-    help="Flags (or severities) that never fail, taken from what --fail-on selects.",
-)
-
-
 @command()
 @click.argument("path", type=click.Path(path_type=Path))
-@POLICY
-@vllm_option()
-@CACHE
+@policy_options("whose semantics the flags are checked under (a trace is replayed)", results=True)
+@cache_option()
 @COORDINATOR
-@FAIL_ON
-@IGNORE
+@selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: flags and counts.")
 @count_option("--examples", default=10, help="Flagged lookups to list.")
 def check(
@@ -338,10 +287,11 @@ def check(
     `replay run` (checked as it is, against its trace). Every flag is
     listed with its severity, worst first.
     """
-    from analysis.check import check_path
-    from analysis.flags import counts_text, flag_counts, flag_examples
-    from analysis.selection import failing, select_flags, selection_text
+    from replay.analysis.check import check_path
+    from replay.analysis.flags import flag_counts, flag_examples, worst_first
+    from replay.analysis.selection import failing, select_flags, selection_text
     from replay.format.results import is_results_file, results_info
+    from replay.tools.render import counts_text
 
     selected = select_flags(fail_on, ignore)
     chosen = selection_text(fail_on, ignore)
@@ -362,9 +312,9 @@ def check(
     counts = flag_counts(flags)
     fails = failing(counts, selected)
     if as_json:
-        from replay.engine.answers import resolve_cache
         from replay.format.results import results_cache
         from replay.format.tracedir import open_trace
+        from replay.rules.coordinator import resolve_cache
 
         if is_results_file(path):
             info = results_info(path)
@@ -398,12 +348,17 @@ def check(
         lookups = flags["seq"].n_unique() if counts else 0
         failed = flags.filter(flags["flag"].is_in(list(fails)))["seq"].n_unique() if fails else 0
         verdict = (
-            f"fail ({chosen}): {counted(failed, 'lookup')} with {counts_text(fails)}"
+            f"fail ({chosen}): {counted(failed, 'lookup')} with {counts_text(worst_first(fails))}"
             if fails
             else f"pass ({chosen}): no flag it selects"
         )
         for line in check_lines(
-            path, policy_used, counts_text(counts), lookups, flag_examples(flags, examples), verdict
+            path,
+            policy_used,
+            counts_text(worst_first(counts)),
+            lookups,
+            flag_examples(flags, examples),
+            verdict,
         ):
             click.echo(line)
     if fails:
@@ -435,15 +390,8 @@ def _shrinking(bar: Bar) -> Callable[[int, int, int], None]:
     help="Keep this flag, e.g. mamba_overrun (`replay check --help` names them all; default: "
     "any flag).",
 )
-@click.option(
-    "--policy",
-    type=Names(POLICIES, "policy"),
-    default=None,
-    help="Policy under which the flag fires (default: the results' own, else the trace's "
-    f"source.vllm_version, else {DEFAULT_POLICY}).",
-)
-@vllm_option()
-@CACHE
+@policy_options("under which the flag fires", results=True, described=False)
+@cache_option()
 @output_option("The small trace to write.", required=True)
 def minimize(
     trace: Path,
@@ -458,7 +406,7 @@ def minimize(
     """Shrink TRACE to a small trace on which REQUEST still raises the flag,
     with its expectation (per policy) in the metadata: ready for traces/.
     Given a RESULTS file, shrinks its trace under its policy and cache."""
-    from analysis.flags import FLAG_KINDS, add_flags
+    from replay.analysis.flags import FLAG_KINDS, add_flags
     from replay.format.paths import PARQUET, check_outputs
     from replay.tools.minimize import minimize as run_minimize
 

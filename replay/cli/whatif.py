@@ -1,34 +1,29 @@
-"""``replay whatif``: click only, over ``replay.whatif.sweep``."""
+"""``replay whatif``: click only, over the one what-if call (``replay.whatif.run.whatif``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
-from replay.base.errors import Interrupted
 from replay.base.text import counted
 from replay.base.units import MAX_POINTS, Capacity, log_spaced, parse_capacities, parse_capacity
 from replay.cli.common import command, fail
 from replay.cli.options import (
     RETENTION_HELP,
     SIZE_LIMIT,
-    Names,
+    cache_option,
     chosen_policies,
     count_option,
     fraction_type,
     optional_retention,
     output_option,
+    policy_options,
     release_retention,
 )
 from replay.cli.progress import Bar, progress_bar
-from replay.rules.coordinator import CACHES, DEFAULT_POLICY, POLICIES
 from replay.tools.render import sweep_lines
 
 
@@ -84,7 +79,7 @@ def _names(values: tuple[str, ...]) -> list[str]:
             name = name.strip()
             if name not in EVICTIONS:
                 raise fail(
-                    f"--eviction: unknown policy {name!r}, expected one of {', '.join(EVICTIONS)}"
+                    f"--eviction: unknown eviction order {name!r}, expected one of {', '.join(EVICTIONS)}"
                 )
             if name not in out:
                 out.append(name)
@@ -109,7 +104,7 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
 
 @command(
     "whatif",
-    short_help="Hit ratios of TRACE's requests under other cache sizes and eviction policies.",
+    short_help="Hit ratios of TRACE's requests under other cache sizes and eviction orders.",
 )
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
@@ -154,31 +149,17 @@ def _sweep_progress(bar: Bar) -> Callable[[int, int, int, int], None]:
     multiple=True,
     default=("lru",),
     show_default=True,
-    help="Eviction policies, repeated or comma-separated: lru (gpu: vLLM's own free-queue "
+    help="Eviction orders, repeated or comma-separated: lru (gpu: vLLM's own free-queue "
     "order), fifo, lfu, belady (offline: evicts the key whose next use is furthest ahead; "
     "the optimum for independent keys, a near-upper bound for prefix chains).",
 )
-@click.option(
-    "--cache",
-    type=Names(CACHES, "cache"),
-    default=None,
-    help="gpu: vLLM's engine block pool; mooncake: a capacity-bounded external store. "
-    "Default: the trace's source.cache, else mooncake.",
+@cache_option(
+    "Simulated at each capacity: gpu as vLLM's engine block pool, mooncake as a "
+    "capacity-bounded external store"
 )
-@click.option(
-    "--policy",
-    type=Names(POLICIES, "policy"),
-    default=None,
-    help=f"The vLLM release policy: the semantics that compute each hit, and the "
-    f"stores each request leaves behind [default: the trace's recorded release, "
-    f"else {DEFAULT_POLICY}].",
-)
-@click.option(
-    "--vllm",
-    "vllm_version",
-    metavar="VERSION",
-    default=None,
-    help="Simulate this vLLM release (e.g. 0.26.0): its policy's hits and stores.",
+@policy_options(
+    "whose semantics compute each hit and the stores each request leaves behind",
+    described=False,
 )
 @click.option(
     "--retention-interval",
@@ -225,7 +206,7 @@ def whatif(
     evictions: tuple[str, ...],
     cache: str | None,
     policy: str | None,
-    vllm_version: str | None,
+    vllm_versions: tuple[str, ...],
     retention_interval: int | str | None,
     max_num_batched_tokens: int,
     output: Path,
@@ -235,11 +216,11 @@ def whatif(
     quiet: bool,
 ) -> None:
     """Re-simulate TRACE's requests against a cache of other sizes and
-    eviction policies, with the exact hybrid semantics of the chosen vLLM release
+    eviction orders, with the exact hybrid semantics of the chosen vLLM release
     (--vllm/--policy, else the trace's recorded release, else 0.33): the trace's
     store/remove/clear rows are dropped; each lookup, in seq order, gets its
     hit from the simulated cache, then leaves behind the stores vLLM would
-    make for that hit, evicting per the policy. Requests run one at a time
+    make for that hit, evicting in the eviction order. Requests run one at a time
     (no concurrency model), prefill only. Writes one row per (capacity,
     eviction) to OUTPUT with the hit ratio, hit tokens, evictions and the
     per-request hit-ratio percentiles and its method (gpu LRU capacities
@@ -248,12 +229,10 @@ def whatif(
     kernels do not cover the configuration), and the unbounded cache's ceiling in its metadata; `replay report OUTPUT` charts it. SIGINT, SIGTERM
     or SIGHUP writes the runs that finished (marked partial) and, with
     --emit-traces, the traces of exactly those runs, together."""
-    from analysis.flags import sweep_flag_counts
-    from replay.engine.answers import resolve_cache
-    from replay.format.paths import PARQUET, check_outputs, staged_outputs
-    from replay.whatif.requests import load_requests
-    from replay.whatif.sizes import block_bytes, page_sizes
-    from replay.whatif.sweep import PERCENTILE_COLUMNS, RunSpec, emit_path, sweep, write_sweep
+    from replay.analysis.flags import sweep_flag_counts
+    from replay.format.paths import PARQUET, check_outputs
+    from replay.whatif.run import Sweep, WhatifOptions
+    from replay.whatif.run import whatif as simulate
 
     # Every number is parsed and every output checked before any work.
     capacities = _capacities(capacity, capacity_blocks, capacity_bytes, points, low, high)
@@ -266,150 +245,44 @@ def whatif(
     names = _names(evictions)
     # The one policy rule of every command that reads a trace: --policy, else
     # --vllm, else the release that recorded the trace, else the default.
-    (policy,) = chosen_policies(
-        trace, (policy,) if policy else (), (vllm_version,) if vllm_version else ()
-    )
-    retention = release_retention(retention_interval, policy)
-    requests = load_requests(trace)
-    config = requests.config
-    cache_name = resolve_cache(config, cache)
-    found = page_sizes(config, page_bytes, None if model_config is None else str(model_config))
-    pages, page_source = found if found is not None else (None, None)
-    unit = capacities[0].unit
-    if unit == "bytes" and pages is None:
-        raise fail(
-            f"capacity {capacities[0].text!r}: bytes need the groups' page sizes, which the "
-            "trace does not record: give --page-bytes (e.g. 2MiB, or one per group: "
-            "2MiB,512KiB) or --model-config config.json"
-        )
-    working_set = requests.working_set_blocks()
-    cost = block_bytes(pages) if pages is not None else None
-    sizes: list[tuple[int, int | None]] = []
-    for c in capacities:
-        n = c.blocks(block_bytes=cost, working_set=working_set)
-        if unit == "bytes" and cache_name == "mooncake":
-            sizes.append((n, c.bytes))
-        else:
-            sizes.append((n, c.bytes if c.bytes is not None else (n * cost if cost else None)))
-    run = functools.partial(
-        RunSpec,
-        cache=cache_name,
-        policy=policy,
-        retention_interval=retention,
-        max_num_batched_tokens=max_num_batched_tokens,
-        page_bytes=pages if unit == "bytes" else None,
-    )
-    sample_info: dict[str, object] | None = None
-    scale = 1.0
-    if sample is not None:
-        requests, sample_info = requests.sample(sample)
-        scale = sample
-        sample_info["capacities"] = (
-            f"each run simulates {sample:g} x its capacity on the sampled sessions "
-            "(spatial sampling); rows give the full trace's capacity"
-        )
-
-    def simulated(n: int, b: int | None) -> tuple[int, int | None]:
-        if scale == 1.0:
-            return n, b
-        return max(1, round(n * scale)), None if b is None else max(1, round(b * scale))
-
-    specs = [
-        run(eviction=e, capacity_blocks=sim_n, capacity_bytes=sim_b)
-        for n, b in sizes
-        for e in names
-        for sim_n, sim_b in [simulated(n, b)]
-    ]
-    given = [(n, b) for n, b in sizes for _ in names]
-    # The emitted traces and the sweep file appear together or not at all; a
-    # signal publishes the finished runs (marked partial) with their traces
-    # (the README's one rule, "Outputs on a signal").
-    with staged_outputs() as stage:
-        if emit_traces is not None:
-            staging = stage.directory(emit_traces, "--emit-traces")
-            specs = [dataclasses.replace(spec, emit=emit_path(staging, spec)) for spec in specs]
-        # The unbounded ceiling: a cache that never evicts (checked below).
-        room = requests.working_set_blocks() + 2 * requests.max_request_blocks() + 64
-        ceiling_spec = run(
-            eviction="lru", capacity_blocks=room, capacity_bytes=None, page_bytes=None
-        )
-        started = time.perf_counter()
-        rows: dict[int, dict[str, Any]] = {}
-        meta: dict[str, Any] = {
-            "version": 1,
-            "trace": trace.name,
-            "trace_config": config.to_json(),
-            "cache": cache_name,
-            "policy": policy,
-            "vllm_version": vllm_version,
-            "retention_interval": retention,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "page_bytes": list(pages) if pages else None,
-            "page_bytes_source": page_source,
-            "block_bytes": cost,
-            "capacity_unit": unit,
-            "capacities": [c.text for c in capacities],
-            "working_set_blocks": working_set,
-            "sample": sample_info,
-            "ceiling": None,
-            "partial": False,
-        }
-
-        def keep(k: int, row: dict[str, Any]) -> None:
-            if k < len(specs):
-                n, b = given[k]
-                # The run's facts judged: one count per flag kind.
-                counted = sweep_flag_counts([row], config)[0]
-                rows[k] = {**counted, "capacity_blocks": n, "capacity_bytes": b}
-            else:
-                meta["ceiling"] = {
-                    c: row[c]
-                    for c in ("capacity_blocks", "hit_ratio", "hit_tokens", "evicted_blocks")
-                } | {p: row[p] for p in PERCENTILE_COLUMNS}
-
-        def finished_rows() -> list[dict[str, Any]]:
-            return [rows[k] for k in sorted(rows)]
-
-        try:
-            with progress_bar(quiet) as bar:
-                sweep(
-                    requests,
-                    [*specs, ceiling_spec],
+    (policy,) = chosen_policies(trace, (policy,) if policy else (), vllm_versions)
+    partial: list[Sweep] = []
+    try:
+        with progress_bar(quiet) as bar:
+            result = simulate(
+                trace,
+                WhatifOptions(
+                    capacities=tuple(capacities),
+                    evictions=tuple(names),
+                    cache=cache,
+                    policy=policy,
+                    vllm_version=next(iter(vllm_versions), None),
+                    retention_interval=release_retention(retention_interval, policy),
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    page_bytes=page_bytes,
+                    model_config=model_config,
+                    sample=sample,
                     jobs=jobs or os.cpu_count() or 1,
+                    output=output,
+                    emit_traces=emit_traces,
+                    count_flags=sweep_flag_counts,
                     progress=None if bar is None else _sweep_progress(bar),
-                    on_row=keep,
-                )
-        except (KeyboardInterrupt, Interrupted):
-            # A signal mid-sweep: the finished runs, marked partial, and the
-            # traces exactly those runs emitted, published together; an
-            # unfinished run's trace (or a killed worker's temporary file)
-            # never. An error publishes nothing.
-            if rows:
-                meta["partial"] = True
-                meta["seconds"] = time.perf_counter() - started
-                write_sweep(stage.file(output), finished_rows(), meta)
-                if emit_traces is not None:
-                    done = {Path(str(specs[k].emit)).name for k in rows}
-                    for entry in staging.iterdir():
-                        if entry.name not in done:
-                            entry.unlink(missing_ok=True)
-                stage.publish()
-                emitted = f" and their traces in {emit_traces}" if emit_traces is not None else ""
-                click.echo(
-                    f"wrote {output}{emitted}: partial, {len(rows):,} of {counted(len(specs), 'run')} "
-                    "finished",
-                    err=True,
-                )
-            raise
-        ceiling = meta["ceiling"]
-        if ceiling is not None and ceiling["evicted_blocks"]:
-            meta["ceiling"] = None  # not unbounded after all: say nothing rather than a bound
-        seconds = time.perf_counter() - started
-        meta["seconds"] = seconds
-        out_rows = finished_rows()
-        write_sweep(stage.file(output), out_rows, meta)
+                    on_partial=partial.append,
+                ),
+            )
+    except BaseException:
+        emitted = f" and their traces in {emit_traces}" if emit_traces is not None else ""
+        for p in partial:
+            click.echo(
+                f"wrote {output}{emitted}: partial, {len(p.rows):,} of {counted(p.runs, 'run')} "
+                "finished",
+                err=True,
+            )
+        raise
     if quiet:
         return
-    for line in sweep_lines(trace, len(requests), meta, out_rows):
+    for line in sweep_lines(trace, result.requests, result.metadata, result.rows):
         click.echo(line)
-    click.echo(f"wrote {output} ({counted(len(out_rows), 'run')} in {seconds:.1f} s)")
+    click.echo(
+        f"wrote {output} ({counted(len(result.rows), 'run')} in {result.metadata['seconds']:.1f} s)"
+    )

@@ -56,16 +56,10 @@ from replay.rules.coordinator import (
     LookupOutcome,
     get_cache,
     get_policy,
-    trace_cache,
+    resolve_cache,
 )
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.store import LookupEvent
-
-
-def resolve_cache(config: TraceConfig, cache: str | None) -> str:
-    """The cache that answers: the one asked for, else the one the trace's
-    events describe (``source.cache``), else the Mooncake store."""
-    return get_cache(cache).name if cache is not None else trace_cache(config.source)
 
 
 def make_coordinator(
@@ -500,7 +494,7 @@ def results_frame(
     alignment: int,
 ) -> pl.DataFrame:
     """A variant's answers and facts, one row per lookup: the results but
-    their flags (``ANSWER_SCHEMA``; ``analysis.flags`` adds those)."""
+    their flags (``ANSWER_SCHEMA``; ``replay.analysis.flags`` adds those)."""
     schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
     if lookup_rows:
         rows = pl.concat(lookup_rows, rechunk=True).to_arrow()

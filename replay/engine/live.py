@@ -30,7 +30,7 @@ class LiveFold:
 
     ``feed`` takes the engine's rows in seq order (store / remove / clear /
     lookup, as the recorder makes them) and returns the answers of their
-    lookups (the results columns without flags; ``analysis.flags`` judges
+    lookups (the results columns without flags; ``replay.analysis.flags`` judges
     them). A clear row (an engine restart) empties the store as vLLM's new
     engine starts empty."""
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Progress, Variant, resolve_cache
-from replay.rules.coordinator import DEFAULT_POLICY
+from replay.engine.answers import Progress, Variant
+from replay.rules.coordinator import DEFAULT_COORDINATOR, DEFAULT_POLICY, resolve_cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -19,14 +19,15 @@ class ReplayOptions:
 
     The variants are every policy in every cache (policy by policy), each
     answered by ``coordinator``; ``variants`` names them one by one instead
-    (``replay diff``'s two sides). A cache of None is the trace's own
-    (``resolve_cache``). Every variant comes from one fold of the trace."""
+    (``replay diff``'s two sides). A cache of None in ``caches`` is the
+    trace's own (``resolve_cache``). Every variant comes from one fold of the trace."""
 
     policies: tuple[str, ...] = (DEFAULT_POLICY,)
     caches: tuple[str | None, ...] = (None,)
-    coordinator: str = "reference"
-    #: Explicit variants (a cache of None: the trace's); replaces the above.
-    variants: tuple[tuple[str, str | None, str], ...] = ()
+    coordinator: str = DEFAULT_COORDINATOR
+    #: Explicit variants, each a policy in a named cache by a coordinator;
+    #: replaces the above.
+    variants: tuple[Variant, ...] = ()
     #: Also keep, per lookup and group, which hash units the store held.
     unit_present: bool = False
     #: Key shards of the store in this process (one: the serial replay).
@@ -50,8 +51,10 @@ class ReplayOptions:
         serial run does, duplicates dropped."""
         if self.variants:  # as named, even twice the same (``replay diff``)
             return [
-                Variant(policy=p, cache=resolve_cache(config, c), coordinator=k)
-                for p, c, k in self.variants
+                Variant(
+                    policy=v.policy, cache=resolve_cache(config, v.cache), coordinator=v.coordinator
+                )
+                for v in self.variants
             ]
         if not self.policies or not self.caches:
             raise ReplayError("no policy or cache to replay under")

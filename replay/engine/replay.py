@@ -21,10 +21,10 @@ from typing import Any
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Answers, Progress, Variant, resolve_cache
+from replay.engine.answers import Answers, Progress, Variant
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
-from replay.rules.coordinator import LookupOutcome
+from replay.rules.coordinator import DEFAULT_COORDINATOR, LookupOutcome, resolve_cache
 from replay.rules.facts import LookupFacts
 from replay.rules.store import ClearEvent, LookupEvent, RemoveEvent, Store, StoreEvent, fold
 
@@ -102,7 +102,7 @@ def explain_lookups(
     path: TraceSource,
     select: Callable[[LookupEvent[bytes]], bool],
     policy: str,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
     *,
     cache: str | None = None,
     until_seq: int | None = None,

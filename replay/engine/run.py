@@ -6,19 +6,20 @@ Every face calls ``replay``: ``replay run``, ``replay check``, ``replay diff``,
 benchmark. Its options are one frozen dataclass (``ReplayOptions``); a
 refusal is a ``ReplayError`` (a one-line message the CLI prints). The results
 hold each lookup's answer and facts; the flags are the analyses' to add
-(``analysis.flags.flag_results``)."""
+(``replay.analysis.flags.flag_results``)."""
 
 from __future__ import annotations
 
 import os
 
 from replay.base.errors import ReplayError
-from replay.engine.answers import Answers, ReplayResult
+from replay.engine.answers import Answers, ReplayResult, Variant
 from replay.engine.options import ReplayOptions
 from replay.engine.shard import replay_answers
 from replay.format.tracedir import TraceSource, open_trace
+from replay.rules.coordinator import get_coordinator
 
-__all__ = ["ReplayOptions", "replay"]
+__all__ = ["ReplayOptions", "Variant", "replay"]
 
 
 def replay(trace: TraceSource, options: ReplayOptions | None = None) -> list[ReplayResult]:
@@ -44,11 +45,16 @@ def replay(trace: TraceSource, options: ReplayOptions | None = None) -> list[Rep
 
 
 def _on_ray(trace: TraceSource, options: ReplayOptions) -> list[ReplayResult]:
-    where = "--ray" if options.ray_address is not None else "--workers"
-    if any(k != "reference" for k in [options.coordinator, *(v[2] for v in options.variants)]):
-        raise ReplayError("--coordinator vllm runs in one process: drop --workers/--ray to use it")
+    where = "`ray_address`" if options.ray_address is not None else "`workers`"
+    if any(
+        not get_coordinator(k).on_ray
+        for k in [options.coordinator, *(v.coordinator for v in options.variants)]
+    ):
+        raise ReplayError(
+            "`coordinator` vllm runs in one process: drop `workers`/`ray_address` to use it"
+        )
     if options.unit_present:
-        raise ReplayError("--unit-present runs in one process: drop --workers/--ray")
+        raise ReplayError("`unit_present` runs in one process: drop `workers`/`ray_address`")
     if not isinstance(trace, str | os.PathLike):
         raise ReplayError(f"{where}: Ray replays a trace file or directory by its path")
     from replay.engine.cluster import import_ray, replay_on_ray

@@ -227,7 +227,7 @@ def fold_rows(
 class StoredKeys:
     """The distinct stored ``(group, hash)`` keys of a trace, exact: every
     store folded into one table by the compiled fold, removes and clears
-    skipped (``replay info``'s count; analysis.summary calls it batch by
+    skipped (``replay info``'s count; replay.analysis.summary calls it batch by
     batch, in the same pass as its other figures)."""
 
     def __init__(self, num_groups: int) -> None:

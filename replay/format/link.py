@@ -19,10 +19,12 @@ import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import polars as pl
 
 from replay.base.errors import ReplayError
-from replay.format.results import is_results_file, results_info
+from replay.format.results import is_results_file, results_info, write_results
 from replay.format.tracedir import trace_files
 
 _TAIL = 64 * 1024
@@ -103,3 +105,23 @@ def trace_of(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any] | None]
             f"led back to traces); give the trace ({info.get('trace', 'its name unknown')})"
         )
     return trace, info
+
+
+class Replayed(Protocol):
+    """What a results file is written from (``replay.engine.answers.ReplayResult``)."""
+
+    @property
+    def results(self) -> pl.DataFrame: ...
+
+    @property
+    def trace_path(self) -> str: ...
+
+    def metadata(self) -> dict[str, Any]: ...
+
+
+def save_results(result: Replayed, out: str | os.PathLike[str]) -> Path:
+    """Write a replay's results file: its answers, facts and flags (the
+    analyses add them: ``replay.analysis.flags.flag_results``), with the path
+    (relative to ``out``) and the fingerprint of the trace they came from."""
+    meta = {**result.metadata(), **link(result.trace_path, out)}
+    return write_results(out, result.results.to_arrow(), meta)

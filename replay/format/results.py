@@ -50,7 +50,7 @@ def write_results(
         if name not in table.column_names:
             raise ReplayError(
                 f"{path}: results without their {name!r} column (replay with "
-                "analysis.flags.flag_results, which flags every lookup from its facts)"
+                "replay.analysis.flags.flag_results, which flags every lookup from its facts)"
             )
         if table.column(name).null_count:
             raise ReplayError(f"{path}: results with a null {name!r} (a lookup never flagged)")

@@ -294,7 +294,7 @@ class GpuCache:
         *,
         policy: str | Policy = "vllm-0.33",
         eviction: str = "lru",
-        store_policy: StoreSettings | None = None,
+        store_settings: StoreSettings | None = None,
         next_use: Callable[[Hashable, int], int] | None = None,
         on_key: KeyListener | None = None,
         max_model_len: int = 1 << 20,
@@ -312,7 +312,7 @@ class GpuCache:
                     f"kv_cache_groups[{gid}]: the GPU block-pool model needs block_size "
                     f"{g.block_size} equal to hash_block_size {config.hash_block_size}"
                 )
-        sp = store_policy or StoreSettings(cache="gpu")
+        sp = store_settings or StoreSettings(cache="gpu")
         if sp.cache != "gpu":
             raise ReplayError("the GPU block pool caches by the gpu store rules")
         free_order = sp.stores.free_order

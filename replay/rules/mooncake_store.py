@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from replay.base.deprecation import renamed
 from replay.base.errors import ReplayError
 from replay.rules.blockpool import EvictionOrder
 
@@ -241,6 +242,6 @@ class DenseLru:
         self.count = 0
 
 
-#: Deprecated name of ``MooncakeCache``, kept while the what-if (edited on
-#: another branch) imports it; new code says MooncakeCache.
-MooncakeStore = MooncakeCache
+#: ``MooncakeStore``, the old name of ``MooncakeCache`` ("store" is the
+#: event-sourced key state), kept for outside callers: it warns.
+__getattr__ = renamed(__name__, {"MooncakeStore": ("MooncakeCache", MooncakeCache)})

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from replay.base.deprecation import renamed
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator import (
@@ -140,9 +141,9 @@ class StoreSettings:
         return out
 
 
-#: Deprecated name of ``StoreSettings``, kept while the CLI and the what-if
-#: (edited on other branches) still import it; new code says StoreSettings.
-StorePolicy = StoreSettings
+#: ``StorePolicy``, the old name of ``StoreSettings`` ("policy" is a vLLM
+#: release), kept for outside callers: it warns.
+__getattr__ = renamed(__name__, {"StorePolicy": ("StoreSettings", StoreSettings)})
 
 
 def replay_boundaries(num_tokens: int, alignment: int, use_eagle: bool) -> tuple[int, ...]:

@@ -27,19 +27,24 @@ import polars as pl
 
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
-from replay.engine.answers import resolve_cache
 from replay.engine.replay import iter_events
 from replay.engine.run import ReplayOptions, replay
 from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
 from replay.format.writer import events_table, write_trace
-from replay.rules.coordinator import CACHES, Coordinator, check_config, pinned_policies
+from replay.rules.coordinator import (
+    CACHES,
+    Coordinator,
+    check_config,
+    pinned_policies,
+    resolve_cache,
+)
 
 Row = dict[str, Any]
 
 #: Adds ``flags`` to a results frame of a trace of that configuration
-#: (``analysis.flags.add_flags``).
+#: (``replay.analysis.flags.add_flags``).
 Judge = Callable[[pl.DataFrame, TraceConfig], pl.DataFrame]
 
 

@@ -1,7 +1,7 @@
 """Plain text of the project's objects, shared by the CLI and the reports
 (no I/O here): tables, group labels, the explain table, and every summary a
 command prints (of a trace, a replay, a check, a sweep, a written or recorded trace).
-The figures come from ``analysis.summary``; this module only words them."""
+The figures come from ``replay.analysis.summary``; this module only words them."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def validate_line(path: Path, info: Mapping[str, Any]) -> str:
 
 
 def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: str) -> list[str]:
-    """``replay info``: ``analysis.summary.trace_info`` of a trace whose
+    """``replay info``: ``replay.analysis.summary.trace_info`` of a trace whose
     replays ``cache`` answers."""
     first, last = info["seq_range"]
     span = info["time_span"]
@@ -248,9 +248,9 @@ def info_lines(path: Path, info: Mapping[str, Any], config: TraceConfig, cache: 
 
 
 def run_summary_lines(s: Mapping[str, Any], flags_text: str) -> list[str]:
-    """``replay run``: ``analysis.summary.run_summary`` with the flagged
+    """``replay run``: ``replay.analysis.summary.run_summary`` with the flagged
     ``examples`` and the ``results`` path; ``flags_text`` words its flag
-    counts (``analysis.flags.counts_text``)."""
+    counts (``counts_text``)."""
     lines = [
         f"replayed {counted(s['events'], 'event')} ({kinds_text(s['events_by_kind'])}) with "
         f"{s['coordinator']} coordinator, policy {s['policy']}, {s['cache']} cache",
@@ -498,3 +498,18 @@ def record_summary_text(s: RecordSummary) -> str:
     if s.skipped:
         parts.append(f"{s.skipped} malformed skipped")
     return ", ".join(parts)
+
+
+def flag_lines(flags: Sequence[Any]) -> str:
+    """A lookup's flags (``replay.analysis.flags.lookup_flags``: worst first, each
+    with its ``flag``, ``severity`` and ``detail``) as ``replay explain``
+    prints them under its table."""
+    if not flags:
+        return "flags: none"
+    return "\n".join(["flags:", *(f"  {f.flag} ({f.severity}): {f.detail}" for f in flags)])
+
+
+def counts_text(counts: Sequence[tuple[str, int, str]]) -> str:
+    """Lookups per flag (``replay.analysis.flags.worst_first``), each with its
+    severity: ``mamba_overrun 87 (corruption), eagle_not_dropped 18 (performance)``."""
+    return ", ".join(f"{f} {n:,} ({s})" for f, n, s in counts)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.flags import by_severity, severity
+from replay.analysis.flags import by_severity, severity
 
 #: Lags kept for the status line's and the summary's percentiles (the
 #: Prometheus histogram keeps the whole distribution in buckets).

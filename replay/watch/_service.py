@@ -5,7 +5,7 @@ plugin's lookups, its replay endpoint) gives rows in their exact order; its
 store is folded and each lookup answered by the one replay
 (``replay.engine.live.LiveFold``) under the policy of the vLLM release the
 engine reports (``--policy`` overrides), then judged by the flags of
-``replay check`` (``analysis.flags``), the observed hit against the
+``replay check`` (``replay.analysis.flags``), the observed hit against the
 policy's among them. The verdicts become counters (the status line, the
 Prometheus exporter), one JSON line per flagged lookup (``--flags-out``),
 and the rows go to a rolling trace (``-o DIR``: one trace directory per
@@ -32,8 +32,8 @@ from typing import IO, Any
 import polars as pl
 import zmq
 
-from analysis.flags import add_flags, by_severity, severity
-from analysis.summary import prompt_tokens_expr
+from replay.analysis.flags import add_flags, by_severity, severity
+from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold

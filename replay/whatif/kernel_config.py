@@ -17,7 +17,7 @@ from replay.rules.coordinator import get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import hit_alignment, partial_hits
 from replay.rules.coordinator.stores import STORES_033, policy_stores
-from replay.rules.store_rules import StorePolicy, StoreRules
+from replay.rules.store_rules import StoreRules, StoreSettings
 
 FA, SWA, MAMBA = tables.FA, tables.SWA, tables.MAMBA
 LRU, FIFO, LFU, BELADY = 0, 1, 2, 3
@@ -110,20 +110,20 @@ def shape_supported(config: TraceConfig, cache: str, kinds: Mapping[GroupKind, i
 def compile_config(
     config: TraceConfig,
     policy: str,
-    store_policy: StorePolicy,
+    store_settings: StoreSettings,
     eviction: str,
     capacity: int,
     num_keys: int,
     max_model_len: int = 1 << 20,
 ) -> KernelConfig:
     lookup = lookup_tables(config, policy, "gpu")
-    rules = StoreRules(config, store_policy)
+    rules = StoreRules(config, store_settings)
     params = np.zeros(P_LEN, dtype=np.int64)
     params[P_HBS] = config.hash_block_size
     params[P_ALIGN] = lookup.alignment
     params[P_A] = rules.alignment
-    params[P_BUDGET] = store_policy.max_num_batched_tokens
-    r = store_policy.retention_interval
+    params[P_BUDGET] = store_settings.max_num_batched_tokens
+    r = store_settings.retention_interval
     params[P_RETENTION] = -1 if r is None else r
     params[P_HAS_MAMBA] = rules.has_mamba
     params[P_UNITARY] = rules.unitary

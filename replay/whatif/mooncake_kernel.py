@@ -37,7 +37,7 @@ from replay.rules.compiled.tables import O_GROUPS, O_HIT, O_LOADED, O_MASK, O_WI
 from replay.rules.coordinator import DEFAULT_POLICY, get_policy
 from replay.rules.coordinator.cache import MIRROR
 from replay.rules.coordinator.stores import STORES_033, policy_stores
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.whatif.kernel_config import (
     BELADY,
     EVICTION_CODES,
@@ -94,11 +94,11 @@ def supported(config: TraceConfig, policy: str | None = None) -> str | None:
 
 
 def compile_mooncake(
-    config: TraceConfig, policy: str, store_policy: StorePolicy, num_keys: int
+    config: TraceConfig, policy: str, store_settings: StoreSettings, num_keys: int
 ) -> KernelConfig:
     """The gpu kernel's arrays for the store rules (which do not depend on
     the cache, but for the junction), with the lookup's tables the mirror's."""
-    base = compile_config(config, DEFAULT_POLICY, store_policy, "lru", 1, num_keys)
+    base = compile_config(config, DEFAULT_POLICY, store_settings, "lru", 1, num_keys)
     return KernelConfig(
         params=base.params,
         groups=base.groups,
@@ -474,7 +474,7 @@ def run_mooncake(
 def run_store(
     requests: Requests,
     policy: str,
-    store_policy: StorePolicy,
+    store_settings: StoreSettings,
     eviction: str,
     capacity: int,
     costs: tuple[int, ...],
@@ -485,7 +485,7 @@ def run_store(
     ``FACT_*`` columns) and the entries evicted; None when ``control[1]``
     stopped it first."""
     config = requests.config
-    k = compile_mooncake(config, policy, store_policy, len(requests.digests))
+    k = compile_mooncake(config, policy, store_settings, len(requests.digests))
     mamba_rows = [gid for gid, g in enumerate(config.groups) if g.kind is GroupKind.MAMBA]
     mamba_groups = np.ascontiguousarray(k.groups[mamba_rows] if mamba_rows else k.groups[:0])
     if eviction == "belady":

@@ -1,4 +1,4 @@
-"""Sizes for the what-if: the groups' page sizes (from the trace, ``--page-bytes``
+"""Sizes for the what-if: the groups' page sizes (from the trace, ``page_bytes``
 or a model's config.json) and the blocks a byte capacity holds. The units
 themselves (``64GiB``, ``10k``, ``10%``) are parsed by ``replay.base.units``."""
 
@@ -23,12 +23,12 @@ def page_sizes(
     config: TraceConfig, page_bytes: str | None, model_config: str | None = None
 ) -> tuple[tuple[int, ...], str] | None:
     """Per group, the bytes of one block (all of its layers), and where they
-    came from: ``--page-bytes`` (one size for every group, or one per group,
-    comma-separated), else ``--model-config`` (a Hugging Face config.json),
+    came from: ``page_bytes`` (one size for every group, or one per group,
+    comma-separated), else ``model_config`` (a Hugging Face config.json),
     else the trace's ``source.page_bytes`` (the vLLM plugin records them);
     None when none says."""
     if page_bytes is not None and model_config is not None:
-        raise ReplayError("give at most one of --page-bytes and --model-config")
+        raise ReplayError("give at most one of `page_bytes` and `model_config`")
     if page_bytes is not None:
         parts, origin = [p for p in page_bytes.split(",") if p.strip()], "--page-bytes"
     elif model_config is not None:
@@ -39,19 +39,19 @@ def page_sizes(
                 text = fh.read(_MAX_CONFIG_BYTES + 1)
             if len(text) > _MAX_CONFIG_BYTES:
                 raise ReplayError(
-                    f"--model-config {model_config}: larger than {_MAX_CONFIG_BYTES:,} bytes, "
+                    f"`model_config` {model_config}: larger than {_MAX_CONFIG_BYTES:,} bytes, "
                     "not a config.json"
                 )
             data = json.loads(text)
         except OSError as exc:
             raise ReplayError(
-                f"--model-config {model_config}: cannot read ({exc.strerror or exc})"
+                f"`model_config` {model_config}: cannot read ({exc.strerror or exc})"
             ) from None
         except (ValueError, RecursionError) as exc:
-            raise ReplayError(f"--model-config {model_config}: not JSON ({exc})") from None
+            raise ReplayError(f"`model_config` {model_config}: not JSON ({exc})") from None
         if not isinstance(data, dict):
-            raise ReplayError(f"--model-config {model_config}: expected a JSON object")
-        page = model_page_bytes(data, config.groups[0].block_size, f"--model-config {model_config}")
+            raise ReplayError(f"`model_config` {model_config}: expected a JSON object")
+        page = model_page_bytes(data, config.groups[0].block_size, f"`model_config` {model_config}")
         parts, origin = [str(page)], f"--model-config {os.path.basename(model_config)}"
     else:
         given = (config.source or {}).get("page_bytes")
@@ -59,7 +59,7 @@ def page_sizes(
             return None
         parts = [str(p) for p in given] if isinstance(given, list) else [str(given)]
         origin = "trace"
-    option = "--page-bytes" if origin != "trace" else "source.page_bytes"
+    option = "`page_bytes`" if origin != "trace" else "source.page_bytes"
     sizes = [parse_bytes(p, option) for p in parts]
     if any(size > MAX_PAGE_BYTES for size in sizes):
         raise ReplayError(f"{option}: a page is at most {MAX_PAGE_BYTES} bytes (1TiB)")

@@ -76,7 +76,7 @@ import numpy.typing as npt
 from replay.base.jit import jit
 from replay.base.spec import GroupKind, TraceConfig
 from replay.rules.compiled.tables import SP_EAGLE
-from replay.rules.store_rules import StorePolicy
+from replay.rules.store_rules import StoreSettings
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif.requests import Requests
 
@@ -101,7 +101,7 @@ def exact_config(config: TraceConfig, policy: str) -> str | None:
         return why
     if config.num_groups != 1 or config.groups[0].kind is not GroupKind.FULL_ATTENTION:
         return "more than one KV-cache group (a hybrid pool's hits need not grow with capacity)"
-    k = whatif_kernel.compile_config(config, policy, StorePolicy(cache="gpu"), "lru", 1, 1)
+    k = whatif_kernel.compile_config(config, policy, StoreSettings(cache="gpu"), "lru", 1, 1)
     if k.lookup.specs[0, SP_EAGLE]:
         return "an EAGLE drop (every hit recomputes a present block: a second copy)"
     if k.params[whatif_kernel.P_ALIGN] != config.groups[0].block_size:

@@ -4,7 +4,7 @@ The trace's ``store`` / ``remove`` / ``clear`` rows are dropped; its lookups,
 in ``seq`` order, are the requests. For each, the hit is computed against
 the simulated cache by the project's exact coordinator, then the request
 leaves behind what vLLM 0.33 would store for that hit (``replay.rules.store_rules``),
-evicting per the policy when the cache is full. One request at a time: no
+evicting in the run's eviction order when the cache is full. One request at a time: no
 concurrency model.
 
 * ``gpu``: vLLM's engine block pool (``replay.rules.blockpool.GpuCache``): N
@@ -13,7 +13,7 @@ concurrency model.
   cached block to evict from the same pool.
 * ``mooncake``: a capacity-bounded external store of keys: a hit refreshes
   the keys the lookup loads, a store adds the keys of the request's stores,
-  and while the store is over capacity the policy's victim goes.
+  and while the store is over capacity the eviction order's victim goes.
 
 ``belady`` evicts the key whose next use (the next request whose prompt
 holds its hash) is furthest, deepest first among equals. That is the
@@ -47,7 +47,15 @@ import pyarrow as pa
 
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
-from replay.format.sweepfile import SWEEP_BASE_COLUMNS, write_sweep_frame
+from replay.format.sweepfile import (
+    COMPILED,
+    ONE_PASS,
+    PER_CAPACITY,
+    PERCENTILE_COLUMNS,
+    PYTHON,
+    sweep_frame,
+    write_sweep,
+)
 from replay.format.writer import TraceWriter
 from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
 from replay.rules.coordinator import (
@@ -59,14 +67,12 @@ from replay.rules.coordinator import (
 )
 from replay.rules.coordinator.finders import block_view
 from replay.rules.facts import FactRules, LookupFacts
-from replay.rules.mooncake_store import MooncakeStore
-from replay.rules.store_rules import StorePolicy, StoreRules, junction_tokens
+from replay.rules.mooncake_store import MooncakeCache
+from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
 from replay.whatif.requests import Requests
-
-PERCENTILE_COLUMNS = ("hit_ratio_p50", "hit_ratio_p90", "hit_ratio_p99")
 
 
 def hit_ratio_percentiles(
@@ -82,25 +88,6 @@ def hit_ratio_percentiles(
     return {c: float(v) for c, v in zip(PERCENTILE_COLUMNS, values, strict=True)}
 
 
-_RATIO_AT = SWEEP_BASE_COLUMNS.index("hit_ratio") + 1
-#: The columns the sweep writes itself; the face adds one count per flag,
-#: from each run's facts (``analysis.flags.sweep_flag_counts``).
-SWEEP_COLUMNS = (
-    *SWEEP_BASE_COLUMNS[:_RATIO_AT],
-    *PERCENTILE_COLUMNS,
-    *SWEEP_BASE_COLUMNS[_RATIO_AT:],
-    "method",
-    "simulator",
-)
-#: How a row was computed (its ``method``): its own simulation, or the one
-#: pass over every LRU capacity (``replay.whatif.stack``, where it is exact).
-PER_CAPACITY, ONE_PASS = "per-capacity", "one-pass"
-#: Which code computed a row (its ``simulator``): a compiled kernel
-#: (``replay.whatif.kernel``, ``mooncake_kernel``, ``stack``) or the Python
-#: model (the configurations, policies or emitted traces they do not cover).
-COMPILED, PYTHON = "compiled", "python"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunSpec:
     cache: str
@@ -114,8 +101,8 @@ class RunSpec:
     page_bytes: tuple[int, ...] | None = None
     emit: str | None = None
 
-    def store_policy(self) -> StorePolicy:
-        return StorePolicy(
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(
             retention_interval=self.retention_interval,
             max_num_batched_tokens=self.max_num_batched_tokens,
             cache=self.cache,
@@ -187,7 +174,7 @@ def simulate(
     compiled: bool = True,
     control: npt.NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    """One run of the sweep: its row (see ``SWEEP_COLUMNS``), under
+    """One run of the sweep: its row (``replay.format.sweepfile.SWEEP_SCHEMA``), under
     ``facts`` every lookup's answer and facts as results columns (the
     analyses count the flags from them: the what-if never imports its
     judge) and under ``_hits`` per request its hit tokens (-1 not admitted,
@@ -211,14 +198,14 @@ def simulate(
         return requests.next_use(key, now)
 
     gpu: GpuCache | None = None
-    store: MooncakeStore | None = None
+    store: MooncakeCache | None = None
     if spec.cache == "gpu":
         gpu = GpuCache(
             config,
             min(spec.capacity_blocks, requests.useful_blocks()),
             policy=spec.policy,
             eviction=spec.eviction,
-            store_policy=spec.store_policy(),
+            store_settings=spec.store_settings(),
             next_use=next_use if spec.eviction == "belady" else None,
             on_key=on_key,
         )
@@ -238,8 +225,8 @@ def simulate(
             capacity, costs = spec.capacity_bytes, spec.page_bytes
         else:
             capacity, costs = spec.capacity_blocks, (1,) * groups
-        store = MooncakeStore(groups, order, capacity, costs, on_key)
-        rules = StoreRules(config, spec.store_policy())
+        store = MooncakeCache(groups, order, capacity, costs, on_key)
+        rules = StoreRules(config, spec.store_settings())
         coordinator = Coordinator(config, spec.policy, "mooncake")
     else:
         raise ReplayError(f"unknown cache {spec.cache!r}, expected one of gpu, mooncake")
@@ -433,7 +420,7 @@ def run_hits(
     k = whatif_kernel.compile_config(
         config,
         spec.policy,
-        spec.store_policy(),
+        spec.store_settings(),
         spec.eviction,
         # A pool its requests cannot fill never evicts: simulated at what they fill.
         min(spec.capacity_blocks, requests.useful_blocks()),
@@ -505,7 +492,7 @@ def _simulate_compiled(
         else:
             capacity, costs = spec.capacity_blocks, (1,) * requests.config.num_groups
         run = mooncake_kernel.run_store(
-            requests, spec.policy, spec.store_policy(), spec.eviction, capacity, costs, control
+            requests, spec.policy, spec.store_settings(), spec.eviction, capacity, costs, control
         )
         if run is None:
             raise Stopped
@@ -563,9 +550,9 @@ def check_specs(requests: Requests, specs: Sequence[RunSpec]) -> None:
         if spec.capacity_blocks < 1:
             raise ReplayError(f"capacity must be at least one block, got {spec.capacity_blocks}")
         try:
-            StoreRules(config, spec.store_policy())
+            StoreRules(config, spec.store_settings())
             if spec.cache == "gpu":
-                GpuCache(config, 1, policy=spec.policy, store_policy=spec.store_policy())
+                GpuCache(config, 1, policy=spec.policy, store_settings=spec.store_settings())
             else:
                 Coordinator(config, spec.policy, "mooncake")
         except ReplayError as exc:
@@ -723,40 +710,29 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
             proc.join(timeout=5)
 
 
-def sweep_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
-    """The runs as the sweep file's frame: ``SWEEP_COLUMNS``, then the
-    counts the face added (one per flag), in the rows' order."""
-    schema: dict[str, Any] = {
-        "capacity_blocks": pl.Int64,
-        "capacity_bytes": pl.Int64,
-        "eviction": pl.String,
-        "cache": pl.String,
-        "policy": pl.String,
-        "lookups": pl.Int64,
-        "prompt_tokens": pl.Int64,
-        "hit_tokens": pl.Int64,
-        "hit_ratio": pl.Float64,
-        "hit_ratio_p50": pl.Float64,
-        "hit_ratio_p90": pl.Float64,
-        "hit_ratio_p99": pl.Float64,
-        "evicted_blocks": pl.Int64,
-        "not_admitted": pl.Int64,
-        "preempted": pl.Int64,
-        "seconds": pl.Float64,
-        "method": pl.String,
-        "simulator": pl.String,
-    }
-    counts = [
-        c for c in (rows[0] if rows else {}) if c not in schema and c not in ("facts", "_hits")
-    ]
-    schema.update(dict.fromkeys(counts, pl.Int64))
-    return pl.DataFrame([{c: r[c] for c in schema} for r in rows], schema=schema)
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """A sweep's runs, one row per (capacity, eviction) in the order asked,
+    and its settings (the sweep file's metadata: ``ceiling``, ``sample``,
+    ``partial``...)."""
 
+    rows: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    #: The requests simulated (the sample's, with ``sample``).
+    requests: int
+    #: The runs asked for (more than ``rows`` when the sweep is partial).
+    runs: int
 
-def write_sweep(
-    path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], metadata: dict[str, Any]
-) -> Path:
-    return write_sweep_frame(path, sweep_frame(rows), metadata)
+    @property
+    def partial(self) -> bool:
+        return bool(self.metadata["partial"])
+
+    def frame(self) -> pl.DataFrame:
+        """The sweep file's frame (``replay.format.sweepfile.SWEEP_SCHEMA``)."""
+        return sweep_frame(self.rows)
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_sweep(path, self.rows, self.metadata)
 
 
 def emit_path(directory: str | os.PathLike[str], spec: RunSpec) -> str:

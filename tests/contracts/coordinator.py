@@ -1,5 +1,5 @@
 """The contract every lookup coordinator passes: one test per rule of
-coordinator-semantics.md that looks only at lookup outcomes, with exact hit
+the coordinator's semantics (the design notes, kept outside this repository) that looks only at lookup outcomes, with exact hit
 lengths and load masks (vLLM 0.33.0's answers), and the properties every
 answer keeps.
 

@@ -1,6 +1,13 @@
 """The reference coordinator: vLLM's hybrid cache-hit semantics, per release."""
 
-from replay.rules.coordinator.cache import CACHES, DEFAULT_CACHE, Cache, get_cache, trace_cache
+from replay.rules.coordinator.cache import (
+    CACHES,
+    DEFAULT_CACHE,
+    Cache,
+    get_cache,
+    resolve_cache,
+    trace_cache,
+)
 from replay.rules.coordinator.finders import FINDERS, FinderResult, block_view
 from replay.rules.coordinator.hybrid import (
     Coordinator,
@@ -16,6 +23,12 @@ from replay.rules.coordinator.hybrid import (
     hit_alignment,
     lookup_spec,
     partial_hits,
+)
+from replay.rules.coordinator.kinds import (
+    COORDINATORS,
+    DEFAULT_COORDINATOR,
+    CoordinatorKind,
+    get_coordinator,
 )
 from replay.rules.coordinator.policy import (
     ALIASES,
@@ -36,14 +49,12 @@ from replay.rules.coordinator.policy import (
     version_policy,
 )
 
-#: Who answers the lookups: this project's coordinator, or the installed vLLM's.
-COORDINATORS = ("reference", "vllm")
-
 __all__ = [
     "ALIASES",
     "CACHES",
     "COORDINATORS",
     "DEFAULT_CACHE",
+    "DEFAULT_COORDINATOR",
     "DEFAULT_POLICY",
     "EMULATIONS",
     "FINDERS",
@@ -53,6 +64,7 @@ __all__ = [
     "Cache",
     "Chosen",
     "Coordinator",
+    "CoordinatorKind",
     "FinderResult",
     "GroupOutcome",
     "LookupCoordinator",
@@ -68,6 +80,7 @@ __all__ = [
     "eagle_group_ids",
     "engine_derives_partial_hits",
     "get_cache",
+    "get_coordinator",
     "get_policy",
     "hit_alignment",
     "lookup_spec",
@@ -75,6 +88,7 @@ __all__ = [
     "pinned_policies",
     "policy_for_version",
     "policy_rules",
+    "resolve_cache",
     "same_rules",
     "trace_cache",
     "version_policy",

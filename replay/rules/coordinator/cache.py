@@ -12,7 +12,7 @@ per-kind finders:
 
 A ``Cache`` is one path's rules in one release range, kept as fields so the
 fixed point exists once; ``ENGINE`` and ``MIRROR`` are vLLM 0.34.0's. A
-release policy (``replay.coordinator.policy``) holds one ``Cache`` per path
+release policy (``replay.rules.coordinator.policy``) holds one ``Cache`` per path
 that existed in it.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from replay.base.errors import Entry, by_name, named
+from replay.base.spec import TraceConfig
 
 #: How a path decides whether hits may land on a hash unit inside a block:
 #: ``none``: never (before vLLM 0.26); ``mamba``: whenever an align-mode Mamba
@@ -150,3 +151,9 @@ def trace_cache(source: Mapping[str, Any] | None) -> str:
         if isinstance(named, str) and named in CACHES:
             return named
     return DEFAULT_CACHE
+
+
+def resolve_cache(config: TraceConfig, cache: str | None) -> str:
+    """The cache that answers: the one asked for, else the one the trace's
+    events describe (``source.cache``), else the Mooncake store."""
+    return get_cache(cache).name if cache is not None else trace_cache(config.source)

@@ -1,6 +1,6 @@
 """Policies: one per range of vLLM releases whose lookup behaves the same.
 
-A policy holds, for each of vLLM's two lookup paths (``replay.coordinator.
+A policy holds, for each of vLLM's two lookup paths (``replay.rules.coordinator.
 cache``), the rules that path followed in those releases, or ``None`` when
 the path did not exist (the Mooncake store mirror arrived in 0.22.0). A
 behaviour change in vLLM becomes a new policy here (new field values, and a
@@ -55,7 +55,7 @@ class Policy(Entry):
         if self.mooncake is None:
             raise ConfigError(
                 f"policy {self.name} (vLLM {self.releases}) has no Mooncake store "
-                "mirror: it came with #42828 in vLLM 0.22.0; use --cache gpu"
+                "mirror: it came with #42828 in vLLM 0.22.0; use `cache` gpu"
             )
         return self.mooncake
 
@@ -371,13 +371,13 @@ def choose_policies(
     chosen = tuple(given)
     if vllm:
         if chosen:
-            raise ReplayError("--vllm and --policy both choose the policy: give one")
+            raise ReplayError("`vllm` and `policy` both choose the policy: give one")
         releases = []
         for version in vllm:
             try:
                 found = version_policy(version)
             except ReplayError as exc:
-                raise ReplayError(f"--vllm: {exc}") from None
+                raise ReplayError(f"`vllm`: {exc}") from None
             release = found.policy
             releases.append(release.name)
             notes.append(
@@ -420,7 +420,7 @@ def recorded_release(source: Mapping[str, Any] | None) -> tuple[Policy, str] | N
         found = version_policy(recorded)
     except ReplayError as exc:
         raise ReplayError(
-            f"the trace's source.vllm_version: {exc}; choose one with --policy"
+            f"the trace's source.vllm_version: {exc}; choose one with `policy`"
         ) from None
     release = found.policy
     if found.note:

@@ -1,0 +1,93 @@
+"""The paper trail: every dotted ``replay.``/``analysis.`` name in the
+repository's text (docstrings, comments, docs, config) names a module, or a
+name defined in one, that exists; every ``*.md`` it cites is in the
+repository (issue 35 item 5)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = (".py", ".md", ".toml", ".j2", ".sh", ".cfg", ".yml", ".yaml", ".txt")
+DOTTED = re.compile(r"(?<![\w./-])((?:replay|analysis)(?:\.[A-Za-z_]\w*)+)")
+#: A cited document: a hyphenated name (a design note's) or one under docs/
+#: (short names such as ``d.md`` are example outputs).
+CITED_MD = re.compile(r"(?<![\w/.-])((?:docs/)?(?:[a-z]+(?:-[a-z]+)+|(?<=docs/)\w+)\.md)\b")
+#: Dotted names that are not modules: keys and topics the files and the
+#: wire carry, and a local variable named ``replay``.
+NOT_MODULES = {
+    "replay.trace",  # a trace's metadata key (replay.format.schema)
+    "replay.results",  # a results file's metadata key
+    "replay.expect",  # a regression trace's expectations key
+    "replay.sweep",  # a sweep file's metadata key (replay.format.sweepfile)
+    "replay.diff",  # a diff file's metadata key
+    "replay.lookups",  # the vLLM plugin's ZMQ topic (replay.base.vllm_plugin)
+    "replay.notes",  # a click context's meta key (replay.cli.common)
+    "replay.fetch",  # replay.sources.record: its replay-buffer variable
+    "replay.close",
+}
+
+
+def _files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [
+        ROOT / f
+        for f in listed
+        if (f.endswith(TEXT) or Path(f).name == "Makefile") and (ROOT / f).is_file()
+    ]
+
+
+def _resolves(name: str) -> bool:
+    """A module, or a module and names defined in it (attributes, members)."""
+    parts = name.split(".")
+    if "__main__" in parts:  # importing it runs the command line
+        return True
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module != exc.name and not module.startswith(exc.name + "."):
+                return True  # the module exists; an optional dependency is missing
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_dotted_module_name_exists() -> None:
+    stale: dict[str, list[str]] = {}
+    for path in _files():
+        text = path.read_text(errors="replace")
+        for match in DOTTED.finditer(text):
+            name = match.group(1)
+            if name in NOT_MODULES or _resolves(name):
+                continue
+            stale.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert stale == {}
+
+
+def test_every_cited_markdown_file_is_in_the_repository() -> None:
+    present = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    missing: dict[str, list[str]] = {}
+    for path in _files():
+        for match in CITED_MD.finditer(path.read_text(errors="replace")):
+            if Path(match.group(1)).name not in present:
+                missing.setdefault(match.group(1), []).append(str(path.relative_to(ROOT)))
+    assert missing == {}
+
+
+@pytest.mark.parametrize("name", ["replay.rules.coordinator.policy", "replay.analysis.flags.FLAGS"])
+def test_a_real_name_resolves_and_a_moved_one_does_not(name: str) -> None:
+    assert _resolves(name)
+    assert not _resolves(name.replace("rules.", "").replace("flags.FLAGS", "flagz"))
