@@ -14,6 +14,7 @@ import click
 from replay.cli.common import command, fail, note_at_end
 from replay.cli.options import FAIL_ON, IGNORE, Names
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
+from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, get_coordinator
 
 
 @command("test")
@@ -21,7 +22,7 @@ from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_polic
 @click.option(
     "--coordinator",
     type=Names(COORDINATORS, "coordinator"),
-    default="reference",
+    default=DEFAULT_COORDINATOR,
     show_default=True,
     help="reference: this project's coordinator (every policy's expectations); vllm: the "
     "vLLM installed in this environment (only the expectations of the policy that models it).",
@@ -114,7 +115,7 @@ def test(
     )
 
     if vllm_policy is not None:
-        if coordinator != "vllm":
+        if not get_coordinator(coordinator).installed_vllm:
             raise fail(
                 "--policy chooses the policy the installed vLLM is checked as: "
                 "give --coordinator vllm"
@@ -122,7 +123,7 @@ def test(
         get_policy(vllm_policy)  # an unknown name: one line before any replay
         # The one rule (``version_policy``) reads it, in every process that answers.
         os.environ[POLICY_ENV] = vllm_policy
-    if coordinator == "vllm":
+    if get_coordinator(coordinator).installed_vllm:
         from replay.adapters.vllm.backend import installed_version_policy
 
         assumed = installed_version_policy()
@@ -190,7 +191,7 @@ def _drift(
     from replay.tools.drift import Difference, check_drift
     from replay.tools.render import drift_lines
 
-    if coordinator != "vllm":
+    if not get_coordinator(coordinator).installed_vllm:
         raise fail("--random: the drift check compares the installed vLLM, give --coordinator vllm")
     if count < 1:
         raise fail(f"--random {count}: expected at least 1 configuration")

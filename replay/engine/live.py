@@ -19,10 +19,11 @@ from typing import Any
 import polars as pl
 
 from replay.base.spec import TraceConfig
-from replay.engine.answers import Answers, Variant, resolve_cache
+from replay.engine.answers import Answers, Variant
 from replay.engine.shard import ShardFold, scatter
 from replay.format.validate import validate_rows
 from replay.format.writer import events_table
+from replay.rules.coordinator import resolve_cache
 
 
 class LiveFold:

@@ -23,9 +23,10 @@ from typing import Any
 
 from replay.base.errors import ConfigError
 from replay.base.spec import TraceConfig
-from replay.engine.run import ReplayOptions, replay
+from replay.engine.run import ReplayOptions, Variant, replay
 from replay.format.writer import write_trace
 from replay.rules.coordinator import Coordinator
+from replay.rules.coordinator.kinds import REFERENCE, VLLM
 from replay.sources.scenarios import Scenario, random_scenarios, scenario_rows
 from replay.tools.minimize import (
     Judge,
@@ -95,7 +96,10 @@ def _compare(
     vLLM raising is its answer (``None`` and the exception)."""
     from replay.adapters.vllm.backend import VllmUnavailable
 
-    variants = ((policy, cache, "reference"), (policy, cache, "vllm"))
+    variants = (
+        Variant(policy=policy, cache=cache, coordinator=REFERENCE.name),
+        Variant(policy=policy, cache=cache, coordinator=VLLM.name),
+    )
     try:
         ref, got = replay(candidate(config, rows), ReplayOptions(variants=variants))
     except VllmUnavailable:

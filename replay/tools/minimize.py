@@ -28,7 +28,7 @@ import polars as pl
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
 from replay.engine.replay import iter_events
-from replay.engine.run import ReplayOptions, replay
+from replay.engine.run import ReplayOptions, Variant, replay
 from replay.format.schema import TRACE_COLUMNS
 from replay.format.trace import TableReader, TraceReader
 from replay.format.tracedir import TraceSource, open_trace
@@ -40,6 +40,7 @@ from replay.rules.coordinator import (
     pinned_policies,
     resolve_cache,
 )
+from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR
 
 Row = dict[str, Any]
 
@@ -122,10 +123,12 @@ def answers(
     request_id: str,
     variants: Sequence[tuple[str, str]],
     judge: Judge,
-    coordinator: str = "reference",
+    coordinator: str = DEFAULT_COORDINATOR,
 ) -> dict[tuple[str, str], Answer]:
     """The request's last lookup's answer per (policy, cache), one fold."""
-    options = ReplayOptions(variants=tuple((p, c, coordinator) for p, c in variants))
+    options = ReplayOptions(
+        variants=tuple(Variant(policy=p, cache=c, coordinator=coordinator) for p, c in variants)
+    )
     out: dict[tuple[str, str], Answer] = {}
     for result in replay(candidate(config, rows), options):
         res = judge(result.results, config)
