@@ -26,10 +26,15 @@ NOT_MODULES = {
     "replay.expect",  # a regression trace's expectations key
     "replay.sweep",  # a sweep file's metadata key (replay.format.sweepfile)
     "replay.diff",  # a diff file's metadata key
-    "replay.lookups",  # the vLLM plugin's ZMQ topic (replay.base.vllm_plugin)
+    "replay.drift",  # a drift trace's metadata key (replay.tools.drift)
+    "replay.segment",  # a segment's footer metadata key (replay.format.segments)
+    "replay.lookups",  # the vLLM plugin's ZMQ topic (replay.adapters.vllm.plugin)
     "replay.notes",  # a click context's meta key (replay.cli.common)
     "replay.fetch",  # replay.sources.record: its replay-buffer variable
     "replay.close",
+    # test_private_names's examples of what its check finds
+    "replay.x",
+    "replay.engine.kernels._mix",
 }
 
 

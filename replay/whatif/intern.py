@@ -1,5 +1,5 @@
 """The requests' hashes as dense integer ids (``intern_hashes``), compiled:
-the what-if's pools index their tables by them (``replay.whatif.Requests``)."""
+the what-if's pools index their tables by them (``replay.whatif.requests.Requests``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ lookup and facts are the replay's own compiled fixed point
 pool covers: every group's block one hash unit, full attention, sliding
 window and Mamba (align) groups, with or without EAGLE, under every policy.
 The requests come as dense integer ids of their hashes
-(``replay.whatif.Requests``), so a key is ``(group, id)`` and the tables
+(``replay.whatif.requests.Requests``), so a key is ``(group, id)`` and the tables
 are flat arrays indexed by it.
 
 The Python model stays the specification: ``tests/test_whatif_kernel.py``

@@ -480,7 +480,7 @@ def run_store(
     costs: tuple[int, ...],
     control: np.ndarray[Any, np.dtype[np.int64]] | None = None,
 ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]], int] | None:
-    """One compiled Mooncake run over ``requests`` (``replay.whatif.Requests``):
+    """One compiled Mooncake run over ``requests`` (``replay.whatif.requests.Requests``):
     per request its hit tokens, its facts (``replay.whatif.kernel``'s
     ``FACT_*`` columns) and the entries evicted; None when ``control[1]``
     stopped it first."""
