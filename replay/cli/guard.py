@@ -123,6 +123,8 @@ def test(
         get_policy(vllm_policy)  # an unknown name: one line before any replay
         # The one rule (``version_policy``) reads it, in every process that answers.
         os.environ[POLICY_ENV] = vllm_policy
+    if random_count is not None:
+        _drift_refusals(random_count, coordinator, paths, caches, junit, output)
     if get_coordinator(coordinator).installed_vllm:
         from replay.adapters.vllm.backend import installed_version_policy
 
@@ -173,23 +175,17 @@ def test(
         sys.exit(1)
 
 
-def _drift(
+def _drift_refusals(
     count: int,
-    seed: int,
     coordinator: str,
     paths: tuple[Path, ...],
     caches: tuple[str, ...],
     junit: Path | None,
     output: Path | None,
-    as_json: bool,
 ) -> None:
-    """``replay test --coordinator vllm --random N``: the drift check."""
-    from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
-    from replay.analysis.flags import add_flags
-    from replay.cli.progress import progress_bar
+    """The drift check's options, each refused in one line before vLLM is
+    imported (a mistyped option is the user's first problem to hear of)."""
     from replay.format.paths import PARQUET, check_outputs
-    from replay.tools.drift import Difference, check_drift
-    from replay.tools.render import drift_lines
 
     if not get_coordinator(coordinator).installed_vllm:
         raise fail("--random: the drift check compares the installed vLLM, give --coordinator vllm")
@@ -200,6 +196,27 @@ def _drift(
             raise fail(f"--random: {what} is not taken (the drift check answers both caches)")
     if output is not None:
         check_outputs({"-o": output}, [], formats={"-o": PARQUET})
+
+
+def _drift(
+    count: int,
+    seed: int,
+    coordinator: str,
+    paths: tuple[Path, ...],
+    caches: tuple[str, ...],
+    junit: Path | None,
+    output: Path | None,
+    as_json: bool,
+) -> None:
+    """``replay test --coordinator vllm --random N``: the drift check (its
+    options already checked by ``_drift_refusals``)."""
+    from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
+    from replay.analysis.flags import add_flags
+    from replay.cli.progress import progress_bar
+    from replay.format.paths import PARQUET, check_outputs
+    from replay.tools.drift import Difference, check_drift
+    from replay.tools.render import drift_lines
+
     version = installed_vllm_version()
     policy, _ = installed_policy()
     if policy is None:
