@@ -137,7 +137,7 @@ def test_markdown_is_the_whole_report() -> None:
     ]
     # Each table's rows are as wide as its header: valid Markdown.
     tables = [t for t in result.stdout.split("\n\n") if t.startswith("|")]
-    assert [{row.count("|") for row in t.splitlines()} for t in tables] == [{16}, {14}]
+    assert [{row.count("|") for row in t.splitlines()} for t in tables] == [{17}, {15}]
 
 
 @pytest.mark.parametrize(
@@ -151,15 +151,15 @@ def test_markdown_is_the_whole_report() -> None:
         (["--from", "0.30.0", "--to", "0.26.0"], "error: --from 0.30.0 is after --to 0.26.0"),
         (
             ["--from", "0.40.0"],
-            "error: --from 0.40.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+            "error: --from 0.40.0 is outside the modelled vLLM releases, 0.16.0 to 0.34.0",
         ),
         (
             ["--from", "0.10.0"],
-            "error: --from 0.10.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+            "error: --from 0.10.0 is outside the modelled vLLM releases, 0.16.0 to 0.34.0",
         ),
         (
-            ["--to", "0.34.0"],
-            "error: --to 0.34.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+            ["--to", "0.35.0"],
+            "error: --to 0.35.0 is outside the modelled vLLM releases, 0.16.0 to 0.34.0",
         ),
         (["--to", "0.x"], "error: --to: vLLM version '0.x': expected MAJOR.MINOR[.PATCH]"),
     ],

@@ -246,7 +246,7 @@ def test_policy_chooses_what_an_unmodelled_vllm_is_checked_as(
     assert (unknown.exit_code, unknown.stdout) == (2, "")
     assert unknown.stderr.splitlines() == [
         "error: --coordinator vllm: REPLAY_POLICY=vllm-9.9: unknown policy 'vllm-9.9', "
-        f"expected one of {', '.join(POLICIES)}"
+        "did you mean 'vllm-0.29'?"
     ]
     reference = run_cli(["test", "--policy", "vllm-0.29", issue])
     assert reference.exit_code == 2

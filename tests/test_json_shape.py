@@ -237,8 +237,8 @@ def test_test(tmp_path: Path) -> None:
     assert list(data)[:3] == ["version", "command", "trace"]
     assert (data["version"], data["command"], data["trace"]) == (1, "test", None)
     assert data["traces"] == [str(TRACE)]
-    assert (data["passed"], data["failed"], data["skipped"]) == (5, 0, 0)
-    assert data["expectations_total"] == 5
+    assert (data["passed"], data["failed"], data["skipped"]) == (7, 0, 0)
+    assert data["expectations_total"] == 7
     first = data["expectations"][0]
     assert list(first)[:4] == ["trace", *VARIANT]
     assert (first["status"], first["lookups"], first["cause"], first["problems"]) == (

@@ -79,6 +79,8 @@ def test_injected_overrun_shrinks_to_a_handful_of_events(tmp_path: Path) -> None
         ("pre-49502", "mooncake"),
         ("vllm-0.33", "gpu"),
         ("vllm-0.33", "mooncake"),
+        ("vllm-0.34", "gpu"),
+        ("vllm-0.34", "mooncake"),
     ]
     for e in expect:
         result = replay_trace(big, policy=e["policy"], cache=e["cache"])

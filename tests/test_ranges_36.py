@@ -30,7 +30,7 @@ DEMO = Path(__file__).parents[1] / "traces" / "demo-full-mamba-eagle.parquet"
         ),
         (
             ["bisect", str(DEMO), "--from", "0.10.0"],
-            "--from 0.10.0 is outside the modelled vLLM releases, 0.16.0 to 0.33.0",
+            "--from 0.10.0 is outside the modelled vLLM releases, 0.16.0 to 0.34.0",
         ),
         (
             ["whatif", str(DEMO), "--points", "40", "--min", "1", "--max", "10", "-o", "w.parquet"],

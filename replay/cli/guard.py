@@ -123,6 +123,11 @@ def test(
         get_policy(vllm_policy)  # an unknown name: one line before any replay
         # The one rule (``version_policy``) reads it, in every process that answers.
         os.environ[POLICY_ENV] = vllm_policy
+    # What the command line can refuse, before vLLM is imported.
+    if random_count is not None:
+        _drift_arguments(random_count, coordinator, paths, caches, junit, output)
+    elif output is not None:
+        raise fail("-o: only with --random (the drift check writes a trace)")
     if coordinator == "vllm":
         from replay.adapters.vllm.backend import installed_version_policy
 
@@ -130,10 +135,8 @@ def test(
         if assumed.note:
             note_at_end(assumed.note)
     if random_count is not None:
-        _drift(random_count, seed, coordinator, paths, caches, junit, output, as_json)
+        _drift(random_count, seed, output, as_json)
         return
-    if output is not None:
-        raise fail("-o: only with --random (the drift check writes a trace)")
     traces = expectation_traces(list(paths) or [corpus_dir()])
     if junit is not None:
         from replay.format.paths import JUNIT, check_outputs
@@ -173,23 +176,16 @@ def test(
         sys.exit(1)
 
 
-def _drift(
+def _drift_arguments(
     count: int,
-    seed: int,
     coordinator: str,
     paths: tuple[Path, ...],
     caches: tuple[str, ...],
     junit: Path | None,
     output: Path | None,
-    as_json: bool,
 ) -> None:
-    """``replay test --coordinator vllm --random N``: the drift check."""
-    from analysis.flags import add_flags
-    from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
-    from replay.cli.progress import progress_bar
+    """What ``--random`` does not take: one line, before any work."""
     from replay.format.paths import PARQUET, check_outputs
-    from replay.tools.drift import Difference, check_drift
-    from replay.tools.render import drift_lines
 
     if coordinator != "vllm":
         raise fail("--random: the drift check compares the installed vLLM, give --coordinator vllm")
@@ -200,6 +196,17 @@ def _drift(
             raise fail(f"--random: {what} is not taken (the drift check answers both caches)")
     if output is not None:
         check_outputs({"-o": output}, [], formats={"-o": PARQUET})
+
+
+def _drift(count: int, seed: int, output: Path | None, as_json: bool) -> None:
+    """``replay test --coordinator vllm --random N``: the drift check."""
+    from analysis.flags import add_flags
+    from replay.adapters.vllm.backend import installed_policy, installed_vllm_version
+    from replay.cli.progress import progress_bar
+    from replay.format.paths import PARQUET, check_outputs
+    from replay.tools.drift import Difference, check_drift
+    from replay.tools.render import drift_lines
+
     version = installed_vllm_version()
     policy, _ = installed_policy()
     if policy is None:
