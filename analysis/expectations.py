@@ -28,6 +28,7 @@ that recorded the trace (``source.vllm_version``), else the default.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -595,6 +596,17 @@ def failure_block(v: Verdict) -> list[str]:
     ]
 
 
+#: The lengths and spec groups in a cause line (not the digits of a name
+#: such as ``vllm-0.33``).
+_CAUSE_NUMBER = re.compile(r"(?<=[= ])\d+(?:,\d{3})*(?![\d.])")
+
+
+def cause_shape(cause: str | None) -> str | None:
+    """A cause with its numbers left out (``max_length=…``): the failures
+    of one cause at other lengths, in other traces, are one group."""
+    return None if cause is None else _CAUSE_NUMBER.sub("…", cause)
+
+
 def failure_groups(failed: Sequence[Verdict]) -> list[list[Verdict]]:
     """Failing expectations grouped by what failed: the policy, the cache and
     the adapter's cause (without one, every failure of a policy in a cache
@@ -602,7 +614,7 @@ def failure_groups(failed: Sequence[Verdict]) -> list[list[Verdict]]:
     smallest trace first."""
     groups: dict[tuple[str, str, str | None], list[Verdict]] = {}
     for v in failed:
-        groups.setdefault((v.policy, v.cache, v.cause), []).append(v)
+        groups.setdefault((v.policy, v.cache, cause_shape(v.cause)), []).append(v)
     ordered = [
         sorted(vs, key=lambda v: (v.events, v.trace.name, v.trace)) for vs in groups.values()
     ]
@@ -627,7 +639,8 @@ def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
             f"{_lookups_text(lookups)} in {traces} trace{'s' if traces != 1 else ''} "
             f"differ under policy {first.policy} in the {first.cache} cache"
         )
-        out.append(heading + (f": {first.cause}" if first.cause else ""))
+        shape = cause_shape(first.cause)
+        out.append(heading + (f": {shape}" if shape else ""))
         out += [*failure_block(first), ""]
         if len(group) > 1:
             out.append(f"the other {len(group) - 1} of this group, smallest first:")

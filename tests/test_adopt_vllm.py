@@ -46,7 +46,7 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
     lookup's hit; with the engine's gate removed vLLM fails it in the gpu
     cache, with the mirror's (#49502) in the mooncake cache; unmodified,
     it passes."""
-    from analysis.expectations import read_expectations
+    from analysis.expectations import cause_shape, read_expectations
 
     small = tmp_path / "small.parquet"
     made = _replay(
@@ -85,7 +85,8 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
         got = _replay("test", "--coordinator", "vllm", str(small), cwd=tmp_path, mutant=mutant)
         assert got.returncode == 1, (mutant, got.stderr)
         assert got.stdout.splitlines()[:4] == [
-            f"1 lookup in 1 trace differ under policy vllm-0.33 in the {cache} cache: {cause}",
+            f"1 lookup in 1 trace differ under policy vllm-0.33 in the {cache} cache: "
+            + cause_shape(cause),
             f"FAILED small.parquet under policy vllm-0.33 in the {cache} cache:",
             f"  cause: {cause}",
             "  flags: expected none, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}",

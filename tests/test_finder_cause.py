@@ -4,7 +4,7 @@ backend records it (tests/test_adopt_vllm.py runs it on the real vLLM)."""
 
 from __future__ import annotations
 
-from analysis.expectations import finder_cause
+from analysis.expectations import cause_shape, finder_cause
 from replay.base.spec import GroupKind
 from replay.rules.coordinator.hybrid import GroupOutcome, LookupOutcome, Step
 
@@ -58,4 +58,17 @@ def test_agreeing_calls_another_answer_point_past_the_fixed_point() -> None:
         "every finder call agrees with vllm-0.33's; vLLM's answer differs after the fixed "
         "point (hit 336 against 320, or a load mask): the final trim, or "
         "KVCacheManager.get_computed_blocks around it"
+    )
+
+
+def test_one_cause_at_other_lengths_is_one_group() -> None:
+    """The heading of a group leaves the lengths out, never a release's digits."""
+    assert cause_shape(
+        "vLLM's fixed point called MambaManager.find_longest_cache_hit(max_length=1,040, "
+        "drop_eagle_block=True) (spec group 1), which returned 1,040; vllm-0.33's calls its "
+        "mamba finder (spec group 1) with max_length=1,024, drop=True, which returns 1,024"
+    ) == (
+        "vLLM's fixed point called MambaManager.find_longest_cache_hit(max_length=…, "
+        "drop_eagle_block=True) (spec group …), which returned …; vllm-0.33's calls its "
+        "mamba finder (spec group …) with max_length=…, drop=True, which returns …"
     )
