@@ -151,6 +151,9 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $(VLLM_STAMP)
 
 VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py tests/test_store_rules_vllm.py)
+# The newest release pinned in the corpus (besides 0.33.0, whose corpus run is
+# tools/vllm-ci.sh): its expectations through that release's vLLM too.
+VLLM_CORPUS := 0.34.0
 
 # Then (for the release CI runs) the CI recipe of docs/ci.md, as a vLLM
 # developer runs it on their branch (tools/vllm-ci.sh, from an empty
@@ -161,6 +164,8 @@ test-vllm: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(VLLM_TESTS)
 	$(if $(VLLM_TESTS),,@echo "test-vllm: the CI recipe, tools/vllm-ci.sh $(VLLM_VENV)/bin/python")
 	$(if $(VLLM_TESTS),,@REPLAY_INSTALL=0 OUT=out/vllm-ci bash tools/vllm-ci.sh $(VLLM_VENV)/bin/python)
+	$(if $(filter $(VLLM),$(VLLM_CORPUS)),@echo "test-vllm: the shipped corpus through vLLM $(VLLM)'s own lookup path")
+	$(if $(filter $(VLLM),$(VLLM_CORPUS)),@cd /tmp && $(CURDIR)/$(VLLM_VENV)/bin/python -m replay test --coordinator vllm)
 
 # Every modelled release, one after the other (each venv is built once).
 test-vllm-releases:

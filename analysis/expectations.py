@@ -28,6 +28,7 @@ that recorded the trace (``source.vllm_version``), else the default.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -246,12 +247,14 @@ def explain_text(
     *,
     cache_named: bool = True,
     commands: list[str] | None = None,
+    causes: list[str] | None = None,
 ) -> list[str]:
     """``replay explain`` of each request (its last lookup). Under vLLM the
-    reference's fixed point, step by step, comes first (vLLM exposes no
-    steps), then vLLM's own answer: hit and every group's mask. ``name`` is
-    the trace as the printed commands name it; each command goes into
-    ``commands`` too."""
+    reference's fixed point, step by step, comes first, then vLLM's own:
+    each finder call it made, its hit and every group's mask; the first
+    call whose answer differs (``finder_cause``) goes into ``causes``, one
+    line per request. ``name`` is the trace as the printed commands name
+    it; each command goes into ``commands`` too."""
     import shlex
 
     from replay.engine.replay import explain_lookups
@@ -286,10 +289,64 @@ def explain_text(
             if rid in outcomes[coordinator]:
                 out += ["", f"{command} (what the installed vLLM answered):"]
                 out.append(explain_table(config, outcomes[coordinator][rid]))
+                cause = finder_cause(
+                    policy, outcomes[REFERENCE.name][rid], outcomes[coordinator][rid]
+                )
+                if causes is not None and cause is not None:
+                    causes.append(cause)
         else:
             out += ["", f"{command}:"]
             out.append(explain_table(config, outcomes[REFERENCE.name][rid]))
     return out
+
+
+def finder_cause(policy: str, reference: Any, got: Any) -> str | None:
+    """The first of vLLM's finder calls whose answer differs from the
+    policy's, in one line naming vLLM's function (``got.steps`` are the
+    calls vLLM's fixed point made, ``reference.steps`` the policy's, whose
+    reuses of a full-attention hit call no finder); ``None`` when vLLM and
+    the policy answer alike."""
+    mine = [s for s in reference.steps if not s.reused]
+    theirs = list(got.steps)
+    for a, b in zip(mine, theirs, strict=False):
+        if (a.spec_group, a.bound, a.drop) == (b.spec_group, b.bound, b.drop):
+            if a.hit_tokens != b.hit_tokens:
+                return (
+                    f"{b.call} returned {b.hit_tokens:,}; {policy}'s {a.kind.value} finder "
+                    f"returns {a.hit_tokens:,} with the same arguments"
+                )
+            continue
+        return (
+            f"vLLM's fixed point called {b.call} (spec group {b.spec_group}), which returned "
+            f"{b.hit_tokens:,}; {policy}'s calls its {a.kind.value} finder (spec group "
+            f"{a.spec_group}) with max_length={a.bound:,}, drop={a.drop}, which returns "
+            f"{a.hit_tokens:,}"
+        )
+    if theirs and len(mine) != len(theirs):
+        n = min(len(mine), len(theirs))
+        then = (
+            f"vLLM called {theirs[n].call}, which returned {theirs[n].hit_tokens:,}"
+            if len(theirs) > n
+            else f"{policy} calls its {mine[n].kind.value} finder with max_length={mine[n].bound:,}"
+        )
+        return (
+            f"vLLM's fixed point made {len(theirs)} finder calls, {policy}'s {len(mine)}; "
+            f"the first {n} agree, then {then}"
+        )
+    ours = (reference.hit_tokens, [g.mask() for g in reference.groups])
+    if ours == (got.hit_tokens, [g.mask() for g in got.groups]):
+        return None
+    if not theirs:
+        return (
+            f"vLLM's coordinator answered hit {got.hit_tokens:,}, {policy}'s fixed point "
+            f"{reference.hit_tokens:,} (vLLM calls a single group's finder directly: no "
+            "call was recorded)"
+        )
+    return (
+        f"every finder call agrees with {policy}'s; vLLM's answer differs after the fixed "
+        f"point (hit {got.hit_tokens:,} against {reference.hit_tokens:,}, or a load mask): "
+        "the final trim, or KVCacheManager.get_computed_blocks around it"
+    )
 
 
 def _vllm_raised(exc: Exception) -> str:
@@ -362,6 +419,7 @@ def check_trace(
         v.problems, differ = compare(v.entry, result, fail_on, ignore)
         v.lookups = max(len(differ), 1) if v.problems else 0  # a total moved: one at least
         if v.problems and differ and explained:
+            causes: list[str] = []
             try:
                 v.explained = explain_text(
                     reader,
@@ -372,16 +430,13 @@ def check_trace(
                     differ[:explained],
                     cache_named=bool(v.entry.get("cache")),
                     commands=v.commands,
+                    causes=causes,
                 )
+                v.cause = causes[0] if causes else None
             except Exception as exc:
                 if not get_coordinator(coordinator).installed_vllm or _is_setup_error(exc):
                     raise
                 v.explained = ["", f"(no explain: {_vllm_raised(exc)})"]
-        # Here, for a failure under vllm, the adapter's one line naming the
-        # first of vLLM's calls whose answer differs goes into ``v.cause``
-        # (``differ[0]`` is the lookup): ``failure_block`` prints it as
-        # ``cause: ...``, ``failure_groups`` groups by it, the JUnit message
-        # and ``--json`` carry it.
     return verdicts
 
 
@@ -553,6 +608,17 @@ def failure_block(v: Verdict) -> list[str]:
     ]
 
 
+#: The lengths and spec groups in a cause line (not the digits of a name
+#: such as ``vllm-0.33``).
+_CAUSE_NUMBER = re.compile(r"(?<=[= ])\d+(?:,\d{3})*(?![\d.])")
+
+
+def cause_shape(cause: str | None) -> str | None:
+    """A cause with its numbers left out (``max_length=…``): the failures
+    of one cause at other lengths, in other traces, are one group."""
+    return None if cause is None else _CAUSE_NUMBER.sub("…", cause)
+
+
 def failure_groups(failed: Sequence[Verdict]) -> list[list[Verdict]]:
     """Failing expectations grouped by what failed: the policy, the cache and
     the adapter's cause (without one, every failure of a policy in a cache
@@ -560,7 +626,7 @@ def failure_groups(failed: Sequence[Verdict]) -> list[list[Verdict]]:
     smallest trace first."""
     groups: dict[tuple[str, str, str | None], list[Verdict]] = {}
     for v in failed:
-        groups.setdefault((v.policy, v.cache, v.cause), []).append(v)
+        groups.setdefault((v.policy, v.cache, cause_shape(v.cause)), []).append(v)
     ordered = [
         sorted(vs, key=lambda v: (v.events, v.trace.name, v.trace)) for vs in groups.values()
     ]
@@ -585,7 +651,8 @@ def test_failure_lines(failed: Sequence[Verdict]) -> list[str]:
             f"{_lookups_text(lookups)} in {traces} trace{'s' if traces != 1 else ''} "
             f"differ under policy {first.policy} in the {first.cache} cache"
         )
-        out.append(heading + (f": {first.cause}" if first.cause else ""))
+        shape = cause_shape(first.cause)
+        out.append(heading + (f": {shape}" if shape else ""))
         out += [*failure_block(first), ""]
         if len(group) > 1:
             out.append(f"the other {len(group) - 1} of this group, smallest first:")

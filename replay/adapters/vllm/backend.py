@@ -40,6 +40,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from replay.base.errors import ReplayError
@@ -50,6 +51,7 @@ from replay.rules.coordinator.hybrid import (
     Hashes,
     LookupCoordinator,
     LookupOutcome,
+    Step,
 )
 from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_policy
 
@@ -275,10 +277,13 @@ class _RecordingManager:
     Releases before 0.26 return the blocks alone: the hit is then the
     blocks' length in tokens."""
 
-    def __init__(self, manager_cls: Any, index: int, sink: list[int]) -> None:
+    def __init__(
+        self, manager_cls: Any, index: int, sink: list[int], calls: list[FinderCall]
+    ) -> None:
         self._manager_cls = manager_cls
         self._index = index
         self._sink = sink
+        self._calls = calls
         self.supports_fine_grained_hash_lookup = getattr(
             manager_cls, "supports_fine_grained_hash_lookup", False
         )
@@ -293,7 +298,40 @@ class _RecordingManager:
         else:
             spec = kwargs["kv_cache_spec"]
             self._sink[self._index] = len(result[0]) * spec.block_size
+        # The call as vLLM made it (its coordinators pass keywords): what
+        # ``replay explain`` shows of vLLM's side and a failure names.
+        flag = next((k for k in _EAGLE_ARGUMENTS if k in kwargs), None)
+        self._calls.append(
+            FinderCall(
+                spec_group=self._index,
+                function=f"{self._manager_cls.__name__}.find_longest_cache_hit",
+                max_length=int(kwargs.get("max_length", -1)),
+                eagle_argument=flag,
+                drop=bool(kwargs[flag]) if flag is not None else False,
+                hit=self._sink[self._index],
+            )
+        )
         return result
+
+
+#: What a release calls the manager's EAGLE-drop argument.
+_EAGLE_ARGUMENTS = ("drop_eagle_block", "use_eagle")
+
+
+@dataclass(frozen=True, slots=True)
+class FinderCall:
+    """One per-kind finder call vLLM's fixed point made in a lookup."""
+
+    spec_group: int
+    function: str
+    max_length: int
+    eagle_argument: str | None
+    drop: bool
+    hit: int
+
+    def text(self) -> str:
+        flag = f", {self.eagle_argument}={self.drop}" if self.eagle_argument else ""
+        return f"{self.function}(max_length={self.max_length:,}{flag})"
 
 
 _WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
@@ -732,11 +770,12 @@ class VllmCoordinator(LookupCoordinator):
                     _require(group, field, f"{type(coordinator).__name__}.attention_groups[i]")
         self._spec_group_of = [0] * config.num_groups
         self._hits: list[int] = [0]
+        self._calls: list[FinderCall] = []
         if not self._unitary:
             # Record each spec group's last finder hit; the answers are unchanged.
             self._hits = [0] * len(coordinator.attention_groups)
             coordinator.attention_groups = [
-                _with_manager(group, _RecordingManager(group[2], i, self._hits))
+                _with_manager(group, _RecordingManager(group[2], i, self._hits, self._calls))
                 for i, group in enumerate(coordinator.attention_groups)
             ]
             for i, group in enumerate(coordinator.attention_groups):
@@ -749,8 +788,11 @@ class VllmCoordinator(LookupCoordinator):
     ) -> LookupOutcome:
         """``contains[g]`` tests whether group ``g`` holds a key for a hash.
 
-        ``explain`` is accepted for interface parity; vLLM's fixed point
-        exposes no steps, so the outcome has none.
+        With ``explain``, the outcome's steps are the per-kind finder calls
+        vLLM's fixed point made, in order, as recorded (a coordinator of one
+        group calls its manager directly: no steps); the bound, drop and hit
+        of each are vLLM's, the candidate before a call is the hit of the
+        call before it.
         """
         hbs = self.config.hash_block_size
         if not 0 <= max_length < (len(hashes) + 1) * hbs:
@@ -766,6 +808,7 @@ class VllmCoordinator(LookupCoordinator):
         with _LOOKUP_LOCK:
             for i in range(len(self._hits)):
                 self._hits[i] = 0
+            self._calls.clear()
             if self.cache.name == "gpu":
                 masks, hit = self._engine_lookup(block_hashes, max_length, contains)
             elif self._worker is not None:
@@ -786,7 +829,44 @@ class VllmCoordinator(LookupCoordinator):
                 )
             if self._unitary:
                 self._hits[0] = hit
-            return LookupOutcome(hit_tokens=hit, groups=self._groups(masks))
+            steps = self._steps(max_length) if explain else ()
+            return LookupOutcome(hit_tokens=hit, groups=self._groups(masks), steps=steps)
+
+    @property
+    def last_calls(self) -> tuple[FinderCall, ...]:
+        """The finder calls of the last lookup, in the order vLLM made them."""
+        return tuple(self._calls)
+
+    def _steps(self, max_length: int) -> tuple[Step, ...]:
+        """The recorded calls as the reference's explain steps: a new pass
+        where a call's spec group is not after the one before it."""
+        steps: list[Step] = []
+        cand, pass_no, previous = max_length, 1, -1
+        kinds = {self._spec_group_of[g]: grp.kind for g, grp in enumerate(self.config.groups)}
+        for call in self._calls:
+            if call.spec_group <= previous:
+                pass_no += 1
+            previous = call.spec_group
+            steps.append(
+                Step(
+                    pass_no=pass_no,
+                    spec_group=call.spec_group,
+                    kind=kinds[call.spec_group],
+                    group_ids=tuple(
+                        g for g, s in enumerate(self._spec_group_of) if s == call.spec_group
+                    ),
+                    candidate_before=cand,
+                    bound=call.max_length,
+                    margin=max(call.max_length - cand, 0),
+                    drop=call.drop,
+                    matched_tokens=call.hit,
+                    hit_tokens=call.hit,
+                    candidate_after=call.hit,
+                    call=call.text(),
+                )
+            )
+            cand = call.hit
+        return tuple(steps)
 
     def _joined_units(self, block_hashes: list[Hashable]) -> dict[Hashable, Hashable]:
         """Each joined block key of every group's block size, to its last unit."""

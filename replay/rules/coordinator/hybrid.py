@@ -49,6 +49,8 @@ class Step:
     hit_tokens: int
     candidate_after: int
     reused: bool = False  # full attention after its first lookup: only shrinks
+    #: vLLM's side (``--coordinator vllm``): the finder call as vLLM made it
+    call: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)
