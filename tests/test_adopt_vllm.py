@@ -86,7 +86,7 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
         assert got.returncode == 1, (mutant, got.stderr)
         assert got.stdout.splitlines()[:4] == [
             f"1 lookup in 1 trace differ under policy vllm-0.33 in the {cache} cache: "
-            + cause_shape(cause),
+            + str(cause_shape(cause)),
             f"FAILED small.parquet under policy vllm-0.33 in the {cache} cache:",
             f"  cause: {cause}",
             "  flags: expected none, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}",
