@@ -44,9 +44,19 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     got = _replay("test", "--coordinator", "vllm", str(ISSUE), mutant="mirror-no-mamba-gate")
     assert got.returncode == 1, got.stderr
     out = got.stdout
+    # The cause names vLLM's function: the mirror's fixed point asked the
+    # Mamba finder one block (16 tokens) past what attention verified.
+    cause = (
+        "vLLM's fixed point called MambaManager.find_longest_cache_hit(max_length=64, "
+        "drop_eagle_block=True) (spec group 1), which returned 64; vllm-0.33's calls its "
+        "mamba finder (spec group 1) with max_length=48, drop=True, which returns 48"
+    )
+    shape = cause.replace("=64", "=…").replace("=48", "=…").replace("group 1", "group …")
+    shape = shape.replace("returned 64", "returned …").replace("returns 48", "returns …")
     assert out.startswith(
-        "1 lookup in 1 trace differ under policy vllm-0.33 in the mooncake cache\n"
+        f"1 lookup in 1 trace differ under policy vllm-0.33 in the mooncake cache: {shape}\n"
         "FAILED issue-43559.parquet under policy vllm-0.33 in the mooncake cache:\n"
+        f"  cause: {cause}\n"
         "  flags: expected none, replayed {'eagle_not_dropped': 1, 'mamba_overrun': 1}\n"
         "  hit tokens: expected 48 in all, replayed 64\n"
         "  group hit tokens: expected [48, 48] per group, replayed [48, 64]\n"
@@ -60,6 +70,8 @@ def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
     assert "   1  1 [1]                mamba              48       0       48" in out
     vllm_part = out.split("--coordinator vllm (what the installed vLLM answered):")[1]
     assert "hit: 64 tokens (attention-verified 48)" in vllm_part
+    # vLLM's own finder calls, as its fixed point made them.
+    assert "   1  1 [1]                mamba              64     +16       64" in vllm_part
     assert "state at 64" in vllm_part
     # Only the mirror was mutated: the engine's cache still holds.
     assert "FAILED issue-43559.parquet under policy vllm-0.33 in the gpu cache" not in out
