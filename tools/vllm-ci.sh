@@ -21,6 +21,8 @@
 # docs/ci.md cannot rot.
 set -uo pipefail
 PY=${1:-python3}
+# A path to the interpreter is made absolute: the steps run from an empty directory.
+case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PACKAGE=${REPLAY_PACKAGE:-$HERE}
 OUT=$(mkdir -p "${OUT:-replay-ci}" && cd "${OUT:-replay-ci}" && pwd)
