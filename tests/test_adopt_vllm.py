@@ -10,34 +10,18 @@ are never edited."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.vllm_modules import replay_under_mutant
 
 pytest.importorskip("vllm", reason="vLLM not importable: run make test-vllm")
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHETYPE = ROOT / "traces" / "archetype-full-mamba.parquet"
-
-
-def _replay(*args: str, cwd: Path, mutant: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("REPLAY_MUTANT", None)
-    if mutant:
-        env["REPLAY_MUTANT"] = mutant
-    return subprocess.run(
-        [sys.executable, "-m", "mutants.replay", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=900,
-    )
 
 
 def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: Path) -> None:
@@ -49,7 +33,7 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
     from replay.analysis.expectations import cause_shape, read_expectations
 
     small = tmp_path / "small.parquet"
-    made = _replay(
+    made = replay_under_mutant(
         "minimize", str(ARCHETYPE), "--request", "s116-t1", "--policy", "pre-49502",
         "--flag", "mamba_overrun", "-o", str(small), cwd=tmp_path,
     )  # fmt: skip
@@ -66,7 +50,7 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
         ("vllm-0.34", "gpu"): 0,
         ("vllm-0.34", "mooncake"): 0,
     }
-    clean = _replay("test", "--coordinator", "vllm", str(small), cwd=tmp_path)
+    clean = replay_under_mutant("test", "--coordinator", "vllm", str(small), cwd=tmp_path)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert clean.stdout.splitlines()[-1].startswith("3 passed, 0 failed, 4 skipped")
     # The failure names the vLLM function whose answer differs (issue 31):
@@ -82,7 +66,9 @@ def test_a_minimized_trace_fails_under_each_gate_removal_in_its_cache(tmp_path: 
         ("engine-no-mamba-gate", "gpu", "1 passed, 2 failed, 4 skipped"),
         ("mirror-no-mamba-gate", "mooncake", "2 passed, 1 failed, 4 skipped"),
     ):
-        got = _replay("test", "--coordinator", "vllm", str(small), cwd=tmp_path, mutant=mutant)
+        got = replay_under_mutant(
+            "test", "--coordinator", "vllm", str(small), cwd=tmp_path, mutant=mutant
+        )
         assert got.returncode == 1, (mutant, got.stderr)
         assert got.stdout.splitlines()[:4] == [
             f"1 lookup in 1 trace differ under policy vllm-0.33 in the {cache} cache: "
@@ -103,7 +89,9 @@ DRIFT = re.compile(
 
 
 def test_the_drift_check_agrees_with_an_unmodified_vllm(tmp_path: Path) -> None:
-    got = _replay("test", "--coordinator", "vllm", "--random", "40", "--seed", "7", cwd=tmp_path)
+    got = replay_under_mutant(
+        "test", "--coordinator", "vllm", "--random", "40", "--seed", "7", cwd=tmp_path
+    )
     assert got.returncode == 0, got.stdout + got.stderr
     (line,) = got.stdout.splitlines()
     match = DRIFT.fullmatch(line)
@@ -111,7 +99,7 @@ def test_the_drift_check_agrees_with_an_unmodified_vllm(tmp_path: Path) -> None:
     lookups, agreed = (int(match.group(i).replace(",", "")) for i in (1, 3))
     assert lookups == agreed > 200
     assert list(tmp_path.iterdir()) == []  # nothing written when nothing differs
-    as_json = _replay(
+    as_json = replay_under_mutant(
         "test", "--coordinator", "vllm", "--random", "40", "--seed", "7", "--json", cwd=tmp_path
     )
     data = json.loads(as_json.stdout)
@@ -134,7 +122,7 @@ def test_the_drift_check_catches_a_mutated_finder_and_writes_a_failing_trace(
     vLLM and passes on the unmodified one."""
     out = tmp_path / "drift.parquet"
     mutant = "full-peeks-one-more-block"
-    got = _replay(
+    got = replay_under_mutant(
         "test", "--coordinator", "vllm", "--random", "40", "--seed", "7", "-o", str(out),
         cwd=tmp_path, mutant=mutant,
     )  # fmt: skip
@@ -154,8 +142,10 @@ def test_the_drift_check_catches_a_mutated_finder_and_writes_a_failing_trace(
     assert lines[4].startswith("wrote the smallest differing trace (")
     assert f"events) to {out}: " in lines[4]
     assert lines[5] == f"  replay test --coordinator vllm {out}"
-    failing = _replay("test", "--coordinator", "vllm", str(out), cwd=tmp_path, mutant=mutant)
+    failing = replay_under_mutant(
+        "test", "--coordinator", "vllm", str(out), cwd=tmp_path, mutant=mutant
+    )
     assert failing.returncode == 1, failing.stdout + failing.stderr
     assert "FAILED drift.parquet under policy vllm-0.33" in failing.stdout
-    passing = _replay("test", "--coordinator", "vllm", str(out), cwd=tmp_path)
+    passing = replay_under_mutant("test", "--coordinator", "vllm", str(out), cwd=tmp_path)
     assert passing.returncode == 0, passing.stdout + passing.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.builders import vllm_metadata
+from tests.vllm_modules import replay_under_mutant
 
 pytest.importorskip("vllm", reason="vLLM not importable: run make test-vllm")
 pytestmark = pytest.mark.vllm
@@ -23,21 +24,6 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "traces"
 ISSUE = TRACES / "issue-43559.parquet"
-
-
-def _replay(*args: str, mutant: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("REPLAY_MUTANT", None)
-    if mutant:
-        env["REPLAY_MUTANT"] = mutant
-    return subprocess.run(
-        [sys.executable, "-m", "mutants.replay", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
 
 
 def test_the_49502_gate_removed_fails_issue_43559_with_64_against_48() -> None:
@@ -309,3 +295,7 @@ def test_a_development_build_checked_as_nothing_fails(tmp_path: Path) -> None:
         "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
         "vLLM 0.1.dev1+gabc1234 is checked as policy vllm-0.29"
     )
+
+
+def _replay(*args: str, mutant: str | None = None) -> subprocess.CompletedProcess[str]:
+    return replay_under_mutant(*args, cwd=ROOT, mutant=mutant, timeout=600)

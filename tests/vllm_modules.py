@@ -3,6 +3,10 @@ module imports without vLLM; the tests that call it are skipped there)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -66,4 +70,25 @@ def split_state(config: TraceConfig, budget: int) -> SimpleNamespace:
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
         mamba_shared_prefix_checkpoint=False,
         mamba_fine_grained_prefix_cache=False,  # 0.30-0.31 read it (off by default)
+    )
+
+
+def replay_under_mutant(
+    *args: str, cwd: Path, mutant: str | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess[str]:
+    """``replay ARGS`` in a subprocess of this Python, with vLLM's lookup path
+    carrying the one-line ``mutant`` of mutants/ (applied at import time,
+    vLLM's files untouched), or unmodified."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("REPLAY_MUTANT", None)
+    if mutant:
+        env["REPLAY_MUTANT"] = mutant
+    return subprocess.run(
+        [sys.executable, "-m", "mutants.replay", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
     )
