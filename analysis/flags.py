@@ -43,7 +43,6 @@ import polars as pl
 
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
-from replay.base.text import printable
 from replay.format.schema import FACT_COLUMNS, RESULTS_SCHEMA
 from replay.rules.coordinator import DEFAULT_CACHE, Cache, LookupOutcome
 from replay.rules.facts import FactRules, LookupFacts
@@ -534,14 +533,11 @@ def flag_counts(flags: pl.DataFrame) -> dict[str, int]:
 
 
 def flag_examples(flags: pl.DataFrame, limit: int) -> list[dict[str, Any]]:
-    """The first ``limit`` flagged rows of each kind, as dicts with a ``text`` line."""
+    """The first ``limit`` flagged rows of each kind, worst kind first, as
+    dicts of ``FLAGS_SCHEMA``'s columns (``replay.tools.render`` words them)."""
     rows: list[dict[str, Any]] = []
     for name in by_severity(FLAG_KINDS):
-        part = flags.filter(pl.col("flag") == name).head(limit)
-        for r in part.iter_rows(named=True):
-            request = printable(r["request_id"])
-            r["text"] = f"{r['flag']}: request {request} seq {r['seq']}: {r['detail']}"
-            rows.append(r)
+        rows += flags.filter(pl.col("flag") == name).head(limit).iter_rows(named=True)
     return rows
 
 

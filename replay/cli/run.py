@@ -168,9 +168,7 @@ def run(
                         | {
                             "flags": payloads.flag_list(s["flags"]),
                             "flagged": [
-                                {k: v for k, v in e.items() if k != "text"}
-                                | {"severity": severity(e["flag"])}
-                                for e in s["examples"]
+                                e | {"severity": severity(e["flag"])} for e in s["examples"]
                             ],
                         },
                     )

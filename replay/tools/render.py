@@ -200,8 +200,15 @@ def kinds_text(by_kind: Mapping[str, int]) -> str:
     )
 
 
+def _example_line(example: Mapping[str, Any]) -> str:
+    """One flagged lookup (a row of ``replay.analysis.flags.flag_examples``):
+    its flag, request, seq and the numbers that prove it."""
+    e = example
+    return f"{e['flag']}: request {printable(e['request_id'])} seq {e['seq']}: {e['detail']}"
+
+
 def _example_lines(examples: Sequence[Mapping[str, Any]]) -> list[str]:
-    return ["  " + ex["text"] for ex in examples]
+    return ["  " + _example_line(ex) for ex in examples]
 
 
 def validate_line(path: Path, info: Mapping[str, Any]) -> str:
