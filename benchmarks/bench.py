@@ -110,7 +110,8 @@ import pyarrow.parquet as pq
 from replay.format.tracedir import open_trace
 t = time.perf_counter()
 config = open_trace({path!r}).config
-if {backend!r} == "vllm":
+from replay.rules.coordinator import get_coordinator
+if get_coordinator({backend!r}).installed_vllm:
     from replay.adapters.vllm.backend import VllmCoordinator as C
 else:
     from replay.rules.coordinator import Coordinator as C

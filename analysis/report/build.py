@@ -19,6 +19,7 @@ from replay.format.results import results_cache, results_config
 from replay.format.trace import TraceReader
 from replay.format.tracedir import TraceSource
 from replay.rules.coordinator import POLICIES, hit_alignment
+from replay.rules.coordinator.kinds import REFERENCE
 from replay.tools.render import explain_header, explain_table
 
 
@@ -101,7 +102,7 @@ def explain_examples(
     }
     for k, exs in report.examples.items():
         report.examples[k] = [e.explained(texts.get(e.seq)) for e in exs]
-    if report.info.get("coordinator") not in (None, "reference"):
+    if report.info.get("coordinator") not in (None, REFERENCE.name):
         report.explain_note = (
             f"these results come from the {report.info.get('coordinator')} coordinator; "
             "the explain tables show the reference coordinator's steps under the same policy"

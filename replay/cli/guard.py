@@ -14,7 +14,7 @@ import click
 from replay.cli.common import command, fail, note_at_end
 from replay.cli.options import FAIL_ON, IGNORE, Names
 from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
-from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, get_coordinator
+from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, VLLM, get_coordinator
 
 
 @command("test")
@@ -253,7 +253,7 @@ def _drift(
             "test",
             {
                 "trace": first["written"] if first else None,
-                "coordinator": "vllm",
+                "coordinator": VLLM.name,
                 "vllm": version,
                 **{k: v for k, v in asdict(report).items() if k != "first"},
                 "seconds": round(report.seconds, 3),

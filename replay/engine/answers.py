@@ -29,7 +29,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from replay.base.errors import ConfigError, ReplayError
+from replay.base.errors import ConfigError
 from replay.base.spec import TraceConfig
 from replay.format.schema import ANSWER_SCHEMA, RESULTS_SCHEMA, UNIT_PRESENT_FIELD
 from replay.rules.compiled import answer_batch, lookup_tables, new_out, out_width
@@ -50,11 +50,12 @@ from replay.rules.compiled.tables import (
     LookupTables,
 )
 from replay.rules.coordinator import (
-    COORDINATORS,
+    DEFAULT_COORDINATOR,
     Coordinator,
     LookupCoordinator,
     LookupOutcome,
     get_cache,
+    get_coordinator,
     get_policy,
     resolve_cache,
 )
@@ -70,22 +71,19 @@ def make_coordinator(
     *,
     path: str | os.PathLike[str] | None = None,
 ) -> LookupCoordinator:
+    kind = get_coordinator(coordinator)  # the registry: unknown names fail here
     get_policy(policy)  # unknown names fail the same way for both backends
     cache = resolve_cache(config, cache)
-    if coordinator == "reference":
-        try:
-            return Coordinator(config, policy, cache)
-        except ConfigError as exc:
-            # A trace valid for one cache may not be for the other.
-            where = f"{path}: " if path is not None else ""
-            raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
-    if coordinator == "vllm":
+    if kind.installed_vllm:
         from replay.adapters.vllm.backend import VllmCoordinator
 
         return VllmCoordinator(config, policy, cache)
-    raise ReplayError(
-        f"unknown coordinator {coordinator!r}, expected one of {', '.join(COORDINATORS)}"
-    )
+    try:
+        return Coordinator(config, policy, cache)
+    except ConfigError as exc:
+        # A trace valid for one cache may not be for the other.
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}replay.trace metadata: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -104,7 +102,7 @@ class Variant:
 
     policy: str
     cache: str
-    coordinator: str = "reference"
+    coordinator: str = DEFAULT_COORDINATOR
 
 
 @dataclass(slots=True, kw_only=True)

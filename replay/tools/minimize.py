@@ -40,7 +40,6 @@ from replay.rules.coordinator import (
     pinned_policies,
     resolve_cache,
 )
-from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR
 
 Row = dict[str, Any]
 
@@ -103,9 +102,10 @@ def valid_caches(config: TraceConfig) -> list[str]:
     return out
 
 
-def pinned_variants(config: TraceConfig, also: Sequence[str] = ()) -> list[tuple[str, str]]:
-    """(policy, cache) a regression trace pins: in every valid cache, the
-    default release, the aliases and ``also``, where each answers."""
+def pinned_variants(config: TraceConfig, also: Sequence[str] = ()) -> list[Variant]:
+    """The variants a regression trace pins: in every valid cache, the
+    default release, the aliases and ``also``, where each answers (by the
+    reference coordinator)."""
     out = []
     for cache in valid_caches(config):
         for policy in pinned_policies(cache, tuple(also)):
@@ -113,7 +113,7 @@ def pinned_variants(config: TraceConfig, also: Sequence[str] = ()) -> list[tuple
                 Coordinator(config, policy, cache)
             except ConfigError:
                 continue
-            out.append((policy, cache))
+            out.append(Variant(policy=policy, cache=cache))
     return out
 
 
@@ -121,26 +121,23 @@ def answers(
     config: TraceConfig,
     rows: Sequence[Row],
     request_id: str,
-    variants: Sequence[tuple[str, str]],
+    variants: Sequence[Variant],
     judge: Judge,
-    coordinator: str = DEFAULT_COORDINATOR,
-) -> dict[tuple[str, str], Answer]:
-    """The request's last lookup's answer per (policy, cache), one fold."""
-    options = ReplayOptions(
-        variants=tuple(Variant(policy=p, cache=c, coordinator=coordinator) for p, c in variants)
-    )
-    out: dict[tuple[str, str], Answer] = {}
+) -> dict[Variant, Answer]:
+    """The request's last lookup's answer per variant, one fold."""
+    options = ReplayOptions(variants=tuple(variants))
+    out: dict[Variant, Answer] = {}
     for result in replay(candidate(config, rows), options):
         res = judge(result.results, config)
         mine = res.filter(res["request_id"] == request_id)
         if mine.height == 0:
-            out[(result.policy, result.cache)] = ((), 0, [], [])
+            out[result.variant] = ((), 0, [], [])
             continue
         masks = [
             [int(m), int(n)]
             for m, n in zip(mine["mask_blocks"][-1], mine["loaded_blocks"][-1], strict=True)
         ]
-        out[(result.policy, result.cache)] = (
+        out[result.variant] = (
             tuple(sorted(mine["flags"][-1])),
             int(mine["hit_tokens"][-1]),
             masks,
@@ -196,19 +193,20 @@ def shrink(
     return [*events, target]
 
 
-def expect_entries(request_id: str, got: Mapping[tuple[str, str], Answer]) -> list[dict[str, Any]]:
+def expect_entries(request_id: str, got: Mapping[Variant, Answer]) -> list[dict[str, Any]]:
     """The ``replay.expect`` entries of a small trace (one lookup): per
-    (policy, cache), the request's flags, hit, load masks and group hits."""
+    variant (policy and cache), the request's flags, hit, load masks and
+    group hits."""
     return [
         {
-            "policy": policy,
-            "cache": cache,
+            "policy": variant.policy,
+            "cache": variant.cache,
             "flags": {f: 1 for f in flags},
             "hits": {request_id: hit},
             "masks": {request_id: masks},
             "group_hit_tokens": group_hits,
         }
-        for (policy, cache), (flags, hit, masks, group_hits) in got.items()
+        for variant, (flags, hit, masks, group_hits) in got.items()
     ]
 
 
@@ -243,7 +241,7 @@ def minimize(
         if r["kind"] == "lookup" and r["request_id"] == request_id
     }
     t = targets[choose_lookup(reader.name, request_id, list(targets), seq)]
-    shrinking = (policy, resolve_cache(config, cache))
+    shrinking = Variant(policy=policy, cache=resolve_cache(config, cache))
     variants = list(dict.fromkeys([*pinned_variants(config, (policy,)), shrinking]))
 
     def has_flag(flags: Sequence[str]) -> bool:

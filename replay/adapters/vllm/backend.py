@@ -53,6 +53,7 @@ from replay.rules.coordinator.hybrid import (
     LookupOutcome,
     Step,
 )
+from replay.rules.coordinator.kinds import VLLM
 from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_policy
 
 #: Every name of vLLM's starting with an underscore that this package
@@ -508,7 +509,7 @@ def _probe(iface: Any, module: Any, utils: Any, cache: str) -> None:
 class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
-    name = "vllm"
+    name = VLLM.name
     #: Where a Mooncake lookup enters vLLM: the mirror's
     #: ``find_longest_cache_hit`` at the trace's ``max_length`` (the policies
     #: model this), or the store worker's own ``lookup`` (``VllmStoreWorker``).

@@ -30,6 +30,7 @@ import numpy as np
 from replay.base.spec import GroupKind, TraceConfig
 from replay.rules.coordinator import Coordinator, Policy
 from replay.rules.coordinator.cache import Cache
+from replay.rules.coordinator.kinds import get_coordinator
 from replay.rules.facts import FactRules
 
 #: Group kinds, as the kernels number them.
@@ -150,6 +151,6 @@ def supported(coordinator: str) -> str | None:
     tables above carry each ``Cache`` field the fixed point reads); only
     another coordinator than the reference (vLLM's own, asked by hash)
     answers in Python."""
-    if coordinator != Coordinator.name:
+    if not get_coordinator(coordinator).compiled:
         return f"the {coordinator} coordinator answers through its own code"
     return None

@@ -15,6 +15,7 @@ from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
 from replay.rules.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
+from replay.rules.coordinator.kinds import REFERENCE
 from replay.rules.coordinator.policy import DEFAULT_POLICY, Policy, get_policy, policy_rules
 
 
@@ -332,7 +333,7 @@ class LookupCoordinator:
 class Coordinator(LookupCoordinator):
     """Finds the longest cache hit every KV-cache group agrees on."""
 
-    name = "reference"
+    name = REFERENCE.name
     asks_by_hash = False
 
     def answer(

@@ -18,6 +18,9 @@ class CoordinatorKind(Entry):
     installed_vllm: bool
     #: Can answer on Ray workers (vLLM's classes run in the one process).
     on_ray: bool
+    #: Its rules compile to the fixed point's tables (``replay.rules.compiled``);
+    #: otherwise each lookup is answered by its own Python code.
+    compiled: bool
 
 
 REFERENCE = CoordinatorKind(
@@ -25,12 +28,14 @@ REFERENCE = CoordinatorKind(
     description="this project's coordinator: each release policy's semantics, step by step",
     installed_vllm=False,
     on_ray=True,
+    compiled=True,
 )
 VLLM = CoordinatorKind(
     name="vllm",
     description="the installed vLLM's own coordinator, over the same store",
     installed_vllm=True,
     on_ray=False,
+    compiled=False,
 )
 COORDINATORS: dict[str, CoordinatorKind] = by_name(REFERENCE, VLLM)
 DEFAULT_COORDINATOR = REFERENCE.name
