@@ -674,7 +674,14 @@ def test_imported_mooncake_trace_stores_what_vllm_stores(
         # setting at all; 0.23.0's variable needs a sliding-window group).
         interval = None
     settings = StoreSettings(retention_interval=interval, policy=POLICY.name)
-    ingest("mooncake", src, tmp_path / "t.parquet", model="full+mamba", eagle=True, policy=settings)
+    ingest(
+        "mooncake",
+        src,
+        tmp_path / "t.parquet",
+        model="full+mamba",
+        eagle=True,
+        store_settings=settings,
+    )
     frame = open_trace(tmp_path / "t.parquet").read_frame()
     config = archetype_config("full+mamba", 16, None, True)
     v = _vllm()

@@ -26,12 +26,12 @@ from tests.conftest import run_cli
 
 
 def rules_trace(
-    path: Path, config: TraceConfig, cache: str, policy: StoreSettings, prompts: list[list[int]]
+    path: Path, config: TraceConfig, cache: str, settings: StoreSettings, prompts: list[list[int]]
 ) -> Path:
     """A trace whose stores are what the store rules say each request leaves
     behind, in an unbounded store (the trace's own hits)."""
     coordinator = Coordinator(config, "vllm-0.33", cache)
-    rules = StoreRules(config, policy)
+    rules = StoreRules(config, settings)
     present: list[set[bytes]] = [set() for _ in config.groups]
     hbs = config.hash_block_size
     rows: list[dict[str, Any]] = []
@@ -80,14 +80,14 @@ def observed_hits(path: str | Path) -> list[int]:
 
 
 def spec_for(
-    policy: StoreSettings, cache: str, eviction: str, capacity: int, emit: Path
+    settings: StoreSettings, cache: str, eviction: str, capacity: int, emit: Path
 ) -> RunSpec:
     return RunSpec(
         cache=cache,
         eviction=eviction,
         capacity_blocks=capacity,
-        retention_interval=policy.retention_interval,
-        max_num_batched_tokens=policy.max_num_batched_tokens,
+        retention_interval=settings.retention_interval,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         emit=str(emit),
     )
 
@@ -97,12 +97,12 @@ def test_unbounded_capacity_reproduces_the_traces_own_hits(cache: str, tmp_path:
     rng = random.Random(1600 + len(cache))
     compared = nonzero = 0
     for case in range(12):
-        config, policy = random_case(rng, cache)
+        config, settings = random_case(rng, cache)
         prompts = random_prompts(rng, config.scheduler_block_size, 30)
-        trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, policy, prompts)
+        trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, settings, prompts)
         own = replay_trace(trace, cache=cache).results["hit_tokens"].to_list()
         emitted = tmp_path / f"w{case}.parquet"
-        row = simulate(load_requests(trace), spec_for(policy, cache, "lru", 10**7, emitted))
+        row = simulate(load_requests(trace), spec_for(settings, cache, "lru", 10**7, emitted))
         assert observed_hits(emitted) == own, config.to_json()
         assert row["hit_tokens"] == sum(own) and row["evicted_blocks"] == 0
         compared += len(own)
@@ -112,19 +112,19 @@ def test_unbounded_capacity_reproduces_the_traces_own_hits(cache: str, tmp_path:
 
 @pytest.mark.parametrize("cache", ["gpu", "mooncake"])
 def test_emitted_runs_replay_to_exactly_their_hits(cache: str, tmp_path: Path) -> None:
-    """At capacities with many evictions, every policy: ``replay run`` on the
+    """At capacities with many evictions, every eviction order: ``replay run`` on the
     emitted trace gives each lookup the hit the what-if found."""
     rng = random.Random(1616)
     evicted = 0
     for case in range(4):
-        config, policy = random_case(rng, cache)
+        config, settings = random_case(rng, cache)
         prompts = random_prompts(rng, config.scheduler_block_size, 40)
-        trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, policy, prompts)
+        trace = rules_trace(tmp_path / f"t{case}.parquet", config, cache, settings, prompts)
         requests = load_requests(trace)
         longest = max(len(p) for p in prompts) // config.groups[0].block_size + 1
         for eviction in ("lru", "fifo", "lfu", "belady"):
             emitted = tmp_path / f"w{case}-{eviction}.parquet"
-            spec = spec_for(policy, cache, eviction, longest * config.num_groups, emitted)
+            spec = spec_for(settings, cache, eviction, longest * config.num_groups, emitted)
             row = simulate(requests, spec)
             evicted += row["evicted_blocks"]
             replayed = replay_trace(emitted, cache=cache).results
@@ -140,9 +140,9 @@ def _full_attention_runs(
     for case in range(6):
         bs = rng.choice((16, 32))
         config = archetype_config("full", bs)
-        policy = StoreSettings(cache=cache, max_num_batched_tokens=bs * rng.choice((1, 4, 64)))
+        settings = StoreSettings(cache=cache, max_num_batched_tokens=bs * rng.choice((1, 4, 64)))
         prompts = random_prompts(rng, bs, 60)
-        trace = rules_trace(tmp_path / f"f{case}.parquet", config, cache, policy, prompts)
+        trace = rules_trace(tmp_path / f"f{case}.parquet", config, cache, settings, prompts)
         requests = load_requests(trace)
         longest = max(len(p) for p in prompts) // bs + 1
         capacities = sorted({longest + rng.randrange(0, 4 * longest) for _ in range(6)})
@@ -151,7 +151,7 @@ def _full_attention_runs(
                 cache=cache,
                 eviction=e,
                 capacity_blocks=c,
-                max_num_batched_tokens=policy.max_num_batched_tokens,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
             )
             for c in capacities
             for e in evictions

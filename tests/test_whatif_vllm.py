@@ -150,15 +150,15 @@ def run_both(
     v: SimpleNamespace,
     config: TraceConfig,
     capacity: int,
-    policy: StoreSettings,
+    settings: StoreSettings,
     prompts: list[list[int]],
     hashes_out: list[list[bytes]] | None = None,
 ) -> tuple[list[int | None], list[int | None], int]:
     """Per request: vLLM's hit and the model's (None: not admitted); the
     model's evicted cached blocks. ``hashes_out`` collects vLLM's hashes."""
-    budget = policy.max_num_batched_tokens
-    engine = Engine(v, config, capacity, budget, policy.retention_interval)
-    model = GpuCache(config, capacity, store_settings=policy)
+    budget = settings.max_num_batched_tokens
+    engine = Engine(v, config, capacity, budget, settings.retention_interval)
+    model = GpuCache(config, capacity, store_settings=settings)
     theirs: list[int | None] = []
     mine: list[int | None] = []
     for i, tokens in enumerate(prompts):
@@ -176,7 +176,7 @@ def whatif_hits(
     tmp: Path,
     config: TraceConfig,
     capacity: int,
-    policy: StoreSettings,
+    settings: StoreSettings,
     prompts: list[list[int]],
     hashes: list[list[bytes]],
 ) -> tuple[list[int], int]:
@@ -191,8 +191,8 @@ def whatif_hits(
             cache="gpu",
             eviction="lru",
             capacity_blocks=capacity,
-            retention_interval=policy.retention_interval,
-            max_num_batched_tokens=policy.max_num_batched_tokens,
+            retention_interval=settings.retention_interval,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             emit=str(emitted),
         ),
     )
@@ -205,7 +205,7 @@ def compiled_hits(
     tmp: Path,
     config: TraceConfig,
     capacity: int,
-    policy: StoreSettings,
+    settings: StoreSettings,
     prompts: list[list[int]],
     hashes: list[list[bytes]],
 ) -> list[int | None]:
@@ -220,8 +220,8 @@ def compiled_hits(
             cache="gpu",
             eviction="lru",
             capacity_blocks=capacity,
-            retention_interval=policy.retention_interval,
-            max_num_batched_tokens=policy.max_num_batched_tokens,
+            retention_interval=settings.retention_interval,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
         ),
     )
     out: list[int | None] = []
@@ -259,25 +259,25 @@ def test_block_pool_hits_match_vllm(
         runs.append((2 * largest, StoreSettings(cache="gpu", retention_interval=None)))
     report = []
     unbounded_hits = 0
-    for capacity, policy in runs:
+    for capacity, settings in runs:
         hashes: list[list[bytes]] = []
-        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts, hashes)
+        theirs, mine, evicted = run_both(v, config, capacity, settings, prompts, hashes)
         # ``replay whatif --cache gpu --eviction lru`` itself: the same hit
         # for every request vLLM served, and the same total.
-        observed, served = whatif_hits(tmp_path, config, capacity, policy, prompts, hashes)
+        observed, served = whatif_hits(tmp_path, config, capacity, settings, prompts, hashes)
         # The compiled what-if: every request as vLLM served it (or not).
-        assert compiled_hits(tmp_path, config, capacity, policy, prompts, hashes) == theirs
+        assert compiled_hits(tmp_path, config, capacity, settings, prompts, hashes) == theirs
         done = [(i, h) for i, h in enumerate(theirs) if h is not None and h != PREEMPTED]
         assert [observed[i] for i, _ in done] == [h for _, h in done]
         assert served == sum(h for _, h in done)
         agree = sum(a == b for a, b in zip(theirs, mine, strict=True))
         hits = sum(a or 0 for a in theirs)
-        report.append((capacity, policy, agree, evicted, theirs.count(None), hits))
+        report.append((capacity, settings, agree, evicted, theirs.count(None), hits))
         first_bad = next(
             ((i, a, b) for i, (a, b) in enumerate(zip(theirs, mine, strict=True)) if a != b), None
         )
         assert first_bad is None, (
-            f"{name} capacity {capacity} {policy}: request {first_bad[0]}: vLLM {first_bad[1]}, "
+            f"{name} capacity {capacity} {settings}: request {first_bad[0]}: vLLM {first_bad[1]}, "
             f"model {first_bad[2]} ({agree}/{len(prompts)} agree)"
         )
         if capacity == total:
@@ -290,10 +290,10 @@ def test_block_pool_hits_match_vllm(
         if capacity < longest:
             assert theirs.count(None) > 0
     with capsys.disabled():
-        for capacity, policy, agree, evicted, rejected, hits in report:
+        for capacity, settings, agree, evicted, rejected, hits in report:
             print(
-                f"\n{name}: capacity {capacity} blocks, budget {policy.max_num_batched_tokens}, "
-                f"retention {policy.retention_interval}: {agree}/{len(prompts)} hits agree "
+                f"\n{name}: capacity {capacity} blocks, budget {settings.max_num_batched_tokens}, "
+                f"retention {settings.retention_interval}: {agree}/{len(prompts)} hits agree "
                 f"({hits} hit tokens, {evicted} cached blocks evicted, {rejected} not admitted)"
             )
 
@@ -310,7 +310,7 @@ def test_block_pool_matches_vllm_on_random_sessions(
         a = config.scheduler_block_size
         sparse = config.num_groups > 1
         retention = rng.choice((0, None, 2 * a)) if sparse else 0
-        policy = StoreSettings(
+        settings = StoreSettings(
             cache="gpu",
             retention_interval=retention,
             max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
@@ -319,12 +319,12 @@ def test_block_pool_matches_vllm_on_random_sessions(
         longest = max(-(-len(p) // config.groups[0].block_size) for p in prompts)
         capacity = rng.randrange(longest * 2 // 3 + 1, longest * config.num_groups * 4)
         hashes: list[list[bytes]] = []
-        theirs, mine, evicted = run_both(v, config, capacity, policy, prompts, hashes)
+        theirs, mine, evicted = run_both(v, config, capacity, settings, prompts, hashes)
         good = sum(x == y for x, y in zip(theirs, mine, strict=True))
-        compiled = compiled_hits(tmp_path, config, capacity, policy, prompts, hashes)
-        assert compiled == theirs, f"{config.to_json()} {policy} capacity {capacity} (compiled)"
+        compiled = compiled_hits(tmp_path, config, capacity, settings, prompts, hashes)
+        assert compiled == theirs, f"{config.to_json()} {settings} capacity {capacity} (compiled)"
         assert good == len(prompts), (
-            f"{config.to_json()} {policy} capacity {capacity}: vLLM {theirs} model {mine}"
+            f"{config.to_json()} {settings} capacity {capacity}: vLLM {theirs} model {mine}"
         )
         agree += good
         total += len(prompts)

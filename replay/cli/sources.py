@@ -366,7 +366,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
                 block_size=block_size,
                 eagle=eagle,
                 capacity_blocks=capacity_blocks,
-                policy=store_settings(
+                store_settings=store_settings(
                     retention_interval, max_num_batched_tokens, cache, policy, vllm_version
                 ),
                 progress=None if bar is None else bar.steps("rows"),

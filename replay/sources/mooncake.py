@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.base.deprecation import renamed_keyword
 from replay.base.limits import ROW_HASHES
 from replay.format.writer import TraceWriter
 from replay.rules.store_rules import StoreSettings
@@ -104,6 +105,7 @@ class _KeyMap:
         return digest_pairs(orig, subs, self._salts)
 
 
+@renamed_keyword("policy", "store_settings")
 def ingest(
     format_name: str,
     src: str | os.PathLike[str],
@@ -113,18 +115,18 @@ def ingest(
     block_size: int = 16,
     eagle: bool = False,
     capacity_blocks: int | None = None,
-    policy: StoreSettings | None = None,
+    store_settings: StoreSettings | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Import a JSONL trace in ``format_name`` (``mooncake`` or ``bailian``);
-    return a summary with the trace's own prefix-reuse ratio. ``policy`` is
-    the deployment's store settings (default: vLLM's defaults, the Mooncake
-    store); the keyword keeps its name for ``replay ingest``'s call."""
+    return a summary with the trace's own prefix-reuse ratio.
+    ``store_settings`` are the deployment's (default: vLLM's defaults, the
+    Mooncake store; the release they follow is theirs)."""
     fmt = FORMATS[format_name]
     path = Path(src)
     fine, coarse = granularity(fmt, block_size)
     config = archetype_config(model, block_size, None, eagle)
-    settings = policy or StoreSettings()
+    settings = store_settings or StoreSettings()
     keymap = _KeyMap(fine, coarse)
     counter = ReuseCounter(fine, coarse, block_size)
     with (
