@@ -48,7 +48,7 @@ def releases_between(first: str | None, last: str | None) -> list[Policy]:
     lo = version_key(first) if first else (0, 0, 0)
     hi = version_key(last) if last else (1 << 30, 0, 0)
     if lo > hi:
-        raise ReplayError(f"--from {first} is after --to {last}")
+        raise ReplayError(f"`first` {first} is after `last` {last}")
     chosen = [p for p in RELEASES if version_key(p.last) >= lo and version_key(p.first) <= hi]
     if not chosen:
         raise ReplayError(

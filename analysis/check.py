@@ -34,14 +34,14 @@ def check_path(
         made_under = str(info.get("policy", "?"))
         if policy is not None and policy != made_under:
             raise ReplayError(
-                f"{path}: these results were made under policy {made_under}, not --policy "
-                f"{policy} (check the trace to replay it under {policy}, or drop --policy)"
+                f"{path}: these results were made under policy {made_under}, not `policy` "
+                f"{policy} (check the trace to replay it under {policy}, or drop `policy`)"
             )
         made_in = results_cache(info)
         if cache is not None and cache != made_in:
             raise ReplayError(
                 f"{path}: these results were replayed in the {made_in} cache, not {cache} "
-                f"(replay the trace with --cache {cache}, or drop --cache)"
+                f"(replay the trace with `cache` {cache}, or drop `cache`)"
             )
         if frame.height == 0:
             raise ReplayError(f"{path}: no lookups, nothing to check")

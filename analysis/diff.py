@@ -491,21 +491,21 @@ def diff_policies(
     and/or two caches)."""
     if is_results_file(trace):
         raise ReplayError(
-            f"{trace}: is a results file, expected a trace to replay with --policy twice "
-            "(or give two results files and no --policy)"
+            f"{trace}: is a results file, expected a trace to replay with `policy` twice "
+            "(or give two results files and no `policy`)"
         )
-    pa_, pb = _pair("--policy", policies, DEFAULT_POLICY)
-    ca, cb = _pair("--coordinator", coordinators, DEFAULT_COORDINATOR)
+    pa_, pb = _pair("`policy`", policies, DEFAULT_POLICY)
+    ca, cb = _pair("`coordinator`", coordinators, DEFAULT_COORDINATOR)
     if len(policies) < 2 and len(coordinators) < 2 and len(caches) < 2:
         raise ReplayError(
-            f"{trace}: a trace needs two sides to diff: give --policy twice "
-            "(e.g. --policy vllm-0.33 --policy pre-49502), --cache twice "
-            "(--cache mooncake --cache gpu) or --coordinator twice"
+            f"{trace}: a trace needs two sides to diff: give `policy` twice "
+            "(e.g. `policy` vllm-0.33 `policy` pre-49502), `cache` twice "
+            "(`cache` mooncake `cache` gpu) or `coordinator` twice"
         )
     reader = open_trace(trace)  # validates metadata and schema before any replay
     config = reader.config
     own = resolve_cache(config, None)
-    ka, kb = _pair("--cache", caches, own)
+    ka, kb = _pair("`cache`", caches, own)
     la, lb = _labels((pa_, ca, ka), (pb, cb, kb))
     # Both sides from one fold of the trace: presence does not depend on the
     # policy, the cache or the coordinator.
@@ -532,7 +532,7 @@ def _load_results(path: str | os.PathLike[str]) -> tuple[pl.DataFrame, dict[str,
     return read_results(
         path,
         not_results=f"{path}: is not a results file (no 'replay.results' metadata), expected "
-        "the output of `replay run`; to replay a trace give it once with --policy twice",
+        "the output of `replay run`; to replay a trace give it once with `policy` twice",
     )
 
 
@@ -605,13 +605,13 @@ def diff_inputs(
     if len(paths) == 2:
         if policies or coordinators or caches:
             raise ReplayError(
-                "--policy/--coordinator/--cache replay a trace; two results files are "
-                "compared as they are (give one trace with --policy or --cache twice, or two "
+                "`policy`/`coordinator`/`cache` replay a trace; two results files are "
+                "compared as they are (give one trace with `policy` or `cache` twice, or two "
                 "results files alone)"
             )
         return diff_results_files(paths[0], paths[1])
     raise ReplayError(
-        f"expected a trace (with --policy twice) or two results files, got {len(paths)} paths"
+        f"expected a trace (with `policy` twice) or two results files, got {len(paths)} paths"
     )
 
 

@@ -132,7 +132,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     try:
         return installed_version_policy().note or None
     except ReplayError as exc:
-        return str(exc)
+        return worded(str(exc), OPTIONS)
 
 
 @pytest.hookimpl(hookwrapper=True)

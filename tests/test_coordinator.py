@@ -141,7 +141,7 @@ def test_vllm_backend_without_vllm_names_the_fix() -> None:
     missing = "torch" if importlib.util.find_spec("torch") is None else "vllm"
     root = Path(__file__).resolve().parents[1]
     assert str(info.value) == (
-        f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: "
+        f"`coordinator` vllm: vLLM does not import in this Python ({sys.executable}: "
         f"No module named '{missing}'); run the tool inside the Python that has vLLM, "
         f"e.g. `PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
         "(or install vLLM here: `pip install 'cache-trace-replay[vllm]'`)"

@@ -16,6 +16,7 @@ from replay.base.units import (
     parse_capacities,
     parse_count,
 )
+from replay.cli.common import reworded
 
 
 @pytest.mark.parametrize(
@@ -118,6 +119,10 @@ def test_log_spaced_ranges_include_both_ends_and_round_to_whole_blocks() -> None
     with pytest.raises(ReplayError) as caught:
         log_spaced(parse_capacities("1")[0], parse_capacities("4")[0], 9)
     assert str(caught.value) == (
+        "`points` 9: from `min` 1 to `max` 4 there are only 4 sizes in blocks; give `points` 2 to 4"
+    )
+    # The command line says its flags (``replay.cli.common.reworded``).
+    assert reworded(caught.value) == (
         "--points 9: from --min 1 to --max 4 there are only 4 sizes in blocks; give --points 2 to 4"
     )
     pct = log_spaced(parse_capacities("1%")[0], parse_capacities("100%")[0], 3)

@@ -570,8 +570,8 @@ def test_an_alias_is_answered_where_its_release_is_installed(
         with pytest.raises(ReplayError) as refused:
             VllmCoordinator(config, "pre-49502", cache)
         assert str(refused.value) == (
-            f"--coordinator vllm: the installed vLLM {VERSION} has no Mooncake store mirror "
-            "(it came with #42828 in vLLM 0.22.0); use --cache gpu"
+            f"`coordinator` vllm: the installed vLLM {VERSION} has no Mooncake store mirror "
+            "(it came with #42828 in vLLM 0.22.0); use `cache` gpu"
         )
         return
     if INSTALLED.rules(cache) == ALL_POLICIES["pre-49502"].rules(cache):
@@ -581,7 +581,7 @@ def test_an_alias_is_answered_where_its_release_is_installed(
     with pytest.raises(ReplayError) as refused:
         VllmCoordinator(config, "pre-49502", cache)
     assert str(refused.value) == (
-        f"--coordinator vllm answers as the installed vLLM {VERSION} (policy {INSTALLED.name}); "
+        f"`coordinator` vllm answers as the installed vLLM {VERSION} (policy {INSTALLED.name}); "
         f"policy pre-49502 models vLLM {release} in the {cache} cache: run it in that "
         f"release's environment (make test-vllm VLLM={last}), or set "
         "REPLAY_POLICY=pre-49502 if this vLLM answers as that release"

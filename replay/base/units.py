@@ -212,7 +212,7 @@ class Capacity:
             if block_bytes is None:
                 raise ReplayError(
                     f"capacity {self.text!r} is in bytes: the trace does not record its page "
-                    "sizes; give --page-bytes or --model-config"
+                    "sizes; give `page_bytes` or `model_config`"
                 )
             blocks = self.value // block_bytes
             if blocks < 1:
@@ -253,23 +253,23 @@ def parse_capacities(text: str, option: str = "--capacity") -> list[Capacity]:
 
 
 def log_spaced(
-    low: Capacity, high: Capacity, points: int, option: str = "--points"
+    low: Capacity, high: Capacity, points: int, option: str = "`points`"
 ) -> list[Capacity]:
     """``points`` capacities from ``low`` to ``high`` (both included), evenly
     spaced on a log axis, in their unit; whole counts and bytes are rounded
     to the nearest whole number, duplicates after rounding dropped."""
     if low.unit != high.unit:
-        raise ReplayError(f"--min {low.text!r} and --max {high.text!r} are in different units")
+        raise ReplayError(f"`min` {low.text!r} and `max` {high.text!r} are in different units")
     if not 2 <= points <= MAX_POINTS:
         raise ReplayError(f"{option}: a range takes 2 to {MAX_POINTS:,} points, got {points:,}")
     if high.value <= low.value:
-        raise ReplayError(f"--max {high.text!r} must be larger than --min {low.text!r}")
+        raise ReplayError(f"`max` {high.text!r} must be larger than `min` {low.text!r}")
     whole = high.value - low.value + 1
     if low.unit != "percent" and points > whole:
         # Rounded to whole blocks or bytes, the range holds fewer sizes.
         raise ReplayError(
-            f"{option} {points:,}: from --min {low.text} to --max {high.text} there are "
-            f"only {int(whole):,} sizes in {low.unit}; give --points 2 to {int(whole):,}"
+            f"{option} {points:,}: from `min` {low.text} to `max` {high.text} there are "
+            f"only {int(whole):,} sizes in {low.unit}; give `points` 2 to {int(whole):,}"
         )
     ratio = math.log(high.value / low.value)
     values: list[Fraction] = []

@@ -60,7 +60,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ClusterError(f"--workers and --ray need Ray: {INSTALL_HINT}") from None
+        raise ClusterError(f"`workers` and `ray_address` need Ray: {INSTALL_HINT}") from None
     return ray
 
 
@@ -223,7 +223,7 @@ def replay_on_ray(
                 ray.init(address="local", num_cpus=workers or 1, **kwargs)
         except Exception as exc:  # Ray raises several types for one refusal
             text = str(exc).strip()
-            where = f"--ray {address}" if address is not None else f"--workers {workers}"
+            where = f"`ray_address` {address}" if address is not None else f"`workers` {workers}"
             raise ClusterError(
                 f"{where}: cannot start or reach Ray ({type(exc).__name__}: "
                 f"{text.splitlines()[0] if text else 'no detail'})"
@@ -252,12 +252,12 @@ def _probe(address: str) -> None:
 
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise ClusterError(f"--ray {address}: expected auto or HOST:PORT")
+        raise ClusterError(f"`ray_address` {address}: expected auto or HOST:PORT")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as exc:
         raise ClusterError(
-            f"--ray {address}: no Ray there ({exc.strerror or exc}); start one with "
+            f"`ray_address` {address}: no Ray there ({exc.strerror or exc}); start one with "
             "`ray start --head` or give its address"
         ) from None
 

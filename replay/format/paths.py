@@ -158,8 +158,8 @@ def output_format(
     if given is not None and given != named:
         want = next(e for e, f in formats.items() if f == given)
         raise ReplayError(
-            f"{option} {p}: a {ext} name for {NAMES[given]} (--format {given}); "
-            f"name it {p.with_suffix(want).name} or drop --format"
+            f"{option} {p}: a {ext} name for {NAMES[given]} (`format` {given}); "
+            f"name it {p.with_suffix(want).name} or drop `format`"
         )
     return named
 

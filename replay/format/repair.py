@@ -505,8 +505,8 @@ def repair_trace(
             config = _sibling_config(src)
         if config is None:
             raise ReplayError(
-                f"{src}: the footer that held the trace's config is lost; pass --config "
-                "(a kv-config JSON or a trace recorded with the same config) or --block-size N"
+                f"{src}: the footer that held the trace's config is lost; pass `config` "
+                "(a kv-config JSON or a trace recorded with the same config) or `block_size` N"
             )
         template, leaves = _template()
         groups = _row_groups(_pages(fh, size), leaves)

@@ -215,7 +215,7 @@ def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     (as many files as rows when there are fewer). The directory appears
     whole or not at all. Returns the number of files written."""
     if files < 1:
-        raise ReplayError(f"--files {files}: expected at least 1")
+        raise ReplayError(f"`files` {files}: expected at least 1")
     check_outputs({}, [trace], directories={"-o": out_dir})
     reader = open_trace(trace)
     total = reader.num_rows

@@ -322,7 +322,7 @@ class GpuCache:
             raise ConfigError(
                 f"the GPU block-pool model covers vLLM 0.24 and later (policy {sp.policy} "
                 f"frees blocks {free_order.replace('-', ' ')}, not unhashed first): use "
-                "--cache mooncake or a newer release"
+                "`cache` mooncake or a newer release"
             )
         self.config = config
         self.rules = StoreRules(config, sp)

@@ -50,6 +50,6 @@ def choose_lookup(
         shown = ", ".join(map(str, seqs[:10])) + (", ..." if len(seqs) > 10 else "")
         raise ReplayError(
             f"{trace}: request_id {request_id!r} occurs in {len(seqs):,} lookups (seq {shown}); "
-            "pick one with --seq"
+            "pick one with `seq`"
         )
     return seqs[0]

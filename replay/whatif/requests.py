@@ -128,7 +128,7 @@ class Requests:
                 keep.append(i)
         if not keep:
             raise ReplayError(
-                f"--sample {fraction:g} keeps none of the {len(sessions):,} sessions: sample more"
+                f"`sample` {fraction:g} keeps none of the {len(sessions):,} sessions: sample more"
             )
         idx = np.asarray(keep, dtype=np.int64)
         parts = [ids[offsets[i] : offsets[i + 1]] for i in keep]

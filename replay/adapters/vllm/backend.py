@@ -93,7 +93,7 @@ def _missing_vllm(exc: ImportError) -> str:
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     )
     return (
-        f"--coordinator vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
+        f"`coordinator` vllm: vLLM does not import in this Python ({sys.executable}: {exc}); "
         "run the tool inside the Python that has vLLM, e.g. "
         f"`PYTHONPATH={root} /path/to/vllm-venv/bin/python -m replay ...` "
         "(or install vLLM here: `pip install 'cache-trace-replay[vllm]'`)"
@@ -128,7 +128,7 @@ def installed_version_policy() -> VersionPolicy:
         return version_policy(version, chosen)
     except ReplayError as exc:
         where = f"{POLICY_ENV}={chosen}: " if chosen else ""
-        raise VllmUnavailable(f"--coordinator vllm: {where}{exc}") from None
+        raise VllmUnavailable(f"`coordinator` vllm: {where}{exc}") from None
 
 
 def policy_for_vllm(version: str) -> str | None:
@@ -167,7 +167,7 @@ def _require(owner: Any, name: str, where: str) -> Any:
         return getattr(owner, name)
     except AttributeError:
         raise VllmUnavailable(
-            f"--coordinator vllm: the installed vLLM {installed_vllm_version()} has no "
+            f"`coordinator` vllm: the installed vLLM {installed_vllm_version()} has no "
             f"`{where}.{name}` (its internal API moved; this backend needs it)"
         ) from None
 
@@ -188,7 +188,7 @@ def _check_known(function: Any, where: str, n_args: int, kwargs: dict[str, Any])
         )
         if required and p.name not in kwargs:
             raise VllmUnavailable(
-                f"--coordinator vllm: the installed vLLM {installed_vllm_version()}'s "
+                f"`coordinator` vllm: the installed vLLM {installed_vllm_version()}'s "
                 f"`{where}` requires a parameter `{p.name}` this backend does not know "
                 "(its internal API moved)"
             )
@@ -478,7 +478,7 @@ def _vllm_module(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
             raise VllmUnavailable(
-                f"--coordinator vllm: the installed vLLM {installed_vllm_version()} has no "
+                f"`coordinator` vllm: the installed vLLM {installed_vllm_version()} has no "
                 f"module `{exc.name}` (its internal API moved; this backend needs `{name}`)"
             ) from None
         raise VllmUnavailable(_missing_vllm(exc)) from None
@@ -530,8 +530,8 @@ class VllmCoordinator(LookupCoordinator):
         installed = installed_version_policy().policy
         if self.cache.name == "mooncake" and installed.mooncake is None:
             raise VllmUnavailable(
-                f"--coordinator vllm: the installed vLLM {version} has no Mooncake store "
-                "mirror (it came with #42828 in vLLM 0.22.0); use --cache gpu"
+                f"`coordinator` vllm: the installed vLLM {version} has no Mooncake store "
+                "mirror (it came with #42828 in vLLM 0.22.0); use `cache` gpu"
             )
         iface, module, utils = (
             _vllm_module(name)
@@ -549,7 +549,7 @@ class VllmCoordinator(LookupCoordinator):
         if installed.rules(self.cache.name) != self.cache:
             modelled = self.policy.release(self.cache.name)
             raise ReplayError(
-                f"--coordinator vllm answers as the installed vLLM {version} (policy "
+                f"`coordinator` vllm answers as the installed vLLM {version} (policy "
                 f"{installed.name}); policy {self.policy.name} models vLLM "
                 f"{modelled.releases} in the {self.cache.name} cache: run it in that "
                 f"release's environment (make test-vllm VLLM={modelled.last}), or set "

@@ -102,12 +102,12 @@ class Stores:
             raise ConfigError(
                 f"vLLM {releases} has no prefix_cache_retention_interval (it came in "
                 "0.23.0): every sliding-window tail and Mamba state is kept; use "
-                "--retention-interval none"
+                "`retention_interval` none"
             )
         if self.retention == "env" and retention is not None and not sparse:
             raise ConfigError(
                 f"vLLM {releases} refuses VLLM_PREFIX_CACHE_RETENTION_INTERVAL without a "
-                "sliding-window or Mamba group: use --retention-interval none (unset)"
+                "sliding-window or Mamba group: use `retention_interval` none (unset)"
             )
 
 
