@@ -8,7 +8,8 @@ otherwise) and ``W`` words of the key itself, zero-padded: 24 bytes a slot
 for a 16-byte hash. Two keys are equal only when their widths and every
 word agree, so an 8-byte hash never matches a 16-byte one that
 starts with it, and the Mooncake importer's 16-byte hashes, which share
-their first 8 bytes (shared/design/performance-notes.md), are told apart:
+their first 8 bytes (``replay.sources.hashing.digest_pairs``: lane 0 is the
+Mooncake id's), are told apart:
 no fingerprint, no collision probability.
 
 One table for all groups rather than one per group: a lookup probes each of

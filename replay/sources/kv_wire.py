@@ -1,7 +1,7 @@
 """vLLM's KV-cache events on the wire: msgspec Structs and the batch decoder.
 
-Wire facts (vLLM 0.33.0, ``vllm/distributed/kv_events.py``; see
-``shared/design/kv-events-wire.md``): a payload is msgpack of an
+Wire facts (vLLM 0.33.0, ``vllm/distributed/kv_events.py``; what a trace
+keeps of them: ``docs/sources.md``): a payload is msgpack of an
 ``array_like`` batch ``[ts, events, data_parallel_rank]`` (the rank is
 omitted when unset, ``omit_defaults``). An event is a tagged Struct
 (``tag=True``: the tag is the class name under the ``type`` key), sent as a
