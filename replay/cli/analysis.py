@@ -12,13 +12,12 @@ from replay.cli.common import FLAGS, command, fail, note_at_end
 from replay.cli.options import (
     cache_option,
     chosen_policies,
+    coordinator_option,
     count_option,
     output_option,
     policy_options,
-    repeated_choice,
 )
 from replay.cli.progress import progress_bar
-from replay.rules.coordinator import COORDINATORS
 from replay.rules.coordinator.policy import recorded_release
 
 
@@ -31,12 +30,7 @@ from replay.rules.coordinator.policy import recorded_release
     results=True,
     described=False,
 )
-@repeated_choice(
-    "--coordinator",
-    "coordinators",
-    COORDINATORS,
-    "With a trace: once for both sides, or twice (A, B). Default: reference.",
-)
+@coordinator_option("With a trace: once for both sides, or twice (A, B)", multiple=True)
 @cache_option(
     "With a trace: once for both sides, or twice (e.g. --cache mooncake --cache gpu: "
     "where the Mooncake mirror drifts from the engine)",

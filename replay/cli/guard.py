@@ -12,27 +12,27 @@ from pathlib import Path
 import click
 
 from replay.cli.common import command, fail, note_at_end
-from replay.cli.options import FAIL_ON, IGNORE, Names
-from replay.rules.coordinator import CACHES, COORDINATORS, POLICY_ENV, get_policy
-from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, VLLM, get_coordinator
+from replay.cli.options import (
+    FAIL_ON,
+    IGNORE,
+    cache_option,
+    coordinator_option,
+    output_option,
+)
+from replay.rules.coordinator import POLICY_ENV, get_policy
+from replay.rules.coordinator.kinds import VLLM, get_coordinator
 
 
 @command("test")
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
-@click.option(
-    "--coordinator",
-    type=Names(COORDINATORS, "coordinator"),
-    default=DEFAULT_COORDINATOR,
-    show_default=True,
-    help="reference: this project's coordinator (every policy's expectations); vllm: the "
-    "vLLM installed in this environment (only the expectations of the policy that models it).",
+@coordinator_option(
+    "The reference checks every policy's expectations; vllm only those of the policy that "
+    "models the installed version"
 )
-@click.option(
-    "--cache",
-    "caches",
-    type=Names(CACHES, "cache"),
+@cache_option(
+    "Check only the expectations of this cache (repeatable)",
     multiple=True,
-    help="Check only the expectations of this cache (repeatable) [default: both].",
+    default="Default: both.",
 )
 @click.option(
     "--policy",
@@ -72,12 +72,8 @@ from replay.rules.coordinator.kinds import DEFAULT_COORDINATOR, VLLM, get_coordi
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="The random configurations' seed."
 )
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="With --random: where the smallest differing trace goes "
+@output_option(
+    "With --random: where the smallest differing trace goes "
     "[default: ./drift-vllm-VERSION-seed-S.parquet].",
 )
 def test(

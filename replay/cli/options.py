@@ -87,10 +87,17 @@ SEED = _Parsed("N", parse_seed)
 TRACE = click.argument("trace", type=click.Path(path_type=Path))
 
 
-def output_option(help: str, *, required: bool = False) -> Callable[[F], F]:
+def output_option(
+    help: str, *, required: bool = False, metavar: str | None = None
+) -> Callable[[F], F]:
     """``-o/--output PATH``, the file (or directory) a command writes."""
     return click.option(
-        "-o", "--output", type=click.Path(path_type=Path), required=required, help=help
+        "-o",
+        "--output",
+        type=click.Path(path_type=Path),
+        required=required,
+        metavar=metavar,
+        help=help,
     )
 
 
@@ -365,6 +372,31 @@ def cache_option(
     if multiple:
         return repeated_choice("--cache", "caches", CACHES, help)
     return click.option("--cache", type=Names(CACHES, "cache"), default=None, help=help)
+
+
+def coordinator_option(what: str = "", *, multiple: bool = False) -> Callable[[F], F]:
+    """``--coordinator``, declared once: who answers the lookups (the
+    registry's entries and their descriptions), ``what`` the command does
+    with it; ``multiple``: repeatable (``coordinators``)."""
+    from replay.rules.coordinator import COORDINATORS, DEFAULT_COORDINATOR
+
+    help = (
+        "Who answers the lookups: "
+        + "; ".join(f"{k.name}: {k.description}" for k in COORDINATORS.values())
+        + (f". {what}" if what else "")
+        + "."
+    )
+    if multiple:
+        return repeated_choice(
+            "--coordinator", "coordinators", COORDINATORS, f"{help} Default: {DEFAULT_COORDINATOR}."
+        )
+    return click.option(
+        "--coordinator",
+        type=Names(COORDINATORS, "coordinator"),
+        default=DEFAULT_COORDINATOR,
+        show_default=True,
+        help=help,
+    )
 
 
 #: ``--fail-on`` and ``--ignore``: which flags fail (``replay.analysis.selection``).

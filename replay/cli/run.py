@@ -14,9 +14,9 @@ from replay.base.text import counted
 from replay.cli.common import command, fail
 from replay.cli.options import (
     TRACE,
-    Names,
     cache_option,
     chosen_policies,
+    coordinator_option,
     count_option,
     integer_type,
     output_option,
@@ -26,8 +26,6 @@ from replay.cli.options import (
 from replay.cli.progress import Bar, progress_bar
 from replay.cli.scale import RAY, WORKERS, results_paths
 from replay.rules.coordinator import (
-    COORDINATORS,
-    DEFAULT_COORDINATOR,
     DEFAULT_POLICY,
 )
 from replay.tools.render import (
@@ -39,13 +37,7 @@ from replay.tools.render import (
     run_summary_lines,
 )
 
-COORDINATOR = click.option(
-    "--coordinator",
-    type=Names(COORDINATORS, "coordinator"),
-    default=DEFAULT_COORDINATOR,
-    show_default=True,
-    help="reference: this project's coordinator; vllm: the vLLM installed in this environment.",
-)
+COORDINATOR = coordinator_option()
 SEQ = click.option(
     "--seq",
     type=integer_type(),

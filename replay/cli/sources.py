@@ -36,9 +36,7 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-TRACE_OUTPUT = click.option(
-    "-o", "--output", required=True, metavar="TRACE", help="The trace to write (Parquet)."
-)
+TRACE_OUTPUT = output_option("The trace to write (Parquet).", required=True, metavar="TRACE")
 
 
 def config_options(func: F) -> F:
@@ -123,9 +121,7 @@ def _say(message: str) -> None:
     "every lookup goes in its exact place with the hit vLLM gave it; the plugin's engine "
     "facts replace --config.",
 )
-@click.option(
-    "-o",
-    "--output",
+@output_option(
     required=True,
     metavar="DIR|TRACE.parquet",
     help="Where to record: a new (or empty) directory is written as closed segments "
@@ -165,7 +161,7 @@ def record(
     topic: str,
     bind: bool | None,
     lookups: str | None,
-    output: str,
+    output: Path,
     config_path: str | None,
     block_size: int | None,
     media: tuple[str, ...],
@@ -271,7 +267,7 @@ def ingest() -> None:
 )
 def ingest_kv_events(
     files: tuple[str, ...],
-    output: str,
+    output: Path,
     config_path: str | None,
     block_size: int | None,
     media: tuple[str, ...],
@@ -300,7 +296,7 @@ def ingest_kv_events(
 @click.argument("trace", metavar="TRACE")
 @click.argument("lookups", metavar="LOOKUPS.jsonl")
 @TRACE_OUTPUT
-def ingest_merge(trace: str, lookups: str, output: str) -> None:
+def ingest_merge(trace: str, lookups: str, output: Path) -> None:
     """Merge a lookup log (JSONL) into a trace by time.
 
     One JSON object per line: request_id, ts (seconds or ISO 8601),
