@@ -35,7 +35,9 @@ The production-style day of issue 34 (``replay synth --model full+mamba
 generated once into ``BENCH_DATA``): ``replay run`` against reading the trace
 with pyarrow (target within 2x), its peak RSS at 300k against 30k (target
 within 1.3x), and the hash entries it replays per second of its own CPU time
-(target 30M). ``BENCH_ONLY=day`` runs only those; ``BENCH_ONLY=conversation``
+(target 30M); with Ray, ``--workers 2`` on the 300k day written as
+``BENCH_SCALE_FILES`` files against that serial run (target no slower).
+``BENCH_ONLY=day`` runs only those; ``BENCH_ONLY=conversation``
 only the conversation trace's figures (a) and (b). Every figure is printed
 with the one-minute load average when it was taken: on a shared machine the
 ratios, taken in the same run, are what to read.
@@ -169,6 +171,11 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def _loads(*steps: Step) -> str:
+    """The loads a ratio's figures were taken at, to print beside it."""
+    return f" (load {', '.join(f'{s.load:.1f}' for s in steps)})"
+
+
 def build(
     name: str, capacity: int | None, *, model: str = "full+mamba", eagle: bool = True
 ) -> Path:
@@ -220,23 +227,27 @@ def bench(label: str, path: Path, vllm: str | None) -> bool:
     steps.append(_best("replay run, warm JIT cache", RUN, REPEAT, path=str(path), out=out))
     with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
         cold = _child(RUN, env={"NUMBA_CACHE_DIR": cache}, path=str(path), out=out)
-    steps.append(Step("replay run, cold JIT cache", cold["seconds"], cold["rss"], cold["hits"]))
+    steps.append(
+        Step("replay run, cold JIT cache", cold["seconds"], cold["rss"], cold["hits"], _load())
+    )
     steps.append(_best("replay + flags (no results file)", ENGINE, REPEAT, path=str(path)))
     naive = _child(NAIVE, path=str(path), backend="reference")
     steps.append(
-        Step("naive loop, this coordinator", naive["seconds"], naive["rss"], naive["hits"])
+        Step("naive loop, this coordinator", naive["seconds"], naive["rss"], naive["hits"], _load())
     )
     if vllm is not None:
         v = _child(
             NAIVE, python=vllm, env={"PYTHONPATH": str(ROOT)}, path=str(path), backend="vllm"
         )
-        steps.append(Step("naive loop, vLLM 0.33 coordinator", v["seconds"], v["rss"], v["hits"]))
+        steps.append(
+            Step("naive loop, vLLM 0.33 coordinator", v["seconds"], v["rss"], v["hits"], _load())
+        )
     read, warm, cold_s = steps[0], steps[1], steps[2]
     print(f"{'step':36} {'seconds':>8} {'peak RSS':>9} {'x read':>7} {'load':>5}")
     for s in steps:
         print(
             f"{s.name:36} {s.seconds:8.2f} {s.rss / 2**30:7.2f} GB "
-            f"{s.seconds / read.seconds:7.2f} {s.load or _load():5.1f}"
+            f"{s.seconds / read.seconds:7.2f} {s.load:5.1f}"
         )
     ok = True
     want = warm.hits
@@ -244,11 +255,14 @@ def bench(label: str, path: Path, vllm: str | None) -> bool:
         same = s.hits == want
         ok &= same
         print(f"hits of '{s.name}' {'identical to' if same else 'DIFFER from'} replay run's")
-    print(f"replay run / read_table: {warm.seconds / read.seconds:.2f}x")
-    print(f"cold / warm JIT cache: {cold_s.seconds / warm.seconds:.2f}x")
+    print(f"replay run / read_table: {warm.seconds / read.seconds:.2f}x{_loads(read, warm)}")
+    print(f"cold / warm JIT cache: {cold_s.seconds / warm.seconds:.2f}x{_loads(cold_s, warm)}")
     for s in steps[4:]:
-        print(f"speedup of replay run over the {s.name}: {s.seconds / warm.seconds:.1f}x")
-    print(f"peak RSS of replay run: {warm.rss / 2**30:.2f} GB")
+        print(
+            f"speedup of replay run over the {s.name}: "
+            f"{s.seconds / warm.seconds:.1f}x{_loads(s, warm)}"
+        )
+    print(f"peak RSS of replay run: {warm.rss / 2**30:.2f} GB (load {warm.load:.1f})")
     return ok
 
 
@@ -291,8 +305,11 @@ def whatif_sweeps(path: Path, sweeps: tuple[Any, ...] = WHATIF_SWEEPS) -> bool:
     run_out = str(DATA / f"{path.stem}.results.parquet")
     _child(WHATIF, path=str(path), out=out, args=["--capacity", "10k", "--sample", "0.01"])
     run = _best("replay run, warm JIT cache", RUN, REPEAT, path=str(path), out=run_out)
-    print(f"{'step':44} {'seconds':>8} {'peak RSS':>9} {'x run':>7} {'limit':>6}")
-    print(f"{run.name:44} {run.seconds:8.2f} {run.rss / 2**30:7.2f} GB {1.0:7.2f}")
+    print(f"{'step':44} {'seconds':>8} {'peak RSS':>9} {'x run':>7} {'limit':>6} {'load':>8}")
+    print(
+        f"{run.name:44} {run.seconds:8.2f} {run.rss / 2**30:7.2f} GB {1.0:7.2f} {'':>6} "
+        f"{run.load:8.1f}"
+    )
     ok = True
     summary: list[str] = []
     for name, args, limit, rss_limit in sweeps:
@@ -301,7 +318,7 @@ def whatif_sweeps(path: Path, sweeps: tuple[Any, ...] = WHATIF_SWEEPS) -> bool:
         fits = ratio <= limit and (rss_limit is None or r["rss"] <= rss_limit)
         print(
             f"{name:44} {r['seconds']:8.2f} {r['rss'] / 2**30:7.2f} GB {ratio:7.2f} "
-            f"{limit:5.0f}x {'ok' if fits else 'OVER'}"
+            f"{limit:5.0f}x {'ok' if fits else 'OVER'} {_load():4.1f}"
         )
         ceiling = r["ceiling"]
         if ceiling is not None:
@@ -409,24 +426,26 @@ def scale_out(path: Path) -> bool:
         for _ in range(REPEAT)
     ]
     ray_run = min(ray_runs, key=lambda r: r["replayed"])
+    ray_load = _load()
     tables = {k: _child(TABLES, path=str(path), shards=k) for k in (1, SCALE_WORKERS)}
     want = pl.read_parquet(outs["file"])
     same = {k: pl.read_parquet(outs[k]).equals(want) for k in ("dir", "workers")}
-    print(f"{'step':44} {'seconds':>8} {'peak RSS':>9} {'x serial':>8}")
+    print(f"{'step':44} {'seconds':>8} {'peak RSS':>9} {'x serial':>8} {'load':>5}")
     rows = [
-        (file_run.name, file_run.seconds, file_run.rss),
-        (dir_run.name, dir_run.seconds, dir_run.rss),
-        (both.name, both.seconds, both.rss),
+        (file_run.name, file_run.seconds, file_run.rss, file_run.load),
+        (dir_run.name, dir_run.seconds, dir_run.rss, dir_run.load),
+        (both.name, both.seconds, both.rss, both.load),
         (
             f"replay run DIR --workers {SCALE_WORKERS} (with Ray start)",
             ray_run["seconds"],
             ray_run["rss"],  # the driver's; the workers hold the store / K each
+            ray_load,
         ),
-        ("  of which the replay on Ray", ray_run["replayed"], None),
+        ("  of which the replay on Ray", ray_run["replayed"], None, ray_load),
     ]
-    for name, secs, rss in rows:
+    for name, secs, rss, load in rows:
         mem = f"{rss / 2**30:7.2f} GB" if rss is not None else f"{'':>10}"
-        print(f"{name:44} {secs:8.2f} {mem} {secs / file_run.seconds:8.2f}")
+        print(f"{name:44} {secs:8.2f} {mem} {secs / file_run.seconds:8.2f} {load:5.1f}")
     entries = ray_run["hash_entries"]
     shipped = ray_run["pieces_bytes"] + ray_run["lookups_bytes"] + ray_run["presence_bytes"]
     print(
@@ -438,7 +457,7 @@ def scale_out(path: Path) -> bool:
     print(
         f"serial replay: {1e9 * file_run.seconds / entries:.0f} ns per hash entry; "
         f"a second policy adds {both.seconds - dir_run.seconds:+.2f} s "
-        f"({(both.seconds - dir_run.seconds) / dir_run.seconds:+.0%})"
+        f"({(both.seconds - dir_run.seconds) / dir_run.seconds:+.0%}) (load {_load():.1f})"
     )
     for k, t in tables.items():
         keys, size = t["keys"], t["table_bytes"]
@@ -513,12 +532,53 @@ def day() -> bool:
         )
         if requests == DAY_REQUESTS[-1]:
             ok &= ratio <= 2.0 and rate >= 30.0
+            serial = (best["seconds"], Path(out))
     small, large = rss[DAY_REQUESTS[0]], rss[DAY_REQUESTS[-1]]
-    print(f"peak RSS {DAY_REQUESTS[-1]:,} / {DAY_REQUESTS[0]:,} requests: {large / small:.2f}x")
+    print(
+        f"peak RSS {DAY_REQUESTS[-1]:,} / {DAY_REQUESTS[0]:,} requests: {large / small:.2f}x "
+        f"(load {_load():.1f})"
+    )
     print(
         f"targets: run within 2x of read, 30M entries a CPU second, RSS within 1.3x: {ok and large <= 1.3 * small}"
     )
+    if _has_ray():
+        day_on_ray(day_trace(DAY_REQUESTS[-1]), *serial)
+    else:
+        print("no Ray (pip install 'cache-trace-replay[ray]'): the day's --workers run is skipped")
     return True  # reported, not failed on: a shared machine's figures vary
+
+
+def day_on_ray(path: Path, serial_seconds: float, serial_out: Path) -> None:
+    """``--workers SCALE_WORKERS`` on the day written as ``SCALE_FILES``
+    files, against the serial ``replay run`` of the file just measured
+    (issue 34: no slower than serial); results identical in every column."""
+    import polars as pl
+
+    from replay.format.tracedir import split_trace
+
+    parts = DATA / f"{path.stem}-{SCALE_FILES}files"
+    if not parts.exists():
+        split_trace(path, parts, SCALE_FILES)
+    out = DATA / f"{path.stem}-workers.results.parquet"
+    runs = [
+        _child(WORKERS, path=str(parts), out=str(out), workers=SCALE_WORKERS) for _ in range(REPEAT)
+    ]
+    best = min(runs, key=lambda r: r["seconds"])
+    same = pl.read_parquet(out).equals(pl.read_parquet(serial_out))
+    print(
+        f"--workers {SCALE_WORKERS} on {parts} ({SCALE_FILES} files): {best['seconds']:.2f} s with "
+        f"Ray's start ({best['seconds'] / serial_seconds:.2f}x serial), the replay on Ray "
+        f"{best['replayed']:.2f} s ({best['replayed'] / serial_seconds:.2f}x serial "
+        f"{serial_seconds:.2f} s), results {'identical' if same else 'DIFFER'} (load {_load():.1f})"
+    )
+
+
+def conversation(traces: list[tuple[str, Path]]) -> bool:
+    """(a) and (b): ``bench`` on each, against the vLLM loop where there is one."""
+    vllm = vllm_python()
+    if vllm is None:
+        print("no vLLM interpreter (BENCH_VLLM_PYTHON): the vLLM loop is skipped")
+    return all([bench(label, path, vllm) for label, path in traces])
 
 
 def main() -> None:
@@ -537,6 +597,8 @@ def main() -> None:
             build(f"mooncake-lru{LRU_BLOCKS}", LRU_BLOCKS),
         ),
     ]
+    if os.environ.get("BENCH_ONLY") == "conversation":  # (a) and (b), nothing else built
+        sys.exit(0 if conversation(traces) else 1)
     # The one LRU pass is exact only for one full-attention group: the same
     # conversations imported for a dense model show it (issue 24 item 2).
     full = build("mooncake-full", None, model="full", eagle=False)
@@ -544,12 +606,7 @@ def main() -> None:
         whatif_sweeps(traces[0][1])
         whatif_sweeps(full, WHATIF_SWEEPS[:1])
         return
-    vllm = vllm_python()
-    if vllm is None:
-        print("no vLLM interpreter (BENCH_VLLM_PYTHON): the vLLM loop is skipped")
-    ok = all([bench(label, path, vllm) for label, path in traces])
-    if os.environ.get("BENCH_ONLY") == "conversation":
-        sys.exit(0 if ok else 1)
+    ok = conversation(traces)
     ok &= day()
     whole = one_row_group(traces[0][1])
     out = str(DATA / f"{whole.stem}.results.parquet")
