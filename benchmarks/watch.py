@@ -165,8 +165,11 @@ def bench_watch() -> bool:
     go = DATA / "watch-go"
     go.unlink(missing_ok=True)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    # BENCH_WATCH_PROFILE=FILE: the watch runs under cProfile, its stats in FILE.
+    profile = os.environ.get("BENCH_WATCH_PROFILE")
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
     watch = subprocess.Popen(
-        [*pin, sys.executable, "-m", "replay", "watch", "--engine",
+        [*pin, sys.executable, *prof, "-m", "replay", "watch", "--engine",
          f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name=bench",
          "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "5",
          "--json"],

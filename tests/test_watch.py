@@ -400,10 +400,17 @@ def metrics_up(port: int) -> bool:
         (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2,name=x",
           "--engine", "kv=tcp://127.0.0.1:3,lookups=tcp://127.0.0.1:4,name=x"],
          "--engine name=x: two engines have that name"),
+        # --policy is the shared option bundle (replay.cli.options.policy_options).
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--policy", "vllm-0.3"],
+         "replay watch: invalid value for '--policy': no policy 'vllm-0.3', did you mean "
+         "'vllm-0.23' or 'vllm-0.30' or 'vllm-0.32' or 'vllm-0.33' or 'vllm-0.34'? "
+         "(try 'replay watch --help')"),
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--policy", "vllm-0.33",
+          "--vllm", "0.26.0"], "--vllm and --policy both choose the policy: give one"),
     ],
 )  # fmt: skip
 def test_bad_options_are_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(cli, ["watch", *args])
+    result = CliRunner().invoke(cli, ["watch", *args], prog_name="replay")
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: {message}\n"
 
