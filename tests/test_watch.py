@@ -329,6 +329,75 @@ def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Pat
     }  # fmt: skip
 
 
+def test_an_oversized_kv_message_is_counted_and_the_watch_keeps_judging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile publisher: a KV message above --max-record-bytes costs the
+    connection (refused from its size header), which the watch says once,
+    counts, and makes again; the batches after it are judged, the lost one
+    is a gap."""
+    import zmq
+
+    monkeypatch.setenv("REPLAY_MAX_RECORD_BYTES", str(64 << 10))
+    lookups_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    metrics_port = free_port()
+    sink = vllm_plugin.open_sink(lookups_endpoint)
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    # Every subscription is heard, the new socket's too.
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    kv = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def subscribed() -> None:
+        while True:
+            assert pub.poll(int(TIMEOUT * 1000)), "the watch never subscribed"
+            if pub.recv() == b"\x01":
+                return
+
+    try:
+        sink.engine(engine_record(one_group()))
+        opts = WatchOptions(
+            engines=(EngineEndpoints(name="rank0", kv=kv, lookups=lookups_endpoint),),
+            metrics=f"127.0.0.1:{metrics_port}",
+            status_every=0.2,
+        )
+        with Running(opts) as running:
+            subscribed()
+            pub.send_multipart([b"", u64(0), payload(T0, stored([1]), stored([2], parent=1))])
+            pub.send_multipart([b"", u64(1), b"\x00" * (1 << 20)])
+            subscribed()  # the watch connected again
+            pub.send_multipart([b"", u64(2), payload(T0 + 2, stored([3], parent=2))])
+            time.sleep(0.5)  # the lookup subscription is up
+            sink.send([lookup(0, 2, 1, [1, 2, 3], 48)], watermark=3, instance="e1")
+            wait_for(
+                lambda: scrape(metrics_port).get('replay_watch_lookups_total{engine="rank0"}') == 1,
+                "the verdict",
+            )
+            wait_for(
+                lambda: (
+                    scrape(metrics_port).get(
+                        'replay_watch_dropped_connections_total{engine="rank0"}'
+                    )
+                    == 1
+                ),
+                "the drop counted",
+            )
+            summary = running.finish()
+    finally:
+        sink.close()
+        ctx.destroy(linger=0)
+    rank0 = summary.engines["rank0"]
+    assert (rank0["lookups"], rank0["hit_tokens"], rank0["observed_mismatch"]) == (1, 48, 0)
+    assert (rank0["dropped_connections"], rank0["gaps"], rank0["missing_batches"]) == (1, 1, 1)
+    assert rank0["events"] == {"store": 3, "lookup": 1}
+    said = [line for line in running.lines if "connection dropped" in line]
+    assert said == [
+        f"rank0: kv {kv}: connection dropped (1 so far): a message above --max-record-bytes "
+        "(65,536 bytes), or the peer closed it; connecting again; still watching"
+    ]
+
+
 def running_engines(running: Running) -> list[Any]:
     service = running.box.get("service")
     return [] if service is None else list(service.engines)

@@ -289,6 +289,7 @@ class Watch:
         mism = sum(ew.counts.observed_mismatch for ew in self.engines)
         gaps = sum(ew.counts.gaps for ew in self.engines)
         restarts = sum(ew.counts.restarts for ew in self.engines)
+        drops = sum(ew.counts.dropped_connections for ew in self.engines)
         lags = [lag for ew in self.engines for lag in list(ew.counts.lags)[-1000:]]
         lag = "lag -"
         if lags:
@@ -300,7 +301,7 @@ class Watch:
         return (
             f"watch: {heard}/{len(self.engines)} engines, {total:,} lookups ({rate:,.0f}/s), "
             f"{flagged:,} flagged, {mism:,} observed mismatches, {lag}, {gaps} gaps, "
-            f"{restarts} restarts"
+            f"{restarts} restarts" + (f", {drops} dropped connections" if drops else "")
         )
 
     def _refresh(self, ew: EngineWatch) -> None:
@@ -309,6 +310,7 @@ class Watch:
         c.missing_batches = sum(int(g["count"]) for g in feed.gaps)
         c.restarts = feed.restarts
         c.dropped = feed.lsub.lost + feed.early_dropped + c.missing_batches
+        c.dropped_connections = feed.dropped_connections
         if self.metrics is not None:
             self.metrics.update(ew.name, c)
 
@@ -366,6 +368,9 @@ class Watch:
                     for ew in self.engines:
                         if any(s in ready for s in ew.feed.sockets):
                             self._judge(ew, ew.feed.take(ready))
+                        # A dropped connection (an oversized message, a publisher
+                        # gone): said, counted, and a new socket takes over.
+                        self._judge(ew, ew.feed.check_drops(poller))
                     for ew in self.engines:
                         if ew.trace is not None:
                             ew.trace.tick()
