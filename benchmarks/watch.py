@@ -82,35 +82,27 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
          "engine": {"vllm_version": "0.33.0"}}
     )  # fmt: skip
     encoder = msgspec.msgpack.Encoder()
-    Path(f"{go}.ready").touch()  # bound: the driver lets the watch connect, then says go
-    while not os.path.exists(go):
-        time.sleep(0.01)
-    seq = 0
+    # Every message is made before ``go`` (the lookups' records, the KV
+    # batches encoded), so what is timed is the watch, not this loop.
+    messages: list[tuple[list[dict[str, Any]], bytes]] = []
     n = 0
     events: list[Any] = []
     records: list[dict[str, Any]] = []
+    ts = time.time()
 
     def flush() -> None:
-        nonlocal seq
-        sink.send(records[:], watermark=seq, instance="bench")
+        batch = KVEventBatch(ts=ts, events=tuple(events), data_parallel_rank=0)
+        messages.append((records[:], encoder.encode(batch)))
         records.clear()
-        batch = KVEventBatch(ts=time.time(), events=tuple(events), data_parallel_rank=0)
-        pub.send_multipart([b"", seq.to_bytes(8, "big"), encoder.encode(batch)])
         events.clear()
-        seq += 1
 
-    pace = float(rate)
-    started = time.monotonic()
     for row in frame.iter_rows(named=True):
         kind = row["kind"]
-        if kind == "lookup" and pace > 0:
-            ahead = started + n / pace - time.monotonic()
-            if ahead > 0:
-                time.sleep(ahead)
         if kind == "lookup":
             records.append(
-                {"type": "lookup", "instance": "bench", "n": n, "ts": time.time(), "step": seq,
-                 "batch": seq, "position": len(events), "request_id": row["request_id"],
+                {"type": "lookup", "instance": "bench", "n": n, "ts": ts,
+                 "step": len(messages), "batch": len(messages), "position": len(events),
+                 "request_id": row["request_id"],
                  "block_hashes": [h.hex() for h in row["block_hashes"]],
                  "num_tokens": row["num_tokens"], "num_prompt_tokens": row["num_tokens"],
                  "max_length": row["max_length"],
@@ -123,6 +115,24 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
         if len(events) >= EVENTS_PER_BATCH:
             flush()
     flush()
+    Path(f"{go}.ready").touch()  # bound: the driver lets the watch connect, then says go
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    pace = float(rate)
+    started = time.monotonic()
+    done = 0
+    for seq, (recs, body) in enumerate(messages):
+        if pace > 0 and recs:
+            ahead = started + done / pace - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        now = time.time()
+        for rec in recs:
+            rec["ts"] = now  # when the engine made it: the lag starts here
+        done += len(recs)
+        sink.send(recs, watermark=seq, instance="bench")
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+    seq = len(messages)
     sink.send([], watermark=seq, instance="bench")  # every batch's lookups are in
     print(json.dumps({"batches": seq, "lookups": n}), flush=True)
     time.sleep(2.0)  # what is queued leaves before the sockets close
