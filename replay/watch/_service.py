@@ -421,23 +421,26 @@ class Watch:
 
 
 def _warm_up() -> None:
-    """One store, one lookup, answered and judged: what the first real one
-    would otherwise pay (loading the compiled fold, polars' first plans)."""
+    """Stores (enough to grow the table), a remove and lookups, answered and
+    judged: what the first real ones would otherwise pay (loading the
+    compiled fold and answers, polars' first plans) while verdicts wait."""
     config = TraceConfig(
         groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
         hash_block_size=16,
         scheduler_block_size=16,
     )
     ts = datetime.now(tz=UTC)
-    key = bytes(8)
+    keys = [i.to_bytes(8, "big") for i in range(1, 2049)]
     fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
-    frame = fold.feed(
-        [
-            {"seq": 0, "ts": ts, "kind": "store", "group_id": 0, "block_hashes": [key]},
-            {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [key], "request_id": "warm-up",
-             "max_length": 16, "num_tokens": 17, "observed_hit_tokens": 16},
-        ]
-    )  # fmt: skip
+    rows: list[Row] = []
+    for i in range(0, len(keys), 64):
+        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys[i : i + 64]})
+        rows.append({"kind": "lookup", "block_hashes": keys[i : i + 64], "request_id": "warm-up",
+                     "max_length": 1024, "num_tokens": 1025, "observed_hit_tokens": 1024})  # fmt: skip
+    rows.append({"kind": "remove", "group_id": 0, "block_hashes": keys[:64]})
+    rows.append({"kind": "lookup", "block_hashes": keys[:2], "request_id": "warm-up",
+                 "max_length": 32, "num_tokens": 33, "observed_hit_tokens": 32})  # fmt: skip
+    frame = fold.feed([{"seq": i, "ts": ts, **row} for i, row in enumerate(rows)])
     add_flags(frame, config)
 
 
