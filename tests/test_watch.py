@@ -298,7 +298,12 @@ def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Pat
             time.sleep(0.5)  # the lookup subscriptions are up
             # The first engine's lookup comes before its restart, as it does.
             a_sink.send([lookup(0, 1, 0, [1, 2], 32, instance="a1")], watermark=3, instance="a1")
-            wait_for(lambda: running_engines(running)[0].feed.placer is not None, "a's facts")
+            # (The engines exist once the watch has warmed up: on a loaded
+            # machine that may take longer than the sleep above.)
+            wait_for(
+                lambda: any(e.feed.placer is not None for e in running_engines(running)[:1]),
+                "a's facts",
+            )
             with a_pub, b_pub:
                 assert a_pub.done.wait(TIMEOUT) and b_pub.done.wait(TIMEOUT)
                 a_sink.engine(engine_record(one_group(), instance="a2"))
@@ -396,6 +401,58 @@ def test_an_oversized_kv_message_is_counted_and_the_watch_keeps_judging(
         f"rank0: kv {kv}: connection dropped (1 so far): a message above --max-record-bytes "
         "(65,536 bytes), or the peer closed it; connecting again; still watching"
     ]
+
+
+def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
+    """A turn's answers of every engine with one group layout get their
+    flags in one call (its cost is per call); each engine counts its own
+    verdicts, as when flagged alone: ``a`` served 16 tokens past its store
+    (an observed mismatch), ``b``, whose store holds the third block, did not."""
+    from datetime import UTC, datetime
+
+    from replay.engine.live import LiveFold
+    from replay.sources.live import EngineFeed
+    from replay.watch._service import Answered, EngineWatch
+
+    config = one_group()
+    ts = datetime.fromtimestamp(T0, tz=UTC)
+    service = Watch(
+        WatchOptions(engines=(EngineEndpoints(name="x", kv="tcp://127.0.0.1:1", lookups="tcp://127.0.0.1:2"),)),
+        report=lambda _: None,
+    )  # fmt: skip
+    engines = []
+    try:
+        for name, stored_keys in (("a", [1, 2]), ("b", [1, 2, 3])):
+            spec = EngineEndpoints(
+                name=name,
+                kv=f"tcp://127.0.0.1:{free_port()}",
+                lookups=f"tcp://127.0.0.1:{free_port()}",
+            )
+            ew = EngineWatch(EngineFeed(service.ctx, spec, report=lambda _: None))
+            engines.append(ew)
+            ew.feed.config = config
+            ew.fold = LiveFold(config, "vllm-0.33", cache="gpu")
+            frame = ew.fold.feed(
+                [
+                    {"seq": 0, "ts": ts, "kind": "store", "group_id": 0,
+                     "block_hashes": [u64(k) for k in stored_keys]},
+                    {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [u64(k) for k in (1, 2, 3)],
+                     "request_id": f"{name}-r", "max_length": 48, "num_tokens": 49,
+                     "observed_hit_tokens": 48},
+                ]
+            )  # fmt: skip
+            service._answered.append(Answered(ew, frame, [time.time()], {}))
+        service._judge_answered()
+    finally:
+        for ew in engines:
+            ew.feed.close()
+        service.ctx.destroy(linger=0)
+    a, b = (ew.counts for ew in engines)
+    assert (a.lookups, a.hit_tokens, a.observed_mismatch, a.observed_over) == (1, 32, 1, 1)
+    assert dict(a.flags) == {("observed_mismatch", "observed"): 1}
+    assert (b.lookups, b.hit_tokens, b.observed_mismatch, b.flagged_lookups) == (1, 48, 0, 0)
+    assert dict(b.flags) == {}
+    assert service._answered == []
 
 
 def running_engines(running: Running) -> list[Any]:

@@ -32,7 +32,7 @@ from typing import IO, Any
 import polars as pl
 import zmq
 
-from replay.analysis.flags import add_flags, by_severity, severity
+from replay.analysis.flags import Layout, add_flags, by_severity, severity
 from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
@@ -95,6 +95,22 @@ class EngineWatch:
         return self.feed.name
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """One engine's answers of one turn, waiting for their flags."""
+
+    ew: EngineWatch
+    frame: pl.DataFrame
+    #: When the message that released each lookup arrived.
+    arrivals: list[float]
+    #: A lookup's seq -> its segment and its seq there.
+    where: dict[int, tuple[Path, int]]
+
+
+#: The column that tells the engines apart while their answers are flagged together.
+_ENGINE = "__engine"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchSummary:
     #: The rolling trace's directory (``-o``), or None.
@@ -135,6 +151,7 @@ class Watch:
         self.engines: list[EngineWatch] = []
         self.metrics: Metrics | None = None
         self._flags_fh: IO[str] | None = None
+        self._answered: list[Answered] = []
         self.started = time.time()
 
     # -- judging
@@ -196,17 +213,40 @@ class Watch:
             c.events[kind] += n - before.get(kind, 0)
         c.store_keys = ew.fold.store_keys
         if frame.height:
-            self._verdicts(ew, frame, arrivals, where)
+            self._answered.append(Answered(ew, frame, arrivals, where))
 
-    def _verdicts(
-        self,
-        ew: EngineWatch,
-        frame: pl.DataFrame,
-        arrivals: list[float],
-        where: dict[int, tuple[Path, int]],
-    ) -> None:
+    def _judge_answered(self) -> None:
+        """Flag the answers of this turn, every engine's at once per group
+        layout (the flags' fixed cost is per call, not per lookup: a fleet of
+        one model pays it once a turn), then count each engine's verdicts."""
+        answered, self._answered = self._answered, []
+        by_layout: dict[Layout, list[Answered]] = {}
+        for a in answered:
+            assert a.ew.feed.config is not None
+            by_layout.setdefault(Layout.of(a.ew.feed.config), []).append(a)
+        for group in by_layout.values():
+            config = group[0].ew.feed.config
+            assert config is not None
+            if len(group) == 1:
+                self._verdicts(group[0], add_flags(group[0].frame, config))
+                continue
+            judged = add_flags(
+                pl.concat(
+                    [
+                        a.frame.with_columns(pl.lit(i, pl.Int32).alias(_ENGINE))
+                        for i, a in enumerate(group)
+                    ],
+                    how="vertical_relaxed",
+                ),
+                config,
+            )
+            parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
+            for i, a in enumerate(group):
+                self._verdicts(a, parts[(i,)])
+
+    def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
+        ew, arrivals, where = answered.ew, answered.arrivals, answered.where
         assert ew.fold is not None and ew.feed.config is not None
-        judged = add_flags(frame, ew.feed.config)
         now = time.time()
         # From when the engine made the lookup (its ``ts``) or, when that
         # clock is ahead of ours, from when its message arrived here: so the
@@ -371,6 +411,7 @@ class Watch:
                         # A dropped connection (an oversized message, a publisher
                         # gone): said, counted, and a new socket takes over.
                         self._judge(ew, ew.feed.check_drops(poller))
+                    self._judge_answered()
                     for ew in self.engines:
                         if ew.trace is not None:
                             ew.trace.tick()
@@ -387,6 +428,7 @@ class Watch:
                 reason = "signal"
             for ew in self.engines:
                 self._judge(ew, ew.feed.finish())
+                self._judge_answered()
                 self._refresh(ew)
                 if ew.trace is not None:
                     ew.trace.set_source({**ew.feed.source(), "stop_reason": reason})
