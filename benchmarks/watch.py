@@ -14,7 +14,13 @@ removed hashes) and lookups per second, from the first message to the last
 verdict, and the lag's p50 and p99 from the watch's own ``--json``. The
 fleet figure is what one process holds against the Mooncake conversation
 trace's per-engine rate (12,031 lookups and 18.1M hash entries in 59
-minutes).
+minutes). Every message is made before the clock starts, so the publisher
+is not what is timed; the watch's own CPU seconds (``/proc``) are reported
+too, as the rates a core of its own sustains when the machine is shared.
+
+``BENCH_WATCH_RATE=N`` paces the lookups at N a second (one small batch at
+a time, as a fleet sends them: the fixed cost per batch shows);
+``BENCH_WATCH_PROFILE=FILE`` runs the watch under cProfile.
 """
 
 from __future__ import annotations
@@ -82,35 +88,27 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
          "engine": {"vllm_version": "0.33.0"}}
     )  # fmt: skip
     encoder = msgspec.msgpack.Encoder()
-    Path(f"{go}.ready").touch()  # bound: the driver lets the watch connect, then says go
-    while not os.path.exists(go):
-        time.sleep(0.01)
-    seq = 0
+    # Every message is made before ``go`` (the lookups' records, the KV
+    # batches encoded), so what is timed is the watch, not this loop.
+    messages: list[tuple[list[dict[str, Any]], bytes]] = []
     n = 0
     events: list[Any] = []
     records: list[dict[str, Any]] = []
+    ts = time.time()
 
     def flush() -> None:
-        nonlocal seq
-        sink.send(records[:], watermark=seq, instance="bench")
+        batch = KVEventBatch(ts=ts, events=tuple(events), data_parallel_rank=0)
+        messages.append((records[:], encoder.encode(batch)))
         records.clear()
-        batch = KVEventBatch(ts=time.time(), events=tuple(events), data_parallel_rank=0)
-        pub.send_multipart([b"", seq.to_bytes(8, "big"), encoder.encode(batch)])
         events.clear()
-        seq += 1
 
-    pace = float(rate)
-    started = time.monotonic()
     for row in frame.iter_rows(named=True):
         kind = row["kind"]
-        if kind == "lookup" and pace > 0:
-            ahead = started + n / pace - time.monotonic()
-            if ahead > 0:
-                time.sleep(ahead)
         if kind == "lookup":
             records.append(
-                {"type": "lookup", "instance": "bench", "n": n, "ts": time.time(), "step": seq,
-                 "batch": seq, "position": len(events), "request_id": row["request_id"],
+                {"type": "lookup", "instance": "bench", "n": n, "ts": ts,
+                 "step": len(messages), "batch": len(messages), "position": len(events),
+                 "request_id": row["request_id"],
                  "block_hashes": [h.hex() for h in row["block_hashes"]],
                  "num_tokens": row["num_tokens"], "num_prompt_tokens": row["num_tokens"],
                  "max_length": row["max_length"],
@@ -123,6 +121,24 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
         if len(events) >= EVENTS_PER_BATCH:
             flush()
     flush()
+    Path(f"{go}.ready").touch()  # bound: the driver lets the watch connect, then says go
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    pace = float(rate)
+    started = time.monotonic()
+    done = 0
+    for seq, (recs, body) in enumerate(messages):
+        if pace > 0 and recs:
+            ahead = started + done / pace - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        now = time.time()
+        for rec in recs:
+            rec["ts"] = now  # when the engine made it: the lag starts here
+        done += len(recs)
+        sink.send(recs, watermark=seq, instance="bench")
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+    seq = len(messages)
     sink.send([], watermark=seq, instance="bench")  # every batch's lookups are in
     print(json.dumps({"batches": seq, "lookups": n}), flush=True)
     time.sleep(2.0)  # what is queued leaves before the sockets close
@@ -161,20 +177,28 @@ def bench_watch() -> bool:
     lookups = int((frame["kind"] == "lookup").sum())
     events = frame.filter(frame["kind"].is_in(["store", "remove"]))
     hash_events = int(events["block_hashes"].list.len().sum())
+    total_hashes = int(frame["block_hashes"].list.len().sum())
     kv, lk, mport = (free_port() for _ in range(3))
     go = DATA / "watch-go"
     go.unlink(missing_ok=True)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    # BENCH_WATCH_PROFILE=FILE: the watch runs under cProfile, its stats in FILE.
+    profile = os.environ.get("BENCH_WATCH_PROFILE")
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
     watch = subprocess.Popen(
-        [*pin, sys.executable, "-m", "replay", "watch", "--engine",
+        [*pin, sys.executable, *prof, "-m", "replay", "watch", "--engine",
          f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name=bench",
          "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "5",
          "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # BENCH_WATCH_RATE=N: the publisher paces its lookups at N a second, so
+    # the watch gets one small batch at a time (as from a fleet of engines)
+    # and its fixed cost per batch shows; default: full speed (a backlog).
+    rate = float(os.environ.get("BENCH_WATCH_RATE", "0"))
     publisher = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
-         f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{lk}", str(go)],
+         f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{lk}", str(go), str(rate)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -189,6 +213,7 @@ def bench_watch() -> bool:
                     return False
                 time.sleep(0.1)
         wait_ready(go)
+        cpu_before = cpu_seconds(watch.pid)
         go.touch()
         started = time.monotonic()
         judged = 0.0
@@ -199,9 +224,10 @@ def bench_watch() -> bool:
                 print(f"bench watch: only {judged:.0f} of {lookups} lookups judged in 30 min")
                 return False
         seconds = time.monotonic() - started
+        cpu = cpu_seconds(watch.pid) - cpu_before
         watch.send_signal(signal.SIGTERM)
         out, _ = watch.communicate(timeout=60)
-        publisher.wait(timeout=60)
+        sent = json.loads(publisher.communicate(timeout=60)[0].splitlines()[0])
     finally:
         for proc in (watch, publisher):
             if proc.poll() is None:
@@ -211,18 +237,43 @@ def bench_watch() -> bool:
     lookups_s = lookups / seconds
     hashes_s = hash_events / seconds
     engines = min(lookups_s / MOONCAKE_LOOKUPS_S, hashes_s / MOONCAKE_HASHES_S)
+    # On a shared machine the wall clock counts other processes' turns: the
+    # watch's own CPU seconds (user + system, its metrics thread included)
+    # give what one core of its own sustains.
+    load = os.getloadavg()[0]
+    cpu_engines = min(lookups / cpu / MOONCAKE_LOOKUPS_S, hash_events / cpu / MOONCAKE_HASHES_S)
     print(
         f"\nreplay watch, one process{' on one core' if pin else ''}: {trace} "
         f"({lookups:,} lookups, {len(events):,} store/remove events, {hash_events:,} block "
-        f"events) at full speed from a local publisher: {seconds:.1f} s, "
+        f"events) {f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'} from a local "
+        f"publisher: {seconds:.1f} s, "
         f"{hashes_s:,.0f} block events/s, {lookups_s:,.0f} lookups/s; lag p50 "
         f"{result['lag_p50_seconds'] * 1000:.0f} ms, p99 {result['lag_p99_seconds'] * 1000:.0f} ms "
-        f"(a backlog at full speed: the lag is how far behind the sender it ran); "
+        f"(at full speed, a backlog: the lag is how far behind the sender it ran); "
         f"{result['gaps']} gaps; keeps up with {engines:,.1f} engines at the Mooncake "
         f"conversation trace's rate ({MOONCAKE_LOOKUPS_S:.1f} lookups/s, "
         f"{MOONCAKE_HASHES_S:,.0f} block events/s each; the issue asks for 1,000)"
     )
+    if rate > 0:
+        print(
+            f"  paced at {rate:g} lookups/s ({sent['batches']:,} KV batches, each with its "
+            f"lookups): the watch used {cpu / seconds:.0%} of a core, "
+            f"{cpu / sent['batches'] * 1000:.2f} ms of CPU per batch"
+        )
+    print(
+        f"  the watch's own CPU: {cpu:.2f} s (load average {load:.1f}): "
+        f"{hash_events / cpu:,.0f} block events, {total_hashes / cpu:,.0f} hash entries "
+        f"(lookups' included) and {lookups / cpu:,.0f} lookups per CPU second: "
+        f"{cpu_engines:,.1f} engines on a core of its own"
+    )
     return bool(result["lookups"] == lookups)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:

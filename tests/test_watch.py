@@ -298,7 +298,12 @@ def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Pat
             time.sleep(0.5)  # the lookup subscriptions are up
             # The first engine's lookup comes before its restart, as it does.
             a_sink.send([lookup(0, 1, 0, [1, 2], 32, instance="a1")], watermark=3, instance="a1")
-            wait_for(lambda: running_engines(running)[0].feed.placer is not None, "a's facts")
+            # (The engines exist once the watch has warmed up: on a loaded
+            # machine that may take longer than the sleep above.)
+            wait_for(
+                lambda: any(e.feed.placer is not None for e in running_engines(running)[:1]),
+                "a's facts",
+            )
             with a_pub, b_pub:
                 assert a_pub.done.wait(TIMEOUT) and b_pub.done.wait(TIMEOUT)
                 a_sink.engine(engine_record(one_group(), instance="a2"))
@@ -327,6 +332,127 @@ def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Pat
     assert offline_counts(tmp_path / "rolling" / "a") == {
         "lookups": 2, "hit_tokens": 32, "observed_mismatch": 0, "flags": {}
     }  # fmt: skip
+
+
+def test_an_oversized_kv_message_is_counted_and_the_watch_keeps_judging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile publisher: a KV message above --max-record-bytes costs the
+    connection (refused from its size header), which the watch says once,
+    counts, and makes again; the batches after it are judged, the lost one
+    is a gap."""
+    import zmq
+
+    monkeypatch.setenv("REPLAY_MAX_RECORD_BYTES", str(64 << 10))
+    lookups_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    metrics_port = free_port()
+    sink = vllm_plugin.open_sink(lookups_endpoint)
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    # Every subscription is heard, the new socket's too.
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    kv = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def subscribed() -> None:
+        while True:
+            assert pub.poll(int(TIMEOUT * 1000)), "the watch never subscribed"
+            if pub.recv() == b"\x01":
+                return
+
+    try:
+        sink.engine(engine_record(one_group()))
+        opts = WatchOptions(
+            engines=(EngineEndpoints(name="rank0", kv=kv, lookups=lookups_endpoint),),
+            metrics=f"127.0.0.1:{metrics_port}",
+            status_every=0.2,
+        )
+        with Running(opts) as running:
+            subscribed()
+            pub.send_multipart([b"", u64(0), payload(T0, stored([1]), stored([2], parent=1))])
+            pub.send_multipart([b"", u64(1), b"\x00" * (1 << 20)])
+            subscribed()  # the watch connected again
+            pub.send_multipart([b"", u64(2), payload(T0 + 2, stored([3], parent=2))])
+            time.sleep(0.5)  # the lookup subscription is up
+            sink.send([lookup(0, 2, 1, [1, 2, 3], 48)], watermark=3, instance="e1")
+            wait_for(
+                lambda: scrape(metrics_port).get('replay_watch_lookups_total{engine="rank0"}') == 1,
+                "the verdict",
+            )
+            wait_for(
+                lambda: (
+                    scrape(metrics_port).get(
+                        'replay_watch_dropped_connections_total{engine="rank0"}'
+                    )
+                    == 1
+                ),
+                "the drop counted",
+            )
+            summary = running.finish()
+    finally:
+        sink.close()
+        ctx.destroy(linger=0)
+    rank0 = summary.engines["rank0"]
+    assert (rank0["lookups"], rank0["hit_tokens"], rank0["observed_mismatch"]) == (1, 48, 0)
+    assert (rank0["dropped_connections"], rank0["gaps"], rank0["missing_batches"]) == (1, 1, 1)
+    assert rank0["events"] == {"store": 3, "lookup": 1}
+    said = [line for line in running.lines if "connection dropped" in line]
+    assert said == [
+        f"rank0: kv {kv}: connection dropped (1 so far): a message above --max-record-bytes "
+        "(65,536 bytes), or the peer closed it; connecting again; still watching"
+    ]
+
+
+def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
+    """A turn's answers of every engine with one group layout get their
+    flags in one call (its cost is per call); each engine counts its own
+    verdicts, as when flagged alone: ``a`` served 16 tokens past its store
+    (an observed mismatch), ``b``, whose store holds the third block, did not."""
+    from datetime import UTC, datetime
+
+    from replay.engine.live import LiveFold
+    from replay.sources.live import EngineFeed
+    from replay.watch._service import Answered, EngineWatch
+
+    config = one_group()
+    ts = datetime.fromtimestamp(T0, tz=UTC)
+    service = Watch(
+        WatchOptions(engines=(EngineEndpoints(name="x", kv="tcp://127.0.0.1:1", lookups="tcp://127.0.0.1:2"),)),
+        report=lambda _: None,
+    )  # fmt: skip
+    engines = []
+    try:
+        for name, stored_keys in (("a", [1, 2]), ("b", [1, 2, 3])):
+            spec = EngineEndpoints(
+                name=name,
+                kv=f"tcp://127.0.0.1:{free_port()}",
+                lookups=f"tcp://127.0.0.1:{free_port()}",
+            )
+            ew = EngineWatch(EngineFeed(service.ctx, spec, report=lambda _: None))
+            engines.append(ew)
+            ew.feed.config = config
+            ew.fold = LiveFold(config, "vllm-0.33", cache="gpu")
+            frame = ew.fold.feed(
+                [
+                    {"seq": 0, "ts": ts, "kind": "store", "group_id": 0,
+                     "block_hashes": [u64(k) for k in stored_keys]},
+                    {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [u64(k) for k in (1, 2, 3)],
+                     "request_id": f"{name}-r", "max_length": 48, "num_tokens": 49,
+                     "observed_hit_tokens": 48},
+                ]
+            )  # fmt: skip
+            service._answered.append(Answered(ew, frame, [time.time()], {}))
+        service._judge_answered()
+    finally:
+        for ew in engines:
+            ew.feed.close()
+        service.ctx.destroy(linger=0)
+    a, b = (ew.counts for ew in engines)
+    assert (a.lookups, a.hit_tokens, a.observed_mismatch, a.observed_over) == (1, 32, 1, 1)
+    assert dict(a.flags) == {("observed_mismatch", "observed"): 1}
+    assert (b.lookups, b.hit_tokens, b.observed_mismatch, b.flagged_lookups) == (1, 48, 0, 0)
+    assert dict(b.flags) == {}
+    assert service._answered == []
 
 
 def running_engines(running: Running) -> list[Any]:
@@ -400,10 +526,17 @@ def metrics_up(port: int) -> bool:
         (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2,name=x",
           "--engine", "kv=tcp://127.0.0.1:3,lookups=tcp://127.0.0.1:4,name=x"],
          "--engine name=x: two engines have that name"),
+        # --policy is the shared option bundle (replay.cli.options.policy_options).
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--policy", "vllm-0.3"],
+         "replay watch: invalid value for '--policy': no policy 'vllm-0.3', did you mean "
+         "'vllm-0.23' or 'vllm-0.30' or 'vllm-0.32' or 'vllm-0.33' or 'vllm-0.34'? "
+         "(try 'replay watch --help')"),
+        (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--policy", "vllm-0.33",
+          "--vllm", "0.26.0"], "--vllm and --policy both choose the policy: give one"),
     ],
 )  # fmt: skip
 def test_bad_options_are_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(cli, ["watch", *args])
+    result = CliRunner().invoke(cli, ["watch", *args], prog_name="replay")
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: {message}\n"
 

@@ -11,9 +11,8 @@ import click
 from replay.base.errors import ReplayError
 from replay.base.units import parse_count, parse_seconds
 from replay.cli.common import command, fail
-from replay.cli.options import count_type, seconds_type
+from replay.cli.options import chosen_policies, count_type, policy_options, seconds_type
 from replay.format.paths import check_outputs
-from replay.rules.coordinator import POLICIES
 
 
 def _say(message: str) -> None:
@@ -47,12 +46,10 @@ def parse_segment(text: str) -> tuple[float | None, int | None]:
     "(REPLAY_LOOKUPS=tcp://...), optionally vLLM's replay endpoint (gaps are filled from it) "
     "and a name for its metrics and files (default engine0, engine1, ...).",
 )
-@click.option(
-    "--policy",
-    type=click.Choice(list(POLICIES)),
-    default=None,
-    help="Judge every engine under this policy (default: each engine's own vLLM release, "
-    "as its plugin reports it).",
+@policy_options(
+    "every engine's lookups are judged under (an engine's own release is the vllm_version "
+    "its plugin reports, its trace's source.vllm_version)",
+    described=False,
 )
 @click.option(
     "-o",
@@ -108,6 +105,7 @@ def parse_segment(text: str) -> tuple[float | None, int | None]:
 def watch(
     engines: tuple[str, ...],
     policy: str | None,
+    vllm_versions: tuple[str, ...],
     output: Path | None,
     segment: str,
     flags_out: Path | None,
@@ -133,6 +131,9 @@ def watch(
 
     require_extra("replay watch", "zmq", "msgspec")
     seconds, events = parse_segment(segment)
+    if policy is not None or vllm_versions:
+        # One policy for every engine, by the one rule (--policy, else --vllm's release).
+        (policy,) = chosen_policies(None, (policy,) if policy else (), vllm_versions)
     check_outputs({"--flags-out": flags_out}, [], text=True, directories={"-o": output})
     if flags_out is not None and flags_out.exists():
         raise fail(f"--flags-out {flags_out}: already exists (not overwritten)")

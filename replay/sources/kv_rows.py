@@ -17,6 +17,8 @@ bytes big-endian.
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
 from collections.abc import Collection
 from datetime import datetime
 from typing import Any
@@ -33,7 +35,37 @@ DEFAULT_MEDIUM = "GPU"
 
 def trace_hashes(hashes: tuple[bytes | int, ...]) -> list[bytes]:
     """Wire hashes (already checked by the Structs) as the trace stores them."""
+    packed = _packed(hashes)
+    if packed is not None:
+        return _split8(packed)
     return [h if isinstance(h, bytes) else h.to_bytes(8, "big") for h in hashes]
+
+
+def _fast_hashes(hashes: tuple[bytes | int, ...]) -> tuple[list[bytes], int] | None:
+    """Hashes all of one type, as the trace stores them in C-speed calls,
+    and the longest one's bytes (0 for integers: the limit is on bytes
+    hashes); None for a mix of both (read one by one)."""
+    packed = _packed(hashes)
+    if packed is not None:
+        return _split8(packed), 0
+    try:
+        widest = max(map(len, hashes), default=0)  # type: ignore[arg-type]
+    except TypeError:  # an integer among bytes
+        return None
+    return list(hashes), widest  # type: ignore[arg-type]
+
+
+def _packed(hashes: tuple[bytes | int, ...]) -> bytes | None:
+    """Hashes that are all unsigned 64-bit integers (vLLM's default) as their
+    8-byte big-endian words in one call; None when any is not one."""
+    try:
+        return struct.pack(f">{len(hashes)}Q", *hashes)
+    except struct.error:
+        return None
+
+
+def _split8(packed: bytes) -> list[bytes]:
+    return [packed[i : i + 8] for i in range(0, len(packed), 8)]
 
 
 # vLLM's KVCacheSpecKind values, by the trace group kind they replay as.
@@ -89,10 +121,21 @@ class EventConverter:
         self.config = config
         self.media = None if media is None else frozenset(medium_key(m) for m in media)
         self.next_seq = start_seq
-        self.copies: dict[tuple[int, bytes], int] = {}
+        # Per group, a Counter: a store's copies are counted in one C call
+        # (``update``); see ``copies``.
+        self._copies: list[Counter[bytes]] = [Counter() for _ in config.groups]
         self.kv_events = 0
         self.filtered_events = 0
         self._checked_groups: set[int] = set()
+
+    @property
+    def copies(self) -> dict[tuple[int, bytes], int]:
+        """The copy count per ``(group_id, hash)`` of the keys with a copy left."""
+        return {(g, h): n for g, c in enumerate(self._copies) for h, n in c.items() if n > 0}
+
+    def _clear(self) -> None:
+        for c in self._copies:
+            c.clear()
 
     def _row(self, ts: datetime, kind: str, **fields: Any) -> Row:
         row: Row = {"seq": self.next_seq, "ts": ts, "kind": kind, **fields}
@@ -151,25 +194,42 @@ class EventConverter:
             )
 
     def convert(self, batch: KVBatch) -> list[Row]:
+        return [row for rows in self.convert_each(batch) for row in rows]
+
+    def convert_each(self, batch: KVBatch) -> list[list[Row]]:
+        """The rows of each event of ``batch``, in order (a placer puts
+        lookups between them)."""
         ts = batch.time
-        rows: list[Row] = []
+        out: list[list[Row]] = []
+        limits: tuple[int, int] | None = None
         for event in batch.events:
             self.kv_events += 1
+            rows: list[Row] = []
+            out.append(rows)
             if isinstance(event, AllBlocksCleared):
-                self.copies.clear()
+                self._clear()
                 rows.append(self._row(ts, "clear", group_id=None))
                 continue
             if self.media is not None and medium_key(event.medium) not in self.media:
                 self.filtered_events += 1
                 continue
-            check_limits(event)
-            gid = self._group(event)
-            # An integer hash and its 8 bytes are one trace key.
-            hashes = trace_hashes(event.block_hashes)
+            fast = _fast_hashes(event.block_hashes)
+            if fast is None:
+                check_limits(event)
+                gid = self._group(event)
+                # An integer hash and its 8 bytes are one trace key.
+                hashes = trace_hashes(event.block_hashes)
+            else:
+                # The limits read once a batch (each is an env lookup).
+                if limits is None:
+                    limits = ROW_HASHES.value(), HASH_BYTES.value()
+                hashes, widest = fast
+                if len(hashes) > limits[0] or widest > limits[1]:
+                    check_limits(event)
+                gid = self._group(event)
+            copies = self._copies[gid]
             if isinstance(event, BlockStored):
-                for h in hashes:
-                    key = (gid, h)
-                    self.copies[key] = self.copies.get(key, 0) + 1
+                copies.update(hashes)
                 if hashes:
                     rows.append(
                         self._row(
@@ -183,12 +243,11 @@ class EventConverter:
             else:
                 gone: list[bytes] = []
                 for h in hashes:
-                    key = (gid, h)
-                    left = self.copies.get(key, 0) - 1
+                    left = copies.get(h, 0) - 1
                     if left > 0:
-                        self.copies[key] = left
+                        copies[h] = left
                     else:
-                        self.copies.pop(key, None)
+                        copies.pop(h, None)
                         gone.append(h)
                 if gone:
                     rows.append(
@@ -196,9 +255,9 @@ class EventConverter:
                             ts, "remove", group_id=gid, block_hashes=gone, medium=event.medium
                         )
                     )
-        return rows
+        return out
 
     def restart(self, ts: datetime) -> list[Row]:
         """A publisher restart: the new engine starts with an empty cache."""
-        self.copies.clear()
+        self._clear()
         return [self._row(ts, "clear", group_id=None)]

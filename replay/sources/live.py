@@ -35,6 +35,7 @@ from replay.sources.plugin_log import LookupPlacer, PlacedLookup, plugin_config
 from replay.sources.stream import Fill, StreamProcessor
 from replay.sources.values import Report, Row, is_text
 from replay.sources.zmq_client import (
+    DropWatch,
     LookupSubscriber,
     ReplayClient,
     binds,
@@ -121,19 +122,30 @@ class EngineFeed:
         self.hwm = hwm
         self.on_restart = on_restart
         self._topic = endpoints.topic.encode()
-        # A message above --max-record-bytes is refused from its size header.
-        self.sub = bounded_socket(ctx, zmq.SUB)
-        self.sub.setsockopt(zmq.RCVHWM, hwm)
-        self.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         where = f"--engine {self.name}: kv={endpoints.kv}"
-        try:
-            if binds(endpoints.kv):
-                self.sub.bind(endpoints.kv)
-            else:
-                self.sub.connect(endpoints.kv)
-        except zmq.ZMQError as exc:
-            raise ReplayError(f"{where}: cannot connect ({zmq_reason(exc)})") from None
-        self.lsub = LookupSubscriber(ctx, endpoints.lookups, report, hwm=hwm)
+        bind = binds(endpoints.kv)
+
+        def make_sub() -> zmq.Socket[Any]:
+            # A message above --max-record-bytes is refused from its size header.
+            sock = bounded_socket(ctx, zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, hwm)
+            sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+            try:
+                if bind:
+                    sock.bind(endpoints.kv)
+                else:
+                    sock.connect(endpoints.kv)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise ReplayError(f"{where}: cannot connect ({zmq_reason(exc)})") from None
+            return sock
+
+        # The recorder's rule for a dropped connection (an oversized message,
+        # a publisher gone): said, counted, and made again.
+        self.drops = DropWatch(
+            make_sub, "kv", endpoints.kv, connect=not bind, report=report, going_on="watching"
+        )
+        self.lsub = LookupSubscriber(ctx, endpoints.lookups, report, hwm=hwm, going_on="watching")
         self.replay = (
             None
             if endpoints.replay is None
@@ -152,8 +164,30 @@ class EngineFeed:
         self.messages = 0
 
     @property
+    def sub(self) -> zmq.Socket[Any]:
+        """The KV-event socket (a new one after a dropped connection)."""
+        return self.drops.sock
+
+    @property
     def sockets(self) -> list[zmq.Socket[Any]]:
         return [self.sub, self.lsub.sock]
+
+    @property
+    def dropped_connections(self) -> int:
+        """Connections of either socket dropped (and made again when they
+        connect): an oversized message, or the peer went away."""
+        return self.drops.dropped + self.lsub.drops.dropped
+
+    def check_drops(self, poller: zmq.Poller) -> list[Released]:
+        """``DropWatch.check`` for both sockets (a replaced one is
+        re-registered in ``poller``); the rows of the messages the old
+        sockets still held."""
+        for frames in self.drops.check(poller):
+            self._message(frames, time.time())
+        if self.lsub.check_drops(poller):
+            self._take_lookups()
+        released, self._released = self._released, []
+        return released
 
     # -- what the rows are made of
 
@@ -227,6 +261,16 @@ class EngineFeed:
             # The lookups held for a config are released by the next receive.
             self._take_lookups()
 
+    def _message(self, frames: list[bytes], now: float) -> None:
+        self.messages += 1
+        if self.proc is None:
+            if len(self._early) >= self.hwm:
+                self._early.popleft()
+                self.early_dropped += 1
+            self._early.append((frames, now))
+            return
+        self._feed(frames, now)
+
     def take(self, ready: Collection[Any]) -> list[Released]:
         """Read what is ready on this engine's sockets; the rows released."""
         if self.lsub.sock in ready:
@@ -237,15 +281,7 @@ class EngineFeed:
                     frames = self.sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.messages += 1
-                now = time.time()
-                if self.proc is None:
-                    if len(self._early) >= self.hwm:
-                        self._early.popleft()
-                        self.early_dropped += 1
-                    self._early.append((frames, now))
-                    continue
-                self._feed(frames, now)
+                self._message(frames, time.time())
         if self.placer is not None:
             # A recording lists them in its source; a watch, which runs for
             # days, keeps nothing per lookup.
@@ -277,8 +313,8 @@ class EngineFeed:
     def close(self) -> None:
         if self.replay is not None:
             self.replay.close()
-        self.sub.close(linger=0)
-        self.lsub.sock.close(linger=0)
+        self.drops.close()
+        self.lsub.drops.close()
 
     # -- counts
 

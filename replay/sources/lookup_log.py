@@ -93,6 +93,30 @@ def _lookup_hash(value: object) -> bytes:
     )
 
 
+def _hex_hashes(raw: list[Any]) -> list[bytes] | None:
+    """The plugin's form, hex strings of one even width, decoded in one
+    ``bytes.fromhex`` (as ``_lookup_hash`` decodes each); None for any other
+    list, which ``_lookup_hash`` then reads one by one (and names the bad one)."""
+    try:
+        joined = "".join(raw)
+    except TypeError:
+        return None
+    widths = set(map(len, raw))
+    if len(widths) != 1:
+        return None
+    (width,) = widths
+    if width == 0 or width % 2:
+        return None
+    try:
+        data = bytes.fromhex(joined)
+    except ValueError:
+        return None
+    k = width // 2
+    if len(data) != k * len(raw):  # fromhex skips whitespace: read them one by one
+        return None
+    return [data[i : i + k] for i in range(0, len(data), k)]
+
+
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
     from replay.format.validate import TOKEN_LIMIT
 
@@ -131,12 +155,14 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
         )
     if len(raw_hashes) > ROW_HASHES.value():
         raise ValueError(str(ROW_HASHES.refuse("field 'block_hashes' holds", len(raw_hashes))))
-    hashes = []
-    for j, h in enumerate(raw_hashes):
-        try:
-            hashes.append(_lookup_hash(h))
-        except ValueError as exc:
-            raise ValueError(f"field 'block_hashes'[{j}]: {exc}") from None
+    hashes = _hex_hashes(raw_hashes)
+    if hashes is None:
+        hashes = []
+        for j, h in enumerate(raw_hashes):
+            try:
+                hashes.append(_lookup_hash(h))
+            except ValueError as exc:
+                raise ValueError(f"field 'block_hashes'[{j}]: {exc}") from None
     num_tokens = _opt_count(obj, "num_tokens")
     observed = _opt_count(obj, "observed_hit_tokens")
     max_length = _opt_count(obj, "max_length")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +165,9 @@ class LookupPlacer:
         self.watermarks: dict[str, int] = {}
         self._lookups: dict[str, list[tuple[tuple[int, int, int], PlacedLookup]]] = {}
         self._pending: deque[tuple[int | None, int, list[list[Row]]]] = deque()
+        #: The epochs of the pending batches, counted (a later one pending
+        #: is asked per batch: no scan of a long backlog).
+        self._pending_epochs: Counter[int] = Counter()
         self.placed = 0
         self.admitted = 0
         self.not_admitted = 0
@@ -199,6 +202,7 @@ class LookupPlacer:
 
     def batch(self, epoch: int, seq: int, per_event: list[list[Row]]) -> None:
         self._pending.append((epoch, seq, per_event))
+        self._pending_epochs[epoch] += 1
         self.drain()
 
     def __call__(self, rows: list[Row]) -> None:
@@ -209,9 +213,7 @@ class LookupPlacer:
     def _ready(self, epoch: int, seq: int) -> bool:
         if self.complete:
             return True
-        if epoch + 1 < len(self.instances) or any(
-            e is not None and e > epoch for e, _, _ in self._pending
-        ):
+        if epoch + 1 < len(self.instances) or any(e > epoch for e in self._pending_epochs):
             return True  # a later engine runs: this one sends nothing more
         if epoch >= len(self.instances):
             return False
@@ -223,6 +225,10 @@ class LookupPlacer:
             if epoch is not None and not self._ready(epoch, seq):
                 return
             self._pending.popleft()
+            if epoch is not None:
+                self._pending_epochs[epoch] -= 1
+                if not self._pending_epochs[epoch]:
+                    del self._pending_epochs[epoch]
             if epoch is None:
                 self._write(per_event[0])
             else:

@@ -373,9 +373,7 @@ class StreamProcessor:
 
     def _place(self, seq: int, batch: KVBatch) -> None:
         assert self.placer is not None
-        per_event = [
-            self.converter.convert(KVBatch(ts=batch.ts, events=(event,))) for event in batch.events
-        ]
+        per_event = self.converter.convert_each(batch)
         self.rows += sum(len(rows) for rows in per_event)
         self.placer.batch(self.epoch, seq, per_event)
 

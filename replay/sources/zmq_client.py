@@ -62,8 +62,11 @@ class DropWatch:
         *,
         connect: bool,
         report: Report,
+        going_on: str = "recording",
     ) -> None:
         self.make, self.option, self.endpoint = make, option, endpoint
+        #: What goes on after the drop (the line's end): ``recording``, ``watching``.
+        self.going_on = going_on
         self.connect, self.report = connect, report
         self.dropped = 0
         self.sock = make()
@@ -85,7 +88,7 @@ class DropWatch:
             self.report(
                 f"{self.option} {self.endpoint}: connection dropped ({self.dropped} so far): a "
                 f"message above --max-record-bytes ({RECORD_BYTES.value():,} bytes), or the "
-                f"peer closed it{again}; still recording"
+                f"peer closed it{again}; still {self.going_on}"
             )
         if not (seen and self.connect):
             return []
@@ -188,7 +191,13 @@ class LookupSubscriber:
     engine facts, lookups and watermarks, with lost messages reported."""
 
     def __init__(
-        self, ctx: zmq.Context[Any], endpoint: str, report: Report, *, hwm: int = 0
+        self,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        report: Report,
+        *,
+        hwm: int = 0,
+        going_on: str = "recording",
     ) -> None:
         from replay.adapters.vllm.wire import TOPIC
 
@@ -210,7 +219,9 @@ class LookupSubscriber:
                 ) from None
             return sock
 
-        self.drops = DropWatch(make, "--lookups", endpoint, connect=True, report=report)
+        self.drops = DropWatch(
+            make, "--lookups", endpoint, connect=True, report=report, going_on=going_on
+        )
         self._pending: list[list[bytes]] = []  # read from a socket since replaced
         self.engines: list[dict[str, Any]] = []
         self.messages = 0

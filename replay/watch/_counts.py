@@ -40,6 +40,9 @@ class EngineCounts:
     #: Messages dropped before they could be used (ZMQ high-water marks,
     #: lost plugin messages, KV messages that came before the engine facts).
     dropped: int = 0
+    #: Connections dropped (a message above --max-record-bytes, or the
+    #: publisher went away) and made again.
+    dropped_connections: int = 0
     store_keys: int = 0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
 
@@ -70,6 +73,7 @@ class EngineCounts:
             "missing_batches": self.missing_batches,
             "restarts": self.restarts,
             "dropped": self.dropped,
+            "dropped_connections": self.dropped_connections,
             "store_keys": self.store_keys,
             "lag_p50_seconds": p50,
             "lag_p99_seconds": p99,

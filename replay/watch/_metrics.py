@@ -81,6 +81,13 @@ class Metrics:
         self.dropped = prom.Counter(
             "replay_watch_dropped_messages", "Messages lost before use", e, registry=r
         )
+        self.dropped_connections = prom.Counter(
+            "replay_watch_dropped_connections",
+            "Connections dropped (a message above --max-record-bytes, or the publisher went "
+            "away) and made again",
+            e,
+            registry=r,
+        )
         self.lag = prom.Histogram(
             "replay_watch_lag_seconds",
             "From the arrival of the message that completes a lookup to its verdict",
@@ -137,6 +144,7 @@ class Metrics:
         advance(self.gaps, "gaps", c.gaps)
         advance(self.restarts, "restarts", c.restarts)
         advance(self.dropped, "dropped", c.dropped)
+        advance(self.dropped_connections, "dropped_connections", c.dropped_connections)
         for (flag, sev), n in c.flags.items():
             advance(self.flags, f"flag:{flag}", n, flag, sev)
         for sev, n in c.flagged_by_severity.items():

@@ -32,7 +32,7 @@ from typing import IO, Any
 import polars as pl
 import zmq
 
-from replay.analysis.flags import add_flags, by_severity, severity
+from replay.analysis.flags import Layout, add_flags, by_severity, severity
 from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
@@ -95,6 +95,22 @@ class EngineWatch:
         return self.feed.name
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """One engine's answers of one turn, waiting for their flags."""
+
+    ew: EngineWatch
+    frame: pl.DataFrame
+    #: When the message that released each lookup arrived.
+    arrivals: list[float]
+    #: A lookup's seq -> its segment and its seq there.
+    where: dict[int, tuple[Path, int]]
+
+
+#: The column that tells the engines apart while their answers are flagged together.
+_ENGINE = "__engine"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchSummary:
     #: The rolling trace's directory (``-o``), or None.
@@ -135,6 +151,7 @@ class Watch:
         self.engines: list[EngineWatch] = []
         self.metrics: Metrics | None = None
         self._flags_fh: IO[str] | None = None
+        self._answered: list[Answered] = []
         self.started = time.time()
 
     # -- judging
@@ -196,17 +213,40 @@ class Watch:
             c.events[kind] += n - before.get(kind, 0)
         c.store_keys = ew.fold.store_keys
         if frame.height:
-            self._verdicts(ew, frame, arrivals, where)
+            self._answered.append(Answered(ew, frame, arrivals, where))
 
-    def _verdicts(
-        self,
-        ew: EngineWatch,
-        frame: pl.DataFrame,
-        arrivals: list[float],
-        where: dict[int, tuple[Path, int]],
-    ) -> None:
+    def _judge_answered(self) -> None:
+        """Flag the answers of this turn, every engine's at once per group
+        layout (the flags' fixed cost is per call, not per lookup: a fleet of
+        one model pays it once a turn), then count each engine's verdicts."""
+        answered, self._answered = self._answered, []
+        by_layout: dict[Layout, list[Answered]] = {}
+        for a in answered:
+            assert a.ew.feed.config is not None
+            by_layout.setdefault(Layout.of(a.ew.feed.config), []).append(a)
+        for group in by_layout.values():
+            config = group[0].ew.feed.config
+            assert config is not None
+            if len(group) == 1:
+                self._verdicts(group[0], add_flags(group[0].frame, config))
+                continue
+            judged = add_flags(
+                pl.concat(
+                    [
+                        a.frame.with_columns(pl.lit(i, pl.Int32).alias(_ENGINE))
+                        for i, a in enumerate(group)
+                    ],
+                    how="vertical_relaxed",
+                ),
+                config,
+            )
+            parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
+            for i, a in enumerate(group):
+                self._verdicts(a, parts[(i,)])
+
+    def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
+        ew, arrivals, where = answered.ew, answered.arrivals, answered.where
         assert ew.fold is not None and ew.feed.config is not None
-        judged = add_flags(frame, ew.feed.config)
         now = time.time()
         # From when the engine made the lookup (its ``ts``) or, when that
         # clock is ahead of ours, from when its message arrived here: so the
@@ -289,6 +329,7 @@ class Watch:
         mism = sum(ew.counts.observed_mismatch for ew in self.engines)
         gaps = sum(ew.counts.gaps for ew in self.engines)
         restarts = sum(ew.counts.restarts for ew in self.engines)
+        drops = sum(ew.counts.dropped_connections for ew in self.engines)
         lags = [lag for ew in self.engines for lag in list(ew.counts.lags)[-1000:]]
         lag = "lag -"
         if lags:
@@ -300,7 +341,7 @@ class Watch:
         return (
             f"watch: {heard}/{len(self.engines)} engines, {total:,} lookups ({rate:,.0f}/s), "
             f"{flagged:,} flagged, {mism:,} observed mismatches, {lag}, {gaps} gaps, "
-            f"{restarts} restarts"
+            f"{restarts} restarts" + (f", {drops} dropped connections" if drops else "")
         )
 
     def _refresh(self, ew: EngineWatch) -> None:
@@ -309,6 +350,7 @@ class Watch:
         c.missing_batches = sum(int(g["count"]) for g in feed.gaps)
         c.restarts = feed.restarts
         c.dropped = feed.lsub.lost + feed.early_dropped + c.missing_batches
+        c.dropped_connections = feed.dropped_connections
         if self.metrics is not None:
             self.metrics.update(ew.name, c)
 
@@ -366,6 +408,10 @@ class Watch:
                     for ew in self.engines:
                         if any(s in ready for s in ew.feed.sockets):
                             self._judge(ew, ew.feed.take(ready))
+                        # A dropped connection (an oversized message, a publisher
+                        # gone): said, counted, and a new socket takes over.
+                        self._judge(ew, ew.feed.check_drops(poller))
+                    self._judge_answered()
                     for ew in self.engines:
                         if ew.trace is not None:
                             ew.trace.tick()
@@ -382,6 +428,7 @@ class Watch:
                 reason = "signal"
             for ew in self.engines:
                 self._judge(ew, ew.feed.finish())
+                self._judge_answered()
                 self._refresh(ew)
                 if ew.trace is not None:
                     ew.trace.set_source({**ew.feed.source(), "stop_reason": reason})
@@ -416,23 +463,26 @@ class Watch:
 
 
 def _warm_up() -> None:
-    """One store, one lookup, answered and judged: what the first real one
-    would otherwise pay (loading the compiled fold, polars' first plans)."""
+    """Stores (enough to grow the table), a remove and lookups, answered and
+    judged: what the first real ones would otherwise pay (loading the
+    compiled fold and answers, polars' first plans) while verdicts wait."""
     config = TraceConfig(
         groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
         hash_block_size=16,
         scheduler_block_size=16,
     )
     ts = datetime.now(tz=UTC)
-    key = bytes(8)
+    keys = [i.to_bytes(8, "big") for i in range(1, 2049)]
     fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
-    frame = fold.feed(
-        [
-            {"seq": 0, "ts": ts, "kind": "store", "group_id": 0, "block_hashes": [key]},
-            {"seq": 1, "ts": ts, "kind": "lookup", "block_hashes": [key], "request_id": "warm-up",
-             "max_length": 16, "num_tokens": 17, "observed_hit_tokens": 16},
-        ]
-    )  # fmt: skip
+    rows: list[Row] = []
+    for i in range(0, len(keys), 64):
+        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys[i : i + 64]})
+        rows.append({"kind": "lookup", "block_hashes": keys[i : i + 64], "request_id": "warm-up",
+                     "max_length": 1024, "num_tokens": 1025, "observed_hit_tokens": 1024})  # fmt: skip
+    rows.append({"kind": "remove", "group_id": 0, "block_hashes": keys[:64]})
+    rows.append({"kind": "lookup", "block_hashes": keys[:2], "request_id": "warm-up",
+                 "max_length": 32, "num_tokens": 33, "observed_hit_tokens": 32})  # fmt: skip
+    frame = fold.feed([{"seq": i, "ts": ts, **row} for i, row in enumerate(rows)])
     add_flags(frame, config)
 
 
