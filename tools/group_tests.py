@@ -27,7 +27,14 @@ TESTS = ROOT / "tests"
 #: layer folder -> its test files' stems (without ``test_``), in the
 #: floors of docs/architecture.md; a rename is ``old:new``.
 LAYERS: dict[str, list[str]] = {
-    "base": ["spec", "units", "limits", "limits_records:limits_of_record_readers", "deprecation"],
+    "base": [
+        "spec",
+        "units",
+        "limits",
+        "limits_records:limits_of_record_readers",
+        "deprecation",
+        "private_names",
+    ],
     "rules": [
         "blockpool",
         "cache",
@@ -36,6 +43,8 @@ LAYERS: dict[str, list[str]] = {
         "mooncake_store",
         "releases",
         "release_stores",
+        "compiled_fixed_point",
+        "eviction_orders",
     ],
     "format": [
         "trace",
@@ -46,6 +55,8 @@ LAYERS: dict[str, list[str]] = {
         "outputs",
         "wide_keys",
         "jit",
+        "segments",
+        "repair",
     ],
     "engine": ["engine", "answers", "shard", "kernels", "cluster"],
     "whatif": [
@@ -70,6 +81,7 @@ LAYERS: dict[str, list[str]] = {
         "record_lookups",
         "record_scheduler",
         "record_zmq",
+        "record_faults",
         "synth",
         "workload",
     ],
@@ -88,8 +100,11 @@ LAYERS: dict[str, list[str]] = {
         "report_writer",
         "report_browser",
         "sweep_browser",
+        "finder_cause",
     ],
-    "tools": ["minimize", "render"],
+    "adapters": ["adapters_private_names:private_names_table"],
+    "tools": ["minimize", "render", "drift_render"],
+    "watch": ["watch"],
     "faces": [
         "cli_common",
         "cli_edges",
@@ -109,6 +124,9 @@ LAYERS: dict[str, list[str]] = {
         "hostile_round3:hostile_inputs_found_later",
         "fuzz:hostile_inputs_generated",
         "paper_trail",
+        "did_you_mean_36:did_you_mean",
+        "ranges_36:ranges_refused",
+        "text_style_36:text_style",
     ],
     # The differential tests against vLLM's own classes (make test-vllm).
     "vllm": [
@@ -119,6 +137,9 @@ LAYERS: dict[str, list[str]] = {
         "record_vllm",
         "store_rules_vllm",
         "whatif_vllm",
+        "adopt_vllm",
+        "store_worker_vllm",
+        "watch_vllm",
     ],
 }
 
