@@ -1,8 +1,9 @@
 """Issue 30: the Mooncake store worker's own lookup
 (``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``), entered by
 ``VllmStoreWorker``: vLLM's length alignment, store queries and retry below
-the prompt's end, its store answered from the trace's keys. Runs only where
-vLLM imports (``make test-vllm``)."""
+the prompt's end, its store answered from the trace's keys;
+``VllmCoordinator`` calls the mirror one level below. Runs only where vLLM
+imports (``make test-vllm``)."""
 
 from __future__ import annotations
 
