@@ -412,18 +412,20 @@ class _TraceStore:
 
 class _RecordingMirror:
     """Pass-through to the ``MooncakeStoreCoordinator`` that keeps the load
-    masks of its last ``find_longest_cache_hit`` (the worker drops them)."""
+    masks and hit of its last ``find_longest_cache_hit`` (the worker drops
+    the masks)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.masks: Any = None
+        self.hit: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
         masks, hit = self.inner.find_longest_cache_hit(*args, **kwargs)
-        self.masks = masks
+        self.masks, self.hit = masks, int(hit)
         return masks, hit
 
 
@@ -729,6 +731,11 @@ class VllmCoordinator(LookupCoordinator):
                 f"MooncakeStoreWorker.lookup reads state this backend does not give "
                 f"({type(exc).__name__}: {exc}; its internal API moved)"
             ) from None
+        except Exception:
+            # vLLM's own logic refused the probe (0.33.0 asserts a tail key
+            # for a hit no key backs, e.g. a chunked local group's skipped
+            # blocks): the state was enough; a lookup answers as vLLM does.
+            pass
         return worker
 
     def _worker_lookup(
@@ -746,13 +753,19 @@ class VllmCoordinator(LookupCoordinator):
             by_hex[cast(bytes, key).hex()] = unit
         self._store.contains = contains
         self._store.by_hex = by_hex
-        self._mirror.masks = None
+        self._mirror.masks, self._mirror.hit = None, None
         result = self._worker.lookup(max_length + 1, block_hashes)
         # A MooncakeLookupResult from 0.29; the hit alone before.
         hit = int(getattr(result, "hit_length", result))
         masks = self._mirror.masks
-        if masks is None:  # the worker answered before asking the coordinator
+        if masks is None or hit != self._mirror.hit:
+            # The worker answered without its coordinator's last answer:
+            # before asking it, or giving up after a whole-prompt hit with
+            # nothing usable below the prompt's end (the retry's aligned
+            # length is 0): nothing loaded, no group hit.
             masks = [[] for _ in self.config.groups]
+            for i in range(len(self._hits)):
+                self._hits[i] = 0
         return [list(m) for m in masks], hit
 
     def _build_engine(self, num_blocks: int) -> None:
