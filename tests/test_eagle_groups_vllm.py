@@ -46,7 +46,6 @@ from tests.builders import (
     MB,
     SW,
     mutate_store,
-    prompt_hashes,
     random_chain,
     random_eagle_config,
     random_max_length,
@@ -159,7 +158,6 @@ def test_eagle_rule_and_answers_match_vllm(capsys: pytest.CaptureFixture[str]) -
                     keys.update(prefix)
             hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, units)]
             max_length = random_max_length(rng, config, len(hashes))
-            hashes = prompt_hashes(chain, max_length, config)  # a request's own hashes
             for (c, p), (ref_c, vllm_c) in coords.items():
                 ref = _run(ref_c, hashes, max_length, store)
                 got = _run(vllm_c, hashes, max_length, store)

@@ -55,7 +55,6 @@ from replay.rules.coordinator import (
 from tests.builders import (
     full_mamba,
     mutate_store,
-    prompt_hashes,
     random_chain,
     random_hybrid_config,
     random_max_length,
@@ -357,7 +356,6 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
                 mutate_store(rng, store, chain)
             hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, units)]
             max_length = random_max_length(rng, config, len(hashes))
-            hashes = prompt_hashes(chain, max_length, config)  # a request's own hashes
             if "gpu" in valid:
                 explained = coords[("gpu", POLICIES[0])][0].lookup(
                     hashes, max_length, [s.__contains__ for s in store], explain=True
