@@ -260,12 +260,17 @@ class Scenario:
     steps: tuple[tuple[tuple[frozenset[bytes], ...], tuple[bytes, ...], int], ...]
 
 
-def random_scenarios(seed: int, count: int, lookups: int = 8) -> Iterator[Scenario]:
+def random_scenarios(
+    seed: int, count: int, lookups: int = 8, *, request_hashes: bool = True
+) -> Iterator[Scenario]:
     """``count`` seeded scenarios, the differential tests' generator: random
     hybrid configurations and, every other one, configurations with equal
     specs flagged differently for EAGLE; stores, removes and clears between
     lookups. The stream never depends on an answer, so scenario ``k`` of a
-    seed is always the same."""
+    seed is always the same. Each lookup carries its request's own hashes
+    (``prompt_hashes``); with ``request_hashes`` off, the drawn prefix of the
+    chain as it is (more hashes than the prompt, or fewer: the first
+    generator's lookups, kept for a corpus trace that needs them)."""
     rng = random.Random(seed)
     index = 0
     while index < count:
@@ -290,8 +295,9 @@ def random_scenarios(seed: int, count: int, lookups: int = 8) -> Iterator[Scenar
                 mutate_store(rng, store, chain)
             hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, len(chain))]
             max_length = random_max_length(rng, config, len(hashes))
-            # The request's own hashes (the bound was drawn for the prefix).
-            hashes = prompt_hashes(chain, max_length, config)
+            if request_hashes:
+                # The request's own hashes (the bound was drawn for the prefix).
+                hashes = prompt_hashes(chain, max_length, config)
             steps.append((tuple(frozenset(s) for s in store), tuple(hashes), max_length))
         yield Scenario(index, config, tuple(caches), tuple(steps))
         index += 1
