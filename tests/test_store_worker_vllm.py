@@ -1,8 +1,9 @@
 """Issue 30: the Mooncake store worker's own lookup
 (``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``), entered by
 ``VllmStoreWorker``: vLLM's length alignment, store queries and retry below
-the prompt's end, its store answered from the trace's keys. Runs only where
-vLLM imports (``make test-vllm``)."""
+the prompt's end, its store answered from the trace's keys;
+``VllmCoordinator`` calls the mirror one level below. Runs only where vLLM
+imports (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ pytest.importorskip(
     reason="vLLM's Mooncake store worker not importable: run make test-vllm",
 )
 
-from replay.adapters.vllm.backend import VllmCoordinator, VllmStoreWorker, installed_vllm_version
+from replay.adapters.vllm.backend import (
+    VllmCoordinator,
+    VllmStoreWorker,
+    installed_vllm_version,
+    worker_entry_missing,
+)
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.rules.coordinator import policy_for_version
+from replay.rules.coordinator import Coordinator, LookupOutcome, policy_for_version
+from replay.sources.scenarios import prompt_hashes
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(worker_entry_missing() is not None, reason=str(worker_entry_missing())),
+]
 
 POLICY = policy_for_version(installed_vllm_version()).name
-HASHES: list[Hashable] = [bytes([i]) * 8 for i in range(1, 7)]
+UNITS = [bytes([i]) * 8 for i in range(1, 7)]
+HASHES: list[Hashable] = list(UNITS)
 
 
 def _config(use_eagle: bool) -> TraceConfig:
@@ -86,3 +97,103 @@ def test_the_worker_asks_the_store_only_within_the_aligned_prompt() -> None:
     assert (got.hit_tokens, want.hit_tokens) == (128, 192)
     prompt = hashes[: 209 // 16]
     assert worker.lookup(prompt, 208, contains) == mirror.lookup(prompt, 208, contains)
+
+
+def _answer(outcome: LookupOutcome) -> tuple[int, list[tuple[int, int]]]:
+    return outcome.hit_tokens, [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups]
+
+
+def test_the_worker_looks_up_the_aligned_prompt_before_its_end() -> None:
+    """A request's own hashes, a 64-token prompt fully stored, one
+    EAGLE-flagged full-attention group: the engine and the mirror at
+    max_length 63 find 48 and drop a block (32); the worker asks at the
+    aligned prompt length 64 first, finds 64, drops a block (48) and, 48
+    being below the prompt's end, keeps it: a block more than the engine
+    (0.33.0 and 0.34.0; what the policies do not model yet)."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16, is_eagle_group=True),),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+        enable_partial_hash_hits=False,
+    )
+    hashes = prompt_hashes(UNITS, 63, config)
+    contains = [set(hashes).__contains__]
+    assert len(hashes) == 4
+    assert _answer(Coordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
+        32,
+        [(2, 2)],
+    )
+    assert _answer(VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
+        32,
+        [(2, 2)],
+    )
+    assert _answer(VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
+        48,
+        [(3, 3)],
+    )
+
+
+def test_the_worker_never_asks_for_the_eagle_peek_past_the_aligned_prompt() -> None:
+    """An 81-token prompt (a request's own 10 hashes of 8 tokens), every key
+    stored, full attention (64-token blocks) beside an EAGLE-flagged sliding
+    window: the mirror at max_length 80 finds 64 in full attention and
+    verifies the window's EAGLE block by peeking at tokens 64-72 (64 hit
+    tokens, as the engine); the worker asks the store only within the
+    aligned prompt length 64, so the peeked key reads absent and the whole
+    hit is lost (0). From the rebuilt corpus (mutant-simple-hybrid-pass,
+    request s459-l7)."""
+    config = TraceConfig(
+        groups=(
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=64),
+            GroupSpec(
+                kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=8, is_eagle_group=True
+            ),
+        ),
+        hash_block_size=8,
+        scheduler_block_size=64,
+        use_eagle=True,
+        enable_partial_hash_hits=False,
+    )
+    chain = [bytes([i]) * 8 for i in range(1, 11)]
+    hashes = prompt_hashes(chain, 80, config)
+    contains = [set(hashes).__contains__] * 2
+    assert len(hashes) == 10
+    mirror = VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 80, contains)
+    assert _answer(mirror) == (64, [(1, 1), (8, 1)])
+    assert _answer(Coordinator(config, POLICY, "mooncake").lookup(hashes, 80, contains)) == (
+        _answer(mirror)
+    )
+    worker = VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 80, contains)
+    assert _answer(worker) == (0, [(0, 0), (0, 0)])
+
+
+@pytest.mark.skipif(
+    not installed_vllm_version().startswith("0.34."),
+    reason="the lookahead reaches the Mooncake worker from vLLM 0.34.0",
+)
+def test_the_worker_indexes_past_a_lookahead_requests_hashes() -> None:
+    """vLLM 0.34.0 gives the Mooncake connector lookahead hashes
+    (num_hash_lookahead_tokens 1, EAGLE): a 64-token prompt carries 3
+    hashes, yet the worker aligns the lookup to 64 tokens and its sliding-
+    window finder reads a fourth hash: IndexError (in the connector's
+    lookup server thread, which has no handler). The mirror at max_length
+    63 answers 48. Fails, and says so, when a vLLM fixes it."""
+    config = TraceConfig(
+        groups=(
+            GroupSpec(
+                kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=20, is_eagle_group=True
+            ),
+        ),
+        hash_block_size=16,
+        scheduler_block_size=16,
+        use_eagle=True,
+        enable_partial_hash_hits=False,
+        num_hash_lookahead_tokens=1,
+    )
+    hashes = prompt_hashes(UNITS, 63, config)
+    contains = [set(UNITS).__contains__]
+    assert len(hashes) == 3
+    assert VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains).hit_tokens == 48
+    with pytest.raises(IndexError, match="list index out of range"):
+        VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 63, contains)

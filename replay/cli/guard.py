@@ -261,3 +261,10 @@ def _drift(
             click.echo(line)
     if report.first is not None:
         sys.exit(1)
+    if not report.lookups:
+        # Nothing checked is never a pass (every configuration refused by
+        # the policy or beyond what this vLLM's API can state).
+        raise fail(
+            f"no lookup was compared: of {report.scenarios:,} random configurations, the policy "
+            f"refused or vLLM {version} cannot state every one; give a larger --random"
+        )

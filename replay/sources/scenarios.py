@@ -14,6 +14,7 @@ so scenario ``k`` of a seed is always the same.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -169,6 +170,23 @@ def random_max_length(rng: random.Random, config: TraceConfig, units: int) -> in
     return rng.randrange(limit)
 
 
+def prompt_hashes(chain: Sequence[bytes], max_length: int, config: TraceConfig) -> list[bytes]:
+    """The block hashes a vLLM request of ``max_length + 1`` tokens carries:
+    one per whole hash unit of the prompt less its lookahead tokens
+    (``Request`` hashes ``(num_tokens - num_hash_lookahead_tokens) //
+    hash_block_size`` units), taken from ``chain``, the request's content.
+    A prompt one unit longer than the chain ends in a unit of fresh content
+    (a hash no store holds, derived from the chain, so the stream of random
+    draws is the same). vLLM's Mooncake store worker asks the store only
+    within the aligned prompt, so a lookup with more hashes than this is one
+    no request makes."""
+    units = max(max_length + 1 - config.num_hash_lookahead_tokens, 0) // config.hash_block_size
+    out = list(chain[:units])
+    while len(out) < units:
+        out.append(hashlib.blake2b(b"".join(out[-1:]), digest_size=32, person=b"fresh").digest())
+    return out
+
+
 def _flagged_twins(rng: random.Random, bs: int) -> list[GroupSpec]:
     """Two groups of one spec, one flagged EAGLE: sliding window over half
     the time (the case issue 14 names), else any kind."""
@@ -242,12 +260,17 @@ class Scenario:
     steps: tuple[tuple[tuple[frozenset[bytes], ...], tuple[bytes, ...], int], ...]
 
 
-def random_scenarios(seed: int, count: int, lookups: int = 8) -> Iterator[Scenario]:
+def random_scenarios(
+    seed: int, count: int, lookups: int = 8, *, request_hashes: bool = True
+) -> Iterator[Scenario]:
     """``count`` seeded scenarios, the differential tests' generator: random
     hybrid configurations and, every other one, configurations with equal
     specs flagged differently for EAGLE; stores, removes and clears between
     lookups. The stream never depends on an answer, so scenario ``k`` of a
-    seed is always the same."""
+    seed is always the same. Each lookup carries its request's own hashes
+    (``prompt_hashes``); with ``request_hashes`` off, the drawn prefix of the
+    chain as it is (more hashes than the prompt, or fewer: the first
+    generator's lookups, kept for a corpus trace that needs them)."""
     rng = random.Random(seed)
     index = 0
     while index < count:
@@ -272,6 +295,9 @@ def random_scenarios(seed: int, count: int, lookups: int = 8) -> Iterator[Scenar
                 mutate_store(rng, store, chain)
             hashes = chain if rng.random() < 0.7 else chain[: rng.randint(0, len(chain))]
             max_length = random_max_length(rng, config, len(hashes))
+            if request_hashes:
+                # The request's own hashes (the bound was drawn for the prefix).
+                hashes = prompt_hashes(chain, max_length, config)
             steps.append((tuple(frozenset(s) for s in store), tuple(hashes), max_length))
         yield Scenario(index, config, tuple(caches), tuple(steps))
         index += 1

@@ -344,6 +344,12 @@ def drift_lines(report: Any, version: str) -> list[str]:
         f"drift check: {report.scenarios:,} random configurations (seed {report.seed}), "
         f"{report.lookups:,} lookups through vLLM {version} and policy {report.policy}: "
         f"{report.agreed:,} agreed ({percent(share)}; {caches}) in {report.seconds:.1f} s"
+        + (
+            f"; {report.inexpressible:,} configuration x cache pairs skipped: this vLLM's API "
+            "cannot express them"
+            if report.inexpressible
+            else ""
+        )
     ]
     d = report.first
     if d is None:

@@ -68,13 +68,13 @@ PRIVATE_NAMES: dict[str, tuple[str, str]] = {
     "_replace": ("namedtuple copy of a SpecGroup with manager_cls replaced", "0.32.0-0.34.0"),
     "_fields": ("namedtuple test: a SpecGroup (0.29+) or a plain tuple", "0.32.0-0.34.0"),
     # ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins the
-    # distributed groups: ``VllmStoreWorker`` makes the worker with
+    # distributed groups: ``VllmCoordinator._store_worker`` makes the worker with
     # ``__new__`` and sets the state its ``lookup`` reads.
-    "_capacity_only": ("worker state read first by lookup (False)", "0.32.0-0.34.0"),
-    "_kv_cache_groups": ("worker state: the coordinator's kv_cache_groups", "0.32.0-0.34.0"),
-    "_lookup_key_prefixes": ("worker state: one key prefix per group", "0.32.0-0.34.0"),
+    "_capacity_only": ("worker state read first by lookup (False)", "0.29.0-0.34.0"),
+    "_kv_cache_groups": ("worker state: the coordinator's kv_cache_groups", "0.29.0-0.34.0"),
+    "_lookup_key_prefixes": ("worker state: one key prefix per group", "0.29.0-0.34.0"),
     "_selective_lease": ("worker state read by 0.34's lookup (None: no lease)", "0.34.0"),
-    "_record_kv_connector_operation": ("worker's statistics hook (ignored)", "0.32.0-0.34.0"),
+    "_record_kv_connector_operation": ("worker's statistics hook (ignored)", "0.29.0-0.34.0"),
 }
 
 
@@ -82,6 +82,12 @@ class VllmUnavailable(ReplayError):
     """The installed vLLM cannot answer: it does not import, or its internal
     API moved (a module, class, function or parameter this backend needs is
     gone). One line naming what is missing; exit status 2."""
+
+
+class VllmCannotExpress(ReplayError):
+    """The installed vLLM's API has no way to say a trace's configuration
+    (a spec field or builder argument that came in a later release): not an
+    answer of its lookup path. Exit status 2."""
 
 
 def _missing_vllm(exc: ImportError) -> str:
@@ -338,6 +344,36 @@ class FinderCall:
 _WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
 
 
+def worker_entry_missing() -> str | None:
+    """Why a Mooncake lookup cannot enter the installed vLLM where its
+    connector's does (``MooncakeStoreWorker.lookup(num_tokens,
+    block_hashes)``, from 0.27.0; before, the worker took an already aligned
+    ``token_len``), so the mirror's ``find_longest_cache_hit`` answers at the
+    trace's ``max_length`` instead; ``None`` when it can. One line."""
+    where = f"{_WORKER_MODULE}.MooncakeStoreWorker.lookup"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = importlib.import_module(_WORKER_MODULE)
+        params = list(inspect.signature(module.MooncakeStoreWorker.lookup).parameters)
+    except ImportError as exc:
+        # 0.27 and 0.28's worker module imports the serving stack (uvicorn):
+        # a CPU install without it cannot load the worker.
+        missing = f"cannot import `{_WORKER_MODULE}` ({exc})"
+    except (AttributeError, TypeError, ValueError) as exc:
+        missing = f"has no `{where}` ({type(exc).__name__}: {exc})"
+    else:
+        if params[1:3] == ["num_tokens", "block_hashes"]:
+            return None
+        missing = f"has no `{where}(num_tokens, block_hashes)` (it takes {', '.join(params[1:])})"
+    return (
+        f"--coordinator vllm: the installed vLLM {installed_vllm_version()} {missing}: "
+        "its Mooncake lookups are answered by the store's mirror "
+        "(MooncakeStoreCoordinator.find_longest_cache_hit) at each lookup's max_length, "
+        "not through the worker's length alignment, lookup masks and retry"
+    )
+
+
 def _ignore(*_args: Any, **_kwargs: Any) -> None:
     """The worker's operation statistics: nobody reads them here."""
 
@@ -377,18 +413,20 @@ class _TraceStore:
 
 class _RecordingMirror:
     """Pass-through to the ``MooncakeStoreCoordinator`` that keeps the load
-    masks of its last ``find_longest_cache_hit`` (the worker drops them)."""
+    masks and hit of its last ``find_longest_cache_hit`` (the worker drops
+    the masks)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.masks: Any = None
+        self.hit: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def find_longest_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
         masks, hit = self.inner.find_longest_cache_hit(*args, **kwargs)
-        self.masks = masks
+        self.masks, self.hit = masks, int(hit)
         return masks, hit
 
 
@@ -438,7 +476,7 @@ def _vllm_spec(group: GroupSpec, iface: Any, dtype: Any) -> Any:
         if "extra_retained_tokens" in _dataclass_fields(iface.SlidingWindowSpec):
             window["extra_retained_tokens"] = group.extra_retained_tokens
         elif group.extra_retained_tokens:
-            raise ReplayError(
+            raise VllmCannotExpress(
                 "this vLLM's SlidingWindowSpec has no extra_retained_tokens (from 0.28.0): "
                 "it cannot express this trace's sliding window"
             )
@@ -511,8 +549,10 @@ class VllmCoordinator(LookupCoordinator):
 
     name = VLLM.name
     #: Where a Mooncake lookup enters vLLM: the mirror's
-    #: ``find_longest_cache_hit`` at the trace's ``max_length`` (the policies
-    #: model this), or the store worker's own ``lookup`` (``VllmStoreWorker``).
+    #: ``find_longest_cache_hit`` at the trace's ``max_length`` (what the
+    #: policies model), or the store worker's own ``lookup`` for a prompt of
+    #: ``max_length + 1`` tokens (``VllmStoreWorker``, where the release has
+    #: it: ``worker_entry_missing``).
     mooncake_entry = "coordinator"
 
     def _prepare(self) -> None:
@@ -569,7 +609,7 @@ class VllmCoordinator(LookupCoordinator):
             and config.num_groups > 1
             and config.scheduler_block_size != math.lcm(*(g.block_size for g in config.groups))
         ):
-            raise ReplayError(
+            raise VllmCannotExpress(
                 f"vLLM {version} aligns hybrid hits to the lcm of the block sizes: it cannot "
                 f"express the trace's scheduler_block_size {config.scheduler_block_size}"
             )
@@ -632,14 +672,17 @@ class VllmCoordinator(LookupCoordinator):
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         self._install(coordinator)
         self._worker: Any = None
+        #: Why the mirror answers where the worker was asked for (a release
+        #: without the worker's lookup), else None.
+        self.entry_note: str | None = None
         if self.mooncake_entry == "worker":
             self._worker = self._store_worker()
 
     def _store_worker(self) -> Any:
         """The Mooncake store worker's own ``lookup`` over this coordinator, or
-        ``None`` where the release's worker cannot be driven (then the
-        coordinator's ``find_longest_cache_hit`` answers, as the worker's
-        lookup would call it).
+        ``None`` where the release has no worker this backend can drive (then
+        the mirror's ``find_longest_cache_hit`` answers at the trace's
+        ``max_length``, and ``self.entry_note`` says so).
 
         ``MooncakeStoreWorker.__init__`` mounts a Mooncake store and joins
         vLLM's distributed groups, so the worker is made without it
@@ -647,14 +690,11 @@ class VllmCoordinator(LookupCoordinator):
         ``coord``, ``hash_block_size``, ``token_dbs`` (each group's block
         size) and ``store`` (``_TraceStore``, answering ``batch_is_exist``
         from the trace's keys), and the private names of ``PRIVATE_NAMES``."""
-        try:
-            module = importlib.import_module(_WORKER_MODULE)
-            worker_cls = module.MooncakeStoreWorker
-            params = list(inspect.signature(worker_cls.lookup).parameters)
-        except (ImportError, AttributeError, TypeError, ValueError):
+        reason = worker_entry_missing()
+        if reason is not None:
+            self.entry_note = reason
             return None
-        if params[1:3] != ["num_tokens", "block_hashes"]:
-            return None
+        worker_cls = importlib.import_module(_WORKER_MODULE).MooncakeStoreWorker
         groups = self._coordinator.kv_cache_groups
         prefixes = {f"replay-group-{gid}": gid for gid in range(len(groups))}
         self._store = _TraceStore(prefixes)
@@ -676,13 +716,27 @@ class VllmCoordinator(LookupCoordinator):
         for name, value in state.items():
             setattr(worker, name, value)
         try:
-            # One lookup of a block no group holds: a release whose lookup
-            # reads state this backend does not give falls back.
+            # One lookup of a scheduler block no group holds (a request's
+            # own hashes: fewer would index past them): a release whose
+            # lookup reads state this backend does not give is an API that moved.
             self._store.contains = [_absent] * len(groups)
             self._store.by_hex = {}
-            worker.lookup(2 * self.config.hash_block_size, [b"replay-probe"])
-        except (AttributeError, TypeError):
-            return None
+            units = self.config.scheduler_block_size // self.config.hash_block_size
+            worker.lookup(
+                self.config.scheduler_block_size + 1,
+                [b"replay-probe-%d" % i for i in range(units)],
+            )
+        except (AttributeError, TypeError) as exc:
+            raise VllmUnavailable(
+                f"--coordinator vllm: the installed vLLM {self.version}'s "
+                f"MooncakeStoreWorker.lookup reads state this backend does not give "
+                f"({type(exc).__name__}: {exc}; its internal API moved)"
+            ) from None
+        except Exception:
+            # vLLM's own logic refused the probe (0.33.0 asserts a tail key
+            # for a hit no key backs, e.g. a chunked local group's skipped
+            # blocks): the state was enough; a lookup answers as vLLM does.
+            pass
         return worker
 
     def _worker_lookup(
@@ -700,12 +754,19 @@ class VllmCoordinator(LookupCoordinator):
             by_hex[cast(bytes, key).hex()] = unit
         self._store.contains = contains
         self._store.by_hex = by_hex
-        self._mirror.masks = None
+        self._mirror.masks, self._mirror.hit = None, None
         result = self._worker.lookup(max_length + 1, block_hashes)
-        hit = int(result.hit_length)
+        # A MooncakeLookupResult from 0.29; the hit alone before.
+        hit = int(getattr(result, "hit_length", result))
         masks = self._mirror.masks
-        if masks is None:  # the worker answered before asking the coordinator
+        if masks is None or hit != self._mirror.hit:
+            # The worker answered without its coordinator's last answer:
+            # before asking it, or giving up after a whole-prompt hit with
+            # nothing usable below the prompt's end (the retry's aligned
+            # length is 0): nothing loaded, no group hit.
             masks = [[] for _ in self.config.groups]
+            for i in range(len(self._hits)):
+                self._hits[i] = 0
         return [list(m) for m in masks], hit
 
     def _build_engine(self, num_blocks: int) -> None:
@@ -1038,13 +1099,14 @@ class VllmStoreWorker(VllmCoordinator):
     """``VllmCoordinator`` whose Mooncake lookups enter vLLM where the
     connector's do: ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``
     for a prompt of ``max_length + 1`` tokens, with its own length alignment,
-    lookup masks, store queries and retry below the prompt's end.
+    lookup masks, store queries and retry below the prompt's end (the
+    mirror's ``find_longest_cache_hit`` where the release has no such
+    worker: ``entry_note`` says why).
 
-    Not the default: the policies model the mirror's coordinator at the
-    trace's ``max_length``, and the corpus has lookups carrying more hashes
-    than their prompt has full blocks (a vLLM request never does): there the
-    worker, asking the store only up to the aligned prompt length, answers
-    shorter hits (docs/releases.md)."""
+    Not the default: the worker asks the store only within the aligned
+    prompt (``align_lookup_length(num_tokens)``), so an EAGLE group's peek
+    past it finds nothing where the mirror at ``max_length`` finds the key
+    (docs/releases.md); the policies model the mirror."""
 
     name = "vllm-worker"
     mooncake_entry = "worker"
