@@ -50,7 +50,7 @@ def private_uses(path: Path, root: Path = ROOT) -> list[str]:
     """Where ``path`` uses a private name of another project module: its
     ``from`` imports and its attribute accesses on names bound to a project
     module (``import replay.x as m``, ``from replay import x``, ``import
-    replay.x`` then ``replay.x._y``)."""
+    replay.x`` then a private attribute down the chain from ``replay``)."""
     tree = ast.parse(path.read_text(), str(path))
     found = []
     bound: dict[str, str] = {}  # local name -> the project module it is
