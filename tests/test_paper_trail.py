@@ -35,11 +35,6 @@ NOT_MODULES = {
     # test_private_names's examples of what its check finds
     "replay.x",
     "replay.engine.kernels._mix",
-    "replay.engine.kernels._key_meta",
-    "replay.whatif.kernel._cdiv",
-    "replay.whatif.kernel._lookup",
-    "replay.whatif.kernel._facts",
-    "replay.whatif.stack._chunk_ends",
 }
 
 

@@ -46,7 +46,7 @@ def _package(path: Path, root: Path) -> str:
     return ".".join(parts[:-1])
 
 
-def private_uses(path: Path, root: Path = ROOT) -> list[str]:
+def private_uses(path: Path, root: Path = ROOT, package: str = "replay") -> list[str]:
     """Where ``path`` uses a private name of another project module: its
     ``from`` imports and its attribute accesses on names bound to a project
     module (``import replay.x as m``, ``from replay import x``, ``import
@@ -61,7 +61,7 @@ def private_uses(path: Path, root: Path = ROOT) -> list[str]:
                 pkg = _package(path, root).split(".")
                 pkg = pkg[: len(pkg) - node.level + 1]
                 base = ".".join([*pkg, base] if base else pkg)
-            if base.split(".")[0] != "replay":
+            if base.split(".")[0] != package:
                 continue
             for alias in node.names:
                 if _private(alias.name):
@@ -70,12 +70,12 @@ def private_uses(path: Path, root: Path = ROOT) -> list[str]:
                     bound[alias.asname or alias.name] = f"{base}.{alias.name}"
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] != "replay":
+                if alias.name.split(".")[0] != package:
                     continue
                 if alias.asname:
                     bound[alias.asname] = alias.name
                 else:
-                    bound["replay"] = "replay"
+                    bound[package] = package
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and _private(node.attr)):
             continue
@@ -102,33 +102,33 @@ def test_no_private_name_of_another_module(path: Path) -> None:
 
 
 def test_the_check_finds_each_kind(tmp_path: Path) -> None:
-    pkg = tmp_path / "replay" / "whatif"
+    pkg = tmp_path / "pkg" / "whatif"
     pkg.mkdir(parents=True)
     for name in ("__init__.py", "kernel.py", "stack.py"):
         (pkg / name).write_text("")
-    (tmp_path / "replay" / "__init__.py").write_text("")
-    (tmp_path / "replay" / "engine").mkdir()
-    (tmp_path / "replay" / "engine" / "kernels.py").write_text("")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "engine").mkdir()
+    (tmp_path / "pkg" / "engine" / "kernels.py").write_text("")
     bad = pkg / "bad.py"
     bad.write_text(
-        "import replay.whatif.kernel\n"
-        "import replay.engine.kernels as ek\n"
-        "from replay.whatif import kernel as gk, stack\n"
-        "from replay.engine.kernels import _mix\n"
+        "import pkg.whatif.kernel\n"
+        "import pkg.engine.kernels as ek\n"
+        "from pkg.whatif import kernel as gk, stack\n"
+        "from pkg.engine.kernels import _mix\n"
         "from .kernel import _cdiv, run_gpu\n"
         "from . import stack as st\n"
         "gk._lookup()\n"
         "ek._key_meta\n"
-        "replay.whatif.kernel._facts\n"
+        "pkg.whatif.kernel._facts\n"
         "st._chunk_ends\n"
         "run_gpu._private_attribute_of_a_function\n"
         "stack.__doc__\n"
     )
-    assert private_uses(bad, tmp_path) == [
-        "4: imports replay.engine.kernels._mix",
-        "5: imports replay.whatif.kernel._cdiv",
-        "7: uses replay.whatif.kernel._lookup",
-        "8: uses replay.engine.kernels._key_meta",
-        "9: uses replay.whatif.kernel._facts",
-        "10: uses replay.whatif.stack._chunk_ends",
+    assert private_uses(bad, tmp_path, "pkg") == [
+        "4: imports pkg.engine.kernels._mix",
+        "5: imports pkg.whatif.kernel._cdiv",
+        "7: uses pkg.whatif.kernel._lookup",
+        "8: uses pkg.engine.kernels._key_meta",
+        "9: uses pkg.whatif.kernel._facts",
+        "10: uses pkg.whatif.stack._chunk_ends",
     ]
