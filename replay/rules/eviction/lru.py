@@ -5,9 +5,9 @@ freed cached block goes to the tail, allocation pops the head, a hit takes
 its block out (``touch``). For the Mooncake store, a touched key goes to the
 tail again. Compiled: one doubly linked list over ``replay.rules.eviction.queue``'s
 ``nodes`` and ``st`` (``N_IN`` 1 while queued, -1 ends the list), run by the
-Mooncake kernel; the GPU pool's kernel writes these three steps out where
-it runs them per block (``replay.whatif.pool_kernel`` says why). The
-Python model is ``replay.rules.eviction.order.EvictionOrder``; both meet
+Mooncake kernel; the GPU pool's kernel (``replay.whatif.kernel``) writes
+these three steps out where it runs them per block (as calls they made an
+LRU run over twice as slow). The Python model is ``replay.rules.eviction.order.EvictionOrder``; both meet
 one contract (``tests/test_eviction_orders.py``).
 """
 
