@@ -8,7 +8,8 @@ import hashlib
 import pytest
 
 from replay.base.errors import ConfigError, ReplayError
-from replay.rules.blockpool import BlockPool, EvictionOrder, GpuCache
+from replay.rules.blockpool import BlockPool, GpuCache
+from replay.rules.eviction import EvictionOrder
 from replay.rules.store_rules import StoreSettings
 from replay.sources.archetypes import archetype_config
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay.rules.blockpool import EvictionOrder
+from replay.rules.eviction import EvictionOrder
 from replay.rules.mooncake_store import MooncakeCache
 
 

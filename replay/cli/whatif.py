@@ -71,7 +71,7 @@ def _capacities(
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
-    from replay.rules.blockpool import EVICTIONS
+    from replay.rules.eviction import EVICTIONS
 
     out: list[str] = []
     for value in values:

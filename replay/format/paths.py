@@ -351,7 +351,7 @@ def _output_stat(p: Path) -> os.stat_result | None:
         raise ReplayError(f"{p}: cannot write here ({exc.strerror or exc})") from None
 
 
-def _check_new_directory(option: str, path: PathLike) -> None:
+def check_new_directory(option: str, path: PathLike) -> None:
     """An output directory is new or empty, and its parent exists (it is
     never created)."""
     p = Path(path)
@@ -440,7 +440,7 @@ def atomic_output(
     try:
         mode = os.stat(real).st_mode & 0o7777
     except FileNotFoundError:
-        mode = _new_file_mode()  # mkstemp makes the file private
+        mode = new_file_mode()  # mkstemp makes the file private
     with signals_held():
         try:
             fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
@@ -506,7 +506,7 @@ def remove_leftovers() -> None:
             _LIVE.pop(tmp, None)
 
 
-def _new_file_mode(directory: bool = False) -> int:
+def new_file_mode(directory: bool = False) -> int:
     """The mode ``open`` or ``mkdir`` gives a new file or directory."""
     umask = os.umask(0)
     os.umask(umask)
@@ -536,7 +536,7 @@ class Staging:
         try:
             mode = os.stat(real).st_mode & 0o7777
         except FileNotFoundError:
-            mode = _new_file_mode()
+            mode = new_file_mode()
         with signals_held():
             try:
                 fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
@@ -550,7 +550,7 @@ class Staging:
     def directory(self, path: PathLike, option: str = "-o") -> Path:
         """The temporary directory to build the new (or empty) directory
         ``path`` in; its parent must exist."""
-        _check_new_directory(option, path)
+        check_new_directory(option, path)
         real = _real(path)
         with signals_held():
             try:
@@ -559,7 +559,7 @@ class Staging:
                 raise ReplayError(f"{path}: cannot write here ({os_reason(exc)})") from None
             # A directory's mode has its x bits (a 0644 directory cannot be
             # entered: its parts were unreadable to anyone but root).
-            self._items.append((Path(name), real, os.fspath(path), True, _new_file_mode(True)))
+            self._items.append((Path(name), real, os.fspath(path), True, new_file_mode(True)))
             _LIVE[Path(name)] = True
         return Path(name)
 
@@ -668,7 +668,7 @@ def check_outputs(
     refuse_overwriting_inputs(outputs, inputs, directories)
     for option, path in (directories or {}).items():
         if path is not None:
-            _check_new_directory(option, path)
+            check_new_directory(option, path)
             _check_directory_name(option, path)
     for option, path in outputs.items():
         if path is not None:

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from replay.base.errors import ReplayError, TraceError
 from replay.base.spec import TraceConfig
 from replay.format.paths import PARQUET, check_input, check_outputs
-from replay.format.schema import TRACE_COLUMNS, TRACE_META_KEY, TRACE_SCHEMA, _one_line
+from replay.format.schema import TRACE_COLUMNS, TRACE_META_KEY, TRACE_SCHEMA, one_line
 from replay.format.writer import TraceWriter
 
 # ------------------------------------------------------------ thrift compact
@@ -563,12 +563,12 @@ def _readable(
     try:
         pf = pq.ParquetFile(_Patched(fh, groups[-1][-1].end, footer))
     except (pa.ArrowException, OSError, ValueError) as exc:
-        return 0, _one_line(exc)
+        return 0, one_line(exc)
     last: int | None = None
     for i in range(len(groups)):
         try:
             table = pf.read_row_group(i, columns=list(TRACE_COLUMNS))
             _, last = validate_rows(str(src), config, table, last)
         except (pa.ArrowException, OSError, ValueError, ReplayError) as exc:
-            return i, _one_line(exc)
+            return i, one_line(exc)
     return len(groups), ""

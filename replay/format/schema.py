@@ -130,7 +130,7 @@ ANSWER_SCHEMA = pa.schema([f for f in RESULTS_SCHEMA if f.name not in FLAG_COLUM
 UNIT_PRESENT_FIELD = pa.field("unit_present", pa.list_(pa.list_(pa.bool_())))
 
 
-def _one_line(text: object) -> str:
+def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -139,10 +139,15 @@ def _int_ok(typ: pa.DataType) -> bool:
     return bool(pa.types.is_integer(typ)) and not pa.types.is_uint64(typ)
 
 
-def _string_ok(typ: pa.DataType) -> bool:
+def string_ok(typ: pa.DataType) -> bool:
     if pa.types.is_dictionary(typ):
         typ = typ.value_type
     return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ))
+
+
+# The old private names, still imported by replay/format/results.py (another
+# helper's room this round: tests/test_private_names.py allowlists it).
+_one_line, _string_ok = one_line, string_ok
 
 
 def _hashes_ok(typ: pa.DataType) -> bool:
@@ -160,7 +165,7 @@ def _type_ok(name: str, typ: pa.DataType) -> bool:
     if name == "ts":
         return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
     if name in ("kind", "request_id", "medium"):
-        return _string_ok(typ)
+        return string_ok(typ)
     if name == "block_hashes":
         return _hashes_ok(typ)
     return True
@@ -216,7 +221,7 @@ def check_schema(path: str | os.PathLike[str], schema: pa.Schema) -> list[str]:
     every one has a type of format v1 (the reader calls it on the footer)."""
     for name in REQUIRED_COLUMNS:
         if name not in schema.names:
-            raise TraceError(f"{path}: missing column {name!r} (expected {_EXPECTED_TYPE[name]})")
+            raise TraceError(f"{path}: missing column {name!r} (expected {EXPECTED_TYPE[name]})")
     for name in TRACE_COLUMNS:
         if name in schema.names:
             if schema.get_field_index(name) < 0:
@@ -224,14 +229,14 @@ def check_schema(path: str | os.PathLike[str], schema: pa.Schema) -> list[str]:
             if not _type_ok(name, schema.field(name).type):
                 raise TraceError(
                     f"{path}: column {name!r} has type {schema.field(name).type}, "
-                    f"expected {_EXPECTED_TYPE[name]}"
+                    f"expected {EXPECTED_TYPE[name]}"
                 )
     if "ts" in schema.names:
         check_ts_zone(path, schema.field("ts").type)
     return [n for n in TRACE_COLUMNS if n in schema.names]
 
 
-_EXPECTED_TYPE = {
+EXPECTED_TYPE = {
     "seq": "int64",
     "ts": "timestamp[us, UTC]",
     "kind": "string",
@@ -254,7 +259,7 @@ def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes,
         obj = json.loads(meta[key])
     except ValueError as exc:  # bad JSON, bad UTF-8, an integer of > 4300 digits
         raise TraceError(
-            f"{path}: {label!r} metadata is not valid JSON ({_one_line(exc)})"
+            f"{path}: {label!r} metadata is not valid JSON ({one_line(exc)})"
         ) from None
     except RecursionError:
         raise TraceError(f"{path}: {label!r} metadata is nested too deeply") from None
@@ -315,7 +320,7 @@ class TraceBatch:
     hashes: pa.Array
 
 
-_EMPTY_POLARS: dict[str, Any] = {
+EMPTY_POLARS: dict[str, Any] = {
     "seq": pl.Int64,
     "ts": pl.Datetime("us", "UTC"),
     "kind": pl.String,

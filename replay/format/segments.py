@@ -67,8 +67,8 @@ import pyarrow.compute as pc
 from replay.base.errors import ReplayError, TraceError
 from replay.base.spec import TraceConfig
 from replay.format.paths import (
-    _check_new_directory,
-    _new_file_mode,
+    check_new_directory,
+    new_file_mode,
     os_reason,
     signals_held,
 )
@@ -172,12 +172,12 @@ class SegmentedTraceWriter:
         self.segment_events = segment_events
         self.keep_on_interrupt = keep_on_interrupt
         self._clock = clock
-        _check_new_directory("-o", self.path)
+        check_new_directory("-o", self.path)
         self._created = not self.path.exists()
         if self._created:
             with signals_held():
                 try:
-                    os.mkdir(self.path, _new_file_mode(True))
+                    os.mkdir(self.path, new_file_mode(True))
                 except OSError as exc:
                     raise TraceError(f"{self.name}: cannot write here ({os_reason(exc)})") from None
         self.rows_written = 0

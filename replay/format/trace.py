@@ -22,17 +22,17 @@ from replay.base.spec import TraceConfig
 from replay.base.text import utf8_path
 from replay.format.paths import check_input
 from replay.format.schema import (
-    _EMPTY_POLARS,
+    EMPTY_POLARS,
     TRACE_COLUMNS,
     TraceBatch,
     TraceFile,
-    _one_line,
     check_config_limits,
     check_schema,
+    one_line,
     read_config,
 )
 from replay.format.validate import validate_rows
-from replay.format.writer import _conform, stream_name, trace_schema
+from replay.format.writer import conform, stream_name, trace_schema
 from replay.rules.coordinator import check_config, trace_cache
 
 
@@ -68,7 +68,7 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
             size, head, tail = _ends(path)
         except (OSError, ValueError, AttributeError, TypeError) as exc:
             raise TraceError(
-                f"{p}: cannot read it as a seekable binary file ({_one_line(exc)})"
+                f"{p}: cannot read it as a seekable binary file ({one_line(exc)})"
             ) from None
     if size == 0:
         raise TraceError(f"{p}: empty file, expected a Parquet file")
@@ -94,7 +94,7 @@ def _open_parquet(path: TraceFile) -> pq.ParquetFile:
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         if owned is not None:
             owned.close()
-        raise TraceError(f"{p}: unreadable Parquet file ({_one_line(exc)})") from None
+        raise TraceError(f"{p}: unreadable Parquet file ({one_line(exc)})") from None
     return pf
 
 
@@ -261,7 +261,7 @@ class TraceReader:
     def _unreadable(self, exc: Exception) -> TraceError:
         return TraceError(
             f"{self.name}: {_unreadable_column(self._pf, self.columns)}"
-            f"unreadable Parquet data ({_one_line(exc)})"
+            f"unreadable Parquet data ({one_line(exc)})"
         )
 
     def iter_frames(
@@ -319,7 +319,7 @@ class TraceReader:
         frames = list(self.iter_frames(columns))
         if not frames:
             cols = list(columns) if columns is not None else list(TRACE_COLUMNS)
-            return pl.DataFrame(schema={c: _EMPTY_POLARS[c] for c in cols})
+            return pl.DataFrame(schema={c: EMPTY_POLARS[c] for c in cols})
         return pl.concat(frames, rechunk=False)
 
 
@@ -337,7 +337,7 @@ class TableReader(TraceReader):
         except ConfigError as exc:
             raise TraceError(f"{name}: replay.trace metadata: {exc}") from None
         self.config = check_config_limits(config, f"{name}: replay.trace metadata")
-        self._table = _conform(name, table, trace_schema(config))
+        self._table = conform(name, table, trace_schema(config))
         self.columns = list(TRACE_COLUMNS)
 
     @property
@@ -348,7 +348,7 @@ class TableReader(TraceReader):
         yield from self._table.to_batches(max_chunksize=batch_size)
 
     def _unreadable(self, exc: Exception) -> TraceError:
-        return TraceError(f"{self.name}: invalid rows ({_one_line(exc)})")
+        return TraceError(f"{self.name}: invalid rows ({one_line(exc)})")
 
 
 def _unreadable_column(pf: pq.ParquetFile, columns: Sequence[str]) -> str:

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from replay.base.errors import TraceError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
-from replay.format.schema import _EMPTY_POLARS, EVENT_KINDS, TraceBatch, _one_line, _string_ok
+from replay.format.schema import EMPTY_POLARS, EVENT_KINDS, TraceBatch, one_line, string_ok
 
 #: Token counts above this are refused: sums over millions of lookups
 #: (hit ratios, report totals) must stay inside int64.
@@ -67,9 +67,9 @@ def _check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
     try:
         col.validate(full=True)
     except pa.ArrowInvalid as exc:
-        i = _bad_utf8(col) if _string_ok(col.type) else None
+        i = _bad_utf8(col) if string_ok(col.type) else None
         if "utf8" not in str(exc).lower():
-            raise TraceError(f"{path}: column {name!r}: invalid data ({_one_line(exc)})") from None
+            raise TraceError(f"{path}: column {name!r}: invalid data ({one_line(exc)})") from None
         where = "" if i is None else f"{_where(raw, i)}: "
         raise TraceError(f"{path}: {where}column {name!r} is not valid UTF-8 text") from None
 
@@ -205,7 +205,7 @@ def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
 def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
     frame = _to_polars(batch)
     exprs = []
-    for name, dtype in _EMPTY_POLARS.items():
+    for name, dtype in EMPTY_POLARS.items():
         if name in frame.columns:
             exprs.append(pl.col(name).cast(dtype))
         else:

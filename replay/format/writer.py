@@ -19,13 +19,13 @@ from replay.base.errors import TraceError
 from replay.base.spec import TraceConfig
 from replay.format.paths import arrow_file, atomic_output, os_reason, pause_point
 from replay.format.schema import (
-    _EXPECTED_TYPE,
     EXPECT_META_KEY,
+    EXPECTED_TYPE,
     TRACE_COLUMNS,
     TRACE_META_KEY,
     TRACE_SCHEMA,
     TraceFile,
-    _one_line,
+    one_line,
 )
 from replay.format.validate import validate_rows
 
@@ -93,13 +93,12 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
             arrays.append(pa.array(columns[f.name], type=f.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
             raise TraceError(
-                f"column {f.name!r}: a value does not fit {_EXPECTED_TYPE[f.name]} "
-                f"({_one_line(exc)})"
+                f"column {f.name!r}: a value does not fit {EXPECTED_TYPE[f.name]} ({one_line(exc)})"
             ) from None
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -> pa.Table:
+def conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -> pa.Table:
     """``table`` with the trace columns in the contract's types, or a one-line error."""
     names = set(table.column_names)
     missing = [n for n in TRACE_COLUMNS if n not in names]
@@ -108,7 +107,7 @@ def _conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -
     try:
         return table.select(list(TRACE_COLUMNS)).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise TraceError(f"{path}: rows do not fit the trace format ({_one_line(exc)})") from None
+        raise TraceError(f"{path}: rows do not fit the trace format ({one_line(exc)})") from None
 
 
 def stream_name(stream: BinaryIO) -> str:
@@ -181,7 +180,7 @@ class TraceWriter:
     def write_table(self, table: pa.Table) -> None:
         if self._writer is None:
             raise TraceError(f"{self.name}: writer already closed")
-        table = _conform(self.name, table, self._schema)
+        table = conform(self.name, table, self._schema)
         if table.num_rows == 0:
             return
         # A writer never makes a trace the readers would refuse.
@@ -258,7 +257,7 @@ def write_trace(
     if expect is not None:
         meta = {**schema.metadata, EXPECT_META_KEY: json.dumps(expect, sort_keys=True).encode()}
         schema = schema.with_metadata(meta)
-    table = _conform(name, table, schema)
+    table = conform(name, table, schema)
     validate_rows(name, config, table, None)
     with (
         _parquet_sink(path) as where,

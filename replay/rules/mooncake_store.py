@@ -5,7 +5,7 @@ does: in this project "store" is the event-sourced key state of a trace
 
 Two modes of the one model:
 - keyed (``MooncakeCache``): any eviction order
-  (replay.rules.blockpool.EvictionOrder), per-group byte costs, key
+  (replay.rules.eviction.EvictionOrder), per-group byte costs, key
   callbacks, evicting as each key comes; the what-if.
 - dense-key LRU (``MooncakeCache.dense_lru`` -> ``DenseLru``): small dense
   integer keys in numpy arrays, each entry costing one, vectorised per
@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from replay.base.deprecation import renamed
 from replay.base.errors import ReplayError
-from replay.rules.blockpool import EvictionOrder
+from replay.rules.eviction import EvictionOrder
 
 #: Unit keys (small dense non-negative integers), as the sources hash them.
 Keys = npt.NDArray[np.int64]

@@ -37,27 +37,22 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from replay.base.jit import jit
 from replay.rules.compiled import answer
 from replay.rules.compiled.finders import cdiv
 from replay.rules.compiled.lookup import R_LEN
 from replay.rules.compiled.tables import O_GROUPS, O_HIT, O_LOADED, O_MASK, O_WIDTH
+from replay.rules.eviction import belady, fifo, lfu, queue
+from replay.rules.eviction.codes import BELADY, FIFO, LFU, LRU, NEVER
 from replay.whatif.intern import intern_hashes
 from replay.whatif.kernel_config import (
-    BELADY,
-    EVICTION_CODES,
     FA,
     FACT_ATTENTION,
     FACT_GROUPS,
     FACT_HIT,
     FACT_WIDTH,
-    FIFO,
-    LFU,
-    LRU,
     MAMBA,
-    NEVER,
     NOT_ADMITTED,
     P_A,
     P_ALIGN,
@@ -79,18 +74,12 @@ from replay.whatif.kernel_config import (
 from replay.whatif.store_kernel import cacheable, chunk_ends, stores
 
 __all__ = [
-    "BELADY",
-    "EVICTION_CODES",
     "FA",
     "FACT_ATTENTION",
     "FACT_GROUPS",
     "FACT_HIT",
     "FACT_WIDTH",
-    "FIFO",
-    "LFU",
-    "LRU",
     "MAMBA",
-    "NEVER",
     "NOT_ADMITTED",
     "PREEMPTED",
     "P_A",
@@ -108,169 +97,52 @@ __all__ = [
     "supported",
 ]
 
-# ---------------------------------------------------------------- eviction order
+# ---------------------------------------------------------------- the pool's arrays
 #
-# ``st`` holds the order's scalars: [0] LRU head, [1] LRU tail, [2] cached
-# free blocks (every order's length), [3] fifo's arrival counter, [4] the
-# requests of the run, [5] the levels of the bucket bitset, [6:14] each
-# level's offset in ``bits``.
-_HEAD, _TAIL, _LEN, _STAMP, _REQUESTS, _LEVELS, _LOFF = 0, 1, 2, 3, 4, 5, 6
-ST_LEN = _LOFF + 8
-
-
-# Columns of ``blk`` (one row per block, its fields side by side).
-B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV, B_LPREV, B_LNEXT, B_INLIST = 0, 1, 2, 3, 4, 5, 6, 7
-B_COLS = 8
-# Columns of ``side`` (fifo and lfu only, int64): the block's arrival
-# (fifo) and its use count (lfu).
-S_BORN, S_USED = 0, 1
-#: numba's count of a word's trailing zero bits (untyped for mypy)
-trailing_zeros: Any = _trailing_zeros
-# The helpers take the few 2-D arrays, not one view per field, and the LRU
-# queue's per-block steps are written out where they run: every array
-# argument of a call costs two atomic reference counts (numba's inlining
-# keeps them), which measured 60% of a run when a call per freed block
-# passed fifteen.
-#
-# fifo, lfu and belady are bucket queues, O(1) per add, discard and pop
-# (bounded by the bitset's few levels): a bucket per priority value, each
-# a doubly linked list of its blocks in the order they were added (through
-# ``B_LPREV`` / ``B_LNEXT``, 0 ends a list: block 0 is never queued;
-# ``B_INLIST`` holds the block's bucket + 1, 0 when not queued), and a
-# bitset of the buckets that hold a block, 64-ary, its levels one word per
-# 64 words below, so the first nonempty bucket is one trailing-zero count
-# per level. The Python model's order is (priority, add stamp): a later add
-# goes after every block already queued at its priority, so a bucket's list
-# is that order exactly. Buckets: fifo the arrival (its counter), lfu the
-# use count, belady ``requests - next use`` (0: never used again), so the
-# furthest next use comes first. Their steps are inlined into the run
-# (``inline="always"``: measured faster than a call per block).
+# Columns of ``blk`` (one row per block, its fields side by side): first the
+# eviction order's (``replay.rules.eviction.queue``'s ``nodes``: the cached
+# free blocks queued in the run's order), then the block's key, group,
+# reference count and its key's other copies.
+B_LPREV, B_LNEXT, B_INLIST = queue.N_PREV, queue.N_NEXT, queue.N_IN
+B_KEY, B_GROUP, B_REF, B_HNEXT, B_HPREV = range(queue.NODE_COLS, queue.NODE_COLS + 5)
+B_COLS = queue.NODE_COLS + 5
+# The helpers take the few 2-D arrays, not one view per field, and the
+# orders' steps are inlined where they run: every array argument of a call
+# costs two atomic reference counts (numba's inlining keeps them), which
+# measured 60% of a run when a call per freed block passed fifteen. So the
+# LRU list's three steps (``replay.rules.eviction.lru``: append, unlink,
+# pop) are written out below where they run per block: as calls they made
+# an LRU run over twice as slow (a 20,000-request full + Mamba trace), and
+# the run's phases stay in this one loop: as per-chunk calls (a split into
+# a pool module) they cost an LRU run 15-20% more CPU.
+# ``test_whatif_kernel`` holds this copy to the Python model,
+# ``test_eviction_orders`` the module's to the orders' definition.
 
 
 @jit(nogil=True)
-def _universe(ev: int, ids: Any, offsets: Any, num_groups: int, num_keys: int) -> int:
-    """The buckets an order needs for a run over these requests: lfu one
-    per use count (a block is used at most once per appearance of its
-    key), fifo one per arrival (at most one per unit and group), belady one
-    per request and never."""
+def universe(ev: int, ids: Any, offsets: Any, num_groups: int, num_keys: int) -> int:
+    """The buckets an order needs for a run of the pool over these requests:
+    lfu one per use count (a block is used at most once per appearance of
+    its key), fifo one per arrival (at most one per unit and group), belady
+    one per request and never."""
     if ev == LFU:
-        counts = np.zeros(num_keys, dtype=np.int32)
-        most = 0
-        for p in range(offsets[-1]):
-            counts[ids[p]] += 1
-            most = max(most, counts[ids[p]])
-        return most + 2
+        return int(lfu.universe(ids, offsets, num_keys, 1))
     if ev == FIFO:
-        return int(offsets[-1]) * num_groups + 2
+        return int(fifo.universe(int(offsets[-1]) * num_groups))
     if ev == BELADY:
-        return int(offsets.shape[0]) + 1
+        return int(belady.universe(int(offsets.shape[0]) - 1))
     return 1
 
 
-@jit(nogil=True)
-def _bits_init(st: Any, universe: int) -> Any:
-    """The bitset's level offsets (into ``st``) and its zeroed words."""
-    levels = 0
-    total = 0
-    n = universe
-    while True:
-        w = cdiv(n, 64)
-        st[_LOFF + levels] = total
-        total += w
-        levels += 1
-        if w == 1:
-            break
-        n = w
-    st[_LEVELS] = levels
-    return np.zeros(total, dtype=np.uint64)
-
-
 @jit(nogil=True, inline="always")
-def _bits_set(st: Any, bits: Any, i: int) -> None:
-    for lv in range(st[_LEVELS]):
-        w = i >> 6
-        at = st[_LOFF + lv] + w
-        word = bits[at]
-        bits[at] = word | (np.uint64(1) << np.uint64(i & 63))
-        if word != 0:
-            return
-        i = w
-
-
-@jit(nogil=True, inline="always")
-def _bits_clear(st: Any, bits: Any, i: int) -> None:
-    for lv in range(st[_LEVELS]):
-        w = i >> 6
-        at = st[_LOFF + lv] + w
-        word = bits[at] & ~(np.uint64(1) << np.uint64(i & 63))
-        bits[at] = word
-        if word != 0:
-            return
-        i = w
-
-
-@jit(nogil=True, inline="always")
-def _bits_first(st: Any, bits: Any) -> int:
-    """The lowest bucket holding a block (the queue is not empty)."""
-    i = 0
-    for lv in range(st[_LEVELS] - 1, -1, -1):
-        word = bits[st[_LOFF + lv] + i]
-        i = (i << 6) + int(trailing_zeros(word))
-    return i
-
-
-@jit(nogil=True, inline="always")
-def _bq_add(st: Any, blk: Any, qh: Any, bits: Any, item: int, bucket: int) -> None:
-    """Queue ``item`` last in ``bucket`` (it is not queued)."""
-    blk[item, B_INLIST] = bucket + 1
-    t = qh[bucket, 1]
-    blk[item, B_LPREV] = t
-    blk[item, B_LNEXT] = 0
-    if t:
-        blk[t, B_LNEXT] = item
-    else:
-        qh[bucket, 0] = item
-        _bits_set(st, bits, bucket)
-    qh[bucket, 1] = item
-    st[_LEN] += 1
-
-
-@jit(nogil=True, inline="always")
-def _bq_unlink(st: Any, blk: Any, qh: Any, bits: Any, item: int) -> None:
-    if not blk[item, B_INLIST]:
-        return
-    bucket = blk[item, B_INLIST] - 1
-    blk[item, B_INLIST] = 0
-    p, n = blk[item, B_LPREV], blk[item, B_LNEXT]
-    if p:
-        blk[p, B_LNEXT] = n
-    else:
-        qh[bucket, 0] = n
-        if not n:
-            _bits_clear(st, bits, bucket)
-    if n:
-        blk[n, B_LPREV] = p
-    else:
-        qh[bucket, 1] = p
-    st[_LEN] -= 1
-
-
-@jit(nogil=True, inline="always")
-def _bq_pop(st: Any, blk: Any, qh: Any, bits: Any) -> int:
-    item = int(qh[_bits_first(st, bits), 0])
-    _bq_unlink(st, blk, qh, bits, item)
-    return item
-
-
-@jit(nogil=True, inline="always")
-def _bucket(ev: int, item: int, st: Any, blk: Any, side: Any, knext: Any) -> int:
-    """The bucket ``item`` is queued in now (see above)."""
+def bucket(ev: int, item: int, st: Any, blk: Any, side: Any, knext: Any) -> int:
+    """The bucket ``item`` is queued in now: its arrival (fifo), its uses
+    (lfu), its key's next use (belady)."""
     if ev == FIFO:
-        return int(side[item, S_BORN])
+        return int(fifo.bucket(side, item))
     if ev == LFU:
-        return int(side[item, S_USED])
-    nu = knext[blk[item, B_KEY]]
-    return 0 if nu >= NEVER else int(st[_REQUESTS] - nu)
+        return int(lfu.bucket(side, item))
+    return int(belady.bucket(knext[blk[item, B_KEY]], st[queue.REQUESTS]))
 
 
 # ---------------------------------------------------------------- the run
@@ -326,9 +198,8 @@ def run_gpu(
     hprev = blk[:, B_HPREV]
     lprev = blk[:, B_LPREV]
     lnext = blk[:, B_LNEXT]
+    # fifo's arrivals and lfu's uses, per block
     side = np.zeros((nblocks if ev in (FIFO, LFU) else 1, 2), dtype=np.int64)
-    born = side[:, S_BORN]
-    nused = side[:, S_USED]
     for b in range(nblocks):
         key[b] = -1
         hnext[b] = -1
@@ -347,14 +218,11 @@ def run_gpu(
         ring[rlen] = b
         rlen += 1
     # the cached order
-    st = np.zeros(ST_LEN, dtype=np.int64)
-    st[_HEAD] = -1
-    st[_TAIL] = -1
-    st[_REQUESTS] = requests
-    universe = _universe(ev, ids, offsets, num_groups, num_keys)
+    st = queue.new_state(requests)
+    buckets = universe(ev, ids, offsets, num_groups, num_keys)
     # per bucket its first and last block (0: empty), and the bitset
-    qh = np.zeros((universe, 2), dtype=np.int32)
-    bits = _bits_init(st, universe)
+    qh = np.zeros((buckets, 2), dtype=np.int32)
+    bits = queue.bits_init(st, buckets)
     # belady: per key, its next use after the request running (or the
     # last one that held it: the same request)
     knext = np.full(num_keys if ev == BELADY else 1, NEVER, dtype=np.int64)
@@ -409,24 +277,20 @@ def run_gpu(
             for x in range(u):
                 knext[ids[o + x]] = future[o + x]
             now = requests - i
-            if qh[now, 0]:
-                qh[now, 0] = 0
-                qh[now, 1] = 0
-                _bits_clear(st, bits, now)
+            if queue.empty_bucket(st, qh, bits, now):
                 for g in range(num_groups):
                     for x in range(u):
                         b = kt[2 * (ids[o + x] * num_groups + g)]
                         if b < 0:
                             continue
-                        nu = future[o + x]
-                        bucket = 0 if nu >= NEVER else requests - nu
+                        filed = belady.bucket(future[o + x], requests)
                         while b >= 0:
                             if blk[b, B_INLIST] == now + 1:
-                                st[_LEN] -= 1  # out of the emptied bucket
+                                st[queue.LEN] -= 1  # out of the emptied bucket
                             else:
                                 # a hash twice in the prompt: re-filed again
-                                _bq_unlink(st, blk, qh, bits, b)
-                            _bq_add(st, blk, qh, bits, b, bucket)
+                                queue.unlink(st, blk, qh, bits, b)
+                            queue.add(st, blk, qh, bits, b, filed)
                             b = hnext[b]
         # --- admission (get_num_blocks_to_allocate, whole prompt)
         need = 0
@@ -455,7 +319,7 @@ def run_gpu(
                 b = kt[2 * (ids[o + x] * num_groups + g)]
                 if ref[b] == 0:
                     need += 1
-        if need > rlen + st[_LEN]:
+        if need > rlen + st[queue.LEN]:
             hits[i] = NOT_ADMITTED
             continue
         junction = longest if (params[P_USES_JUNCTION] and longest > hit) else 0
@@ -515,7 +379,7 @@ def run_gpu(
                 if nf:
                     _free(freed, nf, ev, st, blk, side, qh, bits, knext)
                     rhead, rlen = _ring_after_free(ring, rmod, rhead, rlen, freed, nf)
-            num_free = rlen + st[_LEN]
+            num_free = rlen + st[queue.LEN]
             if start != hit:
                 # _running_blocks
                 want = 0
@@ -556,24 +420,24 @@ def run_gpu(
                         if b != 0:
                             if ref[b] == 0:
                                 if ev == LRU:
+                                    # lru.unlink (written out: see above)
                                     if blk[b, B_INLIST]:
-                                        # vLLM's free queue: unlink (written out: a call costs reference counts)
                                         blk[b, B_INLIST] = 0
                                         p_, n_ = blk[b, B_LPREV], blk[b, B_LNEXT]
                                         if p_ >= 0:
                                             blk[p_, B_LNEXT] = n_
                                         else:
-                                            st[_HEAD] = n_
+                                            st[queue.HEAD] = n_
                                         if n_ >= 0:
                                             blk[n_, B_LPREV] = p_
                                         else:
-                                            st[_TAIL] = p_
-                                        st[_LEN] -= 1
+                                            st[queue.TAIL] = p_
+                                        st[queue.LEN] -= 1
                                 else:
-                                    _bq_unlink(st, blk, qh, bits, b)
+                                    queue.unlink(st, blk, qh, bits, b)
                             ref[b] += 1
                             if ev in (FIFO, LFU):
-                                nused[b] += 1
+                                lfu.used(side, b)
                     tlen[g] = k
                     tcached[g] = k
             # _allocate
@@ -590,7 +454,7 @@ def run_gpu(
                         tables[g, tlen[g]] = 0
                         tlen[g] += 1
                 count = required - tlen[g]
-                if count > rlen + st[_LEN]:
+                if count > rlen + st[queue.LEN]:
                     return i
                 for _ in range(count):
                     if rlen > 0:
@@ -598,25 +462,25 @@ def run_gpu(
                         rhead = (rhead + 1) % rmod
                         rlen -= 1
                     elif ev == LRU:
-                        b = st[_HEAD]
+                        # lru.pop: the free queue's head (written out: see above)
+                        b = st[queue.HEAD]
                         if blk[b, B_INLIST]:
-                            # vLLM's free queue: unlink (written out: a call costs reference counts)
                             blk[b, B_INLIST] = 0
                             p_, n_ = blk[b, B_LPREV], blk[b, B_LNEXT]
                             if p_ >= 0:
                                 blk[p_, B_LNEXT] = n_
                             else:
-                                st[_HEAD] = n_
+                                st[queue.HEAD] = n_
                             if n_ >= 0:
                                 blk[n_, B_LPREV] = p_
                             else:
-                                st[_TAIL] = p_
-                            st[_LEN] -= 1
+                                st[queue.TAIL] = p_
+                            st[queue.LEN] -= 1
                     else:
-                        b = _bq_pop(st, blk, qh, bits)
+                        b = queue.pop(st, blk, qh, bits)
                         if ev != BELADY:
-                            born[b] = 0
-                            nused[b] = 0
+                            side[b, fifo.S_BORN] = 0
+                            side[b, lfu.S_USED] = 0
                     if key[b] >= 0:
                         # _strip
                         kk = 2 * (np.int64(key[b]) * num_groups + kgroup[b])
@@ -658,9 +522,8 @@ def run_gpu(
                             kt[kk] = b
                         kt[kk + 1] = b
                         if ev in (FIFO, LFU):
-                            st[_STAMP] += 1
-                            born[b] = st[_STAMP]
-                            nused[b] = 0
+                            fifo.arrive(st, side, b)
+                            lfu.arrive(side, b)
                 tcached[g] = full
             start = end
         if outcome == PREEMPTED:
@@ -706,20 +569,20 @@ def _free(
             else:
                 freed[j] = 0
                 if ev == LRU:
-                    # the free queue's tail (written out: see run_gpu)
+                    # lru.append: the free queue's tail (written out: see above)
                     if not blk[b, B_INLIST]:
                         blk[b, B_INLIST] = 1
-                        t = st[_TAIL]
+                        t = st[queue.TAIL]
                         blk[b, B_LPREV] = t
                         blk[b, B_LNEXT] = -1
                         if t >= 0:
                             blk[t, B_LNEXT] = b
                         else:
-                            st[_HEAD] = b
-                        st[_TAIL] = b
-                        st[_LEN] += 1
+                            st[queue.HEAD] = b
+                        st[queue.TAIL] = b
+                        st[queue.LEN] += 1
                 else:
-                    _bq_add(st, blk, qh, bits, b, _bucket(ev, b, st, blk, side, knext))
+                    queue.add(st, blk, qh, bits, b, bucket(ev, b, st, blk, side, knext))
         else:
             freed[j] = 0
 

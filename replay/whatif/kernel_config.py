@@ -17,13 +17,11 @@ from replay.rules.coordinator import get_policy
 from replay.rules.coordinator.cache import ENGINE
 from replay.rules.coordinator.hybrid import hit_alignment, partial_hits
 from replay.rules.coordinator.stores import STORES_033, policy_stores
+from replay.rules.eviction.codes import EVICTION_CODES
 from replay.rules.store_rules import StoreRules, StoreSettings
 
 FA, SWA, MAMBA = tables.FA, tables.SWA, tables.MAMBA
-LRU, FIFO, LFU, BELADY = 0, 1, 2, 3
-EVICTION_CODES = {"lru": LRU, "fifo": FIFO, "lfu": LFU, "belady": BELADY}
 _KINDS = {GroupKind.FULL_ATTENTION: FA, GroupKind.SLIDING_WINDOW: SWA, GroupKind.MAMBA: MAMBA}
-NEVER = 1 << 62
 #: Per-request results: not scheduled (the prompt never fits), preempted.
 NOT_ADMITTED, PREEMPTED = -1, -2
 #: ``run_gpu``'s return when its ``control`` asked it to stop.

@@ -3,7 +3,7 @@
 A port of the ``mooncake`` branch of ``replay.whatif.sweep.simulate``: the
 mirror's lookup (``replay.rules.coordinator`` with the ``mooncake`` cache's
 rules), the capacity-bounded key cache (``replay.rules.mooncake_store.MooncakeCache``
-with every ``replay.rules.blockpool.EvictionOrder``: lru, fifo, lfu and
+with every eviction order of ``replay.rules.eviction``: lru, fifo, lfu and
 belady, deepest first among equals), the stores a request leaves
 (``replay.rules.store_rules.StoreRules``, ``mooncake`` cache) and the lookup
 facts. It shares the compiled fixed point and facts with the replay
@@ -37,18 +37,14 @@ from replay.rules.compiled.tables import O_GROUPS, O_HIT, O_LOADED, O_MASK, O_WI
 from replay.rules.coordinator import DEFAULT_POLICY, get_policy
 from replay.rules.coordinator.cache import MIRROR
 from replay.rules.coordinator.stores import STORES_033, policy_stores
+from replay.rules.eviction import belady, fifo, lfu, lru, queue
+from replay.rules.eviction.codes import BELADY, EVICTION_CODES, FIFO, LFU, LRU, NEVER
 from replay.rules.store_rules import StoreSettings
 from replay.whatif.kernel_config import (
-    BELADY,
-    EVICTION_CODES,
     FA,
     FACT_GROUPS,
     FACT_WIDTH,
-    FIFO,
-    LFU,
-    LRU,
     MAMBA,
-    NEVER,
     P_A,
     P_HBS,
     P_NUM_KEYS,
@@ -108,221 +104,102 @@ def compile_mooncake(
 
 # ---------------------------------------------------------------- the order
 #
-# Items are ``key * groups + group`` (the Python model's). LRU: a doubly
-# linked list (``links[item] = prev, next``; ``lst`` head, tail). The others:
-# ``EvictionOrder``'s heap of (priority, stamp, item) with lazy deletion,
-# ``side`` per item (the ``S_*`` columns), ``st`` its scalars. Entries are
-# unique (every add takes a new stamp), so the pop order is the total order
-# of the entries, whatever the heap's layout (and compaction keeps it).
-_STAMP, _HSIZE, _LIVE, _NOW = 0, 1, 2, 3
-#: the live entry's priority and stamp (0: none), the arrival stamp, the uses
-S_LIVE_P, S_LIVE_S, S_BORN, S_USED = 0, 1, 2, 3
+# Items are ``key * groups + group`` (the Python model's), queued as item + 1
+# (the bucket queue's lists end at 0) in the run's eviction order
+# (``replay.rules.eviction``: an LRU list, or a bucket queue keyed by the
+# arrival, the uses or the next use), ``nodes`` their rows, ``side`` fifo's
+# arrivals and lfu's uses. Belady files newest first among equals (of equally
+# distant keys the deepest in its prompt), as the Python model's
+# ``EvictionOrder(newest_first=True)``.
 
 
-@jit(nogil=True)
-def _next_use(uses: Any, use_starts: Any, key: int, now: int) -> int:
-    """The first request after ``now`` whose prompt holds hash ``key``."""
-    lo, hi = use_starts[key], use_starts[key + 1]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if uses[mid] <= now:
-            lo = mid + 1
-        else:
-            hi = mid
-    return int(uses[lo]) if lo < use_starts[key + 1] else NEVER
-
-
-@jit(nogil=True)
-def _before(heap: Any, i: int, p0: int, p1: int, p2: int) -> bool:
-    """Entry ``i`` of the heap comes before (p0, p1, p2)."""
-    return bool(
-        heap[i, 0] < p0
-        or (heap[i, 0] == p0 and (heap[i, 1] < p1 or (heap[i, 1] == p1 and heap[i, 2] < p2)))
-    )
-
-
-@jit(nogil=True)
-def _heap_down(heap: Any, i: int, n: int) -> None:
-    p0, p1, p2 = heap[i, 0], heap[i, 1], heap[i, 2]
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and _before(heap, c + 1, heap[c, 0], heap[c, 1], heap[c, 2]):
-            c += 1
-        if not _before(heap, c, p0, p1, p2):
-            break
-        heap[i, 0], heap[i, 1], heap[i, 2] = heap[c, 0], heap[c, 1], heap[c, 2]
-        i = c
-    heap[i, 0], heap[i, 1], heap[i, 2] = p0, p1, p2
-
-
-@jit(nogil=True)
-def _heap_push(heap: Any, st: Any, prio: int, stamp: int, item: int) -> None:
-    i = st[_HSIZE]
-    st[_HSIZE] = i + 1
-    while i > 0:
-        q = (i - 1) >> 1
-        if not _before(heap, q, prio, stamp, item):
-            # the parent comes after the new entry: move it down
-            heap[i, 0], heap[i, 1], heap[i, 2] = heap[q, 0], heap[q, 1], heap[q, 2]
-            i = q
-        else:
-            break
-    heap[i, 0], heap[i, 1], heap[i, 2] = prio, stamp, item
-
-
-@jit(nogil=True)
-def _heap_pop(heap: Any, st: Any) -> tuple[int, int, int]:
-    n = st[_HSIZE] - 1
-    top = (heap[0, 0], heap[0, 1], heap[0, 2])
-    heap[0, 0], heap[0, 1], heap[0, 2] = heap[n, 0], heap[n, 1], heap[n, 2]
-    st[_HSIZE] = n
-    _heap_down(heap, 0, n)
-    return top
-
-
-@jit(nogil=True)
-def _lru_append(links: Any, lst: Any, item: int) -> None:
-    t = lst[1]
-    links[item, 0] = t
-    links[item, 1] = -1
-    if t >= 0:
-        links[t, 1] = item
-    else:
-        lst[0] = item
-    lst[1] = item
-
-
-@jit(nogil=True)
-def _lru_unlink(links: Any, lst: Any, item: int) -> None:
-    p, n = links[item, 0], links[item, 1]
-    if p >= 0:
-        links[p, 1] = n
-    else:
-        lst[0] = n
-    if n >= 0:
-        links[n, 0] = p
-    else:
-        lst[1] = p
-
-
-@jit(nogil=True)
-def _priority(
-    ev: int, item: int, groups: int, side: Any, uses: Any, use_starts: Any, now: int
-) -> int:
-    if ev == FIFO:
-        return int(side[item, S_BORN])
-    if ev == LFU:
-        return int(side[item, S_USED])
-    return -int(_next_use(uses, use_starts, item // groups, now))
-
-
-@jit(nogil=True)
-def _compact(heap: Any, st: Any, side: Any) -> None:
-    """Keep the live entries only (the pop order is the same: entries are
-    totally ordered by (priority, stamp, item))."""
-    n = 0
-    for j in range(st[_HSIZE]):
-        it = heap[j, 2]
-        if side[it, S_LIVE_S] == heap[j, 1] and side[it, S_LIVE_P] == heap[j, 0]:
-            heap[n, 0], heap[n, 1], heap[n, 2] = heap[j, 0], heap[j, 1], it
-            n += 1
-    st[_HSIZE] = n
-    for i in range(n // 2 - 1, -1, -1):
-        _heap_down(heap, i, n)
-
-
-@jit(nogil=True)
-def _add(
+@jit(nogil=True, inline="always")
+def _file(
     ev: int,
     item: int,
     groups: int,
-    links: Any,
-    lst: Any,
     st: Any,
+    nodes: Any,
+    qh: Any,
+    bits: Any,
     side: Any,
-    heap: Any,
     uses: Any,
     use_starts: Any,
+    now: int,
 ) -> None:
+    """``EvictionOrder.add``: queue ``item`` (it is not queued)."""
+    q = item + 1
     if ev == LRU:
-        _lru_append(links, lst, item)
-        return
-    st[_STAMP] += 1
-    stamp = -st[_STAMP] if ev == BELADY else st[_STAMP]
-    prio = _priority(ev, item, groups, side, uses, use_starts, st[_NOW])
-    if side[item, S_LIVE_S] == 0:
-        st[_LIVE] += 1
-    side[item, S_LIVE_P] = prio
-    side[item, S_LIVE_S] = stamp
-    _heap_push(heap, st, prio, stamp, item)
-    if st[_HSIZE] > 2 * st[_LIVE] + 4096:
-        _compact(heap, st, side)
+        lru.append(st, nodes, q)
+    elif ev == FIFO:
+        queue.add(st, nodes, qh, bits, q, fifo.bucket(side, q))
+    elif ev == LFU:
+        queue.add(st, nodes, qh, bits, q, lfu.bucket(side, q))
+    else:
+        nu = belady.next_use(uses, use_starts, item // groups, now)
+        queue.add_first(st, nodes, qh, bits, q, belady.bucket(nu, st[queue.REQUESTS]))
 
 
-@jit(nogil=True)
-def _discard(ev: int, item: int, links: Any, lst: Any, st: Any, side: Any) -> None:
+@jit(nogil=True, inline="always")
+def _discard(ev: int, item: int, st: Any, nodes: Any, qh: Any, bits: Any) -> None:
     if ev == LRU:
-        _lru_unlink(links, lst, item)
-        return
-    if side[item, S_LIVE_S] != 0:
-        side[item, S_LIVE_S] = 0
-        st[_LIVE] -= 1
+        lru.unlink(st, nodes, item + 1)
+    else:
+        queue.unlink(st, nodes, qh, bits, item + 1)
 
 
 @jit(nogil=True)
 def _pop(
     ev: int,
     groups: int,
-    links: Any,
-    lst: Any,
     st: Any,
+    nodes: Any,
+    qh: Any,
+    bits: Any,
     side: Any,
-    heap: Any,
     uses: Any,
     use_starts: Any,
+    now: int,
 ) -> int:
+    """``EvictionOrder.pop``: the victim, out of the order."""
     if ev == LRU:
-        item = lst[0]
-        _lru_unlink(links, lst, item)
-        return int(item)
+        return int(lru.pop(st, nodes)) - 1
     while True:
-        prio, stamp, item = _heap_pop(heap, st)
-        if side[item, S_LIVE_S] != stamp or side[item, S_LIVE_P] != prio:
+        b = queue.bits_first(st, bits)
+        q = int(qh[b, 0])
+        queue.unlink(st, nodes, qh, bits, q)
+        if ev == BELADY and b and st[queue.REQUESTS] - b <= now:
+            # Filed under a use that has come without touching it: re-file
+            # (every request re-files its present keys first, so a run
+            # never gets here).
+            _file(ev, q - 1, groups, st, nodes, qh, bits, side, uses, use_starts, now)
             continue
-        if ev == BELADY and -prio <= st[_NOW]:
-            # Filed under a use that has come without touching it: re-file.
-            p = _priority(ev, item, groups, side, uses, use_starts, st[_NOW])
-            side[item, S_LIVE_P] = p
-            _heap_push(heap, st, p, stamp, item)
-            continue
-        side[item, S_LIVE_S] = 0
-        st[_LIVE] -= 1
-        side[item, S_BORN] = 0
-        side[item, S_USED] = 0
-        return int(item)
+        if ev != BELADY:
+            side[q, fifo.S_BORN] = 0
+            side[q, lfu.S_USED] = 0
+        return q - 1
 
 
-@jit(nogil=True)
+@jit(nogil=True, inline="always")
 def _touch(
     ev: int,
     item: int,
     groups: int,
-    links: Any,
-    lst: Any,
     st: Any,
+    nodes: Any,
+    qh: Any,
+    bits: Any,
     side: Any,
-    heap: Any,
     uses: Any,
     use_starts: Any,
+    now: int,
 ) -> None:
     """``MooncakeCache.touch``."""
     if ev in (FIFO, LFU):
-        side[item, S_USED] += 1
+        lfu.used(side, item + 1)
     if ev != FIFO:
-        _discard(ev, item, links, lst, st, side)
-        _add(ev, item, groups, links, lst, st, side, heap, uses, use_starts)
+        _discard(ev, item, st, nodes, qh, bits)
+        _file(ev, item, groups, st, nodes, qh, bits, side, uses, use_starts, now)
 
 
 # ---------------------------------------------------------------- the run
@@ -367,11 +244,20 @@ def run_mooncake(
         max_u = max(max_u, offsets[i + 1] - offsets[i])
         max_n = max(max_n, num_tokens[i])
     pres = np.zeros(items, dtype=np.uint8)
-    links = np.full((items if ev == LRU else 1, 2), -1, dtype=np.int64)
-    lst = np.full(2, -1, dtype=np.int64)
-    side = np.zeros((items if ev != LRU else 1, 4), dtype=np.int64)
-    heap = np.zeros((2 * items + 4096 + 8 if ev != LRU else 1, 3), dtype=np.int64)
-    st = np.zeros(8, dtype=np.int64)
+    st = queue.new_state(requests)
+    nodes = np.zeros((items + 1, queue.NODE_COLS), dtype=np.int64)
+    side = np.zeros((items + 1 if ev in (FIFO, LFU) else 1, 2), dtype=np.int64)
+    if ev == LFU:
+        # an item is used at most twice per appearance of its key: loaded, stored
+        buckets = lfu.universe(ids, offsets, num_keys, 2)
+    elif ev == FIFO:
+        buckets = fifo.universe(int(offsets[-1]) * num_groups)
+    elif ev == BELADY:
+        buckets = belady.universe(requests)
+    else:
+        buckets = 1
+    qh = np.zeros((buckets, 2), dtype=np.int64)
+    bits = queue.bits_init(st, buckets)
     size = 0
     evicted = 0
     stride = max_u + 1
@@ -392,7 +278,6 @@ def run_mooncake(
         o = offsets[i]
         u = offsets[i + 1] - o
         n = num_tokens[i]
-        st[_NOW] = i
         for g in range(num_groups):
             for x in range(u):
                 present[g * stride + x] = pres[ids[o + x] * num_groups + g]
@@ -400,9 +285,9 @@ def run_mooncake(
             for g in range(num_groups):
                 for x in range(u):
                     item = ids[o + x] * num_groups + g
-                    if pres[item] and side[item, S_LIVE_S] != 0:
-                        _discard(ev, item, links, lst, st, side)
-                        _add(ev, item, num_groups, links, lst, st, side, heap, uses, use_starts)
+                    if pres[item]:
+                        _discard(ev, item, st, nodes, qh, bits)
+                        _file(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
         longest = answer(
             lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
             merged, res, verified, facts, i,
@@ -417,7 +302,7 @@ def run_mooncake(
         for g in range(num_groups):
             for x in range(mask[g] - loaded[g], mask[g]):
                 item = ids[o + x] * num_groups + g
-                _touch(ev, item, num_groups, links, lst, st, side, heap, uses, use_starts)
+                _touch(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
         # The stores the request leaves.
         junction = longest if (params[P_USES_JUNCTION] and longest > hit) else 0
         hashed = n // hbs * hbs
@@ -450,17 +335,16 @@ def run_mooncake(
                     continue
                 item = ids[o + x] * num_groups + g
                 if pres[item]:
-                    _touch(ev, item, num_groups, links, lst, st, side, heap, uses, use_starts)
+                    _touch(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
                     continue
                 pres[item] = 1
                 if ev in (FIFO, LFU):
-                    st[_STAMP] += 1
-                    side[item, S_BORN] = st[_STAMP]
-                    side[item, S_USED] = 0
-                _add(ev, item, num_groups, links, lst, st, side, heap, uses, use_starts)
+                    fifo.arrive(st, side, item + 1)
+                    lfu.arrive(side, item + 1)
+                _file(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
                 size += costs[g]
                 while size > capacity:
-                    victim = _pop(ev, num_groups, links, lst, st, side, heap, uses, use_starts)
+                    victim = _pop(ev, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
                     pres[victim] = 0
                     size -= costs[victim % num_groups]
                     evicted += 1

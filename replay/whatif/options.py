@@ -33,7 +33,7 @@ class WhatifOptions:
     #: The cache sizes, all in one unit (blocks, bytes or a percentage of the
     #: trace's working set).
     capacities: tuple[Capacity, ...]
-    #: Eviction orders (``replay.rules.blockpool.EVICTIONS``), in order.
+    #: Eviction orders (``replay.rules.eviction.EVICTIONS``), in order.
     evictions: tuple[str, ...] = ("lru",)
     cache: str | None = None
     #: The vLLM release whose hits and stores are simulated.

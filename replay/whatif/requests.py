@@ -17,7 +17,7 @@ import pyarrow as pa
 from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.format.tracedir import open_trace
-from replay.rules.blockpool import NEVER
+from replay.rules.eviction import NEVER
 from replay.whatif import kernel as whatif_kernel
 
 

@@ -57,7 +57,7 @@ from replay.format.sweepfile import (
     write_sweep,
 )
 from replay.format.writer import TraceWriter
-from replay.rules.blockpool import EVICTIONS, EvictionOrder, GpuCache
+from replay.rules.blockpool import GpuCache
 from replay.rules.coordinator import (
     DEFAULT_POLICY,
     Coordinator,
@@ -66,6 +66,7 @@ from replay.rules.coordinator import (
     get_policy,
 )
 from replay.rules.coordinator.finders import block_view
+from replay.rules.eviction import EVICTIONS, EvictionOrder
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeCache
 from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
