@@ -134,3 +134,34 @@ def test_the_lookahead_rule_is_compiled_only_where_it_is_the_newest_mirrors() ->
     ]
     assert mooncake_kernel.supported(ahead, "vllm-0.34") is None
     assert mooncake_kernel.supported(ahead, "vllm-0.33") == "policy vllm-0.33's mirror rules"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookups_with_fewer_hashes_than_their_prompt(seed: int, tmp_path: Path) -> None:
+    """A recorded lookup may carry fewer block hashes than its prompt has
+    full blocks (the store then has no key for the rest): the Python model
+    stores only the keyed blocks, as the compiled kernel does, instead of
+    failing with an IndexError traceback (corpus traces of the shape before
+    request-shaped lookups did, on every eviction order)."""
+    rng = random.Random(seed)
+    config = full_mamba()
+    hbs = config.hash_block_size
+    prompts = [p[: max(hbs, len(p) // hbs * hbs)] for p in random_prompts(rng, hbs, 60)]
+    rows = lookup_rows(config, prompts, rng)
+    cut = 0
+    for row in rows:
+        # The last full unit's hash left out, as a request with lookahead
+        # tokens carries it (the most a trace may leave out).
+        kept = len(row["block_hashes"]) - 1
+        if kept >= 0 and row["num_tokens"] <= (kept + 1) * hbs and rng.random() < 0.5:
+            row["block_hashes"] = row["block_hashes"][:kept]
+            row["max_length"] = min(row["max_length"], kept * hbs + rng.randrange(hbs))
+            cut += 1
+    requests = load_requests(write_trace(tmp_path / "t.parquet", config, rows))
+    assert cut >= 20
+    for eviction in EVICTIONS:
+        spec = RunSpec(cache="mooncake", eviction=eviction, capacity_blocks=rng.randrange(4, 64))
+        assert runs_compiled(requests, spec)
+        mine = simulate(requests, spec)
+        theirs = simulate(requests, spec, compiled=False)
+        _assert_same(mine, theirs, (seed, spec))

@@ -275,8 +275,12 @@ def simulate(
             stores = rules.stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
             for gid, (g, blocks) in enumerate(zip(config.groups, stores, strict=True)):
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
+                # A block the lookup carried no hash for is never stored
+                # (as in the compiled kernel): a trace's lookup may carry
+                # fewer hashes than its prompt has full blocks.
                 for j in blocks:
-                    store.put(gid, view[int(j)])
+                    if j < len(view):
+                        store.put(gid, view[int(j)])
         facts.add(max_length, outcome, fact_rules.outcome_facts(present, outcome))
 
     evicted = gpu.pool.evicted_blocks if gpu is not None else store.evicted  # type: ignore[union-attr]
