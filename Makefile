@@ -150,7 +150,7 @@ $(VLLM_STAMP): pyproject.toml
 	  || { echo "test-vllm: the install failed; the last lines of $(VLLM_VENV).log:"; tail -n 20 $(VLLM_VENV).log; exit 1; }
 	@touch $(VLLM_STAMP)
 
-VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/test_vllm_differential.py tests/test_store_rules_vllm.py)
+VLLM_TESTS := $(if $(filter 0.33.0,$(VLLM)),,tests/vllm/test_vllm_differential.py tests/vllm/test_store_rules_vllm.py)
 # The newest release pinned in the corpus (besides 0.33.0, whose corpus run is
 # tools/vllm-ci.sh): its expectations through that release's vLLM too.
 VLLM_CORPUS := 0.34.0

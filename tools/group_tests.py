@@ -186,7 +186,7 @@ def apply(planned: dict[str, str]) -> None:
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     )
     cited = re.compile(r"tests/test_\w+\.py")
-    # The tests import each other as modules too (tests.test_diff).
+    # The tests import each other as modules too (tests.analysis.test_diff).
     modules = {o[:-3].replace("/", "."): n[:-3].replace("/", ".") for o, n in planned.items()}
     imported = re.compile(r"\btests\.test_\w+")
     for f in listed.stdout.split():

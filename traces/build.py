@@ -484,7 +484,7 @@ def write_readme(built: list[tuple[str, str, list[dict[str, Any]]]]) -> None:
         "",
         "`hit_beyond_max_length` has no trace: no policy can produce it (the",
         "fixed point starts at `max_length` and only shrinks). It guards against a",
-        "wrong coordinator; `tests/test_flags.py` feeds it one.",
+        "wrong coordinator; `tests/analysis/test_flags.py` feeds it one.",
         "",
     ]
     (HERE / "README.md").write_text("\n".join(lines))

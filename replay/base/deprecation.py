@@ -1,6 +1,6 @@
 """Old names kept for outside callers: each warns (``DeprecationWarning``)
 when used, naming its replacement; the project's own code never uses them
-(``tests/test_deprecation.py``)."""
+(``tests/base/test_deprecation.py``)."""
 
 from __future__ import annotations
 

@@ -23,14 +23,14 @@ from replay.format.schema import (
     RESULTS_SCHEMA,
     SIZE_LIMIT,
     UNIT_PRESENT_FIELD,
-    _int_ok,
-    _json_metadata,
-    _one_line,
-    _string_ok,
     check_config_limits,
+    int_ok,
+    json_metadata,
+    one_line,
+    string_ok,
 )
-from replay.format.trace import _open_parquet, check_declared_text
-from replay.format.validate import TOKEN_LIMIT, _check_ts, _check_utf8, _to_polars, utc_ts
+from replay.format.trace import check_declared_text, open_parquet
+from replay.format.validate import TOKEN_LIMIT, check_ts, check_utf8, to_polars, utc_ts
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE
 
@@ -75,8 +75,8 @@ def write_results(
 
 def results_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A results file's ``replay.results`` metadata, without reading its rows."""
-    pf = _open_parquet(path)
-    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    pf = open_parquet(path)
+    info = json_metadata(pf, path, RESULTS_META_KEY, "results file")
     if not isinstance(info, dict):
         raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
     return info
@@ -85,7 +85,7 @@ def results_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 def is_results_file(path: str | os.PathLike[str]) -> bool:
     if Path(path).is_dir():
         return False  # a trace directory (replay.format.tracedir)
-    pf = _open_parquet(path)
+    pf = open_parquet(path)
     return RESULTS_META_KEY in (pf.schema_arrow.metadata or {})
 
 
@@ -123,21 +123,21 @@ def _results_type_ok(name: str, typ: pa.DataType) -> bool:
         return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 
     if name in _RESULTS_INTS:
-        return _int_ok(typ)
+        return int_ok(typ)
     if name in _RESULTS_INT_LISTS:
-        return is_list(typ) and (_int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
+        return is_list(typ) and (int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
     if name in ("request_id", "policy", "coordinator"):
-        return _string_ok(typ)
+        return string_ok(typ)
     if name == "ts":
         return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
     if name == "observed_match":
         return bool(pa.types.is_boolean(typ) or pa.types.is_null(typ))
     if name == "flags":
-        return is_list(typ) and _string_ok(typ.value_type)
+        return is_list(typ) and string_ok(typ.value_type)
     if name in ("hit_alignment", "attention_tokens"):
-        return _int_ok(typ) or pa.types.is_null(typ)
+        return int_ok(typ) or pa.types.is_null(typ)
     if name in ("group_state_tokens", "first_absent_block"):
-        return is_list(typ) and (_int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
+        return is_list(typ) and (int_ok(typ.value_type) or pa.types.is_null(typ.value_type))
     if name == "eagle_unit_present":
         return is_list(typ) and (
             pa.types.is_boolean(typ.value_type) or pa.types.is_null(typ.value_type)
@@ -175,10 +175,10 @@ def _check_results(path: str, table: pa.Table, config: TraceConfig) -> pl.DataFr
     """The results rows as a frame in the contract's types, after the checks
     a trace gets: types, nulls, ``seq`` order, one entry per group."""
     for name in table.column_names:
-        _check_utf8(path, table, name)
+        check_utf8(path, table, name)
     table = utc_ts(table)
-    _check_ts(path, table)
-    frame = _to_polars(table)
+    check_ts(path, table)
+    frame = to_polars(table)
     casts: list[pl.Expr] = [pl.col(n).cast(pl.Int64) for n in _RESULTS_INTS if n in frame.columns]
     casts += [pl.col(n).cast(pl.List(pl.Int64)) for n in _RESULTS_INT_LISTS if n in frame.columns]
     if "hit_alignment" in frame.columns:
@@ -299,10 +299,10 @@ def read_results(
     """A results file, validated like a trace (see ``_check_results``), in
     one opening. ``not_results``: the error for a Parquet file that is not a
     results file (the caller says what the user should have given)."""
-    pf = _open_parquet(path)
+    pf = open_parquet(path)
     if not_results is not None and RESULTS_META_KEY not in (pf.schema_arrow.metadata or {}):
         raise ReplayError(not_results)
-    info = _json_metadata(pf, path, RESULTS_META_KEY, "results file")
+    info = json_metadata(pf, path, RESULTS_META_KEY, "results file")
     if not isinstance(info, dict):
         raise TraceError(f"{path}: 'replay.results' metadata must be a JSON object")
     schema = pf.schema_arrow
@@ -330,7 +330,7 @@ def read_results(
     try:
         table = pf.read()
     except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{path}: unreadable Parquet data ({_one_line(exc)})") from None
+        raise TraceError(f"{path}: unreadable Parquet data ({one_line(exc)})") from None
     return _check_results(str(path), table, config), info
 
 

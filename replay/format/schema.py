@@ -134,7 +134,7 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def _int_ok(typ: pa.DataType) -> bool:
+def int_ok(typ: pa.DataType) -> bool:
     # An unsigned 64-bit column may hold values int64 cannot: refused by type.
     return bool(pa.types.is_integer(typ)) and not pa.types.is_uint64(typ)
 
@@ -146,8 +146,7 @@ def string_ok(typ: pa.DataType) -> bool:
 
 
 # The old private names, still imported by replay/format/results.py (another
-# helper's room this round: tests/test_private_names.py allowlists it).
-_one_line, _string_ok = one_line, string_ok
+# helper's room this round: tests/base/test_private_names.py allowlists it).
 
 
 def _hashes_ok(typ: pa.DataType) -> bool:
@@ -161,7 +160,7 @@ def _hashes_ok(typ: pa.DataType) -> bool:
 
 def _type_ok(name: str, typ: pa.DataType) -> bool:
     if name in ("seq", "group_id", "max_length", "num_tokens", "observed_hit_tokens"):
-        return _int_ok(typ)
+        return int_ok(typ)
     if name == "ts":
         return bool(pa.types.is_timestamp(typ) or pa.types.is_null(typ))
     if name in ("kind", "request_id", "medium"):
@@ -250,7 +249,7 @@ EXPECTED_TYPE = {
 }
 
 
-def _json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes, what: str) -> Any:
+def json_metadata(pf: pq.ParquetFile, path: str | os.PathLike[str], key: bytes, what: str) -> Any:
     meta = pf.schema_arrow.metadata or {}
     label = key.decode()
     if key not in meta:
@@ -297,7 +296,7 @@ def check_config_limits(config: TraceConfig, where: str) -> TraceConfig:
 
 
 def read_config(pf: pq.ParquetFile, path: str | os.PathLike[str]) -> TraceConfig:
-    obj = _json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
+    obj = json_metadata(pf, path, TRACE_META_KEY, "replay trace v1")
     groups = obj.get("kv_cache_groups") if isinstance(obj, dict) else None
     if isinstance(groups, list) and len(groups) > GROUPS.value():  # before they are built
         raise GROUPS.refuse(

@@ -48,7 +48,7 @@ def _ends(fh: BinaryIO) -> tuple[int, bytes, bytes]:
     return size, head, tail
 
 
-def _open_parquet(path: TraceFile) -> pq.ParquetFile:
+def open_parquet(path: TraceFile) -> pq.ParquetFile:
     source: str | BinaryIO
     if isinstance(path, str | os.PathLike):
         try:
@@ -225,7 +225,7 @@ class TraceReader:
             self.name = str(self.path)
         else:
             self.name = stream_name(path)
-        self._pf = _open_parquet(path)
+        self._pf = open_parquet(path)
         self.config = read_config(self._pf, self.name)
         self.columns = check_schema(self.name, self._pf.schema_arrow)
         check_declared_sizes(self._pf, self.name)

@@ -58,7 +58,7 @@ def _bad_utf8(arr: pa.Array) -> int | None:
     return None
 
 
-def _check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
+def check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
     """Column ``name`` holds only valid UTF-8 (nested strings included: a
     results file's ``flags``); the row is named where the column is flat."""
     if name not in raw.column_names:
@@ -74,7 +74,7 @@ def _check_utf8(path: str, raw: pa.RecordBatch | pa.Table, name: str) -> None:
         raise TraceError(f"{path}: {where}column {name!r} is not valid UTF-8 text") from None
 
 
-def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
+def check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
     if "ts" not in raw.column_names or not pa.types.is_timestamp(raw.schema.field("ts").type):
         return
     ts = _combined(raw.column("ts"))
@@ -140,8 +140,8 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
     int32, and every hash is non-null, non-empty bytes. Returns the batch's
     ``block_hashes`` as one Arrow array."""
     for name in ("kind", "request_id", "medium"):
-        _check_utf8(path, raw, name)
-    _check_ts(path, raw)
+        check_utf8(path, raw, name)
+    check_ts(path, raw)
     gid = _combined(raw.column("group_id"))
     narrow = pa.types.is_integer(gid.type) and gid.type.bit_width < 32
     if not narrow and gid.null_count < len(gid) and not pa.types.is_null(gid.type):
@@ -190,7 +190,7 @@ def validate_rows(
     return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
 
 
-def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
+def to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
     """``data`` as a polars frame, leaving its schema and field metadata
     behind: polars panics on metadata that is not UTF-8 (a damaged footer),
     and the columns are all the frame needs."""
@@ -203,7 +203,7 @@ def _to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:
 
 
 def _canonical_frame(batch: pa.RecordBatch | pa.Table) -> pl.DataFrame:
-    frame = _to_polars(batch)
+    frame = to_polars(batch)
     exprs = []
     for name, dtype in EMPTY_POLARS.items():
         if name in frame.columns:

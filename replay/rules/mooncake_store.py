@@ -12,7 +12,7 @@ Two modes of the one model:
   request, evicting after a request's touches; the generators and importers
   (``replay.sources.workload``).
 With an LRU order, unit costs and keys one at a time the two make the same
-evictions (tests/test_mooncake_store.py).
+evictions (tests/rules/test_mooncake_store.py).
 """
 
 from __future__ import annotations

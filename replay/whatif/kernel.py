@@ -13,7 +13,7 @@ The requests come as dense integer ids of their hashes
 (``replay.whatif.requests.Requests``), so a key is ``(group, id)`` and the tables
 are flat arrays indexed by it.
 
-The Python model stays the specification: ``tests/test_whatif_kernel.py``
+The Python model stays the specification: ``tests/whatif/test_whatif_kernel.py``
 runs both on random streams, configurations, budgets, retention settings,
 capacities and evictions and requires every request's hit, every fact
 count and the evicted blocks to be equal; the vLLM differential tests run
@@ -26,7 +26,7 @@ prompt fitting the pool, chained hashes and at most two copies of a key (a
 recomputed present block: the pass counts the stale copy). In a
 hybrid pool a request's hit need not even grow with the capacity (a larger
 pool keeps other blocks, the fixed point settles elsewhere, the request
-stores other Mamba states or window tails): ``tests/test_whatif_kernel.py``
+stores other Mamba states or window tails): ``tests/whatif/test_whatif_kernel.py``
 finds such a request on random streams for full + Mamba and full + sliding
 window. Everything outside that class is simulated, compiled, capacity by
 capacity.

@@ -16,7 +16,7 @@ Only the common shapes: full-attention and Mamba (align) groups, each block
 one hash unit, with or without EAGLE, under a policy whose mirror rules are
 vLLM 0.33's (the EAGLE drop once per candidate, with or without Mamba's peek
 margin) and whose stores are 0.33's (``replay.rules.coordinator.stores``). ``supported`` says why anything else runs the Python model, which
-stays the specification: ``tests/test_whatif_mooncake_kernel.py`` requires
+stays the specification: ``tests/whatif/test_whatif_mooncake_kernel.py`` requires
 every field of every row and every request's hit to be equal on random
 traces, capacities and evictions.
 """

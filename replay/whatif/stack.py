@@ -56,12 +56,12 @@ that breaks it, and that capacity must be simulated on its own:
 * ``REPEATED``: a prompt names one hash twice (no chained hashes): it
   caches two copies of it at every capacity.
 
-Any other configuration (hybrid models: ``tests/test_whatif_kernel.py``
+Any other configuration (hybrid models: ``tests/whatif/test_whatif_kernel.py``
 shows their hits do not even grow with the capacity; an EAGLE drop, which
 recomputes a present block on every hit) is refused by ``exact_config``.
-The proof is ``tests/test_whatif_stack.py``: random streams and capacities
+The proof is ``tests/whatif/test_whatif_stack.py``: random streams and capacities
 inside the class, every field equal to the per-capacity runs, and the
-concrete cases outside it; ``tests/test_whatif_vllm.py`` checks it against
+concrete cases outside it; ``tests/vllm/test_whatif_vllm.py`` checks it against
 vLLM's own ``KVCacheManager``.
 """
 

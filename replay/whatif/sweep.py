@@ -19,7 +19,7 @@ concurrency model.
 holds its hash) is furthest, deepest first among equals. That is the
 offline optimum for independent keys; a prefix hit also needs every key
 before it, so here it is a strong offline reference, not a proven bound
-(``tests/test_whatif.py`` checks it never loses to ``lru`` for full
+(``tests/whatif/test_whatif.py`` checks it never loses to ``lru`` for full
 attention on random streams).
 
 Each run can be written as a trace (``emit``): its lookups and the key

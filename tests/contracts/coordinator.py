@@ -4,11 +4,11 @@ lengths and load masks (vLLM 0.33.0's answers), and the properties every
 answer keeps.
 
 A coordinator subclasses ``CoordinatorContract`` and says how to build one
-(``make``): the reference in ``tests/test_coordinator.py``, vLLM's own
+(``make``): the reference in ``tests/rules/test_coordinator.py``, vLLM's own
 coordinator (``VllmCoordinator``, ``make test-vllm``) in
-``tests/test_vllm_differential.py``. Rules that look at the reference's
+``tests/vllm/test_vllm_differential.py``. Rules that look at the reference's
 internals (its spec groups, its explain steps) stay in
-``tests/test_coordinator.py``.
+``tests/rules/test_coordinator.py``.
 
 Hash units are ``H[i]``; ``present[g]`` lists the units group ``g`` holds a
 key for (a group's key for block ``j`` is the unit that ends the block, as

@@ -58,7 +58,7 @@ from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_p
 
 #: Every name of vLLM's starting with an underscore that this package
 #: touches, because vLLM offers no public way in: why, and the releases it
-#: was checked on. ``tests/test_adapters_private_names.py`` scans the package
+#: was checked on. ``tests/adapters/test_private_names_table.py`` scans the package
 #: and fails on any other (and on an entry no longer used).
 PRIVATE_NAMES: dict[str, tuple[str, str]] = {
     # The hybrid engine coordinator's spec groups (``attention_groups``) keep
@@ -728,7 +728,7 @@ class VllmCoordinator(LookupCoordinator):
             )
         except (AttributeError, TypeError) as exc:
             raise VllmUnavailable(
-                f"--coordinator vllm: the installed vLLM {self.version}'s "
+                f"`coordinator` vllm: the installed vLLM {self.version}'s "
                 f"MooncakeStoreWorker.lookup reads state this backend does not give "
                 f"({type(exc).__name__}: {exc}; its internal API moved)"
             ) from None

@@ -10,7 +10,7 @@ Compiled: a bucket queue (``replay.rules.eviction.queue``), the bucket
 bucket; the future is the trace's (``replay.whatif.requests.Requests``:
 per unit its next use, or per key its uses, ``next_use``). The Python model
 is ``replay.rules.eviction.order.EvictionOrder``; both meet one contract
-(``tests/test_eviction_orders.py``).
+(``tests/rules/test_eviction_orders.py``).
 """
 
 from __future__ import annotations

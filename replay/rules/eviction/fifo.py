@@ -5,7 +5,7 @@ Compiled: a bucket queue (``replay.rules.eviction.queue``) keyed by the
 arrival: ``arrive`` stamps an item from ``st``'s counter into its ``side``
 row (column ``S_BORN``), ``bucket`` is that stamp. The Python model is
 ``replay.rules.eviction.order.EvictionOrder``; both meet one contract
-(``tests/test_eviction_orders.py``).
+(``tests/rules/test_eviction_orders.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Compiled: a bucket queue (``replay.rules.eviction.queue``) keyed by the use
 count in the item's ``side`` row (column ``S_USED``), zeroed on arrival and
 counted by ``used``. The Python model is
 ``replay.rules.eviction.order.EvictionOrder``; both meet one contract
-(``tests/test_eviction_orders.py``).
+(``tests/rules/test_eviction_orders.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ tail again. Compiled: one doubly linked list over ``replay.rules.eviction.queue`
 Mooncake kernel; the GPU pool's kernel (``replay.whatif.kernel``) writes
 these three steps out where it runs them per block (as calls they made an
 LRU run over twice as slow). The Python model is ``replay.rules.eviction.order.EvictionOrder``; both meet
-one contract (``tests/test_eviction_orders.py``).
+one contract (``tests/rules/test_eviction_orders.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Each order is defined in its own module (``lru``, ``fifo``, ``lfu``,
 ``belady`` beside this one), with the compiled steps the what-if's kernels
 run; this class and those steps meet one contract
-(``tests/test_eviction_orders.py``): the same victims for the same
+(``tests/rules/test_eviction_orders.py``): the same victims for the same
 operations, against one reference.
 """
 
