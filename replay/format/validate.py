@@ -86,7 +86,17 @@ def _check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
     if ts.null_count == len(ts):
         return
     values = ts.cast(pa.int64())
-    i = _first(pc.or_(pc.less(values, lo), pc.greater(values, hi)))
+    # numpy, not pyarrow.compute with Python scalars: converting those tries
+    # to import dateutil on every call (a search of sys.path when it is not
+    # installed), which replay watch would pay on every engine's batch.
+    ticks = np.frombuffer(values.buffers()[1], dtype=np.int64)[
+        values.offset : values.offset + len(values)
+    ]
+    out = (ticks < lo) | (ticks > hi)
+    if values.null_count:
+        out &= pc.is_valid(values).to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(out)
+    i = int(bad[0]) if bad.size else None
     if i is not None:
         raise TraceError(
             f"{path}: {_where(raw, i)}: ts {values[i].as_py()} {ts.type.unit} since the "
@@ -143,7 +153,13 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
         _check_utf8(path, raw, name)
     _check_ts(path, raw)
     gid = _combined(raw.column("group_id"))
-    narrow = pa.types.is_integer(gid.type) and gid.type.bit_width < 32
+    # Every value of the type fits int32: nothing to check (the trace schema's
+    # own int32 included; a pyarrow.compute call with Python scalars tries to
+    # import dateutil each time, which a watch's small batches would pay).
+    narrow = pa.types.is_integer(gid.type) and (
+        gid.type.bit_width < 32
+        or (gid.type.bit_width == 32 and pa.types.is_signed_integer(gid.type))
+    )
     if not narrow and gid.null_count < len(gid) and not pa.types.is_null(gid.type):
         i = _first(pc.or_(pc.less(gid, _INT32[0]), pc.greater(gid, _INT32[1])))
         if i is not None:
