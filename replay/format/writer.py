@@ -74,19 +74,19 @@ def trace_schema(config: TraceConfig) -> pa.Schema:
     return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
 
 
+_COLUMN_SET = frozenset(TRACE_COLUMNS)
+
+
 def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.Table:
     """A trace table from row dicts (missing columns are null; ``seq`` defaults
     to the row index). For tests, generators and importers of modest size."""
-    columns: dict[str, list[Any]] = {name: [] for name in TRACE_COLUMNS}
     for index, row in enumerate(rows):
-        unknown = set(row) - set(TRACE_COLUMNS)
-        if unknown:
+        if not _COLUMN_SET.issuperset(row):
+            unknown = set(row) - _COLUMN_SET
             raise TraceError(f"row {index}: unknown trace columns {sorted(unknown)}")
-        for name in TRACE_COLUMNS:
-            value = row.get(name)
-            if name == "seq" and value is None:
-                value = index
-            columns[name].append(value)
+    # Column by column (replay watch makes a table of every engine's batch).
+    columns = {name: [row.get(name) for row in rows] for name in TRACE_COLUMNS}
+    columns["seq"] = [index if s is None else s for index, s in enumerate(columns["seq"])]
     schema = trace_schema(config)
     arrays = []
     for f in schema:
