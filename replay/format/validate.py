@@ -11,7 +11,14 @@ import pyarrow.compute as pc
 from replay.base.errors import TraceError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
-from replay.format.schema import _EMPTY_POLARS, EVENT_KINDS, TraceBatch, _one_line, _string_ok
+from replay.format.schema import (
+    _EMPTY_POLARS,
+    EVENT_KINDS,
+    KIND_ENUM,
+    TraceBatch,
+    _one_line,
+    _string_ok,
+)
 
 #: Token counts above this are refused: sums over millions of lookups
 #: (hit ratios, report totals) must stay inside int64.
@@ -210,8 +217,7 @@ def validate_rows(
     return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
 
 
-_KIND_CODES = {kind: i for i, kind in enumerate(EVENT_KINDS)}
-_STORE, _REMOVE, _LOOKUP = (_KIND_CODES[k] for k in ("store", "remove", "lookup"))
+_STORE, _REMOVE, _LOOKUP = (EVENT_KINDS.index(k) for k in ("store", "remove", "lookup"))
 
 
 def _plainly_valid(config: TraceConfig, frame: pl.DataFrame, last_seq: int | None) -> bool:
@@ -230,9 +236,12 @@ def _plainly_valid(config: TraceConfig, frame: pl.DataFrame, last_seq: int | Non
     nulls = frame.null_count().row(0, named=True)
     if nulls["seq"] or nulls["kind"]:
         return False
-    kind = frame["kind"].replace_strict(_KIND_CODES, default=-1, return_dtype=pl.Int8).to_numpy()
+    try:
+        kind = frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()
+    except pl.exceptions.InvalidOperationError:  # an unknown kind
+        return False
     seq = frame["seq"].to_numpy()
-    if (kind < 0).any() or (last_seq is not None and seq[0] <= last_seq):
+    if last_seq is not None and seq[0] <= last_seq:
         return False
     if seq.shape[0] > 1 and not (seq[1:] > seq[:-1]).all():
         return False
