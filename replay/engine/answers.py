@@ -21,7 +21,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -467,7 +467,14 @@ def results_of(
 
 
 def _dictionary(n: int, value: str) -> pa.Array:
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([value]))
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), _one_value(value))
+
+
+@lru_cache(maxsize=256)
+def _one_value(value: str) -> pa.Array:
+    # Made once: a Python list converted by pyarrow tries to import dateutil
+    # (a search of sys.path when it is not installed), per batch in replay watch.
+    return pa.array([value])
 
 
 def _nullable(values: np.ndarray[Any, Any], dtype: Any) -> pa.Array:

@@ -45,10 +45,12 @@ from replay.engine.answers import (
 )
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, key_meta, mix
 from replay.format.hashwords import HashWords, hash_words
-from replay.format.schema import TraceBatch
+from replay.format.schema import EVENT_KINDS, KIND_ENUM, TraceBatch
 from replay.format.trace import TraceReader, prefetched
 
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
+#: The kernel's code of each of ``EVENT_KINDS``, by its index there.
+_KERNEL_KINDS = np.array([KIND_CODES[k] for k in EVENT_KINDS], dtype=np.int8)
 
 #: Decorrelates the shard from the table slot, which uses the same key
 #: meta's high bits: without it a shard's keys would crowd 1/K of its table.
@@ -153,7 +155,8 @@ def scatter(
     (with their hashes when ``lookup_hashes``: a coordinator that asks by
     hash needs them)."""
     frame = batch.frame
-    kinds = frame["kind"].replace_strict(KIND_CODES, return_dtype=pl.Int8).to_numpy()
+    # A validated batch: every kind is one of EVENT_KINDS.
+    kinds = _KERNEL_KINDS[frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()]
     gids = frame["group_id"].fill_null(-1).to_numpy().astype(np.int32)
     is_lookup = kinds == LOOKUP
     n_hashes = frame["n_hashes"].fill_null(0).to_numpy().astype(np.int64)

@@ -3,11 +3,61 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import pyarrow as pa
+
+
+class PackedHashes(Sequence[bytes]):
+    """A row's ``block_hashes`` of one width in one bytes object, as a live
+    source makes them (``replay watch``: vLLM's integer hashes packed in one
+    call, the plugin's hex in one ``fromhex``) without a bytes object per
+    hash. To everything else it is a sequence of bytes (equal to the list
+    of them); ``replay.format.writer.events_table`` builds the Arrow column
+    from ``data`` in one copy."""
+
+    __slots__ = ("data", "width")
+
+    def __init__(self, data: bytes, width: int) -> None:
+        if width <= 0 or len(data) % width:
+            raise ValueError(f"{len(data)} bytes are not a whole number of {width}-byte hashes")
+        self.data = data
+        self.width = width
+
+    def __len__(self) -> int:
+        return len(self.data) // self.width
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        n, w = len(self), self.width
+        if not -n <= index < n:
+            raise IndexError(index)
+        index %= n
+        return self.data[index * w : (index + 1) * w]
+
+    def __iter__(self) -> Iterator[bytes]:
+        w, data = self.width, self.data
+        return (data[i : i + w] for i in range(0, len(data), w))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedHashes):
+            return self.width == other.width and self.data == other.data
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PackedHashes({list(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,10 @@ EXPECT_META_KEY = b"replay.expect"
 
 
 EVENT_KINDS = ("store", "remove", "clear", "lookup")
+#: A ``kind`` column cast to it gives each row's index in ``EVENT_KINDS`` (its
+#: physical codes), a far cheaper call than a replace on a small batch; an
+#: unknown kind is an ``InvalidOperationError``.
+KIND_ENUM = pl.Enum(EVENT_KINDS)
 
 
 #: Where a trace is read from or written to: a path, or a binary file

@@ -11,7 +11,14 @@ import pyarrow.compute as pc
 from replay.base.errors import TraceError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import TraceConfig
-from replay.format.schema import EMPTY_POLARS, EVENT_KINDS, TraceBatch, one_line, string_ok
+from replay.format.schema import (
+    EMPTY_POLARS,
+    EVENT_KINDS,
+    KIND_ENUM,
+    TraceBatch,
+    one_line,
+    string_ok,
+)
 
 #: Token counts above this are refused: sums over millions of lookups
 #: (hit ratios, report totals) must stay inside int64.
@@ -86,7 +93,17 @@ def check_ts(path: str, raw: pa.RecordBatch | pa.Table) -> None:
     if ts.null_count == len(ts):
         return
     values = ts.cast(pa.int64())
-    i = _first(pc.or_(pc.less(values, lo), pc.greater(values, hi)))
+    # numpy, not pyarrow.compute with Python scalars: converting those tries
+    # to import dateutil on every call (a search of sys.path when it is not
+    # installed), which replay watch would pay on every engine's batch.
+    ticks = np.frombuffer(values.buffers()[1], dtype=np.int64)[
+        values.offset : values.offset + len(values)
+    ]
+    out = (ticks < lo) | (ticks > hi)
+    if values.null_count:
+        out &= pc.is_valid(values).to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(out)
+    i = int(bad[0]) if bad.size else None
     if i is not None:
         raise TraceError(
             f"{path}: {_where(raw, i)}: ts {values[i].as_py()} {ts.type.unit} since the "
@@ -143,7 +160,13 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
         check_utf8(path, raw, name)
     check_ts(path, raw)
     gid = _combined(raw.column("group_id"))
-    narrow = pa.types.is_integer(gid.type) and gid.type.bit_width < 32
+    # Every value of the type fits int32: nothing to check (the trace schema's
+    # own int32 included; a pyarrow.compute call with Python scalars tries to
+    # import dateutil each time, which a watch's small batches would pay).
+    narrow = pa.types.is_integer(gid.type) and (
+        gid.type.bit_width < 32
+        or (gid.type.bit_width == 32 and pa.types.is_signed_integer(gid.type))
+    )
     if not narrow and gid.null_count < len(gid) and not pa.types.is_null(gid.type):
         i = _first(pc.or_(pc.less(gid, _INT32[0]), pc.greater(gid, _INT32[1])))
         if i is not None:
@@ -187,7 +210,57 @@ def validate_rows(
     frame = _canonical_frame(raw.drop_columns(["block_hashes"])).with_columns(
         pl.Series("n_hashes", pc.list_value_length(hashes), dtype=pl.Int64)
     )
+    if _plainly_valid(config, frame, last_seq):
+        return TraceBatch(frame=frame, hashes=hashes), (
+            int(frame["seq"][-1]) if frame.height else last_seq
+        )
     return TraceBatch(frame=frame, hashes=hashes), _validate_batch(path, config, frame, last_seq)
+
+
+_STORE, _REMOVE, _LOOKUP = (EVENT_KINDS.index(k) for k in ("store", "remove", "lookup"))
+
+
+def _plainly_valid(config: TraceConfig, frame: pl.DataFrame, last_seq: int | None) -> bool:
+    """``_validate_batch``'s checks on numpy arrays: True when every row
+    passes them. A small batch (``replay watch`` folds many) pays polars'
+    fixed cost per expression, about twenty of them; this is a few numpy
+    calls. False (whatever the fault) sends the batch to
+    ``_validate_batch``, the one home of the rules' messages, which names
+    the first bad row; so this may refuse too much, never too little.
+
+    Nullable integers come out as float64 with NaN for null: a comparison
+    with NaN is False, as polars' ``fill_null(False)``; every value that
+    passes is at most 2**48, exact in a float."""
+    if frame.height == 0:
+        return True
+    nulls = frame.null_count().row(0, named=True)
+    if nulls["seq"] or nulls["kind"]:
+        return False
+    try:
+        kind = frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()
+    except pl.exceptions.InvalidOperationError:  # an unknown kind
+        return False
+    seq = frame["seq"].to_numpy()
+    if last_seq is not None and seq[0] <= last_seq:
+        return False
+    if seq.shape[0] > 1 and not (seq[1:] > seq[:-1]).all():
+        return False
+    gid, n_hashes, max_length, num_tokens, observed = (
+        frame[name].to_numpy().astype(np.float64, copy=False)
+        for name in ("group_id", "n_hashes", "max_length", "num_tokens", "observed_hit_tokens")
+    )
+    lookup = kind == _LOOKUP
+    keyed = (kind == _STORE) | (kind == _REMOVE)
+    has_hashes = ~np.isnan(n_hashes)
+    bad = (keyed & (np.isnan(gid) | ~has_hashes)) | (gid < 0) | (gid >= config.num_groups)
+    bad |= lookup & (np.isnan(max_length) | ~has_hashes | (max_length < 0))
+    if nulls["request_id"]:
+        bad |= lookup & frame["request_id"].is_null().to_numpy()
+    bad |= (num_tokens < 0) | (num_tokens < max_length) | (observed < 0)
+    bad |= (max_length > TOKEN_LIMIT) | (num_tokens > TOKEN_LIMIT) | (observed > TOKEN_LIMIT)
+    covered = (np.where(has_hashes, n_hashes, 0) + 1) * config.hash_block_size
+    bad |= lookup & (max_length >= covered)
+    return not bool(bad.any())
 
 
 def to_polars(data: pa.RecordBatch | pa.Table) -> pl.DataFrame:

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from replay.base.errors import TraceError
 from replay.base.spec import TraceConfig
+from replay.format.hashwords import PackedHashes
 from replay.format.paths import arrow_file, atomic_output, os_reason, pause_point
 from replay.format.schema import (
     EXPECT_META_KEY,
@@ -73,22 +74,27 @@ def trace_schema(config: TraceConfig) -> pa.Schema:
     return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
 
 
+_COLUMN_SET = frozenset(TRACE_COLUMNS)
+
+
 def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.Table:
     """A trace table from row dicts (missing columns are null; ``seq`` defaults
     to the row index). For tests, generators and importers of modest size."""
-    columns: dict[str, list[Any]] = {name: [] for name in TRACE_COLUMNS}
     for index, row in enumerate(rows):
-        unknown = set(row) - set(TRACE_COLUMNS)
-        if unknown:
+        if not _COLUMN_SET.issuperset(row):
+            unknown = set(row) - _COLUMN_SET
             raise TraceError(f"row {index}: unknown trace columns {sorted(unknown)}")
-        for name in TRACE_COLUMNS:
-            value = row.get(name)
-            if name == "seq" and value is None:
-                value = index
-            columns[name].append(value)
+    # Column by column (replay watch makes a table of every engine's batch).
+    columns = {name: [row.get(name) for row in rows] for name in TRACE_COLUMNS}
+    columns["seq"] = [index if s is None else s for index, s in enumerate(columns["seq"])]
     schema = trace_schema(config)
     arrays = []
     for f in schema:
+        if f.name == "block_hashes":
+            packed = _packed_column(columns[f.name])
+            if packed is not None:
+                arrays.append(packed)
+                continue
         try:
             arrays.append(pa.array(columns[f.name], type=f.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
@@ -96,6 +102,31 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
                 f"column {f.name!r}: a value does not fit {EXPECTED_TYPE[f.name]} ({one_line(exc)})"
             ) from None
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _packed_column(values: list[Any]) -> pa.Array | None:
+    """The ``block_hashes`` column from rows whose hashes are all
+    ``PackedHashes`` (or null): their bytes joined once, the offsets from
+    the counts and widths, no object per hash. None for any other rows
+    (``pa.array`` reads them, and says what does not fit)."""
+    if not all(v is None or type(v) is PackedHashes for v in values):
+        return None
+    counts = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    widths = np.fromiter((0 if v is None else v.width for v in values), np.int64, len(values))
+    data = b"".join([v.data for v in values if v is not None])
+    if len(data) >= 1 << 31:
+        return None  # past binary's int32 offsets: pa.array makes it chunked or says so
+    list_off = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(counts, out=list_off[1:])
+    value_off = np.zeros(int(list_off[-1]) + 1, dtype=np.int32)
+    np.cumsum(np.repeat(widths, counts), out=value_off[1:])
+    hashes = pa.Array.from_buffers(
+        pa.binary(), int(list_off[-1]), [None, pa.py_buffer(value_off), pa.py_buffer(data)]
+    )
+    nulls = None
+    if any(v is None for v in values):
+        nulls = pa.array([v is None for v in values], type=pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(list_off), hashes, mask=nulls)
 
 
 def conform(path: str | os.PathLike[str], table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -18,14 +18,16 @@ bytes big-endian.
 from __future__ import annotations
 
 import struct
-from collections import Counter
-from collections.abc import Collection
+from collections import Counter, deque
+from collections.abc import Collection, Sequence
 from datetime import datetime
+from itertools import repeat
 from typing import Any
 
 from replay.base.errors import ReplayError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.format.hashwords import PackedHashes
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
 from replay.sources.values import Row
@@ -41,18 +43,74 @@ def trace_hashes(hashes: tuple[bytes | int, ...]) -> list[bytes]:
     return [h if isinstance(h, bytes) else h.to_bytes(8, "big") for h in hashes]
 
 
-def _fast_hashes(hashes: tuple[bytes | int, ...]) -> tuple[list[bytes], int] | None:
-    """Hashes all of one type, as the trace stores them in C-speed calls,
-    and the longest one's bytes (0 for integers: the limit is on bytes
-    hashes); None for a mix of both (read one by one)."""
+#: A copy count's key: an integer hash and its 8 bytes are one key (an
+#: ``int``, as vLLM sends it), any other width its bytes.
+CopyKey = int | bytes
+
+
+def _fast_hashes(
+    hashes: tuple[bytes | int, ...],
+) -> tuple[PackedHashes, Sequence[CopyKey], int] | None:
+    """Hashes all of one type and width, as the trace stores them, packed in
+    C-speed calls with no object per hash: the packed row value, the copy
+    keys (the integers as they came) and the longest hash's bytes (0 for
+    integers: the limit is on bytes hashes); None for a mix of types or
+    widths, or no hashes (read one by one)."""
+    if not hashes:
+        return None
     packed = _packed(hashes)
     if packed is not None:
-        return _split8(packed), 0
+        return PackedHashes(packed, 8), hashes, 0
     try:
-        widest = max(map(len, hashes), default=0)  # type: ignore[arg-type]
+        data = b"".join(hashes)  # type: ignore[arg-type]
     except TypeError:  # an integer among bytes
         return None
-    return list(hashes), widest  # type: ignore[arg-type]
+    widths = set(map(len, hashes))  # type: ignore[arg-type]
+    if len(widths) != 1 or 0 in widths:
+        return None
+    (width,) = widths
+    keys = struct.unpack(f">{len(hashes)}Q", data) if width == 8 else hashes
+    return PackedHashes(data, width), keys, width
+
+
+def _remove_copies(copies: Counter[CopyKey], keys: Sequence[CopyKey]) -> list[int] | None:
+    """One copy of each of ``keys`` gone, in order; the positions of the keys
+    whose last copy went, or None for all of them. The common case (no key
+    with a second copy: each goes) is two C-speed passes, not a Python
+    step per hash."""
+    if not keys:
+        return []
+    if max(map(copies.get, keys, repeat(0)), default=0) <= 1:
+        # Each key's count drops to zero or below, a repeat's too: all go.
+        deque(map(copies.pop, keys, repeat(0)), maxlen=0)
+        return None
+    gone: list[int] = []
+    for i, h in enumerate(keys):
+        left = copies.get(h, 0) - 1
+        if left > 0:
+            copies[h] = left
+        else:
+            copies.pop(h, None)
+            gone.append(i)
+    return gone
+
+
+def _subset(hashes: Sequence[bytes], index: list[int]) -> Sequence[bytes]:
+    """``hashes`` at ``index`` (ascending): the same object when that is all of them."""
+    if len(index) == len(hashes):
+        return hashes
+    if isinstance(hashes, PackedHashes):
+        w, data = hashes.width, hashes.data
+        return PackedHashes(b"".join([data[i * w : (i + 1) * w] for i in index]), w)
+    return [hashes[i] for i in index]
+
+
+def _copy_key(h: bytes) -> CopyKey:
+    return int.from_bytes(h, "big") if len(h) == 8 else h
+
+
+def _key_bytes(key: CopyKey) -> bytes:
+    return key.to_bytes(8, "big") if isinstance(key, int) else key
 
 
 def _packed(hashes: tuple[bytes | int, ...]) -> bytes | None:
@@ -122,8 +180,9 @@ class EventConverter:
         self.media = None if media is None else frozenset(medium_key(m) for m in media)
         self.next_seq = start_seq
         # Per group, a Counter: a store's copies are counted in one C call
-        # (``update``); see ``copies``.
-        self._copies: list[Counter[bytes]] = [Counter() for _ in config.groups]
+        # (``update``), keyed by ``CopyKey`` (vLLM's integers as they came:
+        # no bytes object per hash); see ``copies``.
+        self._copies: list[Counter[CopyKey]] = [Counter() for _ in config.groups]
         self.kv_events = 0
         self.filtered_events = 0
         self._checked_groups: set[int] = set()
@@ -131,7 +190,9 @@ class EventConverter:
     @property
     def copies(self) -> dict[tuple[int, bytes], int]:
         """The copy count per ``(group_id, hash)`` of the keys with a copy left."""
-        return {(g, h): n for g, c in enumerate(self._copies) for h, n in c.items() if n > 0}
+        return {
+            (g, _key_bytes(h)): n for g, c in enumerate(self._copies) for h, n in c.items() if n > 0
+        }
 
     def _clear(self) -> None:
         for c in self._copies:
@@ -214,22 +275,24 @@ class EventConverter:
                 self.filtered_events += 1
                 continue
             fast = _fast_hashes(event.block_hashes)
+            hashes: Sequence[bytes]
             if fast is None:
                 check_limits(event)
                 gid = self._group(event)
                 # An integer hash and its 8 bytes are one trace key.
                 hashes = trace_hashes(event.block_hashes)
+                keys: Sequence[CopyKey] = [_copy_key(h) for h in hashes]
             else:
                 # The limits read once a batch (each is an env lookup).
                 if limits is None:
                     limits = ROW_HASHES.value(), HASH_BYTES.value()
-                hashes, widest = fast
+                hashes, keys, widest = fast
                 if len(hashes) > limits[0] or widest > limits[1]:
                     check_limits(event)
                 gid = self._group(event)
             copies = self._copies[gid]
             if isinstance(event, BlockStored):
-                copies.update(hashes)
+                copies.update(keys)
                 if hashes:
                     rows.append(
                         self._row(
@@ -241,18 +304,15 @@ class EventConverter:
                         )
                     )
             else:
-                gone: list[bytes] = []
-                for h in hashes:
-                    left = copies.get(h, 0) - 1
-                    if left > 0:
-                        copies[h] = left
-                    else:
-                        copies.pop(h, None)
-                        gone.append(h)
-                if gone:
+                gone = _remove_copies(copies, keys)
+                if gone is None or gone:
                     rows.append(
                         self._row(
-                            ts, "remove", group_id=gid, block_hashes=gone, medium=event.medium
+                            ts,
+                            "remove",
+                            group_id=gid,
+                            block_hashes=hashes if gone is None else _subset(hashes, gone),
+                            medium=event.medium,
                         )
                     )
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 from replay.base.errors import ReplayError, TraceError
 from replay.base.limits import ROW_HASHES, bounded_lines
 from replay.base.spec import TraceConfig
+from replay.format.hashwords import PackedHashes
 from replay.sources.values import (
     Row,
     hash_bytes,
@@ -37,7 +38,8 @@ class LookupRecord:
     ts: datetime
     line: int
     request_id: str = field(compare=False)
-    block_hashes: tuple[bytes, ...] = field(compare=False)
+    #: ``PackedHashes`` when they came in one form (no bytes object per hash).
+    block_hashes: Sequence[bytes] = field(compare=False)
     max_length: int = field(compare=False)
     num_tokens: int | None = field(default=None, compare=False)
     observed_hit_tokens: int | None = field(default=None, compare=False)
@@ -47,7 +49,9 @@ class LookupRecord:
             "seq": seq,
             "ts": self.ts,
             "kind": "lookup",
-            "block_hashes": list(self.block_hashes),
+            "block_hashes": self.block_hashes
+            if isinstance(self.block_hashes, PackedHashes)
+            else list(self.block_hashes),
             "request_id": self.request_id,
             "max_length": self.max_length,
             "num_tokens": self.num_tokens,
@@ -93,7 +97,7 @@ def _lookup_hash(value: object) -> bytes:
     )
 
 
-def _hex_hashes(raw: list[Any]) -> list[bytes] | None:
+def _hex_hashes(raw: list[Any]) -> PackedHashes | None:
     """The plugin's form, hex strings of one even width, decoded in one
     ``bytes.fromhex`` (as ``_lookup_hash`` decodes each); None for any other
     list, which ``_lookup_hash`` then reads one by one (and names the bad one)."""
@@ -114,7 +118,7 @@ def _hex_hashes(raw: list[Any]) -> list[bytes] | None:
     k = width // 2
     if len(data) != k * len(raw):  # fromhex skips whitespace: read them one by one
         return None
-    return [data[i : i + k] for i in range(0, len(data), k)]
+    return PackedHashes(data, k)
 
 
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
@@ -155,14 +159,15 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
         )
     if len(raw_hashes) > ROW_HASHES.value():
         raise ValueError(str(ROW_HASHES.refuse("field 'block_hashes' holds", len(raw_hashes))))
-    hashes = _hex_hashes(raw_hashes)
+    hashes: Sequence[bytes] | None = _hex_hashes(raw_hashes)
     if hashes is None:
-        hashes = []
+        one_by_one: list[bytes] = []
         for j, h in enumerate(raw_hashes):
             try:
-                hashes.append(_lookup_hash(h))
+                one_by_one.append(_lookup_hash(h))
             except ValueError as exc:
                 raise ValueError(f"field 'block_hashes'[{j}]: {exc}") from None
+        hashes = tuple(one_by_one)
     num_tokens = _opt_count(obj, "num_tokens")
     observed = _opt_count(obj, "observed_hit_tokens")
     max_length = _opt_count(obj, "max_length")
@@ -186,7 +191,7 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
         ts=ts,
         line=line,
         request_id=str(request_id),
-        block_hashes=tuple(hashes),
+        block_hashes=hashes,
         max_length=max_length,
         num_tokens=num_tokens,
         observed_hit_tokens=observed,

@@ -12,7 +12,15 @@ from typing import Any
 import polars as pl
 import pytest
 
-from replay.analysis.flags import FLAG_KINDS, flag_counts, recompute_flags, result_flags
+from replay.analysis.flags import (
+    FLAG_KINDS,
+    Layout,
+    add_flags,
+    flag_counts,
+    flag_exprs,
+    recompute_flags,
+    result_flags,
+)
 from replay.base.errors import ConfigError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.schema import FACT_COLUMNS
@@ -473,3 +481,27 @@ def test_results_files_with_and_without_facts(tmp_path: Path) -> None:
     bad = run_cli(["check", str(tmp_path / "part.results.parquet")])
     assert bad.exit_code == 2
     assert "missing column 'attention_tokens' (the facts columns" in bad.stderr
+
+
+def test_details_of_the_flagged_lookups_alone_are_the_whole_frames_33(tmp_path: Path) -> None:
+    # add_flags works the details out for the flagged lookups only (their
+    # plan is most of a small batch's cost in replay watch): the same frame.
+    hs = chain(4, "two")
+    miss = {"kind": "lookup", "request_id": "miss", "block_hashes": hs, "max_length": 63}
+    rows = [miss, *issue_43559_rows(), {**miss, "request_id": "miss-2"}]
+    path = write_trace(tmp_path / "t.parquet", full_mamba(), rows)
+    result = replay_trace(path, policy="pre-49502")
+    judged = add_flags(result.results, result.config)
+    whole = (
+        result.results.lazy()
+        .with_columns(*flag_exprs(Layout.of(result.config)))
+        .collect()
+        .select(judged.columns)
+    )
+    assert judged.equals(whole)
+    assert [[d["flag"] for d in ds] for ds in judged["flag_details"]] == [
+        [], ["mamba_overrun", "eagle_not_dropped"], []
+    ]  # fmt: skip
+    none = add_flags(result.results.filter(pl.col("request_id") != "req-43559"), result.config)
+    assert none["flag_details"].to_list() == [[], []]
+    assert none["flag_details"].dtype == judged["flag_details"].dtype

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import NoneType
 from typing import Any
 
 import pytest
 
+from replay.format.hashwords import PackedHashes
+from replay.format.writer import events_table
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_rows import EventConverter
 from replay.sources.kv_wire import decode_batch
@@ -124,3 +127,52 @@ def test_sliding_window_size_is_checked_too() -> None:
         "group_idx 1: the publisher says sliding window 128, but the config's group 1 "
         "has sliding_window 64"
     )
+
+
+def test_an_integer_hash_and_its_8_bytes_are_one_copy_33() -> None:
+    # The live path counts vLLM's integers as they came (no bytes object per
+    # hash); a publisher that sends the same key as 8 bytes counts the same copy.
+    conv = EventConverter(kv.one_group())
+    rows = convert(conv, kv.T0, kv.stored([1, 2]), kv.stored([kv.u64(1), kv.u64(3)]))
+    rows += convert(conv, kv.T0 + 1, kv.removed([kv.u64(1), kv.u64(2)]))  # 2 goes; 1 has two
+    rows += convert(conv, kv.T0 + 2, kv.removed([1, 3]))
+    assert kv.keyed(rows) == [
+        (0, "store", 0, [kv.u64(1), kv.u64(2)], "GPU"),
+        (1, "store", 0, [kv.u64(1), kv.u64(3)], "GPU"),
+        (2, "remove", 0, [kv.u64(2)], "GPU"),
+        (3, "remove", 0, [kv.u64(1), kv.u64(3)], "GPU"),
+    ]
+    assert conv.copies == {}
+
+
+def test_packed_rows_make_the_table_the_listed_rows_make_33() -> None:
+    config = kv.one_group()
+    conv = EventConverter(config)
+    wide: list[bytes | int] = [bytes([i]) * 32 for i in range(3)]
+    rows = convert(conv, kv.T0, kv.stored([5, 6, 7]), kv.stored(wide), kv.cleared())
+    rows += convert(conv, kv.T0 + 1, kv.removed([6]))
+    assert [type(r.get("block_hashes")) for r in rows] == [PackedHashes, PackedHashes, NoneType,
+                                                       PackedHashes]  # fmt: skip
+    listed = [{**r, "block_hashes": None if r.get("block_hashes") is None else list(r["block_hashes"])}
+              for r in rows]  # fmt: skip
+    packed = events_table(rows, config)
+    assert packed.equals(events_table(listed, config))
+    assert packed.column("block_hashes").to_pylist() == [
+        [kv.u64(5), kv.u64(6), kv.u64(7)], wide, None, [kv.u64(6)]
+    ]  # fmt: skip
+
+
+def test_a_remove_names_a_hash_twice_or_none_33() -> None:
+    # The fast path (no second copy anywhere) and the step-by-step one agree:
+    # a repeat in one remove goes twice; an empty remove writes no row.
+    conv = EventConverter(kv.one_group())
+    rows = convert(conv, kv.T0, kv.stored([1, 2]), kv.removed([1, 1, 2]), kv.removed([]))
+    rows += convert(conv, kv.T0 + 1, kv.stored([3]), kv.stored([3]), kv.removed([3, 3, 3]))
+    assert kv.keyed(rows) == [
+        (0, "store", 0, [kv.u64(1), kv.u64(2)], "GPU"),
+        (1, "remove", 0, [kv.u64(1), kv.u64(1), kv.u64(2)], "GPU"),
+        (2, "store", 0, [kv.u64(3)], "GPU"),
+        (3, "store", 0, [kv.u64(3)], "GPU"),
+        (4, "remove", 0, [kv.u64(3), kv.u64(3)], "GPU"),
+    ]
+    assert conv.copies == {}
