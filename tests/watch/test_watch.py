@@ -295,15 +295,16 @@ def test_a_restart_resets_the_store_and_gaps_are_counted_or_filled(tmp_path: Pat
             status_every=0.2,
         )
         with Running(opts) as running:
-            time.sleep(0.5)  # the lookup subscriptions are up
+            # Both lookup subscriptions are up once each engine's facts came
+            # (the plugin sends them again to every new subscriber; a lookup
+            # sent before its subscriber joined would be lost, and on a
+            # loaded machine the watch warms up slower than any fixed sleep).
+            wait_for(
+                lambda: sum(e.feed.placer is not None for e in running_engines(running)) == 2,
+                "both engines' facts",
+            )
             # The first engine's lookup comes before its restart, as it does.
             a_sink.send([lookup(0, 1, 0, [1, 2], 32, instance="a1")], watermark=3, instance="a1")
-            # (The engines exist once the watch has warmed up: on a loaded
-            # machine that may take longer than the sleep above.)
-            wait_for(
-                lambda: any(e.feed.placer is not None for e in running_engines(running)[:1]),
-                "a's facts",
-            )
             with a_pub, b_pub:
                 assert a_pub.done.wait(TIMEOUT) and b_pub.done.wait(TIMEOUT)
                 a_sink.engine(engine_record(one_group(), instance="a2"))
