@@ -241,8 +241,11 @@ def test_every_lookup_of_the_real_scheduler_is_judged_and_clean(
 def test_a_mamba_state_past_its_block_is_reported_live(
     models: Path, tmp_path: Path, mamba_state_past_its_block: list[float]
 ) -> None:
-    # A longer workload, so that it runs well past the watch's first verdicts.
-    watched = Watched(models, tmp_path, n_requests=600)
+    # A longer workload, so that it runs well past the watch's first verdicts:
+    # 600 requests took 1 s on a quiet machine with the first verdict 0.4 s
+    # after the first fault, and on a loaded one the verdict came 0.25 s
+    # after the workload's end; 2,000 give the watch about 3 s.
+    watched = Watched(models, tmp_path, n_requests=2000)
     summary = watched.run()
     dp0 = check_against_offline(summary, tmp_path)
     faults = len(mamba_state_past_its_block)
