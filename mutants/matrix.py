@@ -138,9 +138,13 @@ def main() -> None:
 
     problems: list[str] = []
     if base.get("error") or base["corpus"].get("exit") != 0:
-        problems.append(
-            f"the unmutated vLLM does not pass the corpus: {base.get('error') or base['corpus']}"
+        # Nothing can be judged against a baseline that failed: say why, stop.
+        print(
+            f"error: the unmutated vLLM does not pass the corpus: "
+            f"{base.get('error') or base['corpus']}",
+            file=sys.stderr,
         )
+        sys.exit(2)
     traces = sorted({Path(e["trace"]).name for e in base["corpus"].get("expectations", [])})
     rows: list[dict[str, Any]] = []
     for m in mutants:

@@ -46,7 +46,8 @@ def _corpus(paths: list[str]) -> dict[str, Any]:
             code = exc.code
     if code not in (0, 1):
         return {"exit": code, "error": (err.getvalue() or out.getvalue()).strip()[-2000:]}
-    result: dict[str, Any] = json.loads(out.getvalue().strip().splitlines()[-1])
+    # Its stdout is the one JSON document (indented: read it whole).
+    result: dict[str, Any] = json.loads(out.getvalue())
     result["exit"] = code
     return result
 
