@@ -144,3 +144,34 @@ def write_dump(path: Path, records: list[tuple[list[bytes], str]]) -> Path:
 
 def run_ingest(args: list[str]) -> Result:
     return CliRunner().invoke(ingest, args, catch_exceptions=False)
+
+
+def plugin_lookup(
+    n: int,
+    batch: int,
+    position: int,
+    hashes: list[int],
+    hit: int,
+    *,
+    admitted: bool = True,
+    instance: str = "e1",
+) -> dict[str, Any]:
+    """One lookup record as the vLLM plugin streams it: the ``n``-th lookup
+    (its step and timestamp), a prompt one token past its hashed blocks of
+    16 tokens, and the hit the engine served."""
+    return {
+        "type": "lookup",
+        "instance": instance,
+        "n": n,
+        "ts": T0 + n,
+        "step": n,
+        "batch": batch,
+        "position": position,
+        "request_id": f"r{n}",
+        "block_hashes": [u64(h).hex() for h in hashes],
+        "num_tokens": 16 * len(hashes) + 1,
+        "num_prompt_tokens": 16 * len(hashes) + 1,
+        "max_length": 16 * len(hashes),
+        "observed_hit_tokens": hit,
+        "admitted": admitted,
+    }

@@ -29,6 +29,7 @@ from tests.kvpayloads import (
     frames,
     one_group,
     payload,
+    plugin_lookup,
     removed,
     stored,
     two_groups,
@@ -48,22 +49,8 @@ def engine_record(instance: str = "e1") -> dict[str, Any]:
 def lookup(
     n: int, batch: int, position: int, hit: int, *, admitted: bool = True, instance: str = "e1"
 ) -> dict[str, Any]:
-    return {
-        "type": "lookup",
-        "instance": instance,
-        "n": n,
-        "ts": T0 + n,
-        "step": n,
-        "batch": batch,
-        "position": position,
-        "request_id": f"r{n}",
-        "block_hashes": [u64(1).hex(), u64(2).hex()],
-        "num_tokens": 33,
-        "num_prompt_tokens": 33,
-        "max_length": 32,
-        "observed_hit_tokens": hit,
-        "admitted": admitted,
-    }
+    """The recorder's tests' lookup: a 33-token prompt of two hashed blocks."""
+    return plugin_lookup(n, batch, position, [1, 2], hit, admitted=admitted, instance=instance)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]], tail: str = "") -> Path:

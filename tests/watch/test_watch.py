@@ -28,6 +28,7 @@ from replay.format.tracedir import open_trace
 from replay.sources.live import EngineEndpoints
 from replay.watch import Metrics, Watch, WatchOptions, WatchSummary
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
+from tests.kvpayloads import plugin_lookup as lookup
 from tests.sources.test_record_zmq import Publisher, Step, free_port
 
 TIMEOUT = 20.0
@@ -43,27 +44,6 @@ def engine_record(
         "ts": T0,
         "config": cfg,
         "engine": {"vllm_version": version},
-    }
-
-
-def lookup(
-    n: int, batch: int, position: int, hashes: list[int], hit: int, *, instance: str = "e1"
-) -> dict[str, Any]:
-    return {
-        "type": "lookup",
-        "instance": instance,
-        "n": n,
-        "ts": T0 + n,
-        "step": n,
-        "batch": batch,
-        "position": position,
-        "request_id": f"r{n}",
-        "block_hashes": [u64(h).hex() for h in hashes],
-        "num_tokens": 16 * len(hashes) + 1,
-        "num_prompt_tokens": 16 * len(hashes) + 1,
-        "max_length": 16 * len(hashes),
-        "observed_hit_tokens": hit,
-        "admitted": True,
     }
 
 
