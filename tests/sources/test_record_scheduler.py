@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,13 +267,21 @@ def build_scheduler(models: Path, setup: Setup, events: KVEventsConfig) -> tuple
 
 
 def drive(
-    scheduler: Any, hasher: Any, seed: int, *, depth: int = 1, n_requests: int = 200
+    scheduler: Any,
+    hasher: Any,
+    seed: int,
+    *,
+    depth: int = 1,
+    n_requests: int = 200,
+    more: Callable[[], bool] | None = None,
 ) -> dict[str, list[int]]:
     """Multi-turn conversations sharing a system prompt, with fake outputs.
     Returns, per request, the hit it was scheduled with at each admission
     (``num_computed_tokens`` of the ``SchedulerOutput``). ``depth`` 2 runs
     the engine's batch queue: a step's output comes after the next step is
-    scheduled."""
+    scheduled. With ``more``, requests keep coming after ``n_requests``
+    (up to ten times as many) while ``more()`` says so, asked every 50
+    steps."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -287,10 +296,13 @@ def drive(
     submitted = 0
     steps = 0
     inflight: deque[tuple[Any, list[str], list[list[int]]]] = deque()
-    while submitted < n_requests or scheduler.has_unfinished_requests() or inflight:
+    limit = n_requests
+    while submitted < limit or scheduler.has_unfinished_requests() or inflight:
         steps += 1
-        assert steps < 20_000, "the scheduler made no progress"
-        while submitted < n_requests and len(scheduler.requests) < 10 and rng.random() < 0.6:
+        assert steps < 20_000 * (limit // n_requests), "the scheduler made no progress"
+        if more is not None and steps % 50 == 0:
+            limit = 10 * n_requests if more() else min(limit, max(submitted, n_requests))
+        while submitted < limit and len(scheduler.requests) < 10 and rng.random() < 0.6:
             free = [c for c in range(len(convs)) if c not in busy.values()]
             ci = rng.choice(free)
             if len(convs[ci]) > 700:

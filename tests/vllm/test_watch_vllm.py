@@ -94,8 +94,12 @@ def scrape_lookups(port: int) -> float:
 class Watched:
     """The scheduler driven with a watch running beside it."""
 
-    def __init__(self, models: Path, tmp: Path, n_requests: int = 200) -> None:
+    def __init__(
+        self, models: Path, tmp: Path, n_requests: int = 200, until_flagged: bool = False
+    ) -> None:
         self.models, self.tmp, self.n_requests = models, tmp, n_requests
+        self.until_flagged = until_flagged
+        self.flag_seen_at = 0.0  # when the workload saw the watch's first flag line
         self.flags_out = tmp / "flags.jsonl"
         self.workload_started_at = 0.0
         self.workload_ended_at = 0.0
@@ -103,6 +107,16 @@ class Watched:
         self.admitted: dict[str, list[int]] = {}
         self.expected = 0
         self.published = 0
+
+    def no_flag_yet(self) -> bool:
+        """Whether the watch has written no flag line yet (asked by the
+        workload as it runs)."""
+        if self.flag_seen_at:
+            return False
+        if self.flags_out.exists() and self.flags_out.stat().st_size > 0:
+            self.flag_seen_at = time.time()
+            return False
+        return True
 
     def run(self) -> dict[str, Any]:
         """The workload with `replay watch` running beside it, in a process
@@ -146,7 +160,11 @@ class Watched:
             try:
                 self.workload_started_at = time.time()
                 self.admitted = drive(
-                    scheduler, hasher, seed=sum(map(ord, SETUP.name)), n_requests=self.n_requests
+                    scheduler,
+                    hasher,
+                    seed=sum(map(ord, SETUP.name)),
+                    n_requests=self.n_requests,
+                    more=self.no_flag_yet if self.until_flagged else None,
                 )
                 self.workload_ended_at = time.time()
                 publisher = scheduler.kv_event_publisher
@@ -241,11 +259,13 @@ def test_every_lookup_of_the_real_scheduler_is_judged_and_clean(
 def test_a_mamba_state_past_its_block_is_reported_live(
     models: Path, tmp_path: Path, mamba_state_past_its_block: list[float]
 ) -> None:
-    # A longer workload, so that it runs well past the watch's first verdicts:
-    # 600 requests took 1 s on a quiet machine with the first verdict 0.4 s
-    # after the first fault, and on a loaded one the verdict came 0.25 s
-    # after the workload's end; 2,000 give the watch about 3 s.
-    watched = Watched(models, tmp_path, n_requests=2000)
+    # The workload goes on until it sees the watch's first flag line (or ten
+    # times its 600 requests): the line must come while vLLM still serves,
+    # however loaded the machine. A fixed workload was not enough: 600
+    # requests took 1 s on a quiet machine, the verdict 0.1-0.4 s after the
+    # first fault, but under CI's load the verdict came 0.5 s after the end
+    # of 2,000 requests (3.4 s).
+    watched = Watched(models, tmp_path, n_requests=600, until_flagged=True)
     summary = watched.run()
     dp0 = check_against_offline(summary, tmp_path)
     faults = len(mamba_state_past_its_block)
@@ -263,7 +283,8 @@ def test_a_mamba_state_past_its_block_is_reported_live(
     # written) while the workload still ran.
     first_fault = mamba_state_past_its_block[0]
     first_verdict = datetime.fromisoformat(lines[0]["judged_at"]).timestamp()
-    assert first_verdict < watched.workload_ended_at
+    assert 0 < watched.flag_seen_at < watched.workload_ended_at
+    assert first_fault < first_verdict <= watched.flag_seen_at
     print(
         f"fault: {faults} inflated Mamba answers; watch: {dp0['lookups']} lookups, "
         f"{dp0['observed_mismatch']} served past the policy's hit; the first fault "
