@@ -198,10 +198,17 @@ def random_config(rng: random.Random) -> TraceConfig:
 
 
 def random_rows(
-    rng: random.Random, config: TraceConfig, n_requests: int = 12
+    rng: random.Random,
+    config: TraceConfig,
+    n_requests: int = 12,
+    *,
+    request_shaped: bool = False,
 ) -> list[dict[str, Any]]:
     """A few prefix families; each request stores random subsets of its keys
-    per group, then later requests look up extensions of those prefixes."""
+    per group, then later requests look up extensions of those prefixes.
+    ``request_shaped``: no lookup's prompt has a full block past its hashes
+    (as a vLLM request's; the Mooncake store worker's aligned lookup of such
+    a prompt indexes past them), the same draws otherwise."""
     hbs = config.hash_block_size
     families = [chain(rng.randint(2, 14), f"fam{f}-{rng.random()}") for f in range(3)]
     rows: list[dict[str, Any]] = []
@@ -222,7 +229,7 @@ def random_rows(
         if rng.random() < 0.05:
             rows.append({"seq": seq, "kind": "clear", "group_id": rng.choice([None, 0])})
             seq += 1
-        hi = (n + 1) * hbs - 1
+        hi = (n + 1) * hbs - (2 if request_shaped else 1)
         max_length = rng.choice([0, hi, n * hbs, max(0, n * hbs - 1), rng.randint(0, hi)])
         rows.append(
             {

@@ -11,7 +11,8 @@
 # but their coordinators, block pool and scheduler import with 2.13.0), and
 # only the modules each release's import chain reaches are added:
 # transformers 4.x before 0.25 (they import transformers' v4 layout),
-# gguf and diskcache for the older releases. The newest range, <5.21, is
+# gguf and diskcache for the older releases, uvicorn for 0.27-0.28's Mooncake
+# store worker (its module imports the serving stack). The newest range, <5.21, is
 # inside both 0.33.0's pin (>=5.16.1,<5.21) and 0.34.0's (>=5.16.1,<5.23).
 # WHEELS (default /work/wheels, else pip's cache) holds the vLLM wheels.
 #
@@ -58,7 +59,7 @@ else
   step "vllm $VERSION (no dependencies)" "$PIP" install -q --no-deps "vllm==$VERSION"
 fi
 step "the modules vLLM's import chain reaches" "$PIP" install -q packaging urllib3 "$transformers" aiohttp requests \
-  openai-harmony openai pillow pybase64 cloudpickle uvloop py-cpuinfo \
+  uvicorn openai-harmony openai pillow pybase64 cloudpickle uvloop py-cpuinfo \
   prometheus_client xgrammar fastapi partial-json-parser llguidance msgspec \
   pyzmq numpy regex cachetools psutil pydantic typing_extensions cbor2 xxhash blake3 einops \
   gguf diskcache sentencepiece tokenizers protobuf

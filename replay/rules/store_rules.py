@@ -79,6 +79,7 @@ from replay.rules.coordinator import (
     get_policy,
     partial_hits,
 )
+from replay.rules.coordinator.finders import window_tail
 from replay.rules.coordinator.stores import Stores, policy_stores
 
 Blocks = range | npt.NDArray[np.int64]
@@ -217,8 +218,7 @@ def _sliding_mask(
     if alignment % block_size:
         # A sub-block alignment cannot be masked block-exactly: vLLM keeps all.
         return range(start, end)
-    need = cdiv(window - 1, block_size) + (1 if eagle else 0)
-    shift = 1 if eagle else 0
+    need, shift = window_tail(window, block_size, eagle)
     idx = np.arange(start, end, dtype=np.int64)
     mask = np.zeros(end - start, dtype=bool)
     segment = alignment if retention is None else retention

@@ -245,7 +245,7 @@ def test_consistent_hit_that_skipped_the_drop_is_not_an_overrun(tmp_path: Path) 
     assert result_flags(fixed).height == 0
 
 
-def test_swa_mamba_overrun_past_an_unaligned_hit(tmp_path: Path) -> None:
+def test_swa_mamba_overrun_past_the_retried_hit(tmp_path: Path) -> None:
     config = builders.config(sw(16, 32), mb(16), eagle=True, check=None)
     hs = chain(6)
     rows = [
@@ -256,9 +256,10 @@ def test_swa_mamba_overrun_past_an_unaligned_hit(tmp_path: Path) -> None:
     assert _flags(tmp_path, config, rows).height == 0
     # The releases with the overrun (pre-49502) capped the peek at
     # max_length: nothing to flag here. vLLM 0.33.0 without the Mamba gate
-    # (the mutants' emulation) peeks to the hashed 80: the hit is the
-    # unaligned bound 79 and Mamba resumes at 80, past both the hit and the
-    # 64 tokens the window's KV covers.
+    # (the mutants' emulation): the store worker's lookup of the 80-token
+    # prompt hits it whole, so it looks again at 64, where Mamba peeks to
+    # 80: the hit is 64 and Mamba resumes at 80, past it and past the 64
+    # tokens the window's KV covers.
     assert replay_trace(
         write_trace(tmp_path / "t.parquet", config, rows), policy="pre-49502"
     ).results.select("hit_tokens", "group_hit_tokens").rows() == [(64, [64, 64])]
@@ -266,12 +267,9 @@ def test_swa_mamba_overrun_past_an_unaligned_hit(tmp_path: Path) -> None:
     pre = _flags(tmp_path, config, rows, "vllm-0.33-no-mamba-gate")
     assert pre.select("flag", "group_id", "actual", "expected").rows() == [
         ("mamba_overrun", 1, 80, 64),
-        ("mamba_state_mismatch", 1, 80, 79),
-        ("hit_misaligned", None, 79, 64),
+        ("mamba_state_mismatch", 1, 80, 64),
     ]
-    assert pre["detail"][0] == (
-        "group 1 resumes Mamba state at 80, 16 tokens past the attention KV loaded for 64 tokens"
-    )
+    assert pre["detail"][0] == "group 1 resumes Mamba state at 80, 16 tokens past the hit 64"
 
 
 def test_pre_32802_spirals_the_hit_down(tmp_path: Path) -> None:

@@ -3,6 +3,10 @@ the coordinator's semantics (the design notes, kept outside this repository) tha
 lengths and load masks (vLLM 0.33.0's answers), and the properties every
 answer keeps.
 
+The rules are those of the fixed point at the lookup's ``max_length`` (vLLM's
+``find_longest_cache_hit``): in the Mooncake cache, one level below the store
+worker's entry (``FixedPoint``; ``VllmStoreMirror`` on vLLM's side), whose
+alignment, store queries and retry ``tests/rules/test_store_worker.py`` pins.
 A coordinator subclasses ``CoordinatorContract`` and says how to build one
 (``make``): the reference in ``tests/rules/test_coordinator.py``, vLLM's own
 coordinator (``VllmCoordinator``, ``make test-vllm``) in
@@ -26,6 +30,7 @@ from hypothesis import strategies as st
 from replay.base.errors import ConfigError
 from replay.base.spec import TraceConfig
 from replay.rules.coordinator import (
+    Coordinator,
     LookupCoordinator,
     LookupOutcome,
     build_spec_groups,
@@ -40,6 +45,16 @@ T, F = True, False
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+class FixedPoint(Coordinator):
+    """The reference's fixed point at each lookup's ``max_length`` over every
+    key the store holds: the Mooncake cache without its store worker's entry
+    (``Coordinator.converge``)."""
+
+    def _prepare(self) -> None:
+        super()._prepare()
+        self.asked = None
 
 
 def masks(outcome: LookupOutcome) -> list[list[bool]]:

@@ -18,12 +18,12 @@ from replay.base.errors import ReplayError
 from replay.base.spec import TraceConfig
 from replay.rules.coordinator import Coordinator, LookupOutcome, build_spec_groups
 from tests.builders import CL, FA, MB, SW, cl, config, fa, mb, sw
-from tests.contracts.coordinator import CoordinatorContract, F, H, T, masks
+from tests.contracts.coordinator import CoordinatorContract, F, FixedPoint, H, T, masks
 
 
 class TestReferenceCoordinator(CoordinatorContract):
     def make(self, cfg: TraceConfig, policy: str) -> Coordinator:
-        return Coordinator(cfg, policy)
+        return FixedPoint(cfg, policy)
 
 
 def lookup(
@@ -34,9 +34,10 @@ def lookup(
     *,
     explain: bool = False,
 ) -> LookupOutcome:
-    """The reference's answer; ``present[g]``: the hash-unit indices group ``g`` holds."""
+    """The reference's fixed point at ``max_length``; ``present[g]``: the
+    hash-unit indices group ``g`` holds."""
     contains = [{H[i] for i in p}.__contains__ for p in present]
-    return Coordinator(cfg).lookup(H[:units], max_length, contains, explain=explain)
+    return FixedPoint(cfg).lookup(H[:units], max_length, contains, explain=explain)
 
 
 # --- spec groups --------------------------------------------------------------

@@ -37,10 +37,10 @@ pytest.importorskip(
     reason="vLLM not importable: run make test-vllm",
 )
 
-from replay.adapters.vllm.backend import VllmCoordinator
+from replay.adapters.vllm.backend import VllmCoordinator, VllmStoreMirror
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import TraceConfig
-from replay.rules.coordinator import Coordinator, build_spec_groups, check_config
+from replay.rules.coordinator import build_spec_groups, check_config
 from replay.rules.store_rules import StoreRules, StoreSettings
 from tests.builders import (
     MB,
@@ -50,6 +50,7 @@ from tests.builders import (
     random_eagle_config,
     random_max_length,
 )
+from tests.contracts.coordinator import FixedPoint
 from tests.vllm.test_store_rules_vllm import (
     Engine,
     Session,
@@ -145,8 +146,10 @@ def test_eagle_rule_and_answers_match_vllm(capsys: pytest.CaptureFixture[str]) -
             shapes[f"{cache}: a spec group flagged differently"] += _has_flagged_twins(
                 config, cache
             )
+        # The fixed point at each lookup's max_length (lookups not
+        # request-shaped; the store worker's entry is the drift check's).
         coords = {
-            (c, p): (Coordinator(config, p, c), VllmCoordinator(config, p, c))
+            (c, p): (FixedPoint(config, p, c), VllmStoreMirror(config, p, c))
             for c in valid
             for p in POLICIES
         }

@@ -92,7 +92,9 @@ def test_random_traces_identical_through_vllm(
 ) -> None:
     rng = random.Random(7000 + seed)
     config = random_config(rng)
-    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 20))
+    path = write_trace(
+        tmp_path / "r.parquet", config, random_rows(rng, config, 20, request_shaped=True)
+    )
     _same_results(path, policy, tmp_path, cache)
     assert pl.read_parquet(tmp_path / "vllm.parquet").height == 20
 
@@ -108,7 +110,7 @@ def test_flags_of_vllms_answers_match_their_definition(
     fold of the rows and vLLM's masks."""
     rng = random.Random(9000 + seed)
     config = random_config(rng)
-    rows = random_rows(rng, config, 16)
+    rows = random_rows(rng, config, 16, request_shaped=True)
     path = write_trace(tmp_path / "r.parquet", config, rows)
     result = replay_trace(path, policy=policy, coordinator="vllm", cache=cache)
     got = {(s, f, g) for s, f, g in result_flags(result).select("seq", "flag", "group_id").rows()}
@@ -128,7 +130,9 @@ def test_vllm_and_the_reference_answer_from_one_fold(seed: int, tmp_path: Path) 
 
     rng = random.Random(9500 + seed)
     config = random_config(rng)
-    path = write_trace(tmp_path / "r.parquet", config, random_rows(rng, config, 16))
+    path = write_trace(
+        tmp_path / "r.parquet", config, random_rows(rng, config, 16, request_shaped=True)
+    )
     reader = open_trace(path)
     variants = tuple(
         Variant(policy=p, cache=c, coordinator=k)

@@ -1,13 +1,16 @@
 """Issue 30: the Mooncake store worker's own lookup
-(``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``), entered by
-``VllmStoreWorker``: vLLM's length alignment, store queries and retry below
-the prompt's end, its store answered from the trace's keys;
-``VllmCoordinator`` calls the mirror one level below. Runs only where vLLM
-imports (``make test-vllm``)."""
+(``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``), where
+``VllmCoordinator`` enters a Mooncake lookup: vLLM's length alignment, store
+queries and retry below the prompt's end, its store answered from the
+trace's keys, against the policy that models it (the reference
+``Coordinator``) and against the mirror one level below
+(``VllmStoreMirror``, the fixed point at ``max_length``). Runs only where
+vLLM imports (``make test-vllm``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import pytest
 
@@ -18,7 +21,7 @@ pytest.importorskip(
 
 from replay.adapters.vllm.backend import (
     VllmCoordinator,
-    VllmStoreWorker,
+    VllmStoreMirror,
     installed_vllm_version,
     worker_entry_missing,
 )
@@ -51,16 +54,29 @@ def _present(n: int) -> list[Callable[[Hashable], bool]]:
     return [held.__contains__]
 
 
+def _answer(outcome: LookupOutcome) -> tuple[int, list[tuple[int, int]]]:
+    return outcome.hit_tokens, [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups]
+
+
+def _three(
+    config: TraceConfig, hashes: Sequence[Hashable], max_length: int, contains: list[Any]
+) -> tuple[Any, Any, Any]:
+    """The worker's answer (vLLM's, where ``VllmCoordinator`` enters), the
+    policy's, and the mirror's at ``max_length`` (one level below)."""
+    worker = VllmCoordinator(config, POLICY, "mooncake")
+    assert worker.entry_note is None  # the worker's lookup answers, not the mirror
+    return (
+        _answer(worker.lookup(hashes, max_length, contains)),
+        _answer(Coordinator(config, POLICY, "mooncake").lookup(hashes, max_length, contains)),
+        _answer(VllmStoreMirror(config, POLICY, "mooncake").lookup(hashes, max_length, contains)),
+    )
+
+
 def test_the_worker_retries_below_the_prompts_end() -> None:
     """A 64-token prompt fully stored: the worker's aligned length (64)
     hits the whole prompt, so it looks up again at 48, the mirror's answer
     at max_length 63."""
-    worker = VllmStoreWorker(_config(False), POLICY, "mooncake")
-    assert worker._worker is not None  # the worker's lookup answers, not the mirror
-    got = worker.lookup(HASHES[:4], 63, _present(4))
-    mirror = VllmCoordinator(_config(False), POLICY, "mooncake").lookup(HASHES[:4], 63, _present(4))
-    assert (got.hit_tokens, got.groups[0].loaded_blocks) == (48, 3)
-    assert (mirror.hit_tokens, mirror.groups[0].loaded_blocks) == (48, 3)
+    assert _three(_config(False), HASHES[:4], 63, _present(4)) == ((48, [(3, 3)]),) * 3
 
 
 def test_the_worker_asks_the_store_only_within_the_aligned_prompt() -> None:
@@ -68,8 +84,8 @@ def test_the_worker_asks_the_store_only_within_the_aligned_prompt() -> None:
     209-token prompt whose trace carries 20 hashes (320 tokens). The mirror's
     sliding-window finder at max_length 208 reads block 3 (tokens 192-255);
     the worker asked the store only up to the aligned prompt length 192, so
-    it sees that block absent and answers 128, not 192. With the prompt's
-    own 13 hashes, as a vLLM request has, both answer alike."""
+    it sees that block absent and answers 128, as the policy does. With the
+    prompt's own 13 hashes, as a vLLM request has, all three answer alike."""
     swa = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=64, sliding_window=191)
     config = TraceConfig(
         groups=(
@@ -90,17 +106,12 @@ def test_the_worker_asks_the_store_only_within_the_aligned_prompt() -> None:
     hashes: list[Hashable] = [bytes([i]) * 8 for i in range(1, 21)]
     held = [set(hashes), set(hashes[:19]), set(hashes)]
     contains = [h.__contains__ for h in held]
-    worker = VllmStoreWorker(config, POLICY, "mooncake")
-    mirror = VllmCoordinator(config, POLICY, "mooncake")
-    got = worker.lookup(hashes, 208, contains)
-    want = mirror.lookup(hashes, 208, contains)
-    assert (got.hit_tokens, want.hit_tokens) == (128, 192)
+    worker, policy, mirror = _three(config, hashes, 208, contains)
+    assert (worker[0], policy[0], mirror[0]) == (128, 128, 192)
+    assert worker == policy
     prompt = hashes[: 209 // 16]
-    assert worker.lookup(prompt, 208, contains) == mirror.lookup(prompt, 208, contains)
-
-
-def _answer(outcome: LookupOutcome) -> tuple[int, list[tuple[int, int]]]:
-    return outcome.hit_tokens, [(g.mask_blocks, g.loaded_blocks) for g in outcome.groups]
+    worker, policy, mirror = _three(config, prompt, 208, contains)
+    assert worker == policy == mirror
 
 
 def test_the_worker_looks_up_the_aligned_prompt_before_its_end() -> None:
@@ -108,8 +119,8 @@ def test_the_worker_looks_up_the_aligned_prompt_before_its_end() -> None:
     EAGLE-flagged full-attention group: the engine and the mirror at
     max_length 63 find 48 and drop a block (32); the worker asks at the
     aligned prompt length 64 first, finds 64, drops a block (48) and, 48
-    being below the prompt's end, keeps it: a block more than the engine
-    (0.33.0 and 0.34.0; what the policies do not model yet)."""
+    being below the prompt's end, keeps it: a block more than the mirror
+    (0.33.0 and 0.34.0), as the policy answers."""
     config = TraceConfig(
         groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16, is_eagle_group=True),),
         hash_block_size=16,
@@ -120,18 +131,9 @@ def test_the_worker_looks_up_the_aligned_prompt_before_its_end() -> None:
     hashes = prompt_hashes(UNITS, 63, config)
     contains = [set(hashes).__contains__]
     assert len(hashes) == 4
-    assert _answer(Coordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
-        32,
-        [(2, 2)],
-    )
-    assert _answer(VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
-        32,
-        [(2, 2)],
-    )
-    assert _answer(VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 63, contains)) == (
-        48,
-        [(3, 3)],
-    )
+    worker, policy, mirror = _three(config, hashes, 63, contains)
+    assert worker == policy == (48, [(3, 3)])
+    assert mirror == (32, [(2, 2)])
 
 
 def test_the_worker_never_asks_for_the_eagle_peek_past_the_aligned_prompt() -> None:
@@ -141,8 +143,8 @@ def test_the_worker_never_asks_for_the_eagle_peek_past_the_aligned_prompt() -> N
     verifies the window's EAGLE block by peeking at tokens 64-72 (64 hit
     tokens, as the engine); the worker asks the store only within the
     aligned prompt length 64, so the peeked key reads absent and the whole
-    hit is lost (0). From the rebuilt corpus (mutant-simple-hybrid-pass,
-    request s459-l7)."""
+    hit is lost (0), as the policy answers. From the corpus
+    (mutant-simple-hybrid-pass, request s459-l7)."""
     config = TraceConfig(
         groups=(
             GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=64),
@@ -159,13 +161,9 @@ def test_the_worker_never_asks_for_the_eagle_peek_past_the_aligned_prompt() -> N
     hashes = prompt_hashes(chain, 80, config)
     contains = [set(hashes).__contains__] * 2
     assert len(hashes) == 10
-    mirror = VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 80, contains)
-    assert _answer(mirror) == (64, [(1, 1), (8, 1)])
-    assert _answer(Coordinator(config, POLICY, "mooncake").lookup(hashes, 80, contains)) == (
-        _answer(mirror)
-    )
-    worker = VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 80, contains)
-    assert _answer(worker) == (0, [(0, 0), (0, 0)])
+    worker, policy, mirror = _three(config, hashes, 80, contains)
+    assert mirror == (64, [(1, 1), (8, 1)])
+    assert worker == policy == (0, [(0, 0), (0, 0)])
 
 
 @pytest.mark.skipif(
@@ -194,6 +192,6 @@ def test_the_worker_indexes_past_a_lookahead_requests_hashes() -> None:
     hashes = prompt_hashes(UNITS, 63, config)
     contains = [set(UNITS).__contains__]
     assert len(hashes) == 3
-    assert VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains).hit_tokens == 48
+    assert VllmStoreMirror(config, POLICY, "mooncake").lookup(hashes, 63, contains).hit_tokens == 48
     with pytest.raises(IndexError, match="list index out of range"):
-        VllmStoreWorker(config, POLICY, "mooncake").lookup(hashes, 63, contains)
+        VllmCoordinator(config, POLICY, "mooncake").lookup(hashes, 63, contains)

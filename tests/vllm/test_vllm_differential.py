@@ -38,7 +38,11 @@ pytest.importorskip(
 
 import contextlib
 
-from replay.adapters.vllm.backend import VllmCoordinator, installed_vllm_version
+from replay.adapters.vllm.backend import (
+    VllmCoordinator,
+    VllmStoreMirror,
+    installed_vllm_version,
+)
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator import POLICIES as ALL_POLICIES
@@ -59,7 +63,7 @@ from tests.builders import (
     random_hybrid_config,
     random_max_length,
 )
-from tests.contracts.coordinator import CoordinatorContract
+from tests.contracts.coordinator import CoordinatorContract, FixedPoint
 
 pytestmark = pytest.mark.vllm
 
@@ -217,7 +221,7 @@ def _reason(exc: ConfigError) -> str:
 def _vllm_refuses(config: TraceConfig, policy: str, cache: str, hashes: list[bytes]) -> bool:
     """vLLM asserts on a configuration at construction or at its first lookup."""
     try:
-        coord = VllmCoordinator(config, policy, cache)
+        coord = VllmStoreMirror(config, policy, cache)
         full = [set(hashes) for _ in config.groups]
         _run(coord, hashes, len(hashes) * config.hash_block_size, full)
     except (AssertionError, ReplayError):
@@ -339,8 +343,13 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         if len({g.block_size for g in config.groups} | {config.hash_block_size}) > 1:
             shapes["block > hash unit"] += 1
 
+        # The fixed point at each lookup's max_length: these lookups are not
+        # request-shaped (a prompt may run past its hashes, which the Mooncake
+        # store worker's aligned lookup indexes beyond); the worker's entry
+        # is the drift check's (request-shaped scenarios) and
+        # tests/vllm/test_store_worker_vllm.py's.
         coords = {
-            (c, p): (Coordinator(config, p, c), VllmCoordinator(config, p, c))
+            (c, p): (FixedPoint(config, p, c), VllmStoreMirror(config, p, c))
             for c in valid
             for p in POLICIES
         }
@@ -349,7 +358,7 @@ def test_reference_matches_vllm_on_random_lookups(capsys: pytest.CaptureFixture[
         for c in valid:
             for release in RELEASES:
                 with contextlib.suppress(ConfigError):
-                    others[c].append((release.name, Coordinator(config, release, c)))
+                    others[c].append((release.name, FixedPoint(config, release, c)))
         store: list[set[bytes]] = [set() for _ in config.groups]
         for _ in range(LOOKUPS_PER_SCENARIO):
             for _ in range(rng.randint(1, 3)):
@@ -548,8 +557,8 @@ class TestVllmCoordinator(CoordinatorContract):
 
     def make(self, cfg: TraceConfig, policy: str) -> Coordinator | VllmCoordinator:
         if ALL_POLICIES[policy].alias_note:
-            return Coordinator(cfg, policy)
-        return VllmCoordinator(cfg, policy)
+            return FixedPoint(cfg, policy)
+        return VllmStoreMirror(cfg, policy)
 
 
 @pytest.mark.parametrize(

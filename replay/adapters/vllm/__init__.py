@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from replay.adapters.vllm.backend import VllmCoordinator, VllmStoreWorker, VllmUnavailable
+    from replay.adapters.vllm.backend import VllmCoordinator, VllmStoreMirror, VllmUnavailable
 
-__all__ = ["VllmCoordinator", "VllmStoreWorker", "VllmUnavailable"]
+__all__ = ["VllmCoordinator", "VllmStoreMirror", "VllmUnavailable"]
 
 
 def __getattr__(name: str) -> Any:

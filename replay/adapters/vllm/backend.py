@@ -54,7 +54,7 @@ from replay.rules.coordinator.hybrid import (
     Step,
 )
 from replay.rules.coordinator.kinds import VLLM
-from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_policy
+from replay.rules.coordinator.policy import POLICY_ENV, VersionPolicy, version_key, version_policy
 
 #: Every name of vLLM's starting with an underscore that this package
 #: touches, because vLLM offers no public way in: why, and the releases it
@@ -347,30 +347,40 @@ _WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.wo
 def worker_entry_missing() -> str | None:
     """Why a Mooncake lookup cannot enter the installed vLLM where its
     connector's does (``MooncakeStoreWorker.lookup(num_tokens,
-    block_hashes)``, from 0.27.0; before, the worker took an already aligned
-    ``token_len``), so the mirror's ``find_longest_cache_hit`` answers at the
-    trace's ``max_length`` instead; ``None`` when it can. One line."""
+    block_hashes)``, from 0.27.0), else ``None``. One line."""
+    reason, _ = _worker_entry()
+    return reason
+
+
+def _worker_entry() -> tuple[str | None, bool]:
+    """``worker_entry_missing``'s line, and whether the release has a worker
+    entry of its own that this backend could not load (a module that does
+    not import) rather than none (before 0.27.0 the worker took a length
+    its connector's scheduler had already aligned: the policies of those
+    releases model the mirror at ``max_length``)."""
     where = f"{_WORKER_MODULE}.MooncakeStoreWorker.lookup"
+    unloadable = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             module = importlib.import_module(_WORKER_MODULE)
         params = list(inspect.signature(module.MooncakeStoreWorker.lookup).parameters)
     except ImportError as exc:
-        # 0.27 and 0.28's worker module imports the serving stack (uvicorn):
-        # a CPU install without it cannot load the worker.
+        # 0.27 and 0.28's worker module imports the serving stack (uvicorn).
         missing = f"cannot import `{_WORKER_MODULE}` ({exc})"
+        unloadable = version_key(installed_vllm_version()) >= (0, 27, 0)
     except (AttributeError, TypeError, ValueError) as exc:
         missing = f"has no `{where}` ({type(exc).__name__}: {exc})"
     else:
         if params[1:3] == ["num_tokens", "block_hashes"]:
-            return None
+            return None, False
         missing = f"has no `{where}(num_tokens, block_hashes)` (it takes {', '.join(params[1:])})"
     return (
         f"--coordinator vllm: the installed vLLM {installed_vllm_version()} {missing}: "
         "its Mooncake lookups are answered by the store's mirror "
         "(MooncakeStoreCoordinator.find_longest_cache_hit) at each lookup's max_length, "
-        "not through the worker's length alignment, lookup masks and retry"
+        "not through the worker's length alignment, lookup masks and retry",
+        unloadable,
     )
 
 
@@ -548,12 +558,12 @@ class VllmCoordinator(LookupCoordinator):
     """vLLM's own coordinator for a cache, with the reference's ``lookup``."""
 
     name = VLLM.name
-    #: Where a Mooncake lookup enters vLLM: the mirror's
-    #: ``find_longest_cache_hit`` at the trace's ``max_length`` (what the
-    #: policies model), or the store worker's own ``lookup`` for a prompt of
-    #: ``max_length + 1`` tokens (``VllmStoreWorker``, where the release has
-    #: it: ``worker_entry_missing``).
-    mooncake_entry = "coordinator"
+    #: Where a Mooncake lookup enters vLLM: the store worker's own
+    #: ``lookup`` for a prompt of ``max_length + 1`` tokens, as the
+    #: connector's do (from 0.27.0; before, and ``VllmStoreMirror``, the
+    #: mirror's ``find_longest_cache_hit`` at the trace's ``max_length``:
+    #: ``worker_entry_missing`` says why).
+    mooncake_entry = "worker"
 
     def _prepare(self) -> None:
         config = self.config
@@ -672,6 +682,9 @@ class VllmCoordinator(LookupCoordinator):
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         self._install(coordinator)
         self._worker: Any = None
+        #: Lookups whose store worker found its hit and then raised in its
+        #: tail-key bookkeeping (answered with the hit it found).
+        self.tail_key_failures = 0
         #: Why the mirror answers where the worker was asked for (a release
         #: without the worker's lookup), else None.
         self.entry_note: str | None = None
@@ -690,7 +703,14 @@ class VllmCoordinator(LookupCoordinator):
         ``coord``, ``hash_block_size``, ``token_dbs`` (each group's block
         size) and ``store`` (``_TraceStore``, answering ``batch_is_exist``
         from the trace's keys), and the private names of ``PRIVATE_NAMES``."""
-        reason = worker_entry_missing()
+        reason, unloadable = _worker_entry()
+        if unloadable:
+            # The release's lookups enter through its worker, which the
+            # policies model: the mirror one level below would not be it.
+            raise VllmUnavailable(
+                f"{reason}; this release's Mooncake lookups enter through that "
+                "worker (install uvicorn, which 0.27-0.28's worker module imports)"
+            )
         if reason is not None:
             self.entry_note = reason
             return None
@@ -755,7 +775,18 @@ class VllmCoordinator(LookupCoordinator):
         self._store.contains = contains
         self._store.by_hex = by_hex
         self._mirror.masks, self._mirror.hit = None, None
-        result = self._worker.lookup(max_length + 1, block_hashes)
+        try:
+            result = self._worker.lookup(max_length + 1, block_hashes)
+        except AssertionError:
+            if self._mirror.hit is None:
+                raise
+            # The worker found its hit, then failed its tail-key bookkeeping
+            # (``_tail_key_boundaries``, 0.29-0.33: it asks the store for a
+            # group's joined block key and asserts on the raw hash at the hit
+            # boundary, so groups with blocks larger than the hash unit
+            # fail): the hit is the one its coordinator found; counted.
+            self.tail_key_failures += 1
+            result = self._mirror.hit
         # A MooncakeLookupResult from 0.29; the hit alone before.
         hit = int(getattr(result, "hit_length", result))
         masks = self._mirror.masks
@@ -1095,18 +1126,12 @@ class VllmCoordinator(LookupCoordinator):
         return tuple(out)
 
 
-class VllmStoreWorker(VllmCoordinator):
-    """``VllmCoordinator`` whose Mooncake lookups enter vLLM where the
-    connector's do: ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)``
-    for a prompt of ``max_length + 1`` tokens, with its own length alignment,
-    lookup masks, store queries and retry below the prompt's end (the
-    mirror's ``find_longest_cache_hit`` where the release has no such
-    worker: ``entry_note`` says why).
+class VllmStoreMirror(VllmCoordinator):
+    """``VllmCoordinator`` whose Mooncake lookups enter one level below the
+    connector's: the mirror's ``find_longest_cache_hit`` at the trace's
+    ``max_length`` over every key the store holds, without the store
+    worker's length alignment, lookup masks and retry (what the tests set
+    beside the worker's answer)."""
 
-    Not the default: the worker asks the store only within the aligned
-    prompt (``align_lookup_length(num_tokens)``), so an EAGLE group's peek
-    past it finds nothing where the mirror at ``max_length`` finds the key
-    (docs/releases.md); the policies model the mirror."""
-
-    name = "vllm-worker"
-    mooncake_entry = "worker"
+    name = "vllm-mirror"
+    mooncake_entry = "coordinator"

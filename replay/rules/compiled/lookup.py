@@ -20,6 +20,9 @@ from replay.base.jit import jit
 from replay.rules.compiled.finders import cdiv, find
 from replay.rules.compiled.tables import (
     FA,
+    G_ASK_NEED,
+    G_ASK_PER,
+    G_ASK_SHIFT,
     G_BS,
     G_EAGLE_ATTENTION,
     G_FINE,
@@ -27,6 +30,7 @@ from replay.rules.compiled.tables import (
     G_SPEC,
     L_ALIGN,
     L_ALIGN_BEFORE_POP,
+    L_ASK_ALL,
     L_FULL_REUSE_OWN,
     L_HBS,
     L_MAMBA_PEEK,
@@ -36,6 +40,7 @@ from replay.rules.compiled.tables import (
     L_TRIM_CEIL,
     L_TRIM_EVERY_FULL,
     L_VERIFY_ONCE,
+    L_WORKER,
     MAMBA,
     O_ABSENT,
     O_ATTENTION,
@@ -273,6 +278,84 @@ def write_facts(
 
 
 @jit(nogil=True)
+def asked_present(
+    params: Any, groups: Any, present: Any, base: int, stride: int, u: int, token_len: int
+) -> Any:
+    """What the Mooncake store worker learns of the lookup's presence at
+    the aligned length ``token_len`` (``Coordinator.asked_present``), laid
+    out from 0 with stride ``u``; ``None`` when it asks nothing."""
+    hbs = params[L_HBS]
+    limit = min(u, token_len // hbs)
+    if limit <= 0:
+        return None
+    num_groups = groups.shape[0]
+    asked = np.zeros(num_groups * u, dtype=np.uint8)
+    any_asked = False
+    for g in range(num_groups):
+        src = base + g * stride
+        dst = g * u
+        if params[L_ASK_ALL]:
+            for x in range(limit):
+                asked[dst + x] = present[src + x]
+            any_asked = True
+            continue
+        k = groups[g, G_BS] // hbs
+        per, need, shift = groups[g, G_ASK_PER], groups[g, G_ASK_NEED], groups[g, G_ASK_SHIFT]
+        for c in range(limit // k):
+            if per and (c < shift or (c - shift) % per < per - need):
+                continue
+            x = c * k + k - 1
+            asked[dst + x] = present[src + x]
+            any_asked = True
+    return asked if any_asked else None
+
+
+@jit(nogil=True)
+def nothing(specs: Any, res: Any) -> None:
+    """No spec group loads or hits anything (the worker answered 0)."""
+    for s in range(specs.shape[0]):
+        res[s, R_NULLS], res[s, R_LOADED], res[s, R_HIT], res[s, R_MATCHED] = 0, 0, 0, 0
+
+
+@jit(nogil=True)
+def worker_point(
+    params: Any,
+    specs: Any,
+    members: Any,
+    groups: Any,
+    present: Any,
+    base: int,
+    stride: int,
+    u: int,
+    num_tokens: int,
+    merged: Any,
+    res: Any,
+    verified: Any,
+) -> Any:
+    """The store worker's ``lookup(num_tokens, block_hashes)``
+    (``Coordinator._worker_lookup``): the fixed point at the aligned prompt
+    length over what the store answered, again below the prompt's end
+    after a whole-prompt hit. Returns the hit and the longest finder hit."""
+    align = params[L_ALIGN]
+    token_len = num_tokens // align * align
+    asked = asked_present(params, groups, present, base, stride, u, token_len)
+    if asked is None:
+        nothing(specs, res)
+        return 0, 0
+    hit, longest = fixed_point(
+        params, specs, members, asked, 0, u, u, token_len, merged, res, verified
+    )
+    if hit < num_tokens:
+        return hit, longest
+    usable = (num_tokens - 1) // align * align
+    if usable <= 0:
+        nothing(specs, res)
+        return 0, longest
+    hit, again = fixed_point(params, specs, members, asked, 0, u, u, usable, merged, res, verified)
+    return hit, max(longest, again)
+
+
+@jit(nogil=True)
 def answer(
     params: Any,
     specs: Any,
@@ -291,9 +374,15 @@ def answer(
 ) -> int:
     """One lookup answered, its outcome and facts in ``out[row]`` (the
     ``O_*`` columns); returns the longest hit a finder call found."""
-    hit, longest = fixed_point(
-        params, specs, members, present, base, stride, u, max_length, merged, res, verified
-    )
+    if params[L_WORKER]:
+        hit, longest = worker_point(
+            params, specs, members, groups, present, base, stride, u, max_length + 1,
+            merged, res, verified,
+        )  # fmt: skip
+    else:
+        hit, longest = fixed_point(
+            params, specs, members, present, base, stride, u, max_length, merged, res, verified
+        )
     write_facts(params, groups, present, base, stride, u, hit, res, out, row)
     return int(longest)
 

@@ -17,7 +17,8 @@ rule. The tables:
   group ``s``;
 - ``groups``: one row per KV-cache group (``G_*``): its kind, block, spec
   group, whether it probes inside blocks, whether it is an EAGLE attention
-  group (the facts' ``eagle_unit_present``).
+  group (the facts' ``eagle_unit_present``), and the blocks the Mooncake
+  store worker asks about (``AskedBlocks``: per, need, shift).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from replay.base.spec import GroupKind, TraceConfig
-from replay.rules.coordinator import Coordinator, Policy
+from replay.rules.coordinator import Coordinator, Policy, partial_hits
 from replay.rules.coordinator.cache import Cache
+from replay.rules.coordinator.hybrid import AskedBlocks
 from replay.rules.coordinator.kinds import get_coordinator
 from replay.rules.facts import FactRules
 
@@ -55,14 +57,26 @@ KIND_CODES = {
     L_TRIM_EVERY_FULL,
     L_TRIM_CEIL,
     L_ALIGN_BEFORE_POP,
+    L_WORKER,
+    L_ASK_ALL,
     L_LEN,
-) = range(12)
+) = range(14)
 
 # Columns of a spec group's row.
 SP_KIND, SP_BS, SP_WINDOW, SP_CHUNK, SP_EAGLE, SP_MARGIN, SP_MEMBERS, SP_FIRST, SP_LEN = range(9)
 
 # Columns of a KV-cache group's row.
-G_KIND, G_BS, G_SPEC, G_FINE, G_EAGLE_ATTENTION, G_LEN = range(6)
+(
+    G_KIND,
+    G_BS,
+    G_SPEC,
+    G_FINE,
+    G_EAGLE_ATTENTION,
+    G_ASK_PER,
+    G_ASK_NEED,
+    G_ASK_SHIFT,
+    G_LEN,
+) = range(9)
 
 #: Columns of one lookup's answer and facts (a row of ``answer``'s ``out``),
 #: -1 where the value is None: the hit, the tokens every attention group's
@@ -117,6 +131,9 @@ def lookup_tables(config: TraceConfig, policy: str | Policy, cache: str | Cache)
     params[L_TRIM_EVERY_FULL] = rules.trim_every_full
     params[L_TRIM_CEIL] = rules.trim_ceil
     params[L_ALIGN_BEFORE_POP] = rules.sliding_window_align_before_pop
+    asked = coordinator.asked
+    params[L_WORKER] = asked is not None
+    params[L_ASK_ALL] = partial_hits(config, rules)
     specs = np.zeros((len(spec_groups), SP_LEN), dtype=np.int64)
     members = np.zeros((len(spec_groups), config.num_groups), dtype=np.int64)
     spec_of = {}
@@ -135,12 +152,16 @@ def lookup_tables(config: TraceConfig, policy: str | Policy, cache: str | Cache)
             spec_of[gid] = sg.index
     groups = np.zeros((config.num_groups, G_LEN), dtype=np.int64)
     for gid, g in enumerate(config.groups):
+        ask = asked[gid] if asked is not None else AskedBlocks()
         groups[gid] = (
             KIND_CODES[g.kind],
             g.block_size,
             spec_of[gid],
             facts.fine[gid],
             gid in facts.eagle_attention,
+            ask.per,
+            ask.need,
+            ask.shift,
         )
     return LookupTables(params, specs, members, groups, coordinator.alignment)
 

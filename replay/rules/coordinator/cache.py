@@ -115,6 +115,18 @@ class Cache(Entry):
     #: A simple hybrid (one full-attention spec group first, one other) stops
     #: after one pass (#33524, vLLM 0.16.0).
     simple_hybrid_single_pass: bool = True
+    #: A lookup enters where the Mooncake connector's does, the store
+    #: worker's ``lookup(num_tokens, block_hashes)`` for a prompt of
+    #: ``max_length + 1`` tokens (vLLM 0.27.0): the prompt's length aligned
+    #: down (``align_lookup_length``), the store asked only for the blocks
+    #: within it that a hit can end on (``lookup_mask``: a sliding window's
+    #: reachable tails; every block with partial hash hits), the fixed point
+    #: run at that length over what the store answered, and run again below
+    #: the prompt's end when it hit the whole prompt. Otherwise the fixed
+    #: point runs at ``max_length`` over every key the store holds (the
+    #: engine; the mirror before 0.27.0, whose worker took a length its
+    #: scheduler had aligned).
+    store_worker_entry: bool = False
 
     def but(self, **changes: Any) -> Cache:
         """These rules with some changed (a release's departures)."""
@@ -135,6 +147,7 @@ MIRROR = Cache(
     single_spec_shortcut=True,
     unitary_single_group=False,
     partial_hits="flag",
+    store_worker_entry=True,
 )
 CACHES: dict[str, Cache] = by_name(MIRROR, ENGINE)
 DEFAULT_CACHE = "mooncake"

@@ -202,3 +202,12 @@ def eagle_margin(spec: GroupSpec, hash_block_size: int, fine_lookup: bool) -> in
     if fine_lookup and spec.block_size > hash_block_size:
         return hash_block_size
     return spec.block_size
+
+
+def window_tail(window: int, block_size: int, eagle: bool) -> tuple[int, int]:
+    """The contiguous blocks a sliding window's hit needs at a boundary and
+    how far the run's right edge sits past it (``need``, ``shift``): the
+    window's blocks, one more and one block on under EAGLE (its peek),
+    as ``SlidingWindowManager.reachable_block_mask`` counts them."""
+    need = cdiv(window - 1, block_size) + (1 if eagle else 0)
+    return need, 1 if eagle else 0

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator.cache import DEFAULT_CACHE, Cache, get_cache
-from replay.rules.coordinator.finders import FINDERS, FinderResult, Query, cdiv, eagle_margin
+from replay.rules.coordinator.finders import (
+    FINDERS,
+    FinderResult,
+    Query,
+    cdiv,
+    eagle_margin,
+    window_tail,
+)
 from replay.rules.coordinator.kinds import REFERENCE
 from replay.rules.coordinator.policy import DEFAULT_POLICY, Policy, get_policy, policy_rules
 
@@ -265,6 +272,50 @@ def check_config(config: TraceConfig, cache: str | Cache = DEFAULT_CACHE) -> Non
             )
 
 
+@dataclass(frozen=True, slots=True)
+class AskedBlocks:
+    """Which of a KV-cache group's blocks the Mooncake store worker asks the
+    store about (its coordinator's ``lookup_mask``: each manager's
+    ``reachable_block_mask`` with no retention interval): every block when
+    ``per`` is 0, else block ``c`` when ``c >= shift`` and
+    ``(c - shift) % per >= per - need``, the tails a sliding window's hit
+    can end on at each multiple of the scheduler block."""
+
+    per: int = 0
+    need: int = 0
+    shift: int = 0
+
+    def asks(self, block: int) -> bool:
+        if not self.per:
+            return True
+        return block >= self.shift and (block - self.shift) % self.per >= self.per - self.need
+
+
+def asked_blocks(
+    config: TraceConfig, cache: str | Cache = DEFAULT_CACHE
+) -> tuple[AskedBlocks, ...]:
+    """Per KV-cache group, the blocks the store worker asks about: every one
+    with partial hash hits (no lookup mask); else a sliding window's
+    reachable tails (its window as the cache looks it up, its spec group's
+    EAGLE bit), every block of the other kinds."""
+    c = get_cache(cache)
+    if partial_hits(config, c):
+        return tuple(AskedBlocks() for _ in config.groups)
+    eagle = {gid for sg in build_spec_groups(config, c) if sg.eagle for gid in sg.group_ids}
+    sched = config.scheduler_block_size
+    out = []
+    for gid, group in enumerate(config.groups):
+        spec = lookup_spec(group, c)
+        bs = spec.block_size
+        if spec.kind is not GroupKind.SLIDING_WINDOW or sched % bs:
+            out.append(AskedBlocks())
+            continue
+        need, shift = window_tail(spec.sliding_window or 0, bs, gid in eagle)
+        per = sched // bs
+        out.append(AskedBlocks() if need >= per else AskedBlocks(per, need, shift))
+    return tuple(out)
+
+
 def _all_present(per_group: Sequence[bytes]) -> bytes:
     """A merged spec group holds a unit only when every member group does."""
     if len(per_group) == 1:
@@ -365,6 +416,9 @@ class Coordinator(LookupCoordinator):
         self.single_call = len(self.spec_groups) == 1 and (
             _unitary(config, self.cache) or self.cache.single_spec_shortcut
         )
+        #: The blocks the store worker asks about, per group, where lookups
+        #: enter through it (``Cache.store_worker_entry``), else None.
+        self.asked = asked_blocks(config, self.cache) if self.cache.store_worker_entry else None
 
     def _call(self, sg: SpecGroup, present: bytes, bound: int, drop: bool) -> FinderResult:
         query = Query(
@@ -394,6 +448,97 @@ class Coordinator(LookupCoordinator):
     ) -> LookupOutcome:
         """``present[g][u]`` is 1 when group ``g`` holds a key for the request's
         hash unit ``u`` (the store state the lookup sees), else 0."""
+        if self.asked is None:
+            return self.converge(present, max_length, explain=explain)
+        return self._worker_lookup(present, max_length + 1, explain=explain)
+
+    def asked_present(self, present: Sequence[bytes], token_len: int) -> list[bytes]:
+        """What the store worker learns of ``present`` at the aligned length
+        ``token_len``: a group's key reads present only when the worker asked
+        for it (a unit within ``token_len``; a block's own key, of a block
+        its lookup mask asks about, without partial hits)."""
+        hbs = self.config.hash_block_size
+        limit = token_len // hbs
+        fine = partial_hits(self.config, self.cache)
+        out = []
+        for gid, p in enumerate(present):
+            if fine:
+                out.append(p[:limit] + bytes(max(0, len(p) - limit)))
+                continue
+            assert self.asked is not None
+            rule = self.asked[gid]
+            k = self.config.groups[gid].block_size // hbs
+            q = bytearray(len(p))
+            for c in range(min(len(p), limit) // k):
+                if rule.asks(c):
+                    q[c * k + k - 1] = p[c * k + k - 1]
+            out.append(bytes(q))
+        return out
+
+    def asks_any(self, units: int, token_len: int) -> bool:
+        """Whether the worker asks the store anything for a request of
+        ``units`` hash units at the aligned length ``token_len`` (it answers 0
+        without a coordinator call when not)."""
+        hbs = self.config.hash_block_size
+        limit = min(units, token_len // hbs)
+        if limit <= 0:
+            return False
+        if partial_hits(self.config, self.cache):
+            return True
+        assert self.asked is not None
+        for gid, rule in enumerate(self.asked):
+            k = self.config.groups[gid].block_size // hbs
+            if any(rule.asks(c) for c in range(limit // k)):
+                return True
+        return False
+
+    def _worker_lookup(
+        self, present: Sequence[bytes], num_tokens: int, *, explain: bool
+    ) -> LookupOutcome:
+        """The store worker's ``lookup(num_tokens, block_hashes)``: the fixed
+        point at the aligned prompt length over what the store answered, and
+        again below the prompt's end when it hit the whole prompt (the last
+        token is recomputed for sampling); 0 with nothing loaded when it
+        asks nothing or nothing is left below the prompt's end."""
+        align = self.alignment
+        token_len = num_tokens // align * align
+        units = len(present[0]) if present else 0
+        if not self.asks_any(units, token_len):
+            return self.nothing()
+        asked = self.asked_present(present, token_len)
+        out = self.converge(asked, token_len, explain=explain)
+        if out.hit_tokens < num_tokens:
+            return out
+        usable = (num_tokens - 1) // align * align
+        if usable <= 0:
+            return self.nothing(out.steps)
+        again = self.converge(asked, usable, explain=explain)
+        return replace(again, steps=out.steps + again.steps)
+
+    def nothing(self, steps: Sequence[Step] = ()) -> LookupOutcome:
+        """A lookup the worker answered 0 without a coordinator answer to
+        keep: no group loads or hits anything."""
+        return LookupOutcome(
+            hit_tokens=0,
+            groups=tuple(
+                GroupOutcome(
+                    group_id=gid,
+                    kind=g.kind,
+                    mask_blocks=0,
+                    loaded_blocks=0,
+                    hit_tokens=0,
+                    state_tokens=0 if g.kind is GroupKind.MAMBA else None,
+                )
+                for gid, g in enumerate(self.config.groups)
+            ),
+            steps=tuple(steps),
+        )
+
+    def converge(
+        self, present: Sequence[bytes], max_length: int, *, explain: bool = False
+    ) -> LookupOutcome:
+        """The fixed point at ``max_length`` over ``present`` (vLLM's
+        ``find_longest_cache_hit``)."""
         merged = [_all_present([present[g] for g in sg.group_ids]) for sg in self.spec_groups]
         results: list[FinderResult | None] = [None] * len(self.spec_groups)
         steps: list[Step] = []

@@ -110,7 +110,11 @@ _M29 = _M32.but(
 )
 _M27 = _M29.but(trim_every_full=False)
 _M26 = _M27.but(
-    partial_hits="none", mamba_peek_margin=True, single_spec_own_block=True, trim_ceil=False
+    partial_hits="none",
+    mamba_peek_margin=True,
+    single_spec_own_block=True,
+    trim_ceil=False,
+    store_worker_entry=False,
 )
 _M22 = _M26.but(full_reuse_own_hit=False)
 
@@ -190,7 +194,8 @@ RELEASES: tuple[Policy, ...] = (
         "0.27.0",
         "0.27.1",
         "#49502",
-        "mirror: the Mamba gate, partial hash hits, the fine-grained margin",
+        "mirror: the Mamba gate, partial hash hits, the fine-grained margin; "
+        "lookups enter through the store worker's lookup(num_tokens, block_hashes)",
         _E26,
         _M27,
     ),
