@@ -488,7 +488,7 @@ def planned_verdicts(
             continue
         verdict = Verdict(path, entry, policy, cache)
         if oracle and (match is None or not same_rules(policy, match, cache)):
-            verdict.skipped = skip_reason.format(policy=policy)
+            verdict.skipped = skip_reason.format(policy=policy, cache=cache)
         verdicts.append(verdict)
     return verdicts
 
@@ -713,7 +713,19 @@ def test_summary_line(run: Run, coordinator: str) -> str:
         f"{counted(traces, 'trace')} "
         f"through the {coordinator} coordinator in {run.seconds:.1f} s"
     )
-    reasons = sorted({v.skipped for v in skipped if v.skipped})
+    # One reason per policy, naming every cache it was skipped in.
+    caches: dict[str, set[str]] = {}
+    for v in skipped:
+        if v.skipped:
+            base = v.skipped.replace(f" in the {v.cache} cache:", ":", 1)
+            caches.setdefault(base, set()).update([v.cache] if base != v.skipped else [])
+    reasons = []
+    for base, where in sorted(caches.items()):
+        if where:
+            names = " and ".join(sorted(where))
+            noun = "caches" if len(where) > 1 else "cache"
+            base = base.replace(" is not checked:", f" is not checked in the {names} {noun}:", 1)
+        reasons.append(base)
     if reasons:
         text += " (" + "; ".join(reasons) + ")"
     return text

@@ -224,7 +224,8 @@ def test_nothing_checked_fails_in_one_line_saying_why(
     assert result.exit_code == 2
     assert result.stdout.startswith("0 passed, 0 failed, ")
     assert result.stderr.splitlines()[-1] == (
-        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "error: no expectation was checked: policy vllm-0.33 is not checked in the mooncake "
+        "cache: the installed "
         "vLLM 0.29.0 is checked as policy vllm-0.29"
     )
 
@@ -238,7 +239,8 @@ def test_policy_chooses_what_an_unmodelled_vllm_is_checked_as(
     chosen = run_cli(["test", "--coordinator", "vllm", "--policy", "vllm-0.29", issue])
     assert chosen.exit_code == 2
     assert chosen.stderr.splitlines()[-1] == (
-        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "error: no expectation was checked: policy vllm-0.33 is not checked in the mooncake "
+        "cache: the installed "
         "vLLM 0.1.dev1+gabc1234 is checked as policy vllm-0.29"
     )
     monkeypatch.setenv("REPLAY_POLICY", "vllm-9.9")

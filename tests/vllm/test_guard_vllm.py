@@ -102,8 +102,8 @@ def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() ->
         f"{len(entries)} expectations of {len(traces)} traces through the vllm coordinator"
     ), last
     assert (
-        f"policy pre-49502 is not checked: the installed vLLM {version} is checked as "
-        "policy vllm-0.33"
+        f"policy pre-49502 is not checked in the gpu and mooncake caches: the installed "
+        f"vLLM {version} is checked as policy vllm-0.33"
     ) in last
     # A progress line per trace (vLLM's own logger may add a warning line).
     assert len([x for x in got.stderr.splitlines() if x.startswith("[")]) == len(traces)
@@ -131,8 +131,8 @@ def test_the_pytest_route_checks_vllm_and_skips_other_policies(
     result.assert_outcomes(passed=3, skipped=4)
     result.stdout.fnmatch_lines(
         [
-            f"SKIPPED * policy pre-49502 is not checked: the installed vLLM {version} "
-            "is checked as policy vllm-0.33"
+            f"SKIPPED * policy pre-49502 is not checked in the * cache: the installed vLLM "
+            f"{version} is checked as policy vllm-0.33"
         ]
     )
     monkeypatch.setenv("REPLAY_COORDINATOR", "vllm")
@@ -292,7 +292,8 @@ def test_a_development_build_checked_as_nothing_fails(tmp_path: Path) -> None:
     assert got.returncode == 2, got.stderr
     assert got.stdout.startswith("0 passed, 0 failed, "), got.stdout
     assert got.stderr.splitlines()[-1] == (
-        "error: no expectation was checked: policy vllm-0.33 is not checked: the installed "
+        "error: no expectation was checked: policy vllm-0.33 is not checked in the mooncake "
+        "cache: the installed "
         "vLLM 0.1.dev1+gabc1234 is checked as policy vllm-0.29"
     )
 

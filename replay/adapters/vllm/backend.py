@@ -150,7 +150,8 @@ def policy_for_vllm(version: str) -> str | None:
 def installed_policy() -> tuple[str | None, str]:
     """The policy the installed vLLM is checked under
     (``installed_version_policy``), and the reason (a template with
-    ``{policy}``) to give for skipping an expectation of another one."""
+    ``{policy}`` and ``{cache}``) to give for skipping an expectation whose
+    policy's rules in its cache are not the installed release's."""
     version = installed_vllm_version()
     try:
         policy = installed_version_policy().policy.name
@@ -158,12 +159,12 @@ def installed_policy() -> tuple[str | None, str]:
         if os.environ.get(POLICY_ENV, "").strip():
             raise
         return None, (
-            f"policy {{policy}} is not checked: no policy of this project models "
+            f"policy {{policy}} is not checked in the {{cache}} cache: no policy of this project models "
             f"the installed vLLM {version}"
         )
     return policy, (
-        f"policy {{policy}} is not checked: the installed vLLM {version} is checked as "
-        f"policy {policy}"
+        f"policy {{policy}} is not checked in the {{cache}} cache: the installed vLLM "
+        f"{version} is checked as policy {policy}"
     )
 
 
