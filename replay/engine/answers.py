@@ -48,6 +48,8 @@ from replay.rules.compiled.tables import (
     O_VERIFIED,
     O_WIDTH,
     LookupTables,
+    ProbeStop,
+    probe_stop,
 )
 from replay.rules.coordinator import (
     DEFAULT_COORDINATOR,
@@ -295,6 +297,20 @@ class Answers:
         self.rows: list[pl.DataFrame] = []
         self.events = 0
         self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
+
+    def probe_stop(self) -> ProbeStop | None:
+        """Where the fold may stop probing a lookup's hash units
+        (``replay.rules.compiled.tables.probe_stop``, the widest over the
+        variants), or None when every unit's presence is needed: the
+        ``unit_present`` column, a Python coordinator or an explanation
+        reads them all."""
+        if self.unit_present or self.explain is not None:
+            return None
+        stops = [probe_stop(t) if t is not None else None for t in self.tables]
+        first = stops[0] if stops else None
+        if first is None or any(s is None or s[:2] != first[:2] for s in stops):
+            return None
+        return first[0], first[1], max(s[2] for s in stops if s is not None)
 
     def add(self, lookups: LookupBatch, present: np.ndarray[Any, Any]) -> None:
         """Answer one batch's lookups, with their facts; ``present`` in the fold's

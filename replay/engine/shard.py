@@ -47,6 +47,7 @@ from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, 
 from replay.format.hashwords import HashWords, hash_words
 from replay.format.schema import EVENT_KINDS, KIND_ENUM, TraceBatch
 from replay.format.trace import TraceReader, prefetched
+from replay.rules.compiled.tables import ProbeStop
 
 KIND_CODES = {"store": STORE, "remove": REMOVE, "clear": CLEAR, "lookup": LOOKUP}
 #: The kernel's code of each of ``EVENT_KINDS``, by its index there.
@@ -190,10 +191,12 @@ def scatter(
 
 
 class ShardFold:
-    """One shard's store: the compiled table of its keys."""
+    """One shard's store: the compiled table of its keys (``stop``: where a
+    lookup's probes may end, ``Answers.probe_stop``; only the one shard of
+    a serial replay sees a lookup's units in order)."""
 
-    def __init__(self, num_groups: int) -> None:
-        self.table = KeyTable(num_groups)
+    def __init__(self, num_groups: int, stop: ProbeStop | None = None) -> None:
+        self.table = KeyTable(num_groups, stop)
 
     def fold(self, piece: ShardPiece) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """Fold a piece in; the presence bytes of its lookup rows, in the
@@ -300,7 +303,8 @@ def replay_answers(
     if not 1 <= shards <= MAX_SHARDS:
         raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
     num_groups = reader.config.num_groups
-    folds = [ShardFold(num_groups) for _ in range(shards)]
+    stop = answers.probe_stop() if shards == 1 else None
+    folds = [ShardFold(num_groups, stop) for _ in range(shards)]
     state = Progress(total_events=reader.num_rows)
     started = last = time.perf_counter()
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from replay.analysis.flags import lookup_flags
 from replay.engine.answers import Answers, Variant
+from replay.engine.kernels import LOOKUP, REMOVE, STORE
 from replay.engine.run import ReplayOptions, replay
-from replay.engine.shard import replay_answers
+from replay.engine.shard import ShardFold, ShardPiece, replay_answers
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
 from tests.builders import (
@@ -92,3 +95,29 @@ def test_explain_answers_only_the_selected_lookups_with_their_steps(tmp_path: Pa
         64,
         ["mamba_overrun", "eagle_not_dropped"],
     )
+
+
+def test_probe_stop_ends_a_lookup_past_what_its_answer_reads() -> None:
+    """Full attention + Mamba, 16-token blocks and hash units, EAGLE: the
+    hit ends at full attention's first absent block, so the fold probes
+    that unit's one-block EAGLE margin, two blocks and one unit more (4
+    units) and no further; the units past stay 0. The unit_present
+    column, or the Python reference, needs every unit: no stop."""
+    config = full_mamba(16, source={"cache": "gpu"})
+    variants = [Variant(policy="vllm-0.33", cache="gpu")]
+    stop = Answers(config, variants).probe_stop()
+    assert stop == (0, 1, 4)
+    assert Answers(config, variants, unit_present=True).probe_stop() is None
+    assert Answers(config, variants, compiled=False).probe_stop() is None
+    hashes = chain(12)
+    rows = pa.array([hashes, hashes, [hashes[3]], hashes], pa.list_(pa.binary()))
+    kinds = np.array([STORE, STORE, REMOVE, LOOKUP], dtype=np.int8)
+    gids = np.array([0, 1, 0, -1], dtype=np.int32)
+
+    def presence(stop: tuple[int, int, int] | None) -> list[list[int]]:
+        fold = ShardFold(2, stop)
+        out = fold.fold(ShardPiece(kinds=kinds, group_ids=gids, hashes=rows))
+        return [out[:12].tolist(), out[12:].tolist()]
+
+    assert presence(None) == [[1, 1, 1, 0] + [1] * 8, [1] * 12]
+    assert presence(stop) == [[1, 1, 1, 0, 1, 1, 1, 1] + [0] * 4, [1] * 8 + [0] * 4]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from replay.base.spec import GroupKind
 from replay.engine.answers import Answers, Variant
 from replay.engine.replay import explain_lookups
 from replay.engine.shard import replay_answers
@@ -91,6 +92,21 @@ def test_corpus_compiled_equals_reference(path: Path) -> None:
     cache = trace_cache(open_trace(path).config.source)
     variants = _variants(path, (cache,), pinned_policies(cache))
     assert _assert_same(path, variants, unit_present=True) > 0
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_corpus_probe_stop_equals_reference(path: Path) -> None:
+    """Without the ``unit_present`` column the serial fold stops probing a
+    lookup past where any answer reads (``probe_stop``): every column still
+    equals the reference's, which reads every unit."""
+    config = open_trace(path).config
+    cache = trace_cache(config.source)
+    variants = _variants(path, (cache,), pinned_policies(cache))
+    answers = Answers(config, variants)
+    # Full attention is looked up first wherever there is some.
+    full = any(g.kind is GroupKind.FULL_ATTENTION for g in config.groups)
+    assert (answers.probe_stop() is not None) == full
+    assert _assert_same(path, variants, unit_present=False) > 0
 
 
 @pytest.mark.slow
