@@ -20,7 +20,8 @@ import polars as pl
 
 from replay.base.spec import TraceConfig
 from replay.engine.answers import Answers, Variant
-from replay.engine.shard import ShardFold, scatter
+from replay.engine.shard import ShardFold, scatter, scatter_columns
+from replay.format.columns import row_columns
 from replay.format.validate import validate_rows
 from replay.format.writer import events_table
 from replay.rules.coordinator import resolve_cache
@@ -67,10 +68,18 @@ class LiveFold:
     def feed(self, rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
         """Fold ``rows`` in; the answers of their lookups, in seq order. Rows
         that break the format are a ``TraceError`` naming the seq."""
-        table = events_table(rows, self.config)
-        batch, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
-        pieces, lookups = scatter(batch, 1, lookup_hashes=self.answers.needs_hashes)
-        self.answers.add(lookups, self._fold.fold(pieces[0]))
+        needs_hashes = self.answers.needs_hashes
+        cols = row_columns(rows, self.config, self._last_seq)
+        if cols is not None:
+            piece, lookups = scatter_columns(cols, lookup_hashes=needs_hashes)
+            self._last_seq = cols.last_seq
+        else:
+            # Not of the plain form, or a rule broken: the table path, whose
+            # validation names the row.
+            table = events_table(rows, self.config)
+            batch, self._last_seq = validate_rows(self.name, self.config, table, self._last_seq)
+            (piece,), lookups = scatter(batch, 1, lookup_hashes=needs_hashes)
+        self.answers.add(lookups, self._fold.fold(piece))
         self.events.update(lookups.counts)
         (frame,) = self.answers.take_frames()
         return frame

@@ -37,6 +37,7 @@ from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold
+from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
 from replay.sources.live import EngineEndpoints, EngineFeed, Released
 from replay.sources.values import Report, Row
@@ -472,16 +473,20 @@ def _warm_up() -> None:
         scheduler_block_size=16,
     )
     ts = datetime.now(tz=UTC)
-    keys = [i.to_bytes(8, "big") for i in range(1, 2049)]
+    # As a live source gives them (``PackedHashes``: the fold's words are then
+    # read-only, a type of their own to the compiled fold).
+    data = b"".join(i.to_bytes(8, "big") for i in range(1, 2049))
     fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
     rows: list[Row] = []
-    for i in range(0, len(keys), 64):
-        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys[i : i + 64]})
-        rows.append({"kind": "lookup", "block_hashes": keys[i : i + 64], "request_id": "warm-up",
+    for i in range(0, 2048, 64):
+        keys = PackedHashes(data[8 * i : 8 * (i + 64)], 8)
+        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys})
+        rows.append({"kind": "lookup", "block_hashes": keys, "request_id": "warm-up",
                      "max_length": 1024, "num_tokens": 1025, "observed_hit_tokens": 1024})  # fmt: skip
-    rows.append({"kind": "remove", "group_id": 0, "block_hashes": keys[:64]})
-    rows.append({"kind": "lookup", "block_hashes": keys[:2], "request_id": "warm-up",
-                 "max_length": 32, "num_tokens": 33, "observed_hit_tokens": 32})  # fmt: skip
+    rows.append({"kind": "remove", "group_id": 0, "block_hashes": PackedHashes(data[:512], 8)})
+    rows.append({"kind": "lookup", "block_hashes": PackedHashes(data[:16], 8),
+                 "request_id": "warm-up", "max_length": 32, "num_tokens": 33,
+                 "observed_hit_tokens": 32})  # fmt: skip
     frame = fold.feed([{"seq": i, "ts": ts, **row} for i, row in enumerate(rows)])
     add_flags(frame, config)
 
