@@ -112,6 +112,19 @@ class Answered:
 _ENGINE = "__engine"
 
 
+#: A judged batch's sums, in one select: prompt, policy hit and observed
+#: hit tokens, observed mismatches and overruns, flagged lookups.
+_OBSERVED, _HIT = pl.col("observed_hit_tokens"), pl.col("hit_tokens")
+_VERDICT_SUMS = (
+    prompt_tokens_expr().sum().alias("prompt"),
+    _HIT.sum().alias("hit"),
+    _OBSERVED.fill_null(0).sum().alias("observed"),
+    (_OBSERVED != _HIT).fill_null(False).sum().alias("mismatch"),
+    (_OBSERVED > _HIT).fill_null(False).sum().alias("over"),
+    (pl.col("flags").list.len() > 0).sum().alias("flagged"),
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchSummary:
     #: The rolling trace's directory (``-o``), or None.
@@ -262,13 +275,16 @@ class Watch:
         if self.metrics is not None:
             self.metrics.observe_lags(ew.name, lags)
         c.lookups += judged.height
-        c.prompt_tokens += int(judged.select(prompt_tokens_expr()).sum().item() or 0)
-        c.hit_tokens += int(judged["hit_tokens"].sum())
-        observed = judged["observed_hit_tokens"]
-        c.observed_hit_tokens += int(observed.fill_null(0).sum())
-        differs = (observed != judged["hit_tokens"]).fill_null(False)
-        c.observed_mismatch += int(differs.sum())
-        c.observed_over += int((observed > judged["hit_tokens"]).fill_null(False).sum())
+        # One select for every sum (polars' fixed cost is per call, and a
+        # fleet's engines each bring a small batch a turn).
+        prompt, hit, observed, mismatch, over, flagged_rows = judged.select(_VERDICT_SUMS).row(0)
+        c.prompt_tokens += int(prompt or 0)
+        c.hit_tokens += int(hit or 0)
+        c.observed_hit_tokens += int(observed or 0)
+        c.observed_mismatch += int(mismatch or 0)
+        c.observed_over += int(over or 0)
+        if not flagged_rows:
+            return
         flagged = judged.filter(pl.col("flags").list.len() > 0)
         for row in flagged.iter_rows(named=True):
             names = by_severity(row["flags"])
