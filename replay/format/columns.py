@@ -20,7 +20,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 
 from replay.base.limits import HASH_BYTES, ROW_HASHES
@@ -36,6 +35,7 @@ _COLUMN_SET = frozenset(TRACE_COLUMNS)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 _NAN = float("nan")
+_TS = pa.timestamp("us", tz="UTC")
 _INT = frozenset((int, type(None)))
 _TEXT = frozenset((str, type(None)))
 _HASHES = frozenset((PackedHashes, type(None)))
@@ -54,8 +54,9 @@ class RowColumns:
     n_hashes: np.ndarray[Any, np.dtype[np.int64]]
     #: ``block_hashes``, a list per row (null where a row has none).
     hashes: pa.Array
-    #: The lookup rows' own columns (``replay.engine.answers.LOOKUP_COLUMNS``).
-    lookups: pl.DataFrame
+    #: The lookup rows' own columns (``replay.engine.answers.LOOKUP_COLUMNS``),
+    #: in Arrow: the results frame is made from Arrow arrays.
+    lookups: pa.Table
     first_seq: int
     last_seq: int
 
@@ -128,21 +129,23 @@ def row_columns(
     if hashes is None:
         return None
     at = np.flatnonzero(kind == _LOOKUP).tolist()
-    lookups = pl.DataFrame(
-        [
-            pl.Series("seq", [seq_v[i] for i in at], pl.Int64),
-            pl.Series("request_id", [rid_v[i] for i in at], pl.String),
-            pl.Series("max_length", [values["max_length"][i] for i in at], pl.Int64),
-            pl.Series("num_tokens", [values["num_tokens"][i] for i in at], pl.Int64),
-            pl.Series(
-                "observed_hit_tokens", [values["observed_hit_tokens"][i] for i in at], pl.Int64
+
+    def picked(name: str) -> list[Any]:
+        column = values[name]
+        return [column[i] for i in at]
+
+    lookups = pa.table(
+        {
+            "seq": pa.array([seq_v[i] for i in at], pa.int64()),
+            "request_id": pa.array(picked("request_id"), pa.string()),
+            "max_length": pa.array(picked("max_length"), pa.int64()),
+            "num_tokens": pa.array(picked("num_tokens"), pa.int64()),
+            "observed_hit_tokens": pa.array(picked("observed_hit_tokens"), pa.int64()),
+            # Microseconds since the epoch: the instant, whatever the zone.
+            "ts": pa.array(
+                [None if (t := ts_v[i]) is None else (t - _EPOCH) // _US for i in at], _TS
             ),
-            pl.Series(
-                "ts",
-                [None if (t := ts_v[i]) is None else (t - _EPOCH) // _US for i in at],
-                pl.Int64,
-            ).cast(pl.Datetime("us", "UTC")),
-        ]
+        }
     )
     return RowColumns(
         kind=kind,

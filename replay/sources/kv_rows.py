@@ -58,9 +58,11 @@ def _fast_hashes(
     widths, or no hashes (read one by one)."""
     if not hashes:
         return None
-    packed = _packed(hashes)
-    if packed is not None:
-        return PackedHashes(packed, 8), hashes, 0
+    # Integers (vLLM's default) packed; bytes (a digest per hash) not tried
+    # as integers first: the failed pack was a tenth of a watch's conversion.
+    if not isinstance(hashes[0], bytes):
+        packed = _packed(hashes)
+        return None if packed is None else (PackedHashes(packed, 8), hashes, 0)
     try:
         data = b"".join(hashes)  # type: ignore[arg-type]
     except TypeError:  # an integer among bytes
