@@ -390,10 +390,19 @@ class Answers:
         live replay (``replay.engine.live``) answers batch by batch and holds
         nothing per lookup once it is judged."""
         frames = self.frames()
+        self.take_parts()
+        return frames
+
+    def take_parts(self) -> tuple[list[pl.DataFrame | pa.Table], list[Outcomes]]:
+        """What ``take_frames`` makes its frames of (the lookups' rows, each
+        variant's outcomes), then forget them: ``replay watch`` makes one
+        results frame of many engines' parts (``results_frame`` takes them
+        joined), not one an engine. Not with ``unit_present``."""
+        parts = self.rows, self.outcomes
         self.rows = []
         self.outcomes = [Outcomes(self.config.num_groups) for _ in self.variants]
         self._present, self._units = [], []
-        return frames
+        return parts
 
     def results(self, *, seconds: float, trace_path: str | os.PathLike[str]) -> list[ReplayResult]:
         """Each variant's ``ReplayResult``."""

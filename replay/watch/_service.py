@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import polars as pl
 import zmq
 
@@ -36,7 +37,8 @@ from replay.analysis.flags import Layout, add_flags, by_severity, severity
 from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.engine.live import LiveFold
+from replay.engine.answers import Variant
+from replay.engine.live import LiveAnswers, LiveFold, live_results
 from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
 from replay.sources.live import EngineEndpoints, EngineFeed, Released
@@ -98,10 +100,11 @@ class EngineWatch:
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """One engine's answers of one turn, waiting for their flags."""
+    """One engine's answers of one turn, waiting for their results frame
+    and flags (one of each for every engine of one layout)."""
 
     ew: EngineWatch
-    frame: pl.DataFrame
+    answers: LiveAnswers
     #: When the message that released each lookup arrived.
     arrivals: list[float]
     #: A lookup's seq -> its segment and its seq there.
@@ -221,18 +224,20 @@ class Watch:
                 if row.get("kind") == "lookup"
             }
         before = dict(ew.fold.events)
-        frame = ew.fold.feed(rows)
+        answers = ew.fold.answer(rows)
         c = ew.counts
         for kind, n in ew.fold.events.items():
             c.events[kind] += n - before.get(kind, 0)
         c.store_keys = ew.fold.store_keys
-        if frame.height:
-            self._answered.append(Answered(ew, frame, arrivals, where))
+        if answers.lookups:
+            self._answered.append(Answered(ew, answers, arrivals, where))
 
     def _judge_answered(self) -> None:
-        """Flag the answers of this turn, every engine's at once per group
-        layout (the flags' fixed cost is per call, not per lookup: a fleet of
-        one model pays it once a turn), then count each engine's verdicts."""
+        """Judge the answers of this turn: every engine's of one group
+        layout in one results frame (one per release's policy among them)
+        and one add_flags call (their fixed costs are per call, not per
+        lookup: a fleet of one model pays them once a turn, not once an
+        engine), then count each engine's verdicts."""
         answered, self._answered = self._answered, []
         by_layout: dict[Layout, list[Answered]] = {}
         for a in answered:
@@ -241,21 +246,21 @@ class Watch:
         for group in by_layout.values():
             config = group[0].ew.feed.config
             assert config is not None
-            if len(group) == 1:
-                self._verdicts(group[0], add_flags(group[0].frame, config))
+            by_variant: dict[tuple[Variant, int], list[Answered]] = {}
+            for a in group:
+                by_variant.setdefault((a.answers.variant, a.answers.alignment), []).append(a)
+            order = [a for same in by_variant.values() for a in same]
+            frames = [live_results([a.answers for a in same]) for same in by_variant.values()]
+            results = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
+            if len(order) == 1:
+                self._verdicts(order[0], add_flags(results, config))
                 continue
-            judged = add_flags(
-                pl.concat(
-                    [
-                        a.frame.with_columns(pl.lit(i, pl.Int32).alias(_ENGINE))
-                        for i, a in enumerate(group)
-                    ],
-                    how="vertical_relaxed",
-                ),
-                config,
+            engine = np.repeat(
+                np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
             )
+            judged = add_flags(results.with_columns(pl.Series(_ENGINE, engine)), config)
             parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
-            for i, a in enumerate(group):
+            for i, a in enumerate(order):
                 self._verdicts(a, parts[(i,)])
 
     def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
