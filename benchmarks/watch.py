@@ -20,7 +20,11 @@ too, as the rates a core of its own sustains when the machine is shared.
 
 ``BENCH_WATCH_RATE=N`` paces the lookups at N a second (one small batch at
 a time, as a fleet sends them: the fixed cost per batch shows);
-``BENCH_WATCH_PROFILE=FILE`` runs the watch under cProfile.
+``BENCH_WATCH_ENGINES=N`` watches N engines, each sent the whole trace (a
+turn then brings a batch from several: what is paid once a turn and what
+once an engine shows), the figures for all of them together;
+``BENCH_WATCH_PROFILE=FILE`` runs the watch under cProfile (slowed, it may
+lose what the publisher still held when it closed).
 """
 
 from __future__ import annotations
