@@ -41,9 +41,9 @@ def test_the_columns_are_what_the_table_path_gives() -> None:
     assert piece.kinds.tolist() == want_piece.kinds.tolist() == [0, 3, 1, 2]
     assert piece.group_ids.tolist() == want_piece.group_ids.tolist() == [0, -1, 1, -1]
     assert piece.hashes.to_pylist() == want_piece.hashes.to_pylist()
-    rows = pl.DataFrame(pl.from_arrow(lookups.rows))
-    assert rows.equals(want.rows)
-    assert rows.row(0) == (4, "r", 63, 64, 48, TS)
+    frame = pl.DataFrame(pl.from_arrow(lookups.rows))
+    assert frame.equals(want.rows)
+    assert frame.row(0) == (4, "r", 63, 64, 48, TS)
     assert lookups.units.tolist() == want.units.tolist() == [3]
     assert lookups.counts == want.counts
     assert (lookups.events, lookups.hash_entries) == (want.events, want.hash_entries) == (4, 9)
