@@ -2,12 +2,16 @@
 lookup answered where it stands (``replay watch``, issue 33).
 
 The same stages as the replay of a file (``replay.engine.shard``): the rows
-are validated by the one validator every writer and reader uses, folded by
-the compiled table (``KeyTable``) and answered by ``Answers``, the one loop
-every replay shares; so a lookup answered live is answered exactly as
-``replay run`` answers it in the trace the rows make. Nothing is kept per
-lookup once it is answered (``Answers.take_parts``): the memory is the
-store's, bounded by the engine's cache size, not by how long it runs.
+are checked by the rules of the one validator every writer and reader uses
+(a live source's plain rows as numpy columns, ``replay.format.columns``;
+any other batch through ``validate_rows`` itself, which names a bad row),
+folded by the compiled table (``KeyTable``) and answered by ``Answers``,
+the one loop every replay shares; so a lookup answered live is answered
+exactly as ``replay run`` answers it in the trace the rows make. The
+results frame is made once for many engines (``live_results``). Nothing
+is kept per lookup once it is answered (``Answers.take_parts``): the
+memory is the store's, bounded by the engine's cache size, not by how
+long it runs.
 """
 
 from __future__ import annotations
