@@ -20,7 +20,11 @@ too, as the rates a core of its own sustains when the machine is shared.
 
 ``BENCH_WATCH_RATE=N`` paces the lookups at N a second (one small batch at
 a time, as a fleet sends them: the fixed cost per batch shows);
-``BENCH_WATCH_PROFILE=FILE`` runs the watch under cProfile.
+``BENCH_WATCH_ENGINES=N`` watches N engines, each sent the whole trace (a
+turn then brings a batch from several: what is paid once a turn and what
+once an engine shows), the figures for all of them together;
+``BENCH_WATCH_PROFILE=FILE`` runs the watch under cProfile (slowed, it may
+lose what the publisher still held when it closed).
 """
 
 from __future__ import annotations
@@ -67,7 +71,9 @@ def build() -> Path:
 def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None:
     """The publisher process: the trace as vLLM's KV events and the plugin's
     lookups, once ``go`` (a file) exists: as fast as they can be sent, or
-    at ``rate`` lookups a second."""
+    at ``rate`` lookups a second (all engines together). ``kv`` and
+    ``lookups`` may each list several endpoints (``;``): one engine each,
+    every engine sent the same trace, message by message in turn."""
     import msgspec
     import zmq
 
@@ -79,14 +85,18 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
     config = {**reader.config.to_json(), "source": {"cache": "gpu", "vllm_version": "0.33.0"}}
     frame = reader.read_frame()
     ctx: zmq.Context[Any] = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 0)
-    pub.bind(kv)
-    sink = vllm_plugin.open_sink(lookups)
-    sink.engine(
-        {"type": "engine", "instance": "bench", "ts": time.time(), "config": config,
-         "engine": {"vllm_version": "0.33.0"}}
-    )  # fmt: skip
+    pubs, sinks = [], []
+    for kv_endpoint, lookups_endpoint in zip(kv.split(";"), lookups.split(";"), strict=True):
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.bind(kv_endpoint)
+        pubs.append(pub)
+        sink = vllm_plugin.open_sink(lookups_endpoint)
+        sink.engine(
+            {"type": "engine", "instance": "bench", "ts": time.time(), "config": config,
+             "engine": {"vllm_version": "0.33.0"}}
+        )  # fmt: skip
+        sinks.append(sink)
     encoder = msgspec.msgpack.Encoder()
     # Every message is made before ``go`` (the lookups' records, the KV
     # batches encoded), so what is timed is the watch, not this loop.
@@ -135,14 +145,17 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0") -> None
         now = time.time()
         for rec in recs:
             rec["ts"] = now  # when the engine made it: the lag starts here
-        done += len(recs)
-        sink.send(recs, watermark=seq, instance="bench")
-        pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+        done += len(recs) * len(sinks)
+        for sink, pub in zip(sinks, pubs, strict=True):
+            sink.send(recs, watermark=seq, instance="bench")
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
     seq = len(messages)
-    sink.send([], watermark=seq, instance="bench")  # every batch's lookups are in
-    print(json.dumps({"batches": seq, "lookups": n}), flush=True)
+    for sink in sinks:
+        sink.send([], watermark=seq, instance="bench")  # every batch's lookups are in
+    print(json.dumps({"batches": seq * len(sinks), "lookups": n * len(sinks)}), flush=True)
     time.sleep(2.0)  # what is queued leaves before the sockets close
-    sink.close()
+    for sink in sinks:
+        sink.close()
     ctx.destroy(linger=2000)
 
 
@@ -178,7 +191,20 @@ def bench_watch() -> bool:
     events = frame.filter(frame["kind"].is_in(["store", "remove"]))
     hash_events = int(events["block_hashes"].list.len().sum())
     total_hashes = int(frame["block_hashes"].list.len().sum())
-    kv, lk, mport = (free_port() for _ in range(3))
+    # BENCH_WATCH_ENGINES=N: N engines, each sent the whole trace, watched by
+    # the one process (a fleet's turn brings a batch from each: the cost per
+    # engine and turn shows); the figures are for all of them together.
+    fleet = int(os.environ.get("BENCH_WATCH_ENGINES", "1"))
+    lookups, hash_events, total_hashes = (x * fleet for x in (lookups, hash_events, total_hashes))
+    kvs = [free_port() for _ in range(fleet)]
+    lks = [free_port() for _ in range(fleet)]
+    names = ["bench"] if fleet == 1 else [f"bench{i}" for i in range(fleet)]
+    mport = free_port()
+    engine_args = [
+        a
+        for kv, lk, name in zip(kvs, lks, names, strict=True)
+        for a in ("--engine", f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name={name}")
+    ]
     go = DATA / "watch-go"
     go.unlink(missing_ok=True)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
@@ -186,8 +212,7 @@ def bench_watch() -> bool:
     profile = os.environ.get("BENCH_WATCH_PROFILE")
     prof = ["-m", "cProfile", "-o", profile] if profile else []
     watch = subprocess.Popen(
-        [*pin, sys.executable, *prof, "-m", "replay", "watch", "--engine",
-         f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name=bench",
+        [*pin, sys.executable, *prof, "-m", "replay", "watch", *engine_args,
          "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "5",
          "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -198,7 +223,8 @@ def bench_watch() -> bool:
     rate = float(os.environ.get("BENCH_WATCH_RATE", "0"))
     publisher = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
-         f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{lk}", str(go), str(rate)],
+         ";".join(f"tcp://127.0.0.1:{kv}" for kv in kvs),
+         ";".join(f"tcp://127.0.0.1:{lk}" for lk in lks), str(go), str(rate)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -219,7 +245,8 @@ def bench_watch() -> bool:
         judged = 0.0
         while judged < lookups:
             time.sleep(0.05)
-            judged = scrape(mport).get('replay_watch_lookups_total{engine="bench"}', 0.0)
+            m = scrape(mport)
+            judged = sum(m.get(f'replay_watch_lookups_total{{engine="{e}"}}', 0.0) for e in names)
             if time.monotonic() - started > 1800:
                 print(f"bench watch: only {judged:.0f} of {lookups} lookups judged in 30 min")
                 return False
@@ -233,7 +260,9 @@ def bench_watch() -> bool:
             if proc.poll() is None:
                 proc.kill()
         go.unlink(missing_ok=True)
-    result = json.loads(out)["engines"]["bench"]
+    results = [json.loads(out)["engines"][e] for e in names]
+    # The worst engine's lag.
+    result = max(results, key=lambda r: r["lag_p99_seconds"] or 0.0)
     lookups_s = lookups / seconds
     hashes_s = hash_events / seconds
     engines = min(lookups_s / MOONCAKE_LOOKUPS_S, hashes_s / MOONCAKE_HASHES_S)
@@ -243,21 +272,23 @@ def bench_watch() -> bool:
     load = os.getloadavg()[0]
     cpu_engines = min(lookups / cpu / MOONCAKE_LOOKUPS_S, hash_events / cpu / MOONCAKE_HASHES_S)
     print(
-        f"\nreplay watch, one process{' on one core' if pin else ''}: {trace} "
-        f"({lookups:,} lookups, {len(events):,} store/remove events, {hash_events:,} block "
+        f"\nreplay watch, one process{' on one core' if pin else ''}"
+        f"{f', {fleet} engines each sent' if fleet > 1 else ''}: {trace} "
+        f"({lookups:,} lookups, {len(events) * fleet:,} store/remove events, {hash_events:,} block "
         f"events) {f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'} from a local "
         f"publisher: {seconds:.1f} s, "
         f"{hashes_s:,.0f} block events/s, {lookups_s:,.0f} lookups/s; lag p50 "
         f"{result['lag_p50_seconds'] * 1000:.0f} ms, p99 {result['lag_p99_seconds'] * 1000:.0f} ms "
         f"(at full speed, a backlog: the lag is how far behind the sender it ran); "
-        f"{result['gaps']} gaps; keeps up with {engines:,.1f} engines at the Mooncake "
+        f"{sum(r['gaps'] for r in results)} gaps; keeps up with {engines:,.1f} engines at the Mooncake "
         f"conversation trace's rate ({MOONCAKE_LOOKUPS_S:.1f} lookups/s, "
         f"{MOONCAKE_HASHES_S:,.0f} block events/s each; the issue asks for 1,000)"
     )
     if rate > 0:
         print(
             f"  paced at {rate:g} lookups/s ({sent['batches']:,} KV batches, each with its "
-            f"lookups): the watch used {cpu / seconds:.0%} of a core, "
+            f"lookups{', counted per engine' if fleet > 1 else ''}): the watch used "
+            f"{cpu / seconds:.0%} of a core, "
             f"{cpu / sent['batches'] * 1000:.2f} ms of CPU per batch"
         )
     print(
@@ -266,7 +297,7 @@ def bench_watch() -> bool:
         f"(lookups' included) and {lookups / cpu:,.0f} lookups per CPU second: "
         f"{cpu_engines:,.1f} engines on a core of its own"
     )
-    return bool(result["lookups"] == lookups)
+    return sum(int(r["lookups"]) for r in results) == lookups
 
 
 def cpu_seconds(pid: int) -> float:

@@ -156,7 +156,9 @@ LOOKUP_COLUMNS = ("seq", "request_id", "max_length", "num_tokens", "observed_hit
 class LookupBatch:
     """What a batch's lookups need once their presence is known."""
 
-    rows: pl.DataFrame
+    #: Their ``LOOKUP_COLUMNS``: a polars frame from a trace's batch, an Arrow
+    #: table from a live source's columns (``replay.format.columns``).
+    rows: pl.DataFrame | pa.Table
     #: Hash units of each lookup.
     units: np.ndarray[Any, np.dtype[np.int64]]
     #: The shard of each lookup unit (lookups in order); None for one shard.
@@ -171,7 +173,9 @@ class LookupBatch:
 
     @property
     def nbytes(self) -> int:
-        size = int(self.rows.estimated_size() + self.units.nbytes)
+        rows = self.rows
+        size = rows.nbytes if isinstance(rows, pa.Table) else rows.estimated_size()
+        size = int(size + self.units.nbytes)
         size += int(self.hashes.nbytes) if self.hashes is not None else 0
         return size + (int(self.shards.nbytes) if self.shards is not None else 0)
 
@@ -294,7 +298,7 @@ class Answers:
         self.unit_present = unit_present
         self._present: list[np.ndarray[Any, Any]] = []
         self._units: list[np.ndarray[Any, Any]] = []
-        self.rows: list[pl.DataFrame] = []
+        self.rows: list[pl.DataFrame | pa.Table] = []
         self.events = 0
         self.counts = {"store": 0, "remove": 0, "clear": 0, "lookup": 0}
 
@@ -316,7 +320,7 @@ class Answers:
         """Answer one batch's lookups, with their facts; ``present`` in the fold's
         layout (per lookup, per group, its units)."""
         num_groups = self.config.num_groups
-        column = lookups.rows["max_length"].fill_null(0)
+        max_lengths = _max_lengths(lookups.rows)
         units = np.ascontiguousarray(lookups.units, dtype=np.int64)
         for tables, outcomes in zip(self.tables, self.outcomes, strict=True):
             if tables is None:
@@ -326,7 +330,7 @@ class Answers:
                 *tables.arrays(),
                 np.ascontiguousarray(present).reshape(-1).view(np.uint8),
                 units,
-                column.to_numpy().astype(np.int64, copy=False),
+                max_lengths,
                 out,
             )
             outcomes.add_rows(out)
@@ -338,8 +342,8 @@ class Answers:
             if t is None
         ]
         if variants:
-            self._answer_python(lookups, present, column.to_list(), variants)
-        if self.explain is None and lookups.rows.height:
+            self._answer_python(lookups, present, max_lengths.tolist(), variants)
+        if self.explain is None and len(lookups.rows):
             self.rows.append(lookups.rows)
             if self.unit_present:
                 self._present.append(present)
@@ -402,10 +406,19 @@ class Answers:
         live replay (``replay.engine.live``) answers batch by batch and holds
         nothing per lookup once it is judged."""
         frames = self.frames()
+        self.take_parts()
+        return frames
+
+    def take_parts(self) -> tuple[list[pl.DataFrame | pa.Table], list[Outcomes]]:
+        """What ``take_frames`` makes its frames of (the lookups' rows, each
+        variant's outcomes), then forget them: ``replay watch`` makes one
+        results frame of many engines' parts (``results_frame`` takes them
+        joined), not one an engine. Not with ``unit_present``."""
+        parts = self.rows, self.outcomes
         self.rows = []
         self.outcomes = [Outcomes(self.config.num_groups) for _ in self.variants]
         self._present, self._units = [], []
-        return frames
+        return parts
 
     def results(self, *, seconds: float, trace_path: str | os.PathLike[str]) -> list[ReplayResult]:
         """Each variant's ``ReplayResult``."""
@@ -442,7 +455,9 @@ def _selected(
 ) -> list[LookupEvent[bytes] | None]:
     """Each lookup as an event when ``select`` picks it, else None."""
     out: list[LookupEvent[bytes] | None] = []
-    for row, hs in zip(lookups.rows.iter_rows(named=True), hashes, strict=True):
+    rows = lookups.rows
+    frame = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(pl.from_arrow(rows))
+    for row, hs in zip(frame.iter_rows(named=True), hashes, strict=True):
         event = LookupEvent(
             seq=row["seq"],
             request_id=row["request_id"],
@@ -482,6 +497,26 @@ def results_of(
     ]
 
 
+def _max_lengths(rows: pl.DataFrame | pa.Table) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Each lookup's max_length (0 where null), contiguous int64."""
+    if isinstance(rows, pa.Table):
+        column = pc.fill_null(rows.column("max_length"), 0).to_numpy()
+    else:
+        column = rows["max_length"].fill_null(0).to_numpy()
+    return np.ascontiguousarray(column, dtype=np.int64)
+
+
+def _lookup_table(lookup_rows: Sequence[pl.DataFrame | pa.Table]) -> pa.Table:
+    """The lookups' rows as one Arrow table: a live source's Arrow tables
+    as they are (no polars round trip), a trace's frames as before."""
+    if len(lookup_rows) == 1 and isinstance(lookup_rows[0], pa.Table):
+        return lookup_rows[0]
+    frames = [
+        r if isinstance(r, pl.DataFrame) else pl.DataFrame(pl.from_arrow(r)) for r in lookup_rows
+    ]
+    return pl.concat(frames, rechunk=True).to_arrow()
+
+
 def _dictionary(n: int, value: str) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), _one_value(value))
 
@@ -509,7 +544,7 @@ def _per_group(table: np.ndarray[Any, Any], column: int, dtype: Any, nullable: b
 
 
 def results_frame(
-    lookup_rows: list[pl.DataFrame],
+    lookup_rows: list[pl.DataFrame | pa.Table],
     outcomes: Outcomes,
     variant: Variant,
     alignment: int,
@@ -518,7 +553,7 @@ def results_frame(
     their flags (``ANSWER_SCHEMA``; ``replay.analysis.flags`` adds those)."""
     schema = {name: RESULTS_SCHEMA.field(name).type for name in RESULTS_SCHEMA.names}
     if lookup_rows:
-        rows = pl.concat(lookup_rows, rechunk=True).to_arrow()
+        rows = _lookup_table(lookup_rows)
     else:
         rows = pa.table({n: pa.array([], schema[n]) for n in LOOKUP_COLUMNS})
     n = rows.num_rows

@@ -44,6 +44,7 @@ from replay.engine.answers import (
     ReplayResult,
 )
 from replay.engine.kernels import CLEAR, LOOKUP, REMOVE, SKIP, STORE, KeyTable, key_meta, mix
+from replay.format.columns import RowColumns
 from replay.format.hashwords import HashWords, hash_words
 from replay.format.schema import EVENT_KINDS, KIND_ENUM, TraceBatch
 from replay.format.trace import TraceReader, prefetched
@@ -188,6 +189,28 @@ def scatter(
         hashes=batch.hashes.take(pa.array(np.flatnonzero(is_lookup))) if lookup_hashes else None,
     )
     return pieces, lookups
+
+
+def scatter_columns(
+    cols: RowColumns, *, lookup_hashes: bool = False
+) -> tuple[ShardPiece, LookupBatch]:
+    """``scatter`` into one shard for a live source's checked columns
+    (``replay.format.columns``): the same piece and lookups, without the
+    polars frame (``replay.engine.live`` folds many small batches)."""
+    kinds = _KERNEL_KINDS[cols.kind]
+    is_lookup = kinds == LOOKUP
+    lookups = LookupBatch(
+        rows=cols.lookups,
+        units=cols.n_hashes[is_lookup],
+        shards=None,
+        events=int(kinds.shape[0]),
+        counts=cols.counts,
+        first_seq=cols.first_seq,
+        last_seq=cols.last_seq,
+        hash_entries=int(cols.n_hashes.sum()),
+        hashes=cols.hashes.take(pa.array(np.flatnonzero(is_lookup))) if lookup_hashes else None,
+    )
+    return ShardPiece(kinds=kinds, group_ids=cols.group_id, hashes=cols.hashes), lookups
 
 
 class ShardFold:

@@ -3,6 +3,8 @@ a bad row is reported by its seq."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -221,16 +223,12 @@ _STORE, _REMOVE, _LOOKUP = (EVENT_KINDS.index(k) for k in ("store", "remove", "l
 
 
 def _plainly_valid(config: TraceConfig, frame: pl.DataFrame, last_seq: int | None) -> bool:
-    """``_validate_batch``'s checks on numpy arrays: True when every row
-    passes them. A small batch (``replay watch`` folds many) pays polars'
-    fixed cost per expression, about twenty of them; this is a few numpy
-    calls. False (whatever the fault) sends the batch to
+    """``_validate_batch``'s checks on numpy arrays (``plainly_valid``): True
+    when every row passes them. A small batch (``replay watch`` folds many)
+    pays polars' fixed cost per expression, about twenty of them; this is a
+    few numpy calls. False (whatever the fault) sends the batch to
     ``_validate_batch``, the one home of the rules' messages, which names
-    the first bad row; so this may refuse too much, never too little.
-
-    Nullable integers come out as float64 with NaN for null: a comparison
-    with NaN is False, as polars' ``fill_null(False)``; every value that
-    passes is at most 2**48, exact in a float."""
+    the first bad row; so this may refuse too much, never too little."""
     if frame.height == 0:
         return True
     nulls = frame.null_count().row(0, named=True)
@@ -240,22 +238,59 @@ def _plainly_valid(config: TraceConfig, frame: pl.DataFrame, last_seq: int | Non
         kind = frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()
     except pl.exceptions.InvalidOperationError:  # an unknown kind
         return False
-    seq = frame["seq"].to_numpy()
-    if last_seq is not None and seq[0] <= last_seq:
-        return False
-    if seq.shape[0] > 1 and not (seq[1:] > seq[:-1]).all():
-        return False
     gid, n_hashes, max_length, num_tokens, observed = (
         frame[name].to_numpy().astype(np.float64, copy=False)
         for name in ("group_id", "n_hashes", "max_length", "num_tokens", "observed_hit_tokens")
     )
+    return plainly_valid(
+        config,
+        last_seq,
+        kind=kind,
+        seq=frame["seq"].to_numpy(),
+        group_id=gid,
+        n_hashes=n_hashes,
+        max_length=max_length,
+        num_tokens=num_tokens,
+        observed=observed,
+        no_request_id=frame["request_id"].is_null().to_numpy() if nulls["request_id"] else None,
+    )
+
+
+def plainly_valid(
+    config: TraceConfig,
+    last_seq: int | None,
+    *,
+    kind: np.ndarray[Any, Any],
+    seq: np.ndarray[Any, Any],
+    group_id: np.ndarray[Any, Any],
+    n_hashes: np.ndarray[Any, Any],
+    max_length: np.ndarray[Any, Any],
+    num_tokens: np.ndarray[Any, Any],
+    observed: np.ndarray[Any, Any],
+    no_request_id: np.ndarray[Any, Any] | None,
+) -> bool:
+    """The rules of ``_validate_batch`` on numpy columns of a non-empty
+    batch, without a message: ``kind`` as indices into ``EVENT_KINDS``,
+    ``seq`` as integers (neither null), the other numbers as float64 with
+    NaN for null, ``no_request_id`` where a row has none (None: every row
+    has one). The table path (``_plainly_valid``) and a live source's
+    columns (``replay.format.columns``) both ask it; a batch it refuses
+    goes to ``_validate_batch`` for the message.
+
+    A comparison with NaN is False, as polars' ``fill_null(False)``; every
+    value that passes is at most 2**48, exact in a float."""
+    if last_seq is not None and seq[0] <= last_seq:
+        return False
+    if seq.shape[0] > 1 and not (seq[1:] > seq[:-1]).all():
+        return False
+    gid = group_id
     lookup = kind == _LOOKUP
     keyed = (kind == _STORE) | (kind == _REMOVE)
     has_hashes = ~np.isnan(n_hashes)
     bad = (keyed & (np.isnan(gid) | ~has_hashes)) | (gid < 0) | (gid >= config.num_groups)
     bad |= lookup & (np.isnan(max_length) | ~has_hashes | (max_length < 0))
-    if nulls["request_id"]:
-        bad |= lookup & frame["request_id"].is_null().to_numpy()
+    if no_request_id is not None:
+        bad |= lookup & no_request_id
     bad |= (num_tokens < 0) | (num_tokens < max_length) | (observed < 0)
     bad |= (max_length > TOKEN_LIMIT) | (num_tokens > TOKEN_LIMIT) | (observed > TOKEN_LIMIT)
     covered = (np.where(has_hashes, n_hashes, 0) + 1) * config.hash_block_size

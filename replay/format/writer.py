@@ -91,7 +91,7 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
     arrays = []
     for f in schema:
         if f.name == "block_hashes":
-            packed = _packed_column(columns[f.name])
+            packed = packed_column(columns[f.name])
             if packed is not None:
                 arrays.append(packed)
                 continue
@@ -104,7 +104,7 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _packed_column(values: list[Any]) -> pa.Array | None:
+def packed_column(values: list[Any]) -> pa.Array | None:
     """The ``block_hashes`` column from rows whose hashes are all
     ``PackedHashes`` (or null): their bytes joined once, the offsets from
     the counts and widths, no object per hash. None for any other rows

@@ -18,7 +18,7 @@ bytes big-endian.
 from __future__ import annotations
 
 import struct
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection, Sequence
 from datetime import datetime
 from itertools import repeat
@@ -58,9 +58,11 @@ def _fast_hashes(
     widths, or no hashes (read one by one)."""
     if not hashes:
         return None
-    packed = _packed(hashes)
-    if packed is not None:
-        return PackedHashes(packed, 8), hashes, 0
+    # Integers (vLLM's default) packed; bytes (a digest per hash) not tried
+    # as integers first: the failed pack was a tenth of a watch's conversion.
+    if not isinstance(hashes[0], bytes):
+        packed = _packed(hashes)
+        return None if packed is None else (PackedHashes(packed, 8), hashes, 0)
     try:
         data = b"".join(hashes)  # type: ignore[arg-type]
     except TypeError:  # an integer among bytes
@@ -80,10 +82,17 @@ def _remove_copies(copies: Counter[CopyKey], keys: Sequence[CopyKey]) -> list[in
     step per hash."""
     if not keys:
         return []
-    if max(map(copies.get, keys, repeat(0)), default=0) <= 1:
-        # Each key's count drops to zero or below, a repeat's too: all go.
-        deque(map(copies.pop, keys, repeat(0)), maxlen=0)
+    # Every key taken out in one pass; in the common case (no count above
+    # one) that is the whole job: each key's count drops to zero or below,
+    # a repeat's too, and all go.
+    had = list(map(copies.pop, keys, repeat(0)))
+    if max(had) <= 1:
         return None
+    # Some key has another copy: the counts put back as they were (a
+    # repeat's second pop found none), then one copy at a time.
+    for key, n in zip(keys, had, strict=True):
+        if n:
+            copies[key] = n
     gone: list[int] = []
     for i, h in enumerate(keys):
         left = copies.get(h, 0) - 1

@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import polars as pl
 import zmq
 
@@ -36,7 +37,9 @@ from replay.analysis.flags import Layout, add_flags, by_severity, severity
 from replay.analysis.summary import prompt_tokens_expr
 from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
-from replay.engine.live import LiveFold
+from replay.engine.answers import Variant
+from replay.engine.live import LiveAnswers, LiveFold, live_results
+from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
 from replay.sources.live import EngineEndpoints, EngineFeed, Released
 from replay.sources.values import Report, Row
@@ -97,10 +100,11 @@ class EngineWatch:
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """One engine's answers of one turn, waiting for their flags."""
+    """One engine's answers of one turn, waiting for their results frame
+    and flags (one of each for every engine of one layout)."""
 
     ew: EngineWatch
-    frame: pl.DataFrame
+    answers: LiveAnswers
     #: When the message that released each lookup arrived.
     arrivals: list[float]
     #: A lookup's seq -> its segment and its seq there.
@@ -109,6 +113,19 @@ class Answered:
 
 #: The column that tells the engines apart while their answers are flagged together.
 _ENGINE = "__engine"
+
+
+#: A judged batch's sums, in one select: prompt, policy hit and observed
+#: hit tokens, observed mismatches and overruns, flagged lookups.
+_OBSERVED, _HIT = pl.col("observed_hit_tokens"), pl.col("hit_tokens")
+_VERDICT_SUMS = (
+    prompt_tokens_expr().sum().alias("prompt"),
+    _HIT.sum().alias("hit"),
+    _OBSERVED.fill_null(0).sum().alias("observed"),
+    (_OBSERVED != _HIT).fill_null(False).sum().alias("mismatch"),
+    (_OBSERVED > _HIT).fill_null(False).sum().alias("over"),
+    (pl.col("flags").list.len() > 0).sum().alias("flagged"),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,18 +224,20 @@ class Watch:
                 if row.get("kind") == "lookup"
             }
         before = dict(ew.fold.events)
-        frame = ew.fold.feed(rows)
+        answers = ew.fold.answer(rows)
         c = ew.counts
         for kind, n in ew.fold.events.items():
             c.events[kind] += n - before.get(kind, 0)
         c.store_keys = ew.fold.store_keys
-        if frame.height:
-            self._answered.append(Answered(ew, frame, arrivals, where))
+        if answers.lookups:
+            self._answered.append(Answered(ew, answers, arrivals, where))
 
     def _judge_answered(self) -> None:
-        """Flag the answers of this turn, every engine's at once per group
-        layout (the flags' fixed cost is per call, not per lookup: a fleet of
-        one model pays it once a turn), then count each engine's verdicts."""
+        """Judge the answers of this turn: every engine's of one group
+        layout in one results frame (one per release's policy among them)
+        and one add_flags call (their fixed costs are per call, not per
+        lookup: a fleet of one model pays them once a turn, not once an
+        engine), then count each engine's verdicts."""
         answered, self._answered = self._answered, []
         by_layout: dict[Layout, list[Answered]] = {}
         for a in answered:
@@ -227,21 +246,21 @@ class Watch:
         for group in by_layout.values():
             config = group[0].ew.feed.config
             assert config is not None
-            if len(group) == 1:
-                self._verdicts(group[0], add_flags(group[0].frame, config))
+            by_variant: dict[tuple[Variant, int], list[Answered]] = {}
+            for a in group:
+                by_variant.setdefault((a.answers.variant, a.answers.alignment), []).append(a)
+            order = [a for same in by_variant.values() for a in same]
+            frames = [live_results([a.answers for a in same]) for same in by_variant.values()]
+            results = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
+            if len(order) == 1:
+                self._verdicts(order[0], add_flags(results, config))
                 continue
-            judged = add_flags(
-                pl.concat(
-                    [
-                        a.frame.with_columns(pl.lit(i, pl.Int32).alias(_ENGINE))
-                        for i, a in enumerate(group)
-                    ],
-                    how="vertical_relaxed",
-                ),
-                config,
+            engine = np.repeat(
+                np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
             )
+            judged = add_flags(results.with_columns(pl.Series(_ENGINE, engine)), config)
             parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
-            for i, a in enumerate(group):
+            for i, a in enumerate(order):
                 self._verdicts(a, parts[(i,)])
 
     def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
@@ -261,13 +280,16 @@ class Watch:
         if self.metrics is not None:
             self.metrics.observe_lags(ew.name, lags)
         c.lookups += judged.height
-        c.prompt_tokens += int(judged.select(prompt_tokens_expr()).sum().item() or 0)
-        c.hit_tokens += int(judged["hit_tokens"].sum())
-        observed = judged["observed_hit_tokens"]
-        c.observed_hit_tokens += int(observed.fill_null(0).sum())
-        differs = (observed != judged["hit_tokens"]).fill_null(False)
-        c.observed_mismatch += int(differs.sum())
-        c.observed_over += int((observed > judged["hit_tokens"]).fill_null(False).sum())
+        # One select for every sum (polars' fixed cost is per call, and a
+        # fleet's engines each bring a small batch a turn).
+        prompt, hit, observed, mismatch, over, flagged_rows = judged.select(_VERDICT_SUMS).row(0)
+        c.prompt_tokens += int(prompt or 0)
+        c.hit_tokens += int(hit or 0)
+        c.observed_hit_tokens += int(observed or 0)
+        c.observed_mismatch += int(mismatch or 0)
+        c.observed_over += int(over or 0)
+        if not flagged_rows:
+            return
         flagged = judged.filter(pl.col("flags").list.len() > 0)
         for row in flagged.iter_rows(named=True):
             names = by_severity(row["flags"])
@@ -472,16 +494,20 @@ def _warm_up() -> None:
         scheduler_block_size=16,
     )
     ts = datetime.now(tz=UTC)
-    keys = [i.to_bytes(8, "big") for i in range(1, 2049)]
+    # As a live source gives them (``PackedHashes``: the fold's words are then
+    # read-only, a type of their own to the compiled fold).
+    data = b"".join(i.to_bytes(8, "big") for i in range(1, 2049))
     fold = LiveFold(config, DEFAULT_POLICY, cache="gpu")
     rows: list[Row] = []
-    for i in range(0, len(keys), 64):
-        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys[i : i + 64]})
-        rows.append({"kind": "lookup", "block_hashes": keys[i : i + 64], "request_id": "warm-up",
+    for i in range(0, 2048, 64):
+        keys = PackedHashes(data[8 * i : 8 * (i + 64)], 8)
+        rows.append({"kind": "store", "group_id": 0, "block_hashes": keys})
+        rows.append({"kind": "lookup", "block_hashes": keys, "request_id": "warm-up",
                      "max_length": 1024, "num_tokens": 1025, "observed_hit_tokens": 1024})  # fmt: skip
-    rows.append({"kind": "remove", "group_id": 0, "block_hashes": keys[:64]})
-    rows.append({"kind": "lookup", "block_hashes": keys[:2], "request_id": "warm-up",
-                 "max_length": 32, "num_tokens": 33, "observed_hit_tokens": 32})  # fmt: skip
+    rows.append({"kind": "remove", "group_id": 0, "block_hashes": PackedHashes(data[:512], 8)})
+    rows.append({"kind": "lookup", "block_hashes": PackedHashes(data[:16], 8),
+                 "request_id": "warm-up", "max_length": 32, "num_tokens": 33,
+                 "observed_hit_tokens": 32})  # fmt: skip
     frame = fold.feed([{"seq": i, "ts": ts, **row} for i, row in enumerate(rows)])
     add_flags(frame, config)
 

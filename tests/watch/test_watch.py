@@ -385,10 +385,12 @@ def test_an_oversized_kv_message_is_counted_and_the_watch_keeps_judging(
 
 
 def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
-    """A turn's answers of every engine with one group layout get their
-    flags in one call (its cost is per call); each engine counts its own
-    verdicts, as when flagged alone: ``a`` served 16 tokens past its store
-    (an observed mismatch), ``b``, whose store holds the third block, did not."""
+    """A turn's answers of every engine with one group layout get one
+    results frame per policy among them and their flags in one call (the
+    costs are per call); each engine counts its own verdicts, as when
+    flagged alone: ``a`` served 16 tokens past its store (an observed
+    mismatch), ``b``, whose store holds the third block, did not; ``c``,
+    judged under another release's policy (its own frame), as ``a``."""
     from datetime import UTC, datetime
 
     from replay.engine.live import LiveFold
@@ -403,7 +405,11 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
     )  # fmt: skip
     engines = []
     try:
-        for name, stored_keys in (("a", [1, 2]), ("b", [1, 2, 3])):
+        for name, stored_keys, policy in (
+            ("a", [1, 2], "vllm-0.33"),
+            ("c", [1, 2], "vllm-0.32"),
+            ("b", [1, 2, 3], "vllm-0.33"),
+        ):
             spec = EngineEndpoints(
                 name=name,
                 kv=f"tcp://127.0.0.1:{free_port()}",
@@ -412,8 +418,8 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
             ew = EngineWatch(EngineFeed(service.ctx, spec, report=lambda _: None))
             engines.append(ew)
             ew.feed.config = config
-            ew.fold = LiveFold(config, "vllm-0.33", cache="gpu")
-            frame = ew.fold.feed(
+            ew.fold = LiveFold(config, policy, cache="gpu")
+            answers = ew.fold.answer(
                 [
                     {"seq": 0, "ts": ts, "kind": "store", "group_id": 0,
                      "block_hashes": [u64(k) for k in stored_keys]},
@@ -422,15 +428,17 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
                      "observed_hit_tokens": 48},
                 ]
             )  # fmt: skip
-            service._answered.append(Answered(ew, frame, [time.time()], {}))
+            service._answered.append(Answered(ew, answers, [time.time()], {}))
         service._judge_answered()
     finally:
         for ew in engines:
             ew.feed.close()
         service.ctx.destroy(linger=0)
-    a, b = (ew.counts for ew in engines)
-    assert (a.lookups, a.hit_tokens, a.observed_mismatch, a.observed_over) == (1, 32, 1, 1)
-    assert dict(a.flags) == {("observed_mismatch", "observed"): 1}
+    a, c, b = (ew.counts for ew in engines)
+    for counts in (a, c):
+        assert (counts.lookups, counts.hit_tokens, counts.observed_mismatch) == (1, 32, 1)
+        assert counts.observed_over == 1
+        assert dict(counts.flags) == {("observed_mismatch", "observed"): 1}
     assert (b.lookups, b.hit_tokens, b.observed_mismatch, b.flagged_lookups) == (1, 48, 0, 0)
     assert dict(b.flags) == {}
     assert service._answered == []
