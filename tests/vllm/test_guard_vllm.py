@@ -73,7 +73,9 @@ def test_the_engine_gate_removed_fails_the_gpu_cache() -> None:
     assert got.returncode == 1, got.stderr
     assert "FAILED issue-43559.parquet under policy vllm-0.33 in the gpu cache:" in got.stdout
     assert "  request req-43559: expected hit 48, replayed 64" in got.stdout
-    assert "in the mooncake cache" not in got.stdout
+    assert "FAILED issue-43559.parquet under policy vllm-0.33 in the mooncake cache" not in (
+        got.stdout
+    )
 
 
 def test_unmutated_the_shipped_corpus_passes_and_other_policies_are_skipped() -> None:
