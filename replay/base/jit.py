@@ -73,6 +73,16 @@ def _choose() -> bool:
 CACHE = _choose()
 
 
-def jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit`` with the on-disk cache when there is one."""
+def jit(*, refcounts: bool = True, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit`` with the on-disk cache when there is one.
+
+    ``refcounts=False`` compiles without numba's runtime (its ``_nrt``
+    flag), for a kernel that allocates nothing (numba refuses to compile
+    one that does): numba counts a reference for every array a function
+    binds, so each call of an inlined step over the caller's arrays costs
+    two atomic counts per array where the counts do not cancel within one
+    block, which made the what-if's pool over twice as slow per block. The
+    arrays such a kernel is handed stay alive in its caller."""
+    if not refcounts:
+        options["_nrt"] = False
     return njit(cache=CACHE, **options)  # type: ignore[no-any-return]

@@ -76,7 +76,8 @@ class Reference:
 
 
 class Python:
-    """``EvictionOrder``, as the block pool and the Mooncake store drive it."""
+    """``EvictionOrder``, as the block pool and the Mooncake store drive it
+    (over the same compiled steps, called from Python, on arrays it grows)."""
 
     def __init__(self, eviction: str, next_use: NextUse, newest_first: bool) -> None:
         self.order = EvictionOrder(
@@ -108,6 +109,49 @@ class Python:
 
     def pop(self) -> int:
         return self.order.pop()
+
+
+class Grown:
+    """``EvictionOrder`` over items and next uses past its first arrays
+    (items spread apart, times stretched), so it grows them mid-run: more
+    rows, more buckets, a later Belady horizon."""
+
+    SPREAD, STRETCH = 700, 300
+
+    def __init__(self, eviction: str, next_use: NextUse, newest_first: bool) -> None:
+        def stretched(item: int, now: int) -> int:
+            use = next_use(item // self.SPREAD, now // self.STRETCH)
+            return use if use >= NEVER else use * self.STRETCH
+
+        self.order = EvictionOrder(
+            eviction, stretched if eviction == "belady" else None, newest_first=newest_first
+        )
+
+    @property
+    def now(self) -> int:
+        return self.order.now // self.STRETCH
+
+    @now.setter
+    def now(self, value: int) -> None:
+        self.order.now = value * self.STRETCH
+
+    def reset(self, item: int) -> None:
+        self.order.reset(item * self.SPREAD)
+
+    def used(self, item: int) -> None:
+        self.order.used(item * self.SPREAD)
+
+    def add(self, item: int) -> None:
+        self.order.add(item * self.SPREAD)
+
+    def discard(self, item: int) -> None:
+        self.order.discard(item * self.SPREAD)
+
+    def refile(self, item: int) -> None:
+        self.order.refile(item * self.SPREAD)
+
+    def pop(self) -> int:
+        return self.order.pop() // self.SPREAD
 
 
 class Compiled:
@@ -172,7 +216,7 @@ class Compiled:
 
 
 OPERATIONS = 300
-MODELS: dict[str, Any] = {"python": Python, "compiled": Compiled}
+MODELS: dict[str, Any] = {"python": Python, "python-grown": Grown, "compiled": Compiled}
 #: Every order oldest first among equals, and Belady newest first (the Mooncake store).
 CASES = [(e, False) for e in EVICTIONS] + [("belady", True)]
 

@@ -4,10 +4,9 @@ For the GPU pool that is vLLM's free queue (``FreeKVCacheBlockQueue``): a
 freed cached block goes to the tail, allocation pops the head, a hit takes
 its block out (``touch``). For the Mooncake store, a touched key goes to the
 tail again. Compiled: one doubly linked list over ``replay.rules.eviction.queue``'s
-``nodes`` and ``st`` (``N_IN`` 1 while queued, -1 ends the list), run by the
-Mooncake kernel; the GPU pool's kernel (``replay.whatif.kernel``) writes
-these three steps out where it runs them per block (as calls they made an
-LRU run over twice as slow). The Python model is ``replay.rules.eviction.order.EvictionOrder``; both meet
+``nodes`` and ``st`` (``N_IN`` 1 while queued, -1 ends the list), run by both
+what-if kernels (``replay.whatif.pool_kernel``, ``replay.whatif.mooncake_kernel``).
+The Python model is ``replay.rules.eviction.order.EvictionOrder``; both meet
 one contract (``tests/rules/test_eviction_orders.py``).
 """
 
