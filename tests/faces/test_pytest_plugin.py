@@ -63,6 +63,11 @@ def test_a_coordinator_that_never_hits_fails_every_item(pytester: pytest.Pyteste
     # where the truth is none (traces/build.py RANDOM).
     assert {n for n in nothing if not n[0].startswith("mutant-")} == {
         ("archetype-swa-mamba.parquet", "pre-32802", "gpu"),  # no mirror before 0.22
+        # Through the store worker (0.27.0 on) each lookup is aligned down to
+        # the 64-token hit alignment first, so the EAGLE drop of the one
+        # spec group leaves less than 64 tokens: no hit (the gpu hits 128).
+        ("random-0033.parquet", "vllm-0.33", "mooncake"),
+        ("random-0033.parquet", "vllm-0.34", "mooncake"),
     }
     result.assert_outcomes(failed=len(_entries()) - len(nothing), passed=len(nothing))
     result.stdout.fnmatch_lines(
