@@ -72,6 +72,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator import (
     DEFAULT_POLICY,
+    Coordinator,
     LookupOutcome,
     build_spec_groups,
     engine_derives_partial_hits,
@@ -176,6 +177,19 @@ def junction_tokens(outcome: LookupOutcome) -> int:
     settled lower, else 0. Needs the outcome's ``steps`` (``explain=True``)."""
     longest = max((s.hit_tokens for s in outcome.steps if not s.reused), default=0)
     return longest if longest > outcome.hit_tokens else 0
+
+
+def lookup_junction(
+    coordinator: Coordinator, present: Sequence[bytes], max_length: int, outcome: LookupOutcome
+) -> int:
+    """The shared-prefix junction a prefill of this lookup pins: the engine's
+    lookup pins it, so it is the fixed point's at ``max_length``
+    (``junction_tokens`` of ``outcome``, asked with ``explain=True``, or,
+    where the lookup entered through the Mooncake store worker, of the
+    fixed point run again over every key the store holds)."""
+    if coordinator.asked is None:
+        return junction_tokens(outcome)
+    return junction_tokens(coordinator.converge(present, max_length, explain=True))
 
 
 @dataclass(frozen=True, slots=True)

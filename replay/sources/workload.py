@@ -322,7 +322,11 @@ class WorkloadWriter:
         cache = self._cache
         views = self.group_views(unit_keys)
         present = [cache.present(gid, unit_keys) for gid in range(groups)]
-        outcome = self._coordinator.lookup_present(
+        # The prefill starts from the fixed point's hit at the prompt's
+        # max_length (``converge``, also where the store's lookups enter
+        # through its worker): the stores this gives are those vLLM's
+        # scheduler writes (tests/vllm/test_store_rules_vllm.py).
+        outcome = self._coordinator.converge(
             [p.view(np.uint8).tobytes() for p in present],
             num_tokens - 1,
             explain=self.rules.uses_junction,

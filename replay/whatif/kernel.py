@@ -252,9 +252,9 @@ def run_requests(
         for g in range(num_groups):
             for x in range(u):
                 present[g * stride + x] = 1 if kt[2 * (ids[o + x] * num_groups + g)] >= 0 else 0
-        longest = answer(
+        junction = answer(
             lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
-            merged, res, verified, facts, i,
+            merged, res, verified, facts, i, params[P_USES_JUNCTION],
         )  # fmt: skip
         hit = facts[i, O_HIT]
         for g in range(num_groups):
@@ -272,7 +272,6 @@ def run_requests(
             hits[i] = NOT_ADMITTED
             continue
         # --- the prefill, chunk by chunk (GpuCache.request)
-        junction = longest if (params[P_USES_JUNCTION] and longest > hit) else 0
         hashed = u * hbs
         num_ends = chunk_ends(params, n, hit, junction, ends)
         stamp = i + 1

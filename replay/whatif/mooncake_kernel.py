@@ -288,9 +288,9 @@ def run_mooncake(
                     if pres[item]:
                         _discard(ev, item, st, nodes, qh, bits)
                         _file(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
-        longest = answer(
+        junction = answer(
             lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
-            merged, res, verified, facts, i,
+            merged, res, verified, facts, i, params[P_USES_JUNCTION],
         )  # fmt: skip
         hit = facts[i, O_HIT]
         for g in range(num_groups):
@@ -304,7 +304,6 @@ def run_mooncake(
                 item = ids[o + x] * num_groups + g
                 _touch(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
         # The stores the request leaves.
-        junction = longest if (params[P_USES_JUNCTION] and longest > hit) else 0
         hashed = n // hbs * hbs
         stamp = i + 1
         if nm:

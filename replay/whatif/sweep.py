@@ -69,7 +69,7 @@ from replay.rules.coordinator.finders import block_view
 from replay.rules.eviction import EVICTIONS, EvictionOrder
 from replay.rules.facts import FactRules, LookupFacts
 from replay.rules.mooncake_store import MooncakeCache
-from replay.rules.store_rules import StoreRules, StoreSettings, junction_tokens
+from replay.rules.store_rules import StoreRules, StoreSettings, lookup_junction
 from replay.whatif import kernel as whatif_kernel
 from replay.whatif import mooncake_kernel
 from replay.whatif import stack as whatif_stack
@@ -271,7 +271,11 @@ def simulate(
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]
                 for j in range(go.mask_blocks - go.loaded_blocks, go.mask_blocks):
                     store.touch(gid, view[j])
-            junction = junction_tokens(outcome) if rules.uses_junction else 0
+            junction = (
+                lookup_junction(coordinator, present, max_length, outcome)
+                if rules.uses_junction
+                else 0
+            )
             stores = rules.stores(num_tokens=n, hit_tokens=hit, junction_tokens=junction)
             for gid, (g, blocks) in enumerate(zip(config.groups, stores, strict=True)):
                 view = block_view(units, hbs, g.block_size)  # type: ignore[arg-type]

@@ -371,10 +371,23 @@ def answer(
     verified: Any,
     out: Any,
     row: int,
+    want_junction: int,
 ) -> int:
     """One lookup answered, its outcome and facts in ``out[row]`` (the
-    ``O_*`` columns); returns the longest hit a finder call found."""
+    ``O_*`` columns). With ``want_junction``, returns the shared-prefix
+    junction a prefill of it pins (``store_rules.lookup_junction``): the
+    longest hit a finder call of the fixed point at ``max_length`` found,
+    when above that fixed point's hit (the engine's lookup pins it, also
+    where the lookup itself entered through the Mooncake store worker),
+    else 0."""
+    junction = 0
     if params[L_WORKER]:
+        if want_junction:
+            fixed, longest = fixed_point(
+                params, specs, members, present, base, stride, u, max_length, merged, res,
+                verified,
+            )  # fmt: skip
+            junction = longest if longest > fixed else 0
         hit, longest = worker_point(
             params, specs, members, groups, present, base, stride, u, max_length + 1,
             merged, res, verified,
@@ -383,8 +396,10 @@ def answer(
         hit, longest = fixed_point(
             params, specs, members, present, base, stride, u, max_length, merged, res, verified
         )
+        if want_junction and longest > hit:
+            junction = longest
     write_facts(params, groups, present, base, stride, u, hit, res, out, row)
-    return int(longest)
+    return int(junction)
 
 
 @jit(nogil=True)
@@ -412,7 +427,7 @@ def answer_batch(
         n = units[i]
         answer(
             params, specs, members, groups, present, base, n, n, max_lengths[i],
-            merged, res, verified, out, i,
+            merged, res, verified, out, i, 0,
         )  # fmt: skip
         base += n * num_groups
 
