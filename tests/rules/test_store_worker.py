@@ -5,7 +5,7 @@ are ``tests/vllm/test_store_worker_vllm.py``; these need no vLLM."""
 
 from __future__ import annotations
 
-from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.spec import TraceConfig
 from replay.rules.coordinator import Coordinator, LookupOutcome, get_policy, policy_rules
 from replay.rules.coordinator.hybrid import AskedBlocks, asked_blocks
 from tests.builders import config, fa, sw
@@ -32,13 +32,7 @@ def test_a_whole_prompt_hit_is_looked_up_again_below_the_prompts_end() -> None:
     """A 64-token prompt, every key stored, one EAGLE-flagged group: at the
     aligned length 64 the group finds 64 and drops a block (48), which is
     below the prompt's end and stands; the fixed point at 63 drops to 32."""
-    cfg = TraceConfig(
-        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16, is_eagle_group=True),),
-        hash_block_size=16,
-        scheduler_block_size=16,
-        use_eagle=True,
-        enable_partial_hash_hits=False,
-    )
+    cfg = config(fa(eagle=True), eagle=True)
     assert _both(cfg, 4, 63, [range(4)]) == ((48, [(3, 3)]), (32, [(2, 2)]))
     # Without EAGLE the whole prompt (64) is hit, so the worker looks again
     # at 48: the fixed point's answer.
@@ -51,18 +45,7 @@ def test_the_store_is_asked_only_within_the_aligned_prompt() -> None:
     beside an EAGLE-flagged sliding window of 8-token blocks: the window's
     drop peeks at tokens 64-72, past the aligned prompt (64), which the
     worker never asks the store about: no hit, nothing loaded."""
-    cfg = TraceConfig(
-        groups=(
-            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=64),
-            GroupSpec(
-                kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=8, is_eagle_group=True
-            ),
-        ),
-        hash_block_size=8,
-        scheduler_block_size=64,
-        use_eagle=True,
-        enable_partial_hash_hits=False,
-    )
+    cfg = config(fa(64), sw(8, 8, eagle=True), hbs=8, eagle=True)
     assert _both(cfg, 10, 80, [range(10)] * 2) == ((0, [(0, 0), (0, 0)]), (64, [(1, 1), (8, 1)]))
 
 

@@ -27,7 +27,8 @@ from replay.adapters.vllm.backend import (
 )
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.rules.coordinator import Coordinator, LookupOutcome, policy_for_version
-from replay.sources.scenarios import prompt_hashes
+from replay.sources.scenarios import make_config, prompt_hashes
+from tests.builders import fa, sw
 
 pytestmark = [
     pytest.mark.vllm,
@@ -121,13 +122,7 @@ def test_the_worker_looks_up_the_aligned_prompt_before_its_end() -> None:
     aligned prompt length 64 first, finds 64, drops a block (48) and, 48
     being below the prompt's end, keeps it: a block more than the mirror
     (0.33.0 and 0.34.0), as the policy answers."""
-    config = TraceConfig(
-        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16, is_eagle_group=True),),
-        hash_block_size=16,
-        scheduler_block_size=16,
-        use_eagle=True,
-        enable_partial_hash_hits=False,
-    )
+    config = make_config(fa(eagle=True), eagle=True)
     hashes = prompt_hashes(UNITS, 63, config)
     contains = [set(hashes).__contains__]
     assert len(hashes) == 4
@@ -145,18 +140,7 @@ def test_the_worker_never_asks_for_the_eagle_peek_past_the_aligned_prompt() -> N
     aligned prompt length 64, so the peeked key reads absent and the whole
     hit is lost (0), as the policy answers. From the corpus
     (mutant-simple-hybrid-pass, request s459-l7)."""
-    config = TraceConfig(
-        groups=(
-            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=64),
-            GroupSpec(
-                kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=8, is_eagle_group=True
-            ),
-        ),
-        hash_block_size=8,
-        scheduler_block_size=64,
-        use_eagle=True,
-        enable_partial_hash_hits=False,
-    )
+    config = make_config(fa(64), sw(8, 8, eagle=True), hbs=8, eagle=True)
     chain = [bytes([i]) * 8 for i in range(1, 11)]
     hashes = prompt_hashes(chain, 80, config)
     contains = [set(hashes).__contains__] * 2
