@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from replay.base.spec import GroupKind, TraceConfig
-from replay.rules.coordinator import Coordinator, Policy, partial_hits
+from replay.rules.coordinator import Coordinator, Policy
 from replay.rules.coordinator.cache import Cache
 from replay.rules.coordinator.hybrid import AskedBlocks
 from replay.rules.coordinator.kinds import get_coordinator
@@ -133,7 +133,7 @@ def lookup_tables(config: TraceConfig, policy: str | Policy, cache: str | Cache)
     params[L_ALIGN_BEFORE_POP] = rules.sliding_window_align_before_pop
     asked = coordinator.asked
     params[L_WORKER] = asked is not None
-    params[L_ASK_ALL] = partial_hits(config, rules)
+    params[L_ASK_ALL] = coordinator.ask_every_unit
     specs = np.zeros((len(spec_groups), SP_LEN), dtype=np.int64)
     members = np.zeros((len(spec_groups), config.num_groups), dtype=np.int64)
     spec_of = {}

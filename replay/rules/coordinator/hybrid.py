@@ -419,6 +419,8 @@ class Coordinator(LookupCoordinator):
         #: The blocks the store worker asks about, per group, where lookups
         #: enter through it (``Cache.store_worker_entry``), else None.
         self.asked = asked_blocks(config, self.cache) if self.cache.store_worker_entry else None
+        #: The worker asks for every hash unit, not each block's own key.
+        self.ask_every_unit = partial_hits(config, self.cache)
 
     def _call(self, sg: SpecGroup, present: bytes, bound: int, drop: bool) -> FinderResult:
         query = Query(
@@ -452,45 +454,31 @@ class Coordinator(LookupCoordinator):
             return self.converge(present, max_length, explain=explain)
         return self._worker_lookup(present, max_length + 1, explain=explain)
 
-    def asked_present(self, present: Sequence[bytes], token_len: int) -> list[bytes]:
-        """What the store worker learns of ``present`` at the aligned length
-        ``token_len``: a group's key reads present only when the worker asked
-        for it (a unit within ``token_len``; a block's own key, of a block
-        its lookup mask asks about, without partial hits)."""
-        hbs = self.config.hash_block_size
-        limit = token_len // hbs
-        fine = partial_hits(self.config, self.cache)
-        out = []
-        for gid, p in enumerate(present):
-            if fine:
-                out.append(p[:limit] + bytes(max(0, len(p) - limit)))
-                continue
-            assert self.asked is not None
-            rule = self.asked[gid]
-            k = self.config.groups[gid].block_size // hbs
-            q = bytearray(len(p))
-            for c in range(min(len(p), limit) // k):
-                if rule.asks(c):
-                    q[c * k + k - 1] = p[c * k + k - 1]
-            out.append(bytes(q))
-        return out
-
-    def asks_any(self, units: int, token_len: int) -> bool:
-        """Whether the worker asks the store anything for a request of
-        ``units`` hash units at the aligned length ``token_len`` (it answers 0
-        without a coordinator call when not)."""
+    def asked_units(self, gid: int, units: int, token_len: int) -> range | list[int]:
+        """The hash units of group ``gid`` whose key the store worker asks
+        for, for a request of ``units`` hash units at the aligned length
+        ``token_len``: every unit within it with partial hits, else each
+        block's own key, of the blocks its lookup mask names."""
         hbs = self.config.hash_block_size
         limit = min(units, token_len // hbs)
-        if limit <= 0:
-            return False
-        if partial_hits(self.config, self.cache):
-            return True
+        if self.ask_every_unit:
+            return range(max(limit, 0))
         assert self.asked is not None
-        for gid, rule in enumerate(self.asked):
-            k = self.config.groups[gid].block_size // hbs
-            if any(rule.asks(c) for c in range(limit // k)):
-                return True
-        return False
+        rule = self.asked[gid]
+        k = self.config.groups[gid].block_size // hbs
+        return [c * k + k - 1 for c in range(max(limit, 0) // k) if rule.asks(c)]
+
+    def asked_present(self, present: Sequence[bytes], token_len: int) -> list[bytes]:
+        """What the store worker learns of ``present`` at the aligned length
+        ``token_len``: a group's key reads present only when it asked for it
+        (``asked_units``)."""
+        out = []
+        for gid, p in enumerate(present):
+            q = bytearray(len(p))
+            for x in self.asked_units(gid, len(p), token_len):
+                q[x] = p[x]
+            out.append(bytes(q))
+        return out
 
     def _worker_lookup(
         self, present: Sequence[bytes], num_tokens: int, *, explain: bool
@@ -503,8 +491,8 @@ class Coordinator(LookupCoordinator):
         align = self.alignment
         token_len = num_tokens // align * align
         units = len(present[0]) if present else 0
-        if not self.asks_any(units, token_len):
-            return self.nothing()
+        if not any(self.asked_units(g, units, token_len) for g in range(len(present))):
+            return self.nothing()  # it asks the store nothing
         asked = self.asked_present(present, token_len)
         out = self.converge(asked, token_len, explain=explain)
         if out.hit_tokens < num_tokens:
