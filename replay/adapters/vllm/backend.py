@@ -241,6 +241,21 @@ _MAMBA_SHAPES = ((3, 4096), (32, 64, 128))
 
 # The recorded finder hits live on the coordinator: lookups run one at a time.
 _LOOKUP_LOCK = threading.Lock()
+_TAIL_KEY_SAID: set[str] = set()
+
+
+def _say_tail_key_failure(version: str) -> None:
+    """One line, once per process: the worker's answers past its tail-key
+    assertion are compared by the hit it found before raising."""
+    if version in _TAIL_KEY_SAID:
+        return
+    _TAIL_KEY_SAID.add(version)
+    logging.getLogger("replay").warning(
+        "note: vLLM %s's MooncakeStoreWorker.lookup found a hit, then failed its "
+        "tail-key assertion (it asks the store for a larger block's joined key and "
+        "asserts on the raw hash): such lookups are compared by the hit it found",
+        version,
+    )
 
 
 def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -683,9 +698,6 @@ class VllmCoordinator(LookupCoordinator):
             raise ReplayError(f"vLLM rejects this KV-cache configuration: {exc}") from None
         self._install(coordinator)
         self._worker: Any = None
-        #: Lookups whose store worker found its hit and then raised in its
-        #: tail-key bookkeeping (answered with the hit it found).
-        self.tail_key_failures = 0
         #: Why the mirror answers where the worker was asked for (a release
         #: without the worker's lookup), else None.
         self.entry_note: str | None = None
@@ -785,8 +797,8 @@ class VllmCoordinator(LookupCoordinator):
             # (``_tail_key_boundaries``, 0.29-0.33: it asks the store for a
             # group's joined block key and asserts on the raw hash at the hit
             # boundary, so groups with blocks larger than the hash unit
-            # fail): the hit is the one its coordinator found; counted.
-            self.tail_key_failures += 1
+            # fail): the hit is the one its coordinator found; said once.
+            _say_tail_key_failure(self.version)
             result = self._mirror.hit
         # A MooncakeLookupResult from 0.29; the hit alone before.
         hit = int(getattr(result, "hit_length", result))
