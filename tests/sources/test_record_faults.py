@@ -113,6 +113,13 @@ def _closed(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
 
 
+def _wait_sent(engine: Engine, n: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while engine.sent < n:
+        assert time.monotonic() < deadline, f"the engine sent {engine.sent} of {n} batches"
+        time.sleep(0.02)
+
+
 def _wait_segments(proc: subprocess.Popen[str], out: Path, n: int) -> None:
     deadline = time.monotonic() + TIMEOUT
     while len(_closed(out)) < n:
@@ -188,6 +195,10 @@ def test_sigterm_closes_the_open_segment(tmp_path: Path) -> None:
         proc = _recorder(engine, out, "--segment", "100events")
         try:
             _wait_segments(proc, out, 1)
+            # The open segment must hold rows before the signal: under load the
+            # first segment can close with nothing sent after it yet (CI saw
+            # exactly 100 rows), so let the engine send a second's batches more.
+            _wait_sent(engine, engine.sent + 40)
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=TIMEOUT)
         finally:
