@@ -174,6 +174,7 @@ def run_gpu(
     stride = max_u + 1
     present = np.zeros(num_groups * stride, dtype=np.uint8)
     merged = np.zeros(num_specs * stride, dtype=np.uint8)
+    asked = np.zeros(num_groups * stride, dtype=np.uint8)
     res = np.zeros((num_specs, R_LEN), dtype=np.int64)
     verified = np.zeros(num_specs, dtype=np.int64)
     mask = np.zeros(num_groups, dtype=np.int64)
@@ -189,7 +190,7 @@ def run_gpu(
             params, groups, lookup_params, specs, members, lookup_groups, ids, offsets,
             num_tokens, max_length, future, hits, facts, stats, control,
             blk, kt, ring, rg, side, st, qh, bits, knext,
-            present, merged, res, verified, mask, loaded, tables, ts, stored, ends, bounds,
+            present, merged, asked, res, verified, mask, loaded, tables, ts, stored, ends, bounds,
             freed,
         )
     )  # fmt: skip
@@ -223,6 +224,7 @@ def run_requests(
     knext: Any,
     present: Any,
     merged: Any,
+    asked: Any,
     res: Any,
     verified: Any,
     mask: Any,
@@ -254,7 +256,7 @@ def run_requests(
                 present[g * stride + x] = 1 if kt[2 * (ids[o + x] * num_groups + g)] >= 0 else 0
         junction = answer(
             lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
-            merged, res, verified, facts, i, params[P_USES_JUNCTION],
+            merged, res, verified, asked, facts, i, params[P_USES_JUNCTION],
         )  # fmt: skip
         hit = facts[i, O_HIT]
         for g in range(num_groups):

@@ -279,17 +279,26 @@ def write_facts(
 
 @jit(nogil=True)
 def asked_present(
-    params: Any, groups: Any, present: Any, base: int, stride: int, u: int, token_len: int
-) -> Any:
+    params: Any,
+    groups: Any,
+    present: Any,
+    base: int,
+    stride: int,
+    u: int,
+    token_len: int,
+    asked: Any,
+) -> bool:
     """What the Mooncake store worker learns of the lookup's presence at
-    the aligned length ``token_len`` (``Coordinator.asked_present``), laid
-    out from 0 with stride ``u``; ``None`` when it asks nothing."""
+    the aligned length ``token_len`` (``Coordinator.asked_present``), written
+    into the scratch ``asked`` from 0 with stride ``u`` (no allocation: the
+    what-if's pool compiles without numba's runtime); False when it asks
+    nothing."""
     hbs = params[L_HBS]
     limit = min(u, token_len // hbs)
     if limit <= 0:
-        return None
+        return False
     num_groups = groups.shape[0]
-    asked = np.zeros(num_groups * u, dtype=np.uint8)
+    asked[: num_groups * u] = 0
     any_asked = False
     for g in range(num_groups):
         src = base + g * stride
@@ -307,7 +316,7 @@ def asked_present(
             x = c * k + k - 1
             asked[dst + x] = present[src + x]
             any_asked = True
-    return asked if any_asked else None
+    return any_asked
 
 
 @jit(nogil=True)
@@ -331,15 +340,16 @@ def worker_point(
     merged: Any,
     res: Any,
     verified: Any,
+    asked: Any,
 ) -> Any:
     """The store worker's ``lookup(num_tokens, block_hashes)``
     (``Coordinator._worker_lookup``): the fixed point at the aligned prompt
-    length over what the store answered, again below the prompt's end
-    after a whole-prompt hit. Returns the hit and the longest finder hit."""
+    length over what the store answered (in the scratch ``asked``), again
+    below the prompt's end after a whole-prompt hit. Returns the hit and
+    the longest finder hit."""
     align = params[L_ALIGN]
     token_len = num_tokens // align * align
-    asked = asked_present(params, groups, present, base, stride, u, token_len)
-    if asked is None:
+    if not asked_present(params, groups, present, base, stride, u, token_len, asked):
         nothing(specs, res)
         return 0, 0
     hit, longest = fixed_point(
@@ -369,12 +379,14 @@ def answer(
     merged: Any,
     res: Any,
     verified: Any,
+    asked: Any,
     out: Any,
     row: int,
     want_junction: int,
 ) -> int:
     """One lookup answered, its outcome and facts in ``out[row]`` (the
-    ``O_*`` columns). With ``want_junction``, returns the shared-prefix
+    ``O_*`` columns); ``merged``, ``res``, ``verified`` and ``asked`` (at
+    least groups x ``u`` entries) are the caller's scratch. With ``want_junction``, returns the shared-prefix
     junction a prefill of it pins (``store_rules.lookup_junction``): the
     longest hit a finder call of the fixed point at ``max_length`` found,
     when above that fixed point's hit (the engine's lookup pins it, also
@@ -390,7 +402,7 @@ def answer(
             junction = longest if longest > fixed else 0
         hit, longest = worker_point(
             params, specs, members, groups, present, base, stride, u, max_length + 1,
-            merged, res, verified,
+            merged, res, verified, asked,
         )  # fmt: skip
     else:
         hit, longest = fixed_point(
@@ -422,12 +434,13 @@ def answer_batch(
     merged = np.zeros(specs.shape[0] * (max_u + 1), dtype=np.uint8)
     res = np.zeros((specs.shape[0], R_LEN), dtype=np.int64)
     verified = np.zeros(specs.shape[0], dtype=np.int64)
+    asked = np.zeros(num_groups * (max_u + 1), dtype=np.uint8)
     base = 0
     for i in range(units.shape[0]):
         n = units[i]
         answer(
             params, specs, members, groups, present, base, n, n, max_lengths[i],
-            merged, res, verified, out, i, 0,
+            merged, res, verified, asked, out, i, 0,
         )  # fmt: skip
         base += n * num_groups
 
