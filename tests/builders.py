@@ -279,7 +279,9 @@ def lookup_rows(
         {
             "kind": "lookup",
             "request_id": f"r{i}",
-            "block_hashes": unit_hashes(p, config.hash_block_size),
+            "block_hashes": unit_hashes(
+                p, config.hash_block_size, config.num_hash_lookahead_tokens
+            ),
             "max_length": len(p)
             - 1
             - (rng.randrange(a) if rng is not None and rng.random() < 0.1 else 0),
@@ -290,12 +292,15 @@ def lookup_rows(
     return [r for r in rows if r["max_length"] >= 0]
 
 
-def unit_hashes(tokens: list[int], hash_block_size: int) -> list[bytes]:
-    """One 8-byte hash per full ``hash_block_size`` tokens, chained over the prefix."""
+def unit_hashes(tokens: list[int], hash_block_size: int, lookahead: int = 0) -> list[bytes]:
+    """One 8-byte hash per full ``hash_block_size`` tokens, chained over the
+    prefix; with ``lookahead``, each also covers that many tokens after its
+    unit, and a unit without them has no hash (vLLM's lookahead hashes)."""
     out: list[bytes] = []
     parent = b""
-    for start in range(0, len(tokens) - hash_block_size + 1, hash_block_size):
-        chunk = b"".join(t.to_bytes(4, "big") for t in tokens[start : start + hash_block_size])
+    for start in range(0, len(tokens) - hash_block_size - lookahead + 1, hash_block_size):
+        end = start + hash_block_size + lookahead
+        chunk = b"".join(t.to_bytes(4, "big") for t in tokens[start:end])
         parent = hashlib.sha256(parent + chunk).digest()[:8]
         out.append(parent)
     return out
@@ -305,11 +310,12 @@ ARCHETYPES_COVERED = ("full", "full+mamba", "full+swa", "full+swa+mamba", "swa+m
 
 
 def random_archetype_config(
-    rng: random.Random, models: Sequence[str] = ARCHETYPES_COVERED
+    rng: random.Random, models: Sequence[str] = ARCHETYPES_COVERED, *, lookahead: bool = False
 ) -> TraceConfig:
     """An archetype the block-pool model covers (no chunked local, hash unit
     = block; one of ``models``), random sizes, EAGLE on or off, sometimes a
-    flagged draft group."""
+    flagged draft group; with ``lookahead``, EAGLE sometimes with lookahead
+    block hashes."""
     model = rng.choice(list(models))
     bs = rng.choice((16, 32))
     config = archetype_config(
@@ -325,6 +331,8 @@ def random_archetype_config(
         gid = rng.randrange(len(groups))
         groups[gid] = replace(groups[gid], is_eagle_group=True)
         config = replace(config, groups=tuple(groups))
+    if lookahead and config.use_eagle and rng.random() < 0.4:
+        config = replace(config, num_hash_lookahead_tokens=rng.choice((1, 2, 3, 5)))
     return config
 
 

@@ -61,9 +61,10 @@ def split_state(config: TraceConfig, budget: int) -> SimpleNamespace:
         block_size=config.scheduler_block_size,
         hash_block_size=config.hash_block_size,
         mamba_partial_cache_hit=False,
-        use_eagle_block_drop=config.use_eagle,
+        # With lookahead hashes the scheduler clears its EAGLE block drop (0.33.0 on).
+        use_eagle_block_drop=config.use_eagle and not config.num_hash_lookahead_tokens,
         use_eagle=config.use_eagle,  # the name before 0.30.0
-        num_hash_lookahead_tokens=0,
+        num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
         max_num_scheduled_tokens=budget,

@@ -186,6 +186,21 @@ class TraceConfig:
         # The chunked-local rules (no EAGLE drop, block equal to the hit
         # alignment) depend on which cache answers: ``coordinator.check_config``.
 
+    def hashed_units(self, num_tokens: int) -> int:
+        """The hash units a prompt of ``num_tokens`` carries: the whole units
+        of its tokens less the lookahead, whose hashes need the tokens after
+        them (vLLM's block hasher)."""
+        return max(num_tokens - self.num_hash_lookahead_tokens, 0) // self.hash_block_size
+
+    def max_length_bound(self, num_hashes: int) -> int:
+        """The bound ``max_length`` stays below for a lookup of ``num_hashes``
+        hashes: the prompt of ``max_length + 1`` tokens the scheduler asks
+        for carries them (``hashed_units``), so it ends before the next unit
+        and its lookahead: ``(num_hashes + 1) * hash_block_size``, plus the
+        lookahead's tokens past the first."""
+        extra = max(self.num_hash_lookahead_tokens - 1, 0)
+        return (num_hashes + 1) * self.hash_block_size + extra
+
     @property
     def num_groups(self) -> int:
         return len(self.groups)
@@ -244,3 +259,9 @@ class TraceConfig:
     def dumps(self) -> str:
         # A file name that is not UTF-8 is recorded escaped: always readable back.
         return json.dumps(readable(self.to_json()), sort_keys=True)
+
+
+def lookahead_plus(config: TraceConfig) -> str:
+    """How a message names the lookahead's part of ``max_length_bound``."""
+    extra = config.max_length_bound(0) - config.hash_block_size
+    return f" + {extra} lookahead tokens" if extra else ""

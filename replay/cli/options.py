@@ -156,6 +156,15 @@ CAPACITY_BLOCKS = count_option(
     help="LRU store capacity in blocks across all groups [default: unbounded].",
 )
 
+LOOKAHEAD_TOKENS = count_option(
+    "--lookahead-tokens",
+    default=0,
+    most=1 << 20,
+    help="vLLM's num_hash_lookahead_tokens: tokens past each block that its hash also "
+    "covers (the drafter's prefill lookahead, with --eagle, from vLLM 0.33.0; the "
+    "Mooncake store takes them from 0.34.0).",
+)
+
 MODEL_HELP = "Model archetype: " + "; ".join(f"{a.name}: {a.models}" for a in ARCHETYPES.values())
 
 

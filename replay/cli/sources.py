@@ -16,6 +16,7 @@ from replay.base.text import counted
 from replay.cli.common import command, exit_on_signal, fail, group
 from replay.cli.options import (
     CAPACITY_BLOCKS,
+    LOOKAHEAD_TOKENS,
     MODEL_HELP,
     SIZE_LIMIT,
     Names,
@@ -335,6 +336,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         help="Tokens per trace block (and per lookup hash).",
     )
     @click.option("--eagle/--no-eagle", default=False, show_default=True)
+    @LOOKAHEAD_TOKENS
     @CAPACITY_BLOCKS
     @store_options
     def command(
@@ -343,6 +345,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
         model: str,
         block_size: int,
         eagle: bool,
+        lookahead_tokens: int,
         capacity_blocks: int | None,
         retention_interval: int | str | None,
         max_num_batched_tokens: int,
@@ -361,6 +364,7 @@ def _importer(format_name: str, doc: str) -> click.Command:
                 model=model,
                 block_size=block_size,
                 eagle=eagle,
+                lookahead_tokens=lookahead_tokens,
                 capacity_blocks=capacity_blocks,
                 store_settings=store_settings(
                     retention_interval, max_num_batched_tokens, cache, policy, vllm_version

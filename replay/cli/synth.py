@@ -10,6 +10,7 @@ import click
 from replay.cli.common import command
 from replay.cli.options import (
     CAPACITY_BLOCKS,
+    LOOKAHEAD_TOKENS,
     MODEL_HELP,
     SEED,
     SIZE_LIMIT,
@@ -40,6 +41,7 @@ from replay.tools.render import synth_summary_text
 @click.option(
     "--eagle/--no-eagle", default=False, show_default=True, help="EAGLE speculative decoding."
 )
+@LOOKAHEAD_TOKENS
 @CAPACITY_BLOCKS
 @count_option("--block-size", default=16, least=1, most=SIZE_LIMIT)
 @count_option(
@@ -62,6 +64,7 @@ def synth(
     requests: int,
     seed: int,
     eagle: bool,
+    lookahead_tokens: int,
     capacity_blocks: int | None,
     block_size: int,
     hash_block_size: int | None,
@@ -88,6 +91,7 @@ def synth(
             requests=requests,
             seed=seed,
             eagle=eagle,
+            lookahead_tokens=lookahead_tokens,
             capacity_blocks=capacity_blocks,
             block_size=block_size,
             hash_block_size=hash_block_size,

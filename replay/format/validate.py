@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from replay.base.errors import TraceError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
-from replay.base.spec import TraceConfig
+from replay.base.spec import TraceConfig, lookahead_plus
 from replay.format.schema import (
     EMPTY_POLARS,
     EVENT_KINDS,
@@ -293,7 +293,9 @@ def plainly_valid(
         bad |= lookup & no_request_id
     bad |= (num_tokens < 0) | (num_tokens < max_length) | (observed < 0)
     bad |= (max_length > TOKEN_LIMIT) | (num_tokens > TOKEN_LIMIT) | (observed > TOKEN_LIMIT)
-    covered = (np.where(has_hashes, n_hashes, 0) + 1) * config.hash_block_size
+    covered = (
+        config.max_length_bound(0) + np.where(has_hashes, n_hashes, 0) * config.hash_block_size
+    )
     bad |= lookup & (max_length >= covered)
     return not bool(bad.any())
 
@@ -401,16 +403,18 @@ def _validate_batch(
         checks.append((col > TOKEN_LIMIT, f"{name} {{{name}}} is above 2**48 tokens"))
     # vLLM indexes a group's hash view up to max_length // block_size, so a
     # lookup may not ask for more than its hashes can cover (vLLM's scheduler
-    # always asks for num_tokens - 1, below (len + 1) * hash_block_size).
+    # always asks for num_tokens - 1, below (len + 1) * hash_block_size, and
+    # the lookahead's tokens past the first: ``TraceConfig.max_length_bound``).
     n_hashes = frame["n_hashes"].fill_null(0)
     too_long = is_lookup & (
-        frame["max_length"] >= (n_hashes + 1) * config.hash_block_size
+        frame["max_length"] >= config.max_length_bound(0) + n_hashes * config.hash_block_size
     ).fill_null(False)
     checks.append(
         (
             too_long,
             "lookup max_length {max_length} exceeds what its {n_hashes} block_hashes cover "
-            f"(expected below (len(block_hashes) + 1) * hash_block_size {config.hash_block_size})",
+            f"(expected below (len(block_hashes) + 1) * hash_block_size {config.hash_block_size}"
+            f"{lookahead_plus(config)})",
         )
     )
     for mask, message in checks:

@@ -62,7 +62,7 @@ groups here merge by the widened window, as the store does).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -160,11 +160,14 @@ def replay_boundaries(num_tokens: int, alignment: int, use_eagle: bool) -> tuple
     return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
 
 
-def checkpoint_position(num_tokens: int, alignment: int, drop_eagle: bool) -> int:
+def checkpoint_position(
+    num_tokens: int, alignment: int, drop_eagle: bool, lookahead: int = 0
+) -> int:
     """The last position whose Mamba state a later hit can resume from (vLLM's
-    ``get_mamba_prefill_checkpoint_position``): below ``N - 1`` for the logits,
-    one block lower with EAGLE."""
-    limit = num_tokens if drop_eagle else num_tokens - 1
+    ``get_mamba_prefill_checkpoint_position``): below ``N - 1`` for the logits
+    (below ``N - lookahead``, whose hash needs the lookahead tokens), one
+    block lower with EAGLE's drop."""
+    limit = num_tokens if drop_eagle else num_tokens - max(1, lookahead)
     position = limit // alignment * alignment
     if drop_eagle:
         position -= alignment
@@ -271,13 +274,24 @@ class StoreRules:
                 f"Mamba block larger than the {config.hash_block_size}-token hash block): "
                 "use a hash block size equal to the Mamba block size"
             )
-        if config.num_hash_lookahead_tokens and policy.gpu.lookahead_clears_eagle:
-            # From 0.33.0 lookahead hashes move what a prefill stores (fewer
-            # hashed blocks, the Mamba checkpoint, EAGLE's boundaries off).
+        #: The lookahead block hashes the engine takes (0 before 0.33.0, which
+        #: had none: a trace's lookahead changes nothing there).
+        self.lookahead = lookahead = (
+            config.num_hash_lookahead_tokens if policy.gpu.lookahead_clears_eagle else 0
+        )
+        mirror = policy.mooncake
+        if (
+            lookahead
+            and settings.cache == "mooncake"
+            and mirror
+            and not mirror.lookahead_clears_eagle
+        ):
+            # vLLM resolves num_hash_lookahead_tokens to 0 under a KV connector
+            # that does not take them: no such store exists.
             raise ReplayError(
-                f"the store rules do not model lookahead block hashes (vLLM "
-                f"{policy.releases} with num_hash_lookahead_tokens "
-                f"{config.num_hash_lookahead_tokens}): use a configuration without them"
+                f"vLLM {policy.releases} gives the Mooncake store plain block hashes "
+                f"(num_hash_lookahead_tokens 0 under a KV connector), not "
+                f"{lookahead}: use 0, or a release from 0.34.0"
             )
         a = config.scheduler_block_size
         kinds = {g.kind for g in config.groups}
@@ -324,11 +338,15 @@ class StoreRules:
                 for gid in sg.group_ids:
                     eagle_of[cache][gid] = sg.eagle
         self.mirror_any_eagle = any(eagle_of["mooncake"])
-        self.engine_any_eagle = config.use_eagle
+        # Lookahead hashes clear the scheduler's EAGLE block drop: no block is
+        # dropped, so neither the checkpoint nor the boundaries back off one.
+        self.engine_any_eagle = config.use_eagle and not lookahead
         #: whether the engine's replay boundaries are EAGLE's
-        flagged = any(g.is_eagle_group for g in config.groups)
-        self.engine_boundary_eagle = config.use_eagle or (release.boundaries_from_flags and flagged)
-        self.mamba_boundary_eagle = config.use_eagle or (
+        flagged = any(g.is_eagle_group for g in config.groups) and not lookahead
+        self.engine_boundary_eagle = self.engine_any_eagle or (
+            release.boundaries_from_flags and flagged
+        )
+        self.mamba_boundary_eagle = self.engine_any_eagle or (
             release.mamba_boundaries_from_flags and flagged
         )
         # The store widens a window by ``extra_retained_tokens`` from 0.33.0.
@@ -367,7 +385,7 @@ class StoreRules:
         n, a = num_tokens, self.alignment
         budget = self.settings.max_num_batched_tokens
         if self.release.mamba_checkpoint:
-            last_cache = checkpoint_position(n, a, self.engine_any_eagle)
+            last_cache = checkpoint_position(n, a, self.engine_any_eagle, self.lookahead)
         else:
             # Before 0.30.0: the prompt floored to the block, one lower with EAGLE.
             last_cache = max(n // a * a - (a if self.engine_any_eagle else 0), 0)
@@ -448,7 +466,9 @@ class StoreRules:
         # unit is the block, but with a finer unit it is often mid-block
         # (then not a block entry), or with EAGLE a block above the stop.
         tail = (
-            checkpoint_position(req.num_tokens, self.config.hash_block_size, self.engine_any_eagle)
+            checkpoint_position(
+                req.num_tokens, self.config.hash_block_size, self.engine_any_eagle, self.lookahead
+            )
             if self.release.mamba_checkpoint
             else 0
         )
@@ -499,7 +519,8 @@ class StoreRules:
             window, eagle = group.engine_window, group.engine_eagle
             boundaries = self._boundaries(n, self.engine_boundary_eagle, group, junction)
         else:
-            end = min(n // a * a, req.hashed) // bs
+            # The connector saves whole scheduler blocks of the hashed tokens.
+            end = min(n, req.hashed) // a * a // bs
             start = min(end, cdiv(hit_tokens, bs))
             if self.mirror_writes_nothing:
                 end = start
@@ -560,7 +581,9 @@ class StoreRules:
             num_tokens=num_tokens,
             hit=hit_tokens,
             junction=junction_tokens,
-            hashed=num_tokens // hbs * hbs,
+            # Lookahead hashes need their tokens: the last few units go unhashed
+            # (the prompt's own units, whatever the policy makes of them).
+            hashed=self.config.hashed_units(num_tokens) * hbs,
             hit_blocks=hit_blocks,
         )
         ends = self.chunk_ends(num_tokens, hit_tokens, junction_tokens) if self.has_mamba else []
@@ -571,6 +594,29 @@ class StoreRules:
             else self._attention(gid, g, req)
             for gid, g in enumerate(self.groups)
         )
+
+
+def with_lookahead(config: TraceConfig, lookahead: int, settings: StoreSettings) -> TraceConfig:
+    """``config`` with vLLM's ``num_hash_lookahead_tokens`` for a source that
+    writes the stores of ``settings``' release: refused where that vLLM never
+    hashes lookahead tokens (only for EAGLE's block drop, from 0.33.0, and for
+    the Mooncake store from 0.34.0, which ``StoreRules`` checks)."""
+    if not lookahead:
+        return config
+    if not config.use_eagle:
+        raise ReplayError(
+            f"num_hash_lookahead_tokens {lookahead}: vLLM hashes lookahead tokens only for "
+            "EAGLE's block drop: turn EAGLE on"
+        )
+    policy = get_policy(settings.policy)
+    if not policy.gpu.lookahead_clears_eagle:
+        raise ReplayError(
+            f"num_hash_lookahead_tokens {lookahead}: vLLM {policy.releases} has no lookahead "
+            "block hashes (they came in 0.33.0): use 0, or a release from 0.33.0"
+        )
+    out = replace(config, num_hash_lookahead_tokens=lookahead)
+    StoreRules(out, settings)  # the cache's own refusal (a connector before 0.34.0)
+    return out
 
 
 def request_stores(

@@ -20,7 +20,7 @@ from typing import Any
 
 from replay.base.errors import ReplayError, TraceError
 from replay.base.limits import ROW_HASHES, bounded_lines
-from replay.base.spec import TraceConfig
+from replay.base.spec import TraceConfig, lookahead_plus
 from replay.format.hashwords import PackedHashes
 from replay.sources.values import (
     Row,
@@ -181,11 +181,12 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
             f"num_tokens {num_tokens} cannot hold max_length {max_length} "
             "(expected num_tokens >= max_length)"
         )
-    limit = (len(hashes) + 1) * config.hash_block_size
+    limit = config.max_length_bound(len(hashes))
     if max_length >= limit:
         raise ValueError(
             f"max_length {max_length} exceeds what its {len(hashes)} block_hashes cover "
-            f"(expected below (len(block_hashes) + 1) * hash_block_size = {limit})"
+            "(expected below (len(block_hashes) + 1) * hash_block_size"
+            f"{lookahead_plus(config)} = {limit})"
         )
     return LookupRecord(
         ts=ts,

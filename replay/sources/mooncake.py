@@ -38,7 +38,7 @@ import numpy as np
 from replay.base.deprecation import renamed_keyword
 from replay.base.limits import ROW_HASHES
 from replay.format.writer import TraceWriter
-from replay.rules.store_rules import StoreSettings
+from replay.rules.store_rules import StoreSettings, with_lookahead
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import (
     Digests,
@@ -77,20 +77,24 @@ class _KeyMap:
             self._fresh.append(False)
         return d
 
-    def keys(self, row: SourceRow, block_size: int) -> Keys:
-        units = row.input_length // block_size
+    def keys(self, row: SourceRow, block_size: int, lookahead: int = 0) -> Keys:
+        """A row's unit keys. The source's ids are chained over the prefix, so
+        a unit's key is that of the source block holding the last token its
+        hash covers (its own last token, or the last of its ``lookahead``
+        tokens), with the unit's place inside a source block when a block
+        holds several units; tokens past the last id are the row's own."""
+        units = max(row.input_length - lookahead, 0) // block_size
+        source_tokens = block_size * self.fine // self.coarse
+        last = (
+            np.arange(1, units + 1, dtype=np.int64) * block_size + lookahead - 1
+        ) // source_tokens
         ids = row.hash_ids
-        if self.coarse > 1:
-            c = self.coarse
-            return np.array(
-                [self._index(ids[(j + 1) * c - 1]) for j in range(units)], dtype=np.int64
-            )
+        dense = np.empty(units, dtype=np.int64)
+        for b, start in zip(*np.unique(last, return_index=True), strict=True):
+            d = self._index(ids[b]) if b < len(ids) else self._index(row.line, fresh=True)
+            dense[start:] = d
         f = self.fine
-        blocks = [self._index(h) for h in ids[: -(-units // f)]]
-        if units > len(blocks) * f:  # tokens past the last id: fresh content
-            blocks.append(self._index(row.line, fresh=True))
-        dense = np.repeat(np.array(blocks, dtype=np.int64), f)[:units]
-        return dense * f + np.tile(np.arange(f, dtype=np.int64), len(blocks))[:units]
+        return dense * f + np.arange(units, dtype=np.int64) % f
 
     def _digest(self, keys: Keys) -> Digests:
         if len(keys) == 0:
@@ -114,6 +118,7 @@ def ingest(
     model: str = "full",
     block_size: int = 16,
     eagle: bool = False,
+    lookahead_tokens: int = 0,
     capacity_blocks: int | None = None,
     store_settings: StoreSettings | None = None,
     progress: Callable[[int], None] | None = None,
@@ -121,12 +126,15 @@ def ingest(
     """Import a JSONL trace in ``format_name`` (``mooncake`` or ``bailian``);
     return a summary with the trace's own prefix-reuse ratio.
     ``store_settings`` are the deployment's (default: vLLM's defaults, the
-    Mooncake store; the release they follow is theirs)."""
+    Mooncake store; the release they follow is theirs); ``lookahead_tokens``
+    is vLLM's ``num_hash_lookahead_tokens`` (with EAGLE)."""
     fmt = FORMATS[format_name]
     path = Path(src)
     fine, coarse = granularity(fmt, block_size)
-    config = archetype_config(model, block_size, None, eagle)
     settings = store_settings or StoreSettings()
+    config = with_lookahead(
+        archetype_config(model, block_size, None, eagle), lookahead_tokens, settings
+    )
     keymap = _KeyMap(fine, coarse)
     counter = ReuseCounter(fine, coarse, block_size)
     with (
@@ -152,7 +160,7 @@ def ingest(
                 ts_us=row.ts_us,
                 request_id=row.request_id,
                 num_tokens=row.input_length,
-                unit_keys=keymap.keys(row, block_size),
+                unit_keys=keymap.keys(row, block_size, lookahead_tokens),
             )
             done += 1
             if progress is not None and done == 1000:
@@ -183,6 +191,7 @@ def ingest(
         "format": fmt.name,
         "model": model,
         "eagle": eagle,
+        "lookahead_tokens": lookahead_tokens,
         "block_size": block_size,
         "capacity_blocks": capacity_blocks,
         **settings.as_source(),

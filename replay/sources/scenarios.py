@@ -180,7 +180,7 @@ def prompt_hashes(chain: Sequence[bytes], max_length: int, config: TraceConfig) 
     draws is the same). vLLM's Mooncake store worker asks the store only
     within the aligned prompt, so a lookup with more hashes than this is one
     no request makes."""
-    units = max(max_length + 1 - config.num_hash_lookahead_tokens, 0) // config.hash_block_size
+    units = config.hashed_units(max_length + 1)
     out = list(chain[:units])
     while len(out) < units:
         out.append(hashlib.blake2b(b"".join(out[-1:]), digest_size=32, person=b"fresh").digest())

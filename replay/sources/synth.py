@@ -62,7 +62,7 @@ from replay.base.errors import ReplayError
 from replay.base.spec import GroupKind, TraceConfig
 from replay.format.writer import TraceWriter
 from replay.rules.coordinator import Coordinator
-from replay.rules.store_rules import StoreSettings
+from replay.rules.store_rules import StoreSettings, with_lookahead
 from replay.sources.archetypes import archetype_config
 from replay.sources.hashing import Digests, DigestTable, Keys, digest_keys, lane_salts
 from replay.sources.workload import WorkloadWriter
@@ -214,7 +214,7 @@ def _overrun_expectations(
     of one injected scenario, from the reference coordinator."""
     align = config.scheduler_block_size
     num_tokens = k * align + 1
-    units = np.arange(num_tokens // config.hash_block_size, dtype=np.int64)
+    units = np.arange(config.hashed_units(num_tokens), dtype=np.int64)
     extra = {
         gid: [k * align // g.block_size - 1]
         for gid, g in enumerate(config.groups)
@@ -241,6 +241,7 @@ def synth_trace(
     requests: int = 1000,
     seed: int = 0,
     eagle: bool = False,
+    lookahead_tokens: int = 0,
     capacity_blocks: int | None = None,
     block_size: int = 16,
     hash_block_size: int | None = None,
@@ -267,7 +268,11 @@ def synth_trace(
     ``retention_interval``, ``max_num_batched_tokens`` and ``cache`` choose
     the store rules (``replay.rules.store_rules.StoreSettings``), or
     ``settings`` gives them whole (with the release policy whose stores to
-    produce: ``settings.policy``). ``progress`` is
+    produce: ``settings.policy``). ``lookahead_tokens`` is vLLM's
+    ``num_hash_lookahead_tokens`` (with EAGLE, from 0.33.0): a prompt carries
+    the hashes of its units less the lookahead, and a prefix shared up to a
+    unit's end shares its key only when it goes on for the lookahead too
+    (the system prompts' last units are each request's own). ``progress`` is
     called with the number of requests done since its last call."""
     if requests < 0:
         raise ReplayError(f"requests must be >= 0, got {requests}")
@@ -291,6 +296,7 @@ def synth_trace(
         attention_chunk_size=attention_chunk_size,
         mamba_block_size=mamba_block_size,
     )
+    config = with_lookahead(config, lookahead_tokens, settings)
     hbs = config.hash_block_size
     align = config.scheduler_block_size
     rng = np.random.default_rng(seed)
@@ -362,7 +368,9 @@ def synth_trace(
     system_keys: list[Keys] = []
     counter = 1
     for tokens in sched.system_tokens.tolist():
-        units = tokens // hbs
+        # A unit's lookahead key covers tokens past the system prompt: shared
+        # only up to the units the system prompt itself hashes.
+        units = config.hashed_units(tokens)
         system_keys.append(np.arange(counter, counter + units, dtype=np.int64))
         counter += units
 
@@ -391,7 +399,7 @@ def synth_trace(
                 scenario = injections[inj]
                 when = stamps[i] if i < requests else (stamps[-1] if stamps else BASE_TS_US)
                 num_tokens = expected[inj]["num_tokens"]
-                keys = np.arange(counter, counter + num_tokens // hbs, dtype=np.int64)
+                keys = np.arange(counter, counter + config.hashed_units(num_tokens), dtype=np.int64)
                 counter += len(keys)
                 writer.add(
                     ts_us=when,
@@ -417,7 +425,7 @@ def synth_trace(
             if prev is None:
                 prev = system_keys[system_of[s]]
             n_tokens = lengths[i]
-            fresh = n_tokens // hbs - len(prev)
+            fresh = config.hashed_units(n_tokens) - len(prev)
             keys = np.concatenate((prev, np.arange(counter, counter + fresh, dtype=np.int64)))
             counter += fresh
             writer.add(
@@ -445,6 +453,7 @@ def synth_trace(
         "model": model,
         "seed": seed,
         "eagle": eagle,
+        "lookahead_tokens": lookahead_tokens,
         "requests": requests,
         "capacity_blocks": capacity_blocks,
         **settings.as_source(),

@@ -306,11 +306,13 @@ class WorkloadWriter:
             raise ReplayError(
                 f"request {request_id}: num_tokens must be positive, got {num_tokens}"
             )
-        expected = num_tokens // self._hbs
+        expected = self.config.hashed_units(num_tokens)
         if len(unit_keys) != expected:
+            lookahead = self.config.num_hash_lookahead_tokens
+            less = f", less {lookahead} lookahead" if lookahead else ""
             raise ReplayError(
                 f"request {request_id}: {len(unit_keys)} unit keys for {num_tokens} tokens, "
-                f"expected {expected} (one per {self._hbs} tokens)"
+                f"expected {expected} (one per {self._hbs} tokens{less})"
             )
         if self._clear_due and allow_clear:
             self.clear(ts_us)

@@ -79,6 +79,13 @@ def group_label(config: TraceConfig, gid: int) -> str:
     return f"{gid}: {g.kind.value} block={g.block_size}{extra}{eagle}{name}"
 
 
+def _eagle(summary: dict[str, Any]) -> str:
+    lookahead = summary.get("lookahead_tokens") or 0
+    if not summary["eagle"]:
+        return "off"
+    return f"on ({lookahead} lookahead hash tokens)" if lookahead else "on"
+
+
 def config_lines(config: TraceConfig, cache: str) -> list[str]:
     """The configuration, and the hit alignment of the cache that answers
     (the two caches align a hit differently: ``hit_alignment``)."""
@@ -86,6 +93,11 @@ def config_lines(config: TraceConfig, cache: str) -> list[str]:
         f"hash_block_size={config.hash_block_size} scheduler_block_size={config.scheduler_block_size} "
         f"use_eagle={str(config.use_eagle).lower()} "
         f"enable_partial_hash_hits={str(config.enable_partial_hash_hits).lower()}"
+        + (
+            f" num_hash_lookahead_tokens={config.num_hash_lookahead_tokens}"
+            if config.num_hash_lookahead_tokens
+            else ""
+        )
         + f" cache={cache} alignment={hit_alignment(config, cache)}",
     ]
     lines += [f"  group {group_label(config, gid)}" for gid in range(config.num_groups)]
@@ -441,7 +453,7 @@ def _rules_text(s: Mapping[str, Any]) -> str:
 def synth_summary_text(s: Mapping[str, Any]) -> str:
     """``replay synth``: the summary of ``replay.sources.synth.synth_trace``."""
     text = (
-        f"wrote {s['path']}: model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"wrote {s['path']}: model {s['model']}, EAGLE {_eagle(s)}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, seed {s['seed']}, "
         f"{counted(s['requests'], 'request')}: "
         f"{_events_text(s)}."
@@ -462,7 +474,7 @@ def ingest_summary_text(s: Mapping[str, Any]) -> str:
     """``replay ingest mooncake|bailian``: the summary of ``replay.sources.mooncake.ingest``."""
     return (
         f"wrote {s['path']} from {s['source']} ({s['format']}, {s['rows']:,} rows): "
-        f"model {s['model']}, EAGLE {'on' if s['eagle'] else 'off'}, "
+        f"model {s['model']}, EAGLE {_eagle(s)}, "
         f"{_store_text(s['capacity_blocks'])}, {_rules_text(s)}, block size {s['block_size']}: "
         f"{_events_text(s)}. Prefix reuse {percent(s['reuse_ratio'])} "
         f"({s['reused_tokens']:,} of {s['input_tokens']:,} input tokens, counted from hash_ids)."

@@ -50,8 +50,9 @@ FACT_GROUPS, FACT_WIDTH = tables.O_GROUPS, tables.O_WIDTH
     P_CAPACITY,
     P_NUM_KEYS,
     P_HAS_ATTENTION,
+    P_LOOKAHEAD,
     P_LEN,
-) = range(15)
+) = range(16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,7 @@ def compile_config(
     params[P_UNITARY] = rules.unitary
     params[P_USES_JUNCTION] = rules.uses_junction
     params[P_ANY_EAGLE] = rules.engine_any_eagle
+    params[P_LOOKAHEAD] = rules.lookahead
     params[P_MAX_MODEL_LEN] = max_model_len
     params[P_EVICTION] = EVICTION_CODES[eviction]
     params[P_CAPACITY] = capacity

@@ -263,6 +263,7 @@ def run_mooncake(
     stride = max_u + 1
     present = np.zeros(num_groups * stride, dtype=np.uint8)
     merged = np.zeros(num_specs * stride, dtype=np.uint8)
+    asked = np.zeros(num_groups * stride, dtype=np.uint8)
     res = np.zeros((num_specs, R_LEN), dtype=np.int64)
     verified = np.zeros(num_specs, dtype=np.int64)
     mask = np.zeros(num_groups, dtype=np.int64)
@@ -290,7 +291,7 @@ def run_mooncake(
                         _file(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
         junction = answer(
             lookup_params, specs, members, lookup_groups, present, 0, stride, u, max_length[i],
-            merged, res, verified, facts, i, params[P_USES_JUNCTION],
+            merged, res, verified, asked, facts, i, params[P_USES_JUNCTION],
         )  # fmt: skip
         hit = facts[i, O_HIT]
         for g in range(num_groups):
@@ -304,7 +305,7 @@ def run_mooncake(
                 item = ids[o + x] * num_groups + g
                 _touch(ev, item, num_groups, st, nodes, qh, bits, side, uses, use_starts, i)
         # The stores the request leaves.
-        hashed = n // hbs * hbs
+        hashed = u * hbs  # the prompt's hash units (fewer with lookahead hashes)
         stamp = i + 1
         if nm:
             num_ends = chunk_ends(params, n, hit, junction, ends)
@@ -327,7 +328,7 @@ def run_mooncake(
             if groups[g, 0] == MAMBA:
                 lo, hi = 0, u
             else:
-                hi = min(n // a * a, hashed) // bs
+                hi = min(n, hashed) // a * a // bs
                 lo = min(hi, cdiv(hit, bs))
             for x in range(lo, min(hi, u)):
                 if groups[g, 0] == MAMBA and stored[k, x] != stamp:

@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 
 from replay.base.errors import ReplayError
-from replay.base.spec import TraceConfig
+from replay.base.spec import TraceConfig, lookahead_plus
 from replay.format.tracedir import open_trace
 from replay.rules.eviction import NEVER
 from replay.whatif import kernel as whatif_kernel
@@ -238,11 +238,11 @@ def load_requests(path: str | os.PathLike[str]) -> Requests:
                 "what-if (vLLM recomputes a prompt's last token)"
             )
         # The what-if stores the prompt's blocks: its hashes must cover it.
-        if n > (k + 1) * hbs:
+        if n > reader.config.max_length_bound(k):
             raise ReplayError(
                 f"{path}: seq {seq}: num_tokens {n} exceeds what its {k} block_hashes cover "
                 f"(the what-if needs num_tokens <= (len(block_hashes) + 1) * hash_block_size "
-                f"{hbs})"
+                f"{hbs}{lookahead_plus(reader.config)})"
             )
     return Requests(
         config=reader.config,

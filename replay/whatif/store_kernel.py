@@ -16,6 +16,8 @@ from replay.whatif.kernel_config import (
     P_ANY_EAGLE,
     P_BUDGET,
     P_HAS_MAMBA,
+    P_HBS,
+    P_LOOKAHEAD,
     P_RETENTION,
     P_UNITARY,
     SWA,
@@ -57,10 +59,19 @@ def boundaries(params: Any, n: int, junction: int, eagle_group: bool, bs: int, o
 
 
 @jit(nogil=True)
+def checkpoint(params: Any, n: int, alignment: int) -> int:
+    """``store_rules.checkpoint_position``: the last position a later hit can
+    resume a Mamba state from, below N - 1 (N - lookahead), one block lower
+    with EAGLE's drop."""
+    if params[P_ANY_EAGLE]:
+        return max(n // alignment * alignment - alignment, 0)
+    return max((n - max(1, params[P_LOOKAHEAD])) // alignment * alignment, 0)
+
+
+@jit(nogil=True)
 def chunk_ends(params: Any, n: int, hit: int, junction: int, ends: Any) -> int:
     a, budget = params[P_A], params[P_BUDGET]
-    last_cache = n // a * a - a if params[P_ANY_EAGLE] else (n - 1) // a * a
-    last_cache = max(last_cache, 0)
+    last_cache = checkpoint(params, n, a)
     k = 0
     start = hit
     while start < n:
@@ -112,9 +123,13 @@ def stores(
             cached = hit // bs
             prev = hit
             last = -1
+            # The prompt's tail state, keyed at its last reusable hash unit
+            # whatever the retention (``StoreRules._mamba``'s ``tail``).
+            tail = checkpoint(params, n, params[P_HBS])
             for e in range(num_ends):
                 end = ends[e]
-                full = cacheable(params, groups, g, end, hashed) // bs
+                tokens = cacheable(params, groups, g, end, hashed)
+                full = tokens // bs
                 if full > cached:
                     for which in range(2):
                         pos = prev if which == 0 else end
@@ -133,6 +148,14 @@ def stores(
                                 stored[g, block] = stamp
                                 last = block
                     cached = full
+                if (
+                    tail
+                    and tokens == tail
+                    and tail % bs == 0
+                    and tail > hit
+                    and (tail == prev or tail == end)
+                ):
+                    stored[g, tail // bs - 1] = stamp
                 prev = end
             continue
         start = hit // bs

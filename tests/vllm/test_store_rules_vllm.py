@@ -67,6 +67,22 @@ CACHES = ("gpu", "mooncake") if POLICY.mooncake is not None else ("gpu",)
 REQUESTS_PER_SESSION = 24
 
 
+def _takes_lookahead(cls: Any) -> bool:
+    return cls is not None and "num_hash_lookahead_tokens" in inspect.signature(cls).parameters
+
+
+def _lookahead_caches() -> tuple[str, ...]:
+    """The caches of this release that take lookahead block hashes: the
+    engine's from 0.33.0; the Mooncake store's from 0.34.0 (0.33.0 gave a KV
+    connector plain hashes)."""
+    v = vllm_modules()
+    engine = ("gpu",) if _takes_lookahead(v.KVCacheManager) else ()
+    return engine + (("mooncake",) if engine and _takes_lookahead(v.Mooncake) else ())
+
+
+LOOKAHEAD_CACHES = _lookahead_caches()
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     model: str
@@ -110,7 +126,9 @@ def retention_env(retention: int | None) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def random_session(rng: random.Random, model: str, retention: str, eagle: bool) -> Session:
+def random_session(
+    rng: random.Random, model: str, retention: str, eagle: bool, lookahead: int = 0
+) -> Session:
     bs = rng.choice((16, 32))
     kinds = ARCHETYPES[model].kinds
     hybrid = len(kinds) > 1
@@ -131,6 +149,7 @@ def random_session(rng: random.Random, model: str, retention: str, eagle: bool) 
         attention_chunk_size=rng.choice((2, 4, 8)) * bs,
         mamba_block_size=mamba_bs,
     )
+    config = replace(config, num_hash_lookahead_tokens=lookahead)
     if rng.random() < 0.3:
         # A flagged draft group (with EAGLE on or off): only it and the
         # groups sharing its spec take the drop.
@@ -175,22 +194,29 @@ class Engine:
             if "scheduler_block_size" in params
             else {}
         )
+        # Lookahead hashes (0.33.0 on): the scheduler clears its EAGLE block
+        # drop and hands the lookahead to the manager and the hasher.
+        lookahead = cfg.num_hash_lookahead_tokens
+        with_lookahead = {"num_hash_lookahead_tokens": lookahead} if lookahead else {}
         with retention_env(s.retention):
             self.manager = v.KVCacheManager(
                 kv_config,
                 max_model_len=1 << 16,
                 hash_block_size=cfg.hash_block_size,
                 enable_caching=True,
-                use_eagle=cfg.use_eagle,
+                use_eagle=cfg.use_eagle and not lookahead,
                 enable_kv_cache_events=True,
                 **scheduler,
+                **with_lookahead,
             )
-        self.hasher = v.utils.get_request_block_hasher(cfg.hash_block_size, v.sha256)
+        self.hasher = v.utils.get_request_block_hasher(
+            cfg.hash_block_size, v.sha256, *([lookahead] if lookahead else [])
+        )
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in cfg.groups)
         self.split_state = split_state(cfg, s.budget)
         self.handoffs = hasattr(self.manager, "take_boundary_state_offloads")
         self.mooncake: Any = None
-        if v.Mooncake is not None:
+        if v.Mooncake is not None and (not lookahead or "mooncake" in LOOKAHEAD_CACHES):
             # The store takes the retention interval from 0.24.
             takes = "retention_interval" in inspect.signature(v.Mooncake).parameters
             self.mooncake = v.Mooncake(
@@ -199,6 +225,7 @@ class Engine:
                 cfg.hash_block_size,
                 use_eagle=cfg.use_eagle,
                 **({"retention_interval": s.retention} if takes else {}),
+                **with_lookahead,
             )
 
     def _positions(self, request: Any) -> list[dict[Any, int]]:
@@ -273,30 +300,35 @@ class Engine:
                         handed[gid].add(boundary)
         mgr.free(request)
         mgr.take_events()
+        self.hashed = len(request.block_hashes) * self.s.config.hash_block_size
         return hit, junction, stored, handed
 
     def store_mask(self, n: int, hit: int) -> list[set[int] | None]:
-        """Attention groups' Mooncake stores as token ends (None for Mamba)."""
+        """Attention groups' Mooncake stores as token ends (None for Mamba),
+        after the last ``prefill``: the connector saves whole scheduler blocks
+        of the prompt's hashed tokens (``ReqMeta``'s ``num_tokens_to_save``:
+        fewer with lookahead hashes)."""
         a = self.s.config.scheduler_block_size
         if self.mooncake is None:
             return [None for _ in self.s.config.groups]
+        saved = min(n, self.hashed) // a * a
         suffix = "start_token" in inspect.signature(self.mooncake.store_mask).parameters
         if suffix:
-            masks = self.mooncake.store_mask(n // a * a, hit, num_prompt_tokens=n)
+            masks = self.mooncake.store_mask(saved, min(hit, saved), num_prompt_tokens=n)
         else:
             # Before 0.25 the mask covers the whole prefix and the worker
             # skips the keys the store holds: the hit's, for these prompts.
-            masks = self.mooncake.store_mask(n // a * a)
+            masks = self.mooncake.store_mask(saved)
         out: list[set[int] | None] = []
         for g, mask in zip(self.s.config.groups, masks, strict=True):
             if g.kind is GroupKind.MAMBA and self.handoffs:
                 out.append(None)
                 continue
             bs = g.block_size
-            first = min(n // a * a // bs, -(-hit // bs))
+            first = min(saved // bs, -(-hit // bs))
             if not suffix:
                 mask = mask[first:]
-            count = n // a * a // bs - first
+            count = saved // bs - first
             keep = [True] * count if mask is None else mask
             out.append({(first + i + 1) * bs for i, k in enumerate(keep) if k})
         return out
@@ -352,6 +384,11 @@ def prompts(rng: random.Random, config: TraceConfig, count: int) -> list[list[in
         n = rng.randrange(1, 40 * a)
         if rng.random() < 0.25:
             n = max(a, n // a * a)
+        lookahead = config.num_hash_lookahead_tokens
+        if lookahead and rng.random() < 0.3:
+            # The lookahead reaches back across a block boundary: the last
+            # whole block goes unhashed.
+            n = max(a, n // a * a) + rng.randrange(lookahead)
         base: list[int] = []
         if out and rng.random() < 0.8:
             parent = rng.choice(out)
@@ -392,7 +429,36 @@ def sessions(rng: random.Random) -> list[Session]:
             for eagle in (False, True) if _runs_with_eagle(model) else (False,):
                 for _ in range(2):
                     out.append(random_session(rng, model, retention, eagle))
+            if LOOKAHEAD_CACHES and _runs_with_eagle(model):
+                # EAGLE with lookahead block hashes (MTP's prefill lookahead).
+                for _ in range(2):
+                    lookahead = rng.choice((1, 1, 2, 3, 5))
+                    out.append(random_session(rng, model, retention, True, lookahead))
     return out
+
+
+def overreads_lookahead_hashes(config: TraceConfig, num_tokens: int) -> bool:
+    """Whether vLLM's engine fails this prompt's lookup (0.33.0, 0.34.0): with
+    lookahead hashes a prompt carries ``(N - L) // hbs`` hashes, yet with no
+    full-attention group to cap the hit first, the sliding-window finder
+    reads blocks up to ``N - 1`` and indexes past them (IndexError)."""
+    lookahead = config.num_hash_lookahead_tokens
+    if not lookahead or any(g.kind is GroupKind.FULL_ATTENTION for g in config.groups):
+        return False
+    hashed = max(num_tokens - lookahead, 0) // config.hash_block_size * config.hash_block_size
+    return any(
+        (num_tokens - 1) // g.block_size > hashed // g.block_size
+        for g in config.groups
+        if g.kind is GroupKind.SLIDING_WINDOW
+    )
+
+
+def session_caches(s: Session) -> tuple[str, ...]:
+    """The caches compared for a session: a release's caches, those that
+    take lookahead hashes when the session has them."""
+    if s.config.num_hash_lookahead_tokens:
+        return LOOKAHEAD_CACHES
+    return CACHES
 
 
 NEWEST = RELEASES[-1].name
@@ -411,7 +477,7 @@ def release_rules(s: Session, policy: str = POLICY.name) -> dict[str, StoreRules
                 policy=policy,
             ),
         )
-        for cache in CACHES
+        for cache in session_caches(s)
     }
 
 
@@ -425,6 +491,7 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     shape: Counter[str] = Counter()
     unstatable = 0
     differs: Counter[str] = Counter()
+    shape_raised: Counter[str] = Counter()
     for s in sessions(rng):
         try:
             rules = release_rules(s)
@@ -442,9 +509,16 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                 newest = release_rules(s, NEWEST)
         for i, tokens in enumerate(prompts(session_rng, s.config, REQUESTS_PER_SESSION)):
             n = len(tokens)
+            if overreads_lookahead_hashes(s.config, n):
+                # vLLM's own failure: the request never prefills.
+                with pytest.raises(IndexError, match="list index out of range"):
+                    engine.prefill(f"r{i}", tokens)
+                shape_raised[s.model] += 1
+                continue
             hit, junction, gpu, handed = engine.prefill(f"r{i}", tokens)
             mask = engine.store_mask(n, hit)
-            key = (s.model, s.retention_name)
+            lookahead = s.config.num_hash_lookahead_tokens
+            key = (s.model + (" lookahead" if lookahead else ""), s.retention_name)
             total[key] += 1
             a = s.config.scheduler_block_size
             shape["hit mid-prompt"] += hit > 0
@@ -453,7 +527,9 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
             shape["EAGLE"] += s.config.use_eagle
             shape["a flagged draft group"] += any(g.is_eagle_group for g in s.config.groups)
             shape["several prefill chunks"] += n - hit > s.budget
-            for cache in CACHES:
+            if LOOKAHEAD_CACHES:
+                shape["lookahead hashes"] += lookahead > 0
+            for cache in session_caches(s):
                 # The boundary is visible: the newest release's stores, compared too.
                 if newest is not None and cache in newest:
                     other = newest[cache].stores(
@@ -482,6 +558,7 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                         if len(failures) < 12:
                             failures.append(
                                 f"{cache} {s.model} r={s.retention} eagle={s.config.use_eagle} "
+                                f"lookahead={lookahead} "
                                 f"bs={[x.block_size for x in s.config.groups]} "
                                 f"hbs={s.config.hash_block_size} budget={s.budget} N={n} "
                                 f"hit={hit} junction={junction} group {gid} ({g.kind.value}): "
@@ -495,8 +572,9 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
             "(requests whose every group agrees):"
         )
         for (model, retention), n in sorted(total.items()):
-            counts = "  ".join(f"{c} {agree[(model, retention, c)]}/{n}" for c in CACHES)
-            print(f"  {model:15s} retention {retention:8s} {counts}")
+            compared = LOOKAHEAD_CACHES if model.endswith(" lookahead") else CACHES
+            counts = "  ".join(f"{c} {agree[(model, retention, c)]}/{n}" for c in compared)
+            print(f"  {model:25s} retention {retention:8s} {counts}")
         print(f"  (gpu partial-tail entries not compared: {partial_tails})")
         print(f"  sessions this release runs with partial hash hits, not compared: {unstatable}")
         if POLICY.name != NEWEST:
@@ -505,6 +583,11 @@ def test_store_rules_match_vllm(capsys: pytest.CaptureFixture[str]) -> None:
                 + ", ".join(f"{c} {differs[c]}" for c in CACHES)
             )
         print("  requests with: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
+        if shape_raised:
+            print(
+                "  vLLM raised IndexError (lookahead hashes, no full attention): "
+                + ", ".join(f"{k} {v}" for k, v in sorted(shape_raised.items()))
+            )
     assert not failures, "\n".join(failures)
     assert sum(total.values()) >= 500
     # The cases the rules exist for must each occur many times (the junction
@@ -573,6 +656,8 @@ def writer_against_engine(chosen: list[Session]) -> tuple[int, int, int, list[st
         hbs = s.config.hash_block_size
         for i, tokens in enumerate(prompts(random.Random(s.seed), s.config, REQUESTS_PER_SESSION)):
             n = len(tokens)
+            if overreads_lookahead_hashes(s.config, n):
+                continue  # vLLM fails the lookup: no request to compare
             request = v.Request(
                 "probe", tokens, v.SamplingParams(max_tokens=1), None, block_hasher=engine.hasher
             )

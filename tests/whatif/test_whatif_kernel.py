@@ -32,7 +32,7 @@ POOLED = [p for p in POLICIES if policy_stores(p).free_order == "unhashed-front"
 
 
 def _trace(tmp: Path, rng: random.Random, count: int) -> tuple[Path, int]:
-    config = random_archetype_config(rng)
+    config = random_archetype_config(rng, lookahead=True)
     a = config.scheduler_block_size
     prompts = random_prompts(rng, a, count)
     rows = lookup_rows(config, prompts, rng)

@@ -901,11 +901,14 @@ class VllmCoordinator(LookupCoordinator):
         call before it.
         """
         hbs = self.config.hash_block_size
-        if not 0 <= max_length < (len(hashes) + 1) * hbs:
-            # Past this bound vLLM's finders index beyond the hash list.
+        bound = self.config.max_length_bound(len(hashes))
+        if not 0 <= max_length < bound:
+            # Past this bound vLLM's finders index beyond the hash list (within
+            # it too under lookahead hashes, which no full attention caps: vLLM's
+            # IndexError, reported as vLLM's).
             raise ReplayError(
                 f"max_length {max_length} out of range for {len(hashes)} hashes of "
-                f"{hbs} tokens: expected 0 <= max_length < {(len(hashes) + 1) * hbs}"
+                f"{hbs} tokens: expected 0 <= max_length < {bound}"
             )
         if not all(type(h) is bytes for h in hashes):
             # vLLM keys its pool by bytes(hash); fingerprints would all collide.
