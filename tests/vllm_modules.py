@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from replay.base.spec import TraceConfig
+from replay.base.spec import GroupKind, TraceConfig
 
 
 def vllm_modules() -> SimpleNamespace:
@@ -49,6 +49,22 @@ def vllm_modules() -> SimpleNamespace:
         Request=Request,
         SamplingParams=SamplingParams,
         Mooncake=None if coordinator is None else coordinator.MooncakeStoreCoordinator,
+    )
+
+
+def overreads_lookahead_hashes(config: TraceConfig, num_tokens: int) -> bool:
+    """Whether vLLM's engine fails this prompt's lookup (0.33.0, 0.34.0): with
+    lookahead hashes a prompt carries ``(N - L) // hbs`` hashes, yet with no
+    full-attention group to cap the hit first, the sliding-window finder
+    reads blocks up to ``N - 1`` and indexes past them (IndexError)."""
+    lookahead = config.num_hash_lookahead_tokens
+    if not lookahead or any(g.kind is GroupKind.FULL_ATTENTION for g in config.groups):
+        return False
+    hashed = config.hashed_units(num_tokens) * config.hash_block_size
+    return any(
+        (num_tokens - 1) // g.block_size > hashed // g.block_size
+        for g in config.groups
+        if g.kind is GroupKind.SLIDING_WINDOW
     )
 
 

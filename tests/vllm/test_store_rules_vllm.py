@@ -54,7 +54,7 @@ from replay.rules.coordinator import RELEASES, Coordinator, policy_for_version
 from replay.rules.coordinator.stores import policy_stores
 from replay.rules.store_rules import StoreRules, StoreSettings
 from replay.sources.archetypes import ARCHETYPES, archetype_config
-from tests.vllm_modules import split_state, vllm_modules
+from tests.vllm_modules import overreads_lookahead_hashes, split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
 
@@ -435,22 +435,6 @@ def sessions(rng: random.Random) -> list[Session]:
                     lookahead = rng.choice((1, 1, 2, 3, 5))
                     out.append(random_session(rng, model, retention, True, lookahead))
     return out
-
-
-def overreads_lookahead_hashes(config: TraceConfig, num_tokens: int) -> bool:
-    """Whether vLLM's engine fails this prompt's lookup (0.33.0, 0.34.0): with
-    lookahead hashes a prompt carries ``(N - L) // hbs`` hashes, yet with no
-    full-attention group to cap the hit first, the sliding-window finder
-    reads blocks up to ``N - 1`` and indexes past them (IndexError)."""
-    lookahead = config.num_hash_lookahead_tokens
-    if not lookahead or any(g.kind is GroupKind.FULL_ATTENTION for g in config.groups):
-        return False
-    hashed = max(num_tokens - lookahead, 0) // config.hash_block_size * config.hash_block_size
-    return any(
-        (num_tokens - 1) // g.block_size > hashed // g.block_size
-        for g in config.groups
-        if g.kind is GroupKind.SLIDING_WINDOW
-    )
 
 
 def session_caches(s: Session) -> tuple[str, ...]:

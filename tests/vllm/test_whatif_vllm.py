@@ -15,6 +15,7 @@ blocks, the null block included). Runs only where vLLM imports.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -41,9 +42,14 @@ from replay.whatif.kernel import PREEMPTED as KERNEL_PREEMPTED
 from replay.whatif.requests import load_requests
 from replay.whatif.sweep import RunSpec, simulate
 from tests.builders import random_archetype_config, random_prompts
-from tests.vllm_modules import split_state, vllm_modules
+from tests.vllm_modules import overreads_lookahead_hashes, split_state, vllm_modules
 
 pytestmark = pytest.mark.vllm
+
+#: The engine takes lookahead block hashes (0.33.0 on).
+TAKES_LOOKAHEAD = (
+    "num_hash_lookahead_tokens" in inspect.signature(vllm_modules().KVCacheManager).parameters
+)
 
 MOONCAKE = Path(
     os.environ.get(
@@ -87,6 +93,7 @@ class Engine:
         retention: int | None,
     ) -> None:
         self.v, self.config, self.budget = v, config, budget
+        lookahead = config.num_hash_lookahead_tokens
         groups = vllm_groups(config, v.iface, v.torch)
         kv_config = v.iface.KVCacheConfig(
             num_blocks=capacity + 1,
@@ -101,9 +108,13 @@ class Engine:
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_block_size,
             enable_caching=True,
-            use_eagle=config.use_eagle,
+            # Lookahead hashes: the scheduler clears its EAGLE block drop.
+            use_eagle=config.use_eagle and not lookahead,
+            **({"num_hash_lookahead_tokens": lookahead} if lookahead else {}),
         )
-        self.hasher = v.utils.get_request_block_hasher(config.hash_block_size, v.sha256)
+        self.hasher = v.utils.get_request_block_hasher(
+            config.hash_block_size, v.sha256, *([lookahead] if lookahead else [])
+        )
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in config.groups)
         self.split_state = split_state(config, budget)
 
@@ -305,8 +316,10 @@ def test_block_pool_matches_vllm_on_random_sessions(
     v = _vllm()
     rng = random.Random(16)
     agree = total = admitted_off = evicted_total = preempted = 0
+    lookahead = ahead = 0
     for _ in range(60):
-        config = random_archetype_config(rng)
+        config = random_archetype_config(rng, lookahead=TAKES_LOOKAHEAD)
+        lookahead += config.num_hash_lookahead_tokens > 0
         a = config.scheduler_block_size
         sparse = config.num_groups > 1
         retention = rng.choice((0, None, 2 * a)) if sparse else 0
@@ -316,6 +329,9 @@ def test_block_pool_matches_vllm_on_random_sessions(
             max_num_batched_tokens=a * rng.choice((1, 2, 3, 8, 64)),
         )
         prompts = random_prompts(rng, a, 40)
+        # Prompts vLLM's own lookup fails (IndexError) never prefill.
+        prompts = [p for p in prompts if not overreads_lookahead_hashes(config, len(p))]
+        ahead += len(prompts) if config.num_hash_lookahead_tokens else 0
         longest = max(-(-len(p) // config.groups[0].block_size) for p in prompts)
         capacity = rng.randrange(longest * 2 // 3 + 1, longest * config.num_groups * 4)
         hashes: list[list[bytes]] = []
@@ -334,9 +350,11 @@ def test_block_pool_matches_vllm_on_random_sessions(
     with capsys.disabled():
         print(
             f"\nrandom sessions: {agree}/{total} hits agree ({evicted_total} cached blocks "
-            f"evicted, {admitted_off} requests not admitted, {preempted} preempted)"
+            f"evicted, {admitted_off} requests not admitted, {preempted} preempted; "
+            f"{lookahead} sessions, {ahead} requests with lookahead hashes)"
         )
     assert evicted_total > 1000 and admitted_off > 0
+    assert not TAKES_LOOKAHEAD or ahead >= 200
 
 
 def _vllm_hits(
