@@ -322,6 +322,18 @@ SYNTH: dict[str, tuple[dict[str, Any], str]] = {
         },
         "three groups: not a simple hybrid, so every lookup runs a second, confirming pass of the fixed point",
     ),
+    "lookahead-full-swa-mamba": (
+        {
+            "model": "full+swa+mamba",
+            "requests": 200,
+            "seed": 9,
+            "eagle": True,
+            "lookahead_tokens": 3,
+            "cache": "gpu",
+            "capacity_blocks": 6000,
+        },
+        "the engine's stores with MTP's lookahead block hashes (num_hash_lookahead_tokens 3): prompts hash their units less the lookahead, no EAGLE drop, the Mamba checkpoint below N - 3",
+    ),
 }
 
 
