@@ -343,9 +343,9 @@ def replay_answers(
     """Every lookup of ``reader`` answered by ``answers`` (with its facts), with
     the store split into ``shards`` key shards (one: the serial replay);
     ``until_seq`` stops reading after the batch that reaches it. Three
-    stages on their own threads: read, validate and split by shard; fold
-    (compiled, no GIL); and here the answers, so a batch folds while the
-    one before it is being answered."""
+    stages on their own threads: read, validate, split by shard and mix
+    the keys (``key_metas``); fold (compiled, no GIL); and here the
+    answers, so a batch folds while the one before it is being answered."""
     if not 1 <= shards <= MAX_SHARDS:
         raise ReplayError(f"{shards} shards: expected 1 to {MAX_SHARDS}")
     num_groups = reader.config.num_groups
