@@ -341,6 +341,19 @@ def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any
         metas[h] = key_meta(words, s, nw, nb)
 
 
+def key_metas(
+    words: HashWords, into: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """Every hash's ``key_meta`` (``fold_batch``'s ``metas``), in ``into``
+    when it is long enough. They depend on the hashes alone, not on the
+    table: the replay computes them on the reader's thread, ahead of the
+    fold (``replay.engine.shard.scatter``)."""
+    n = words.num_hashes
+    metas = into[:n] if into is not None and into.shape[0] >= n else np.empty(n, dtype=np.uint64)
+    _metas(words.words, words.value_offsets, words.base, words.stride, words.width, metas)
+    return metas
+
+
 @jit(nogil=True)
 def fold_batch(
     slots: Any,
@@ -603,16 +616,20 @@ class KeyTable:
         words: HashWords,
         out: np.ndarray[Any, Any],
         out_offsets: np.ndarray[Any, Any],
+        metas: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
     ) -> None:
         """Fold a batch of rows (``fold_batch``), widening the key words
-        when a store brings a longer hash than any before."""
+        when a store brings a longer hash than any before. ``metas``: the
+        hashes' ``key_metas`` when the caller made them, else made here."""
         n = words.num_hashes
-        if self._metas.shape[0] < n:
-            # Kept from batch to batch: a fresh array each time faulted in
-            # new pages every batch.
-            self._metas = np.empty(max(n, 2 * self._metas.shape[0]), dtype=np.uint64)
-        metas = self._metas[:n]
-        _metas(words.words, words.value_offsets, words.base, words.stride, words.width, metas)
+        if metas is None:
+            if self._metas.shape[0] < n:
+                # Kept from batch to batch: a fresh array each time faulted
+                # in new pages every batch.
+                self._metas = np.empty(max(n, 2 * self._metas.shape[0]), dtype=np.uint64)
+            metas = key_metas(words, self._metas)
+        elif metas.shape[0] != n:
+            raise ValueError(f"{metas.shape[0]} key metas for {n} hashes")
         row, at = 0, 0
         while row >= 0:
             row, at = fold_batch(

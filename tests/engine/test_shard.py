@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ import pytest
 
 from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
-from replay.engine.shard import shard_of
+from replay.engine.kernels import key_meta
+from replay.engine.shard import ShardFold, scatter, shard_of
+from replay.format.hashwords import hash_words
+from replay.format.tracedir import open_trace
 from replay.format.writer import TraceWriter, write_trace
 from tests.builders import random_config, random_rows, replay_sharded, replay_trace, seeds
 from tests.conftest import run_cli
@@ -82,6 +86,34 @@ def test_sharded_replay_is_the_serial_replay(tmp_path: Path, seed: int) -> None:
         for r in got:
             assert r.results.equals(want[r.policy, r.cache]), (shards, r.policy, r.cache)
             assert r.events == len(rows)
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_metas_made_on_the_reader_thread_fold_the_same_bytes(tmp_path: Path, seed: int) -> None:
+    """The serial replay makes each piece's key metas in ``scatter`` (on the
+    reader's thread): they are each hash's ``key_meta``, and a fold handed
+    them writes the presence bytes a fold making its own writes, on hashes
+    of mixed widths (8, 13, 16 and 32 bytes, some sharing their first 8)."""
+    rng = random.Random(seed)
+    config = random_config(rng)
+    rows = widen(random_rows(rng, config, n_requests=30), rng)
+    with TraceWriter(tmp_path / "t.parquet", config) as w:
+        for j in range(0, len(rows), 7):  # several batches: state carries over
+            w.write_rows(rows[j : j + 7])
+    ahead, own = ShardFold(config.num_groups), ShardFold(config.num_groups)
+    lookups = 0
+    for batch in open_trace(tmp_path / "t.parquet").iter_batches(batch_size=7):
+        (piece,), lb = scatter(batch, 1, metas=True)
+        words = hash_words(piece.hashes)
+        start, nbytes = words.word_offsets, words.nbytes
+        want = [
+            int(key_meta(words.words, start[h], (nbytes[h] + 7) // 8, nbytes[h]))
+            for h in range(words.num_hashes)
+        ]
+        assert piece.metas is not None and piece.metas.tolist() == want
+        assert ahead.fold(piece).tolist() == own.fold(replace(piece, metas=None)).tolist()
+        lookups += len(lb.units)
+    assert lookups == sum(r["kind"] == "lookup" for r in rows) > 0
 
 
 def test_shards_spread_whole_hashes_not_prefixes() -> None:
