@@ -257,46 +257,53 @@ class Watch:
             order = [a for same in by_variant.values() for a in same]
             frames = [live_results([a.answers for a in same]) for same in by_variant.values()]
             results = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
-            if len(order) == 1:
-                self._verdicts(order[0], add_flags(results, config))
-                continue
-            engine = np.repeat(
-                np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
-            )
-            judged = add_flags(results.with_columns(pl.Series(_ENGINE, engine)), config)
-            parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
-            for i, a in enumerate(order):
-                self._verdicts(a, parts[(i,)])
+            if len(order) > 1:
+                engine = np.repeat(
+                    np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
+                )
+                results = results.with_columns(pl.Series(_ENGINE, engine))
+            self._verdicts(order, add_flags(results, config))
 
-    def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
-        ew, arrivals, where = answered.ew, answered.arrivals, answered.where
-        assert ew.fold is not None and ew.feed.config is not None
+    def _verdicts(self, order: list[Answered], judged: pl.DataFrame) -> None:
+        """Count the verdicts of ``judged``: the lookups of the engines of
+        ``order``, each one's in turn (the ``_ENGINE`` column numbers them
+        when there are several), their sums in one polars call, not one an
+        engine (a fleet's turn brings a small batch from each)."""
         now = time.time()
+        sizes = [a.answers.lookups for a in order]
+        if len(order) == 1:
+            sums = [judged.select(_VERDICT_SUMS).row(0)]
+        else:
+            per = judged.group_by(_ENGINE).agg(_VERDICT_SUMS).sort(_ENGINE)
+            sums = [row[1:] for row in per.iter_rows()]
         # From when the engine made the lookup (its ``ts``) or, when that
         # clock is ahead of ours, from when its message arrived here: so the
         # time a backlog waits in the sockets counts.
-        stamped = judged["ts"].dt.epoch("us").to_list()
-        lags = [
-            max(0.0, now - min(a, t / 1e6 if t is not None else a))
-            for a, t in zip(arrivals, stamped, strict=True)
-        ]
-        c = ew.counts
-        c.lags.extend(lags)
-        if self.metrics is not None:
-            self.metrics.observe_lags(ew.name, lags)
-        c.lookups += judged.height
-        # One select for every sum (polars' fixed cost is per call, and a
-        # fleet's engines each bring a small batch a turn).
-        prompt, hit, observed, mismatch, over, flagged_rows = judged.select(_VERDICT_SUMS).row(0)
-        c.prompt_tokens += int(prompt or 0)
-        c.hit_tokens += int(hit or 0)
-        c.observed_hit_tokens += int(observed or 0)
-        c.observed_mismatch += int(mismatch or 0)
-        c.observed_over += int(over or 0)
-        if not flagged_rows:
+        stamped = judged["ts"].dt.epoch("us").to_numpy().astype(np.float64) / 1e6
+        at = 0
+        for answered, n, (prompt, hit, observed, mismatch, over, _flagged) in zip(
+            order, sizes, sums, strict=True
+        ):
+            ew = answered.ew
+            arrivals = np.asarray(answered.arrivals, dtype=np.float64)
+            lags = np.maximum(0.0, now - np.fmin(arrivals, stamped[at : at + n])).tolist()
+            at += n
+            c = ew.counts
+            c.lags.extend(lags)
+            if self.metrics is not None:
+                self.metrics.observe_lags(ew.name, lags)
+            c.lookups += n
+            c.prompt_tokens += int(prompt or 0)
+            c.hit_tokens += int(hit or 0)
+            c.observed_hit_tokens += int(observed or 0)
+            c.observed_mismatch += int(mismatch or 0)
+            c.observed_over += int(over or 0)
+        if not any(row[-1] for row in sums):
             return
-        flagged = judged.filter(pl.col("flags").list.len() > 0)
-        for row in flagged.iter_rows(named=True):
+        flagged_rows = judged.filter(pl.col("flags").list.len() > 0)
+        for row in flagged_rows.iter_rows(named=True):
+            answered = order[row.get(_ENGINE) or 0]
+            ew, c = answered.ew, answered.ew.counts
             names = by_severity(row["flags"])
             for name in names:
                 c.flags[(name, severity(name))] += 1
@@ -304,7 +311,7 @@ class Watch:
             c.flagged_lookups += 1
             c.flagged_by_severity[worst] += 1
             if self._flags_fh is not None:
-                self._flag_line(ew, row, names, where.get(int(row["seq"])))
+                self._flag_line(ew, row, names, answered.where.get(int(row["seq"])))
 
     def _flag_line(
         self,
