@@ -4,6 +4,7 @@ needed. ``tests/vllm/test_watch_vllm.py`` runs vLLM's real scheduler."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from replay.engine.run import replay
 from replay.format.tracedir import open_trace
 from replay.sources.live import EngineEndpoints
 from replay.watch import Metrics, Watch, WatchOptions, WatchSummary
+from replay.watch._service import GC_THRESHOLDS
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
 from tests.kvpayloads import plugin_lookup as lookup
 from tests.sources.test_record_zmq import Publisher, Step, free_port
@@ -127,6 +129,7 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 segment_seconds=None,
                 segment_events=3,
             )
+            thresholds = gc.get_threshold()
             with Running(opts) as running:
                 assert pub.done.wait(TIMEOUT)
                 time.sleep(0.5)  # the lookup subscription is up
@@ -135,6 +138,9 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 wait_for(lambda: flags_out.exists() and flags_out.read_text(), "a flag line")
                 # The flagged lookup is out while the watch still runs.
                 assert running.thread.is_alive()
+                # Collected seldom while it runs, as the caller had it after.
+                assert gc.get_threshold() == GC_THRESHOLDS
+                assert gc.get_freeze_count() > 0
                 wait_for(
                     lambda: (
                         scrape(metrics_port).get('replay_watch_lookups_total{engine="rank0"}') == 2
@@ -145,6 +151,7 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 summary = running.finish()
     finally:
         sink.close()
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (thresholds, 0)
     rank0 = summary.engines["rank0"]
     assert rank0["lookups"] == 2
     assert rank0["hit_tokens"] == 32 + 16  # the second: block 2 was removed
@@ -435,6 +442,10 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
             ew.feed.close()
         service.ctx.destroy(linger=0)
     a, c, b = (ew.counts for ew in engines)
+    # Each engine's lag, of its own lookup (the engine's ``ts``, T0, is ahead
+    # of this clock: from its arrival, moments ago).
+    for counts in (a, b, c):
+        assert len(counts.lags) == 1 and 0 <= counts.lags[0] < TIMEOUT
     for counts in (a, c):
         assert (counts.lookups, counts.hit_tokens, counts.observed_mismatch) == (1, 32, 1)
         assert counts.observed_over == 1
