@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from itertools import chain, islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,6 +53,8 @@ from replay.watch._rolling import RollingTrace
 
 #: How often the counters behind the metrics are brought up to date.
 REFRESH_SECONDS = 0.5
+#: The status line's lag percentiles: over at most this many latest lags.
+STATUS_LAGS = 100_000
 #: The cyclic collector's thresholds while a watch runs (``_quiet_gc``).
 GC_THRESHOLDS = (100_000, 50, 1000)
 
@@ -364,12 +367,17 @@ class Watch:
         gaps = sum(ew.counts.gaps for ew in self.engines)
         restarts = sum(ew.counts.restarts for ew in self.engines)
         drops = sum(ew.counts.dropped_connections for ew in self.engines)
-        lags = [lag for ew in self.engines for lag in list(ew.counts.lags)[-1000:]]
+        # Each engine's latest lags (read from the end: a window holds
+        # LAG_WINDOW), at most STATUS_LAGS of them in all: a copy of every
+        # window was most of a second a status line at 1,000 engines.
+        recent = max(1, min(1000, STATUS_LAGS // max(1, len(self.engines))))
+        latest = (islice(reversed(ew.counts.lags), recent) for ew in self.engines)
+        lags = np.fromiter(chain.from_iterable(latest), np.float64)
         lag = "lag -"
-        if lags:
-            lags.sort()
-            p50 = lags[len(lags) // 2]
-            p99 = lags[min(len(lags) - 1, math.ceil(0.99 * len(lags)) - 1)]
+        if lags.shape[0]:
+            n = lags.shape[0]
+            at50, at99 = n // 2, min(n - 1, math.ceil(0.99 * n) - 1)
+            p50, p99 = np.partition(lags, (at50, at99))[[at50, at99]].tolist()
             lag = f"lag p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms"
         heard = sum(ew.fold is not None for ew in self.engines)
         return (

@@ -551,3 +551,29 @@ def test_metrics_without_prometheus_client_say_what_to_install(
         "--metrics needs prometheus_client, which is not installed: "
         "pip install 'cache-trace-replay[watch]'"
     )
+
+
+def test_the_status_line_reads_each_engines_latest_lags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status line's lag percentiles are of each engine's latest lags,
+    at most STATUS_LAGS in all (every window copied was most of a second a
+    line at 1,000 engines): two engines, two lags each; ``a``'s older 9 s
+    ones do not count."""
+    from typing import cast
+
+    from replay.watch import _service
+    from replay.watch._service import EngineWatch
+
+    monkeypatch.setattr(_service, "STATUS_LAGS", 4)
+    service = Watch(
+        WatchOptions(engines=(EngineEndpoints(name="x", kv="tcp://127.0.0.1:1", lookups="tcp://127.0.0.1:2"),)),
+        report=lambda _: None,
+    )  # fmt: skip
+    try:
+        for lags in ([9.0, 9.0, 0.010, 0.020], [0.030, 0.040]):
+            ew = EngineWatch(cast(Any, None))
+            ew.counts.lags.extend(lags)
+            service.engines.append(ew)
+        line = service._status_line({}, 1.0)
+    finally:
+        service.ctx.destroy(linger=0)
+    assert "lag p50 30 ms p99 40 ms" in line, line
