@@ -45,7 +45,7 @@ from replay.engine.answers import Variant
 from replay.engine.live import LiveAnswers, LiveFold, live_results
 from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
-from replay.sources.live import EngineEndpoints, EngineFeed, Released
+from replay.sources.live import EngineEndpoints, EngineFeed, Released, drain_feeds
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
 from replay.watch._metrics import Metrics
@@ -53,6 +53,13 @@ from replay.watch._rolling import RollingTrace
 
 #: How often the counters behind the metrics are brought up to date.
 REFRESH_SECONDS = 0.5
+#: How often every engine's connections are asked whether they dropped.
+DROPS_SECONDS = 0.2
+#: ZMQ sockets and open files one engine takes (its KV and lookup SUB
+#: sockets, each watched by a monitor pair, a replay DEALER; each socket's
+#: signal, the connections): about 6 files measured, 7 sockets.
+SOCKETS_PER_ENGINE = 8
+FILES_PER_ENGINE = 8
 #: The status line's lag percentiles: over at most this many latest lags.
 STATUS_LAGS = 100_000
 #: The cyclic collector's thresholds while a watch runs (``_quiet_gc``).
@@ -173,6 +180,9 @@ class Watch:
         self.report = report
         self.status = status
         self.ctx: zmq.Context[Any] = zmq.Context()
+        # ZMQ's default of 1,023 sockets a context held about 150 engines.
+        sockets = SOCKETS_PER_ENGINE * len(options.engines) + 16
+        self.ctx.set(zmq.MAX_SOCKETS, max(self.ctx.get(zmq.MAX_SOCKETS), sockets))
         self.engines: list[EngineWatch] = []
         self.metrics: Metrics | None = None
         self._flags_fh: IO[str] | None = None
@@ -434,7 +444,7 @@ class Watch:
                     poller.register(sock, zmq.POLLIN)
                     by_socket.setdefault(sock, []).append(ew)
             deadline = None if opts.duration is None else time.monotonic() + opts.duration
-            last_status = last_refresh = time.monotonic()
+            last_status = last_refresh = last_drops = time.monotonic()
             status_state: dict[str, int] = {}
             try:
                 while True:
@@ -449,12 +459,18 @@ class Watch:
                             break
                         wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
                     ready = dict(poller.poll(wait_ms))
-                    for ew in self.engines:
-                        if any(s in ready for s in ew.feed.sockets):
-                            self._judge(ew, ew.feed.take(ready))
-                        # A dropped connection (an oversized message, a publisher
-                        # gone): said, counted, and a new socket takes over.
-                        self._judge(ew, ew.feed.check_drops(poller))
+                    if ready:
+                        for ew in self.engines:
+                            if any(s in ready for s in ew.feed.sockets):
+                                self._judge(ew, ew.feed.take(ready))
+                    # A dropped connection (an oversized message, a publisher
+                    # gone): said, counted, and a new socket takes over. Asked
+                    # of every engine's monitors a few times a second, not
+                    # each turn (at 1,000 engines, most of an idle watch's CPU).
+                    if time.monotonic() - last_drops >= DROPS_SECONDS:
+                        for ew in self.engines:
+                            self._judge(ew, ew.feed.check_drops(poller))
+                        last_drops = time.monotonic()
                     self._judge_answered()
                     for ew in self.engines:
                         if ew.trace is not None:
@@ -470,8 +486,12 @@ class Watch:
                         last_status = now
             except KeyboardInterrupt:
                 reason = "signal"
+            by_feed = {id(ew.feed): ew for ew in self.engines}
+            for feed, released in drain_feeds([ew.feed for ew in self.engines]):
+                self._judge(by_feed[id(feed)], released)
+                self._judge_answered()
             for ew in self.engines:
-                self._judge(ew, ew.feed.finish())
+                self._judge(ew, ew.feed.finish(drain=False))
                 self._judge_answered()
                 self._refresh(ew)
                 if ew.trace is not None:
@@ -554,6 +574,25 @@ def _quiet_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _open_files(engines: int) -> None:
+    """Raise this process's limit of open files (up to its hard limit) to
+    what ``engines`` engines take (each about FILES_PER_ENGINE: its sockets'
+    signals and connections), or say in one line that it cannot."""
+    import resource
+
+    need = FILES_PER_ENGINE * engines + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ReplayError(
+            f"{engines:,} --engine need about {need:,} open files, above this process's "
+            f"hard limit of {hard:,} (`ulimit -Hn`): raise it, or split the engines over "
+            "several watches"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def _shell(text: str) -> str:
     """``text`` as one shell word."""
     import shlex
@@ -571,4 +610,5 @@ def watch(
     """Watch until ``stop`` (or ``options.duration``); the counts."""
     if options.flags_out is not None and os.path.lexists(options.flags_out):
         raise ReplayError(f"--flags-out {options.flags_out}: already exists (not overwritten)")
+    _open_files(len(options.engines))
     return Watch(options, stop=stop, report=report, status=status).run()

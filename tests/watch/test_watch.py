@@ -577,3 +577,22 @@ def test_the_status_line_reads_each_engines_latest_lags(monkeypatch: pytest.Monk
     finally:
         service.ctx.destroy(linger=0)
     assert "lag p50 30 ms p99 40 ms" in line, line
+
+
+def test_a_fleet_of_silent_engines_starts_and_stops_at_once() -> None:
+    """200 engines (ZMQ's default of 1,023 sockets a context held about
+    150): the watch starts, and stops without waiting for each engine's
+    sockets to be quiet in turn (200 ms each, 40 s here)."""
+    from replay.watch import watch
+
+    engines = tuple(
+        EngineEndpoints(name=f"e{i}", kv=f"tcp://127.0.0.1:{free_port()}",
+                        lookups=f"tcp://127.0.0.1:{free_port()}")
+        for i in range(200)
+    )  # fmt: skip
+    started = time.monotonic()
+    summary = watch(WatchOptions(engines=engines, duration=0.5), report=lambda _: None)
+    assert time.monotonic() - started < TIMEOUT
+    assert summary.stop_reason == "duration"
+    assert sorted(summary.engines) == sorted(e.name for e in engines)
+    assert all(e["lookups"] == 0 and e["gaps"] == 0 for e in summary.engines.values())
