@@ -596,3 +596,31 @@ def test_a_fleet_of_silent_engines_starts_and_stops_at_once() -> None:
     assert summary.stop_reason == "duration"
     assert sorted(summary.engines) == sorted(e.name for e in engines)
     assert all(e["lookups"] == 0 and e["gaps"] == 0 for e in summary.engines.values())
+
+
+def test_engines_beyond_the_open_files_hard_limit_are_one_line() -> None:
+    """100 engines take about 1,056 open files: under a hard limit of 512
+    the watch says so in one line, exit 2, before it opens a socket."""
+    engines = [
+        a
+        for i in range(100)
+        for a in (
+            "--engine",
+            f"kv=tcp://127.0.0.1:{40000 + 2 * i},lookups=tcp://127.0.0.1:{40001 + 2 * i}",
+        )
+    ]
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "replay", "watch", *engines, "--duration", "1"],
+        capture_output=True, text=True, timeout=60, preexec_fn=low_limit,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "error: 100 --engine need about 1,056 open files, above this process's hard limit "
+        "of 512 (`ulimit -Hn`): raise it, or split the engines over several watches\n"
+    )
