@@ -9,6 +9,7 @@ exactly, is ``replay.sources.plugin_log``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import os
@@ -121,13 +122,19 @@ def _hex_hashes(raw: list[Any]) -> PackedHashes | None:
     return PackedHashes(data, k)
 
 
-def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
+@functools.cache
+def _token_limit() -> int:
+    # Imported once, when first asked: this module does not load polars.
     from replay.format.validate import TOKEN_LIMIT
 
+    return TOKEN_LIMIT
+
+
+def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
     value = obj.get(name)
     if value is None:
         return None
-    if not is_int(value) or not 0 <= value <= TOKEN_LIMIT:
+    if not is_int(value) or not 0 <= value <= _token_limit():
         raise ValueError(
             f"field {name!r}: expected an integer in 0..2**48, got {one_line(repr(value))[:40]}"
         )

@@ -18,14 +18,18 @@ per lookup once it is judged.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from itertools import chain, islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,7 +45,7 @@ from replay.engine.answers import Variant
 from replay.engine.live import LiveAnswers, LiveFold, live_results
 from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
-from replay.sources.live import EngineEndpoints, EngineFeed, Released
+from replay.sources.live import EngineEndpoints, EngineFeed, Released, drain_feeds
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
 from replay.watch._metrics import Metrics
@@ -49,6 +53,17 @@ from replay.watch._rolling import RollingTrace
 
 #: How often the counters behind the metrics are brought up to date.
 REFRESH_SECONDS = 0.5
+#: How often every engine's connections are asked whether they dropped.
+DROPS_SECONDS = 0.2
+#: ZMQ sockets and open files one engine takes (its KV and lookup SUB
+#: sockets, each watched by a monitor pair, a replay DEALER; each socket's
+#: signal, the connections): about 6 files measured, 7 sockets.
+SOCKETS_PER_ENGINE = 8
+FILES_PER_ENGINE = 8
+#: The status line's lag percentiles: over at most this many latest lags.
+STATUS_LAGS = 100_000
+#: The cyclic collector's thresholds while a watch runs (``_quiet_gc``).
+GC_THRESHOLDS = (100_000, 50, 1000)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +180,9 @@ class Watch:
         self.report = report
         self.status = status
         self.ctx: zmq.Context[Any] = zmq.Context()
+        # ZMQ's default of 1,023 sockets a context held about 150 engines.
+        sockets = SOCKETS_PER_ENGINE * len(options.engines) + 16
+        self.ctx.set(zmq.MAX_SOCKETS, max(self.ctx.get(zmq.MAX_SOCKETS), sockets))
         self.engines: list[EngineWatch] = []
         self.metrics: Metrics | None = None
         self._flags_fh: IO[str] | None = None
@@ -252,46 +270,53 @@ class Watch:
             order = [a for same in by_variant.values() for a in same]
             frames = [live_results([a.answers for a in same]) for same in by_variant.values()]
             results = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
-            if len(order) == 1:
-                self._verdicts(order[0], add_flags(results, config))
-                continue
-            engine = np.repeat(
-                np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
-            )
-            judged = add_flags(results.with_columns(pl.Series(_ENGINE, engine)), config)
-            parts = judged.partition_by(_ENGINE, as_dict=True, include_key=False)
-            for i, a in enumerate(order):
-                self._verdicts(a, parts[(i,)])
+            if len(order) > 1:
+                engine = np.repeat(
+                    np.arange(len(order), dtype=np.int32), [a.answers.lookups for a in order]
+                )
+                results = results.with_columns(pl.Series(_ENGINE, engine))
+            self._verdicts(order, add_flags(results, config))
 
-    def _verdicts(self, answered: Answered, judged: pl.DataFrame) -> None:
-        ew, arrivals, where = answered.ew, answered.arrivals, answered.where
-        assert ew.fold is not None and ew.feed.config is not None
+    def _verdicts(self, order: list[Answered], judged: pl.DataFrame) -> None:
+        """Count the verdicts of ``judged``: the lookups of the engines of
+        ``order``, each one's in turn (the ``_ENGINE`` column numbers them
+        when there are several), their sums in one polars call, not one an
+        engine (a fleet's turn brings a small batch from each)."""
         now = time.time()
+        sizes = [a.answers.lookups for a in order]
+        if len(order) == 1:
+            sums = [judged.select(_VERDICT_SUMS).row(0)]
+        else:
+            per = judged.group_by(_ENGINE).agg(_VERDICT_SUMS).sort(_ENGINE)
+            sums = [row[1:] for row in per.iter_rows()]
         # From when the engine made the lookup (its ``ts``) or, when that
         # clock is ahead of ours, from when its message arrived here: so the
         # time a backlog waits in the sockets counts.
-        stamped = judged["ts"].dt.epoch("us").to_list()
-        lags = [
-            max(0.0, now - min(a, t / 1e6 if t is not None else a))
-            for a, t in zip(arrivals, stamped, strict=True)
-        ]
-        c = ew.counts
-        c.lags.extend(lags)
-        if self.metrics is not None:
-            self.metrics.observe_lags(ew.name, lags)
-        c.lookups += judged.height
-        # One select for every sum (polars' fixed cost is per call, and a
-        # fleet's engines each bring a small batch a turn).
-        prompt, hit, observed, mismatch, over, flagged_rows = judged.select(_VERDICT_SUMS).row(0)
-        c.prompt_tokens += int(prompt or 0)
-        c.hit_tokens += int(hit or 0)
-        c.observed_hit_tokens += int(observed or 0)
-        c.observed_mismatch += int(mismatch or 0)
-        c.observed_over += int(over or 0)
-        if not flagged_rows:
+        stamped = judged["ts"].dt.epoch("us").to_numpy().astype(np.float64) / 1e6
+        at = 0
+        for answered, n, (prompt, hit, observed, mismatch, over, _flagged) in zip(
+            order, sizes, sums, strict=True
+        ):
+            ew = answered.ew
+            arrivals = np.asarray(answered.arrivals, dtype=np.float64)
+            lags = np.maximum(0.0, now - np.fmin(arrivals, stamped[at : at + n])).tolist()
+            at += n
+            c = ew.counts
+            c.lags.extend(lags)
+            if self.metrics is not None:
+                self.metrics.observe_lags(ew.name, lags)
+            c.lookups += n
+            c.prompt_tokens += int(prompt or 0)
+            c.hit_tokens += int(hit or 0)
+            c.observed_hit_tokens += int(observed or 0)
+            c.observed_mismatch += int(mismatch or 0)
+            c.observed_over += int(over or 0)
+        if not any(row[-1] for row in sums):
             return
-        flagged = judged.filter(pl.col("flags").list.len() > 0)
-        for row in flagged.iter_rows(named=True):
+        flagged_rows = judged.filter(pl.col("flags").list.len() > 0)
+        for row in flagged_rows.iter_rows(named=True):
+            answered = order[row.get(_ENGINE) or 0]
+            ew, c = answered.ew, answered.ew.counts
             names = by_severity(row["flags"])
             for name in names:
                 c.flags[(name, severity(name))] += 1
@@ -299,7 +324,7 @@ class Watch:
             c.flagged_lookups += 1
             c.flagged_by_severity[worst] += 1
             if self._flags_fh is not None:
-                self._flag_line(ew, row, names, where.get(int(row["seq"])))
+                self._flag_line(ew, row, names, answered.where.get(int(row["seq"])))
 
     def _flag_line(
         self,
@@ -352,12 +377,17 @@ class Watch:
         gaps = sum(ew.counts.gaps for ew in self.engines)
         restarts = sum(ew.counts.restarts for ew in self.engines)
         drops = sum(ew.counts.dropped_connections for ew in self.engines)
-        lags = [lag for ew in self.engines for lag in list(ew.counts.lags)[-1000:]]
+        # Each engine's latest lags (read from the end: a window holds
+        # LAG_WINDOW), at most STATUS_LAGS of them in all: a copy of every
+        # window was most of a second a status line at 1,000 engines.
+        recent = max(1, min(1000, STATUS_LAGS // max(1, len(self.engines))))
+        latest = (islice(reversed(ew.counts.lags), recent) for ew in self.engines)
+        lags = np.fromiter(chain.from_iterable(latest), np.float64)
         lag = "lag -"
-        if lags:
-            lags.sort()
-            p50 = lags[len(lags) // 2]
-            p99 = lags[min(len(lags) - 1, math.ceil(0.99 * len(lags)) - 1)]
+        if lags.shape[0]:
+            n = lags.shape[0]
+            at50, at99 = n // 2, min(n - 1, math.ceil(0.99 * n) - 1)
+            p50, p99 = np.partition(lags, (at50, at99))[[at50, at99]].tolist()
             lag = f"lag p50 {p50 * 1000:.0f} ms p99 {p99 * 1000:.0f} ms"
         heard = sum(ew.fold is not None for ew in self.engines)
         return (
@@ -385,11 +415,13 @@ class Watch:
     def run(self) -> WatchSummary:
         opts = self.options
         reason = "stopped"
+        stack = contextlib.ExitStack()
         try:
             # Before the first engine speaks (and before the metrics say the
             # watch is up): the compiled fold loaded, polars warm, so the
             # first verdicts are not late by a start-up.
             _warm_up()
+            stack.enter_context(_quiet_gc())
             if opts.metrics is not None:
                 self.metrics = Metrics(opts.metrics)
                 self.report(f"metrics on http://{opts.metrics}/metrics")
@@ -412,7 +444,7 @@ class Watch:
                     poller.register(sock, zmq.POLLIN)
                     by_socket.setdefault(sock, []).append(ew)
             deadline = None if opts.duration is None else time.monotonic() + opts.duration
-            last_status = last_refresh = time.monotonic()
+            last_status = last_refresh = last_drops = time.monotonic()
             status_state: dict[str, int] = {}
             try:
                 while True:
@@ -427,12 +459,18 @@ class Watch:
                             break
                         wait_ms = max(1, min(wait_ms, math.ceil(left * 1000)))
                     ready = dict(poller.poll(wait_ms))
-                    for ew in self.engines:
-                        if any(s in ready for s in ew.feed.sockets):
-                            self._judge(ew, ew.feed.take(ready))
-                        # A dropped connection (an oversized message, a publisher
-                        # gone): said, counted, and a new socket takes over.
-                        self._judge(ew, ew.feed.check_drops(poller))
+                    if ready:
+                        for ew in self.engines:
+                            if any(s in ready for s in ew.feed.sockets):
+                                self._judge(ew, ew.feed.take(ready))
+                    # A dropped connection (an oversized message, a publisher
+                    # gone): said, counted, and a new socket takes over. Asked
+                    # of every engine's monitors a few times a second, not
+                    # each turn (at 1,000 engines, most of an idle watch's CPU).
+                    if time.monotonic() - last_drops >= DROPS_SECONDS:
+                        for ew in self.engines:
+                            self._judge(ew, ew.feed.check_drops(poller))
+                        last_drops = time.monotonic()
                     self._judge_answered()
                     for ew in self.engines:
                         if ew.trace is not None:
@@ -448,8 +486,12 @@ class Watch:
                         last_status = now
             except KeyboardInterrupt:
                 reason = "signal"
+            by_feed = {id(ew.feed): ew for ew in self.engines}
+            for feed, released in drain_feeds([ew.feed for ew in self.engines]):
+                self._judge(by_feed[id(feed)], released)
+                self._judge_answered()
             for ew in self.engines:
-                self._judge(ew, ew.feed.finish())
+                self._judge(ew, ew.feed.finish(drain=False))
                 self._judge_answered()
                 self._refresh(ew)
                 if ew.trace is not None:
@@ -474,6 +516,7 @@ class Watch:
             if self.metrics is not None:
                 self.metrics.close()
             self.ctx.destroy(linger=0)
+            stack.close()
 
     def _engine_summary(self, ew: EngineWatch) -> dict[str, Any]:
         return {
@@ -512,6 +555,44 @@ def _warm_up() -> None:
     add_flags(frame, config)
 
 
+@contextlib.contextmanager
+def _quiet_gc() -> Iterator[None]:
+    """The cyclic garbage collector, seldom: a watch makes a row, a dict and
+    arrays for every event and lookup of every engine, nearly all freed by
+    their counts at once (cycles are rare), so the default collection every
+    700 new objects, and every full one walking the modules, numba's and
+    polars' objects loaded at start (frozen here), was a tenth of a fleet
+    watch's CPU. Restored when the watch ends (it may run in a caller's
+    process)."""
+    before = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+
+
+def _open_files(engines: int) -> None:
+    """Raise this process's limit of open files (up to its hard limit) to
+    what ``engines`` engines take (each about FILES_PER_ENGINE: its sockets'
+    signals and connections), or say in one line that it cannot."""
+    import resource
+
+    need = FILES_PER_ENGINE * engines + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ReplayError(
+            f"{engines:,} --engine need about {need:,} open files, above this process's "
+            f"hard limit of {hard:,} (`ulimit -Hn`): raise it, or split the engines over "
+            "several watches"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def _shell(text: str) -> str:
     """``text`` as one shell word."""
     import shlex
@@ -529,4 +610,5 @@ def watch(
     """Watch until ``stop`` (or ``options.duration``); the counts."""
     if options.flags_out is not None and os.path.lexists(options.flags_out):
         raise ReplayError(f"--flags-out {options.flags_out}: already exists (not overwritten)")
+    _open_files(len(options.engines))
     return Watch(options, stop=stop, report=report, status=status).run()

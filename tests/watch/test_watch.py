@@ -4,6 +4,7 @@ needed. ``tests/vllm/test_watch_vllm.py`` runs vLLM's real scheduler."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from replay.engine.run import replay
 from replay.format.tracedir import open_trace
 from replay.sources.live import EngineEndpoints
 from replay.watch import Metrics, Watch, WatchOptions, WatchSummary
+from replay.watch._service import GC_THRESHOLDS
 from tests.kvpayloads import T0, one_group, payload, removed, stored, u64
 from tests.kvpayloads import plugin_lookup as lookup
 from tests.sources.test_record_zmq import Publisher, Step, free_port
@@ -127,6 +129,7 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 segment_seconds=None,
                 segment_events=3,
             )
+            thresholds = gc.get_threshold()
             with Running(opts) as running:
                 assert pub.done.wait(TIMEOUT)
                 time.sleep(0.5)  # the lookup subscription is up
@@ -135,6 +138,9 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 wait_for(lambda: flags_out.exists() and flags_out.read_text(), "a flag line")
                 # The flagged lookup is out while the watch still runs.
                 assert running.thread.is_alive()
+                # Collected seldom while it runs, as the caller had it after.
+                assert gc.get_threshold() == GC_THRESHOLDS
+                assert gc.get_freeze_count() > 0
                 wait_for(
                     lambda: (
                         scrape(metrics_port).get('replay_watch_lookups_total{engine="rank0"}') == 2
@@ -145,6 +151,7 @@ def test_every_lookup_is_judged_live_with_metrics_and_flag_lines(tmp_path: Path)
                 summary = running.finish()
     finally:
         sink.close()
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (thresholds, 0)
     rank0 = summary.engines["rank0"]
     assert rank0["lookups"] == 2
     assert rank0["hit_tokens"] == 32 + 16  # the second: block 2 was removed
@@ -435,6 +442,10 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
             ew.feed.close()
         service.ctx.destroy(linger=0)
     a, c, b = (ew.counts for ew in engines)
+    # Each engine's lag, of its own lookup (the engine's ``ts``, T0, is ahead
+    # of this clock: from its arrival, moments ago).
+    for counts in (a, b, c):
+        assert len(counts.lags) == 1 and 0 <= counts.lags[0] < TIMEOUT
     for counts in (a, c):
         assert (counts.lookups, counts.hit_tokens, counts.observed_mismatch) == (1, 32, 1)
         assert counts.observed_over == 1
@@ -539,4 +550,77 @@ def test_metrics_without_prometheus_client_say_what_to_install(
     assert str(exc.value) == (
         "--metrics needs prometheus_client, which is not installed: "
         "pip install 'cache-trace-replay[watch]'"
+    )
+
+
+def test_the_status_line_reads_each_engines_latest_lags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status line's lag percentiles are of each engine's latest lags,
+    at most STATUS_LAGS in all (every window copied was most of a second a
+    line at 1,000 engines): two engines, two lags each; ``a``'s older 9 s
+    ones do not count."""
+    from typing import cast
+
+    from replay.watch import _service
+    from replay.watch._service import EngineWatch
+
+    monkeypatch.setattr(_service, "STATUS_LAGS", 4)
+    service = Watch(
+        WatchOptions(engines=(EngineEndpoints(name="x", kv="tcp://127.0.0.1:1", lookups="tcp://127.0.0.1:2"),)),
+        report=lambda _: None,
+    )  # fmt: skip
+    try:
+        for lags in ([9.0, 9.0, 0.010, 0.020], [0.030, 0.040]):
+            ew = EngineWatch(cast(Any, None))
+            ew.counts.lags.extend(lags)
+            service.engines.append(ew)
+        line = service._status_line({}, 1.0)
+    finally:
+        service.ctx.destroy(linger=0)
+    assert "lag p50 30 ms p99 40 ms" in line, line
+
+
+def test_a_fleet_of_silent_engines_starts_and_stops_at_once() -> None:
+    """200 engines (ZMQ's default of 1,023 sockets a context held about
+    150): the watch starts, and stops without waiting for each engine's
+    sockets to be quiet in turn (200 ms each, 40 s here)."""
+    from replay.watch import watch
+
+    engines = tuple(
+        EngineEndpoints(name=f"e{i}", kv=f"tcp://127.0.0.1:{free_port()}",
+                        lookups=f"tcp://127.0.0.1:{free_port()}")
+        for i in range(200)
+    )  # fmt: skip
+    started = time.monotonic()
+    summary = watch(WatchOptions(engines=engines, duration=0.5), report=lambda _: None)
+    assert time.monotonic() - started < TIMEOUT
+    assert summary.stop_reason == "duration"
+    assert sorted(summary.engines) == sorted(e.name for e in engines)
+    assert all(e["lookups"] == 0 and e["gaps"] == 0 for e in summary.engines.values())
+
+
+def test_engines_beyond_the_open_files_hard_limit_are_one_line() -> None:
+    """100 engines take about 1,056 open files: under a hard limit of 512
+    the watch says so in one line, exit 2, before it opens a socket."""
+    engines = [
+        a
+        for i in range(100)
+        for a in (
+            "--engine",
+            f"kv=tcp://127.0.0.1:{40000 + 2 * i},lookups=tcp://127.0.0.1:{40001 + 2 * i}",
+        )
+    ]
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "replay", "watch", *engines, "--duration", "1"],
+        capture_output=True, text=True, timeout=60, preexec_fn=low_limit,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "error: 100 --engine need about 1,056 open files, above this process's hard limit "
+        "of 512 (`ulimit -Hn`): raise it, or split the engines over several watches\n"
     )
