@@ -79,7 +79,7 @@ def group_label(config: TraceConfig, gid: int) -> str:
     return f"{gid}: {g.kind.value} block={g.block_size}{extra}{eagle}{name}"
 
 
-def _eagle(summary: dict[str, Any]) -> str:
+def _eagle(summary: Mapping[str, Any]) -> str:
     lookahead = summary.get("lookahead_tokens") or 0
     if not summary["eagle"]:
         return "off"

@@ -65,7 +65,8 @@ def checkpoint(params: Any, n: int, alignment: int) -> int:
     with EAGLE's drop."""
     if params[P_ANY_EAGLE]:
         return max(n // alignment * alignment - alignment, 0)
-    return max((n - max(1, params[P_LOOKAHEAD])) // alignment * alignment, 0)
+    lookahead: int = params[P_LOOKAHEAD]
+    return max((n - max(1, lookahead)) // alignment * alignment, 0)
 
 
 @jit(nogil=True)
@@ -153,7 +154,7 @@ def stores(
                     and tokens == tail
                     and tail % bs == 0
                     and tail > hit
-                    and (tail == prev or tail == end)
+                    and tail in (prev, end)
                 ):
                     stored[g, tail // bs - 1] = stamp
                 prev = end

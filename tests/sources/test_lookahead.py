@@ -102,7 +102,8 @@ def test_ingest_keys_a_unit_by_the_tokens_its_lookahead_reads(
     two prompts share one unit less, and each carries the units of its
     tokens less the lookahead."""
     out = tmp_path / "t.parquet"
-    args = ["ingest", "mooncake", _mooncake_rows(tmp_path), "-o", out, "--block-size", "16"]
+    args: list[str | Path] = ["ingest", "mooncake", _mooncake_rows(tmp_path), "-o", out]
+    args += ["--block-size", "16"]
     args += ["--eagle", "--lookahead-tokens", str(lookahead), "--vllm", "0.34.0"]
     result = run_cli(args)
     assert result.exit_code == 0, result.stderr
