@@ -3,17 +3,65 @@ summary, the tests) that the Prometheus exporter mirrors."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from replay.analysis.flags import by_severity, severity
 
 #: Lags kept for the status line's and the summary's percentiles (the
 #: Prometheus histogram keeps the whole distribution in buckets).
 LAG_WINDOW = 100_000
+
+
+class LagWindow:
+    """One engine's latest lags in seconds, at most ``size`` of them: a ring
+    of float64 (8 bytes a lag; a deque of Python floats took 32, 3.2 MB an
+    engine once full, so a fleet's windows outgrew its stores), allocated at
+    the first lag and touched only as it fills."""
+
+    __slots__ = ("_len", "_next", "_ring", "size")
+
+    def __init__(self, size: int = LAG_WINDOW) -> None:
+        self.size = size
+        self._ring: npt.NDArray[np.float64] | None = None
+        self._next = 0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def extend(self, lags: Sequence[float] | npt.NDArray[np.float64]) -> None:
+        new = np.asarray(lags, dtype=np.float64)[-self.size :]
+        n = new.shape[0]
+        if not n:
+            return
+        if self._ring is None:
+            self._ring = np.empty(self.size, dtype=np.float64)
+        ring, at = self._ring, self._next
+        first = min(n, self.size - at)
+        ring[at : at + first] = new[:first]
+        ring[: n - first] = new[first:]
+        self._next = (at + n) % self.size
+        self._len = min(self.size, self._len + n)
+
+    def latest(self, count: int) -> npt.NDArray[np.float64]:
+        """The newest ``count`` lags (fewer when it holds fewer), oldest first."""
+        count = min(count, self._len)
+        if self._ring is None or count <= 0:
+            return np.empty(0, dtype=np.float64)
+        start = self._next - count
+        if start >= 0:
+            return self._ring[start : self._next].copy()
+        return np.concatenate((self._ring[start:], self._ring[: self._next]))
+
+    def values(self) -> npt.NDArray[np.float64]:
+        """Every lag held, oldest first."""
+        return self.latest(self._len)
 
 
 @dataclass(slots=True)
@@ -44,12 +92,12 @@ class EngineCounts:
     #: publisher went away) and made again.
     dropped_connections: int = 0
     store_keys: int = 0
-    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
+    lags: LagWindow = field(default_factory=LagWindow)
 
     def lag_percentiles(self) -> tuple[float | None, float | None]:
-        if not self.lags:
+        if not len(self.lags):
             return None, None
-        p50, p99 = np.percentile(np.fromiter(self.lags, float, len(self.lags)), [50, 99])
+        p50, p99 = np.percentile(self.lags.values(), [50, 99])
         return float(p50), float(p99)
 
     def to_json(self) -> dict[str, Any]:

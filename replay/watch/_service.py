@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
-from itertools import chain, islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -299,12 +298,12 @@ class Watch:
         ):
             ew = answered.ew
             arrivals = np.asarray(answered.arrivals, dtype=np.float64)
-            lags = np.maximum(0.0, now - np.fmin(arrivals, stamped[at : at + n])).tolist()
+            lags = np.maximum(0.0, now - np.fmin(arrivals, stamped[at : at + n]))
             at += n
             c = ew.counts
             c.lags.extend(lags)
             if self.metrics is not None:
-                self.metrics.observe_lags(ew.name, lags)
+                self.metrics.observe_lags(ew.name, lags.tolist())
             c.lookups += n
             c.prompt_tokens += int(prompt or 0)
             c.hit_tokens += int(hit or 0)
@@ -381,8 +380,9 @@ class Watch:
         # LAG_WINDOW), at most STATUS_LAGS of them in all: a copy of every
         # window was most of a second a status line at 1,000 engines.
         recent = max(1, min(1000, STATUS_LAGS // max(1, len(self.engines))))
-        latest = (islice(reversed(ew.counts.lags), recent) for ew in self.engines)
-        lags = np.fromiter(chain.from_iterable(latest), np.float64)
+        lags = np.concatenate(
+            [ew.counts.lags.latest(recent) for ew in self.engines] or [np.empty(0)]
+        )
         lag = "lag -"
         if lags.shape[0]:
             n = lags.shape[0]

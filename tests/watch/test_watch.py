@@ -445,7 +445,7 @@ def test_engines_of_one_layout_are_flagged_together_and_counted_apart() -> None:
     # Each engine's lag, of its own lookup (the engine's ``ts``, T0, is ahead
     # of this clock: from its arrival, moments ago).
     for counts in (a, b, c):
-        assert len(counts.lags) == 1 and 0 <= counts.lags[0] < TIMEOUT
+        assert len(counts.lags) == 1 and 0 <= counts.lags.values()[0] < TIMEOUT
     for counts in (a, c):
         assert (counts.lookups, counts.hit_tokens, counts.observed_mismatch) == (1, 32, 1)
         assert counts.observed_over == 1
