@@ -346,7 +346,7 @@ def soak(requests: int = 40_000, capacity: int = 20_000, rate: float = 250.0) ->
         [sys.executable, "-m", "replay", "watch", "--engine",
          f"kv=tcp://127.0.0.1:{kv},lookups=tcp://127.0.0.1:{lk},name=soak",
          "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "30",
-         "-o", str(out / "trace"), "--segment", "5000", "--flags-out", str(out / "flags.jsonl"),
+         "-o", str(out / "trace"), "--segment", "5000events", "--flags-out", str(out / "flags.jsonl"),
          "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -117,27 +117,35 @@ def parse_seconds(text: str, option: str, *, most: int = 366 * 86400) -> float:
 
 
 def parse_segment(text: str, option: str = "--segment") -> tuple[float | None, int | None]:
-    """How often a segmented writer closes a segment: a duration (``60``,
-    ``30s``, ``10m``, ``1h``) or a count of events (``10000events``,
-    ``50k events``). Returns (seconds, None) or (None, events)."""
+    """How often a segmented writer (``replay record -o DIR``, ``replay
+    watch -o DIR``) closes a segment: a duration (``60``, ``30s``, ``10m``,
+    ``1h``; a bare number is seconds) or a count of events (``10000events``,
+    ``50k events``, or a count suffix that is no unit of time: ``100k``,
+    ``1M``, ``2G``; ``m`` is minutes). Returns (seconds, None) or (None,
+    events)."""
     given = text.strip()
     lowered = given.lower()
+    count: str | None = None
     for word in ("events", "event"):
         if lowered.endswith(word):
             count = given[: -len(word)].strip()
-            try:
-                return None, parse_count(count, option, least=1)
-            except ReplayError:
-                break
+            break
     else:
-        try:
-            return parse_seconds(given, option), None
-        except ReplayError:
-            pass
-    raise ReplayError(
-        f"{option} {shown(text)}: expected a duration (60, 30s, 10m, 1h) or a number of "
-        "events (10000events, 50k events)"
-    )
+        m = _NUMBER.fullmatch(given) if len(given) <= _MAX_CHARS else None
+        unit = m.group(3) if m is not None else ""
+        # Counts and durations share "m": lower case is minutes, M millions.
+        minutes = unit.lower() in ("m", "mi") and not unit.startswith("M")
+        if unit and unit.lower() in COUNT_UNITS and not minutes:
+            count = given
+    try:
+        if count is not None:
+            return None, parse_count(count, option, least=1)
+        return parse_seconds(given, option), None
+    except ReplayError:
+        raise ReplayError(
+            f"{option} {shown(text)}: expected a duration (60, 30s, 10m, 1h) or a number of "
+            "events (10000events, 50k events, 100k)"
+        ) from None
 
 
 def parse_seed(text: str, option: str = "--seed") -> int:

@@ -8,30 +8,19 @@ from pathlib import Path
 
 import click
 
-from replay.base.errors import ReplayError
-from replay.base.units import parse_count, parse_seconds
 from replay.cli.common import command, fail
-from replay.cli.options import chosen_policies, count_type, policy_options, seconds_type
+from replay.cli.options import (
+    chosen_policies,
+    count_type,
+    policy_options,
+    seconds_type,
+    segment_type,
+)
 from replay.format.paths import check_outputs
 
 
 def _say(message: str) -> None:
     click.echo(message, err=True)
-
-
-def parse_segment(text: str) -> tuple[float | None, int | None]:
-    """``--segment``: a duration (``10m``, ``1h``, ``30s``) or a number of
-    events (``100k``): (seconds, events)."""
-    given = text.strip()
-    try:
-        if given and given[-1].isalpha() and given[-1] not in "kMGT" and not given.endswith("i"):
-            return parse_seconds(given, "--segment"), None
-        return None, parse_count(given, "--segment", least=1)
-    except ReplayError:
-        raise ReplayError(
-            f"--segment {given!r}: expected a duration (30s, 10m, 1h) or a number of events "
-            "(100k, 1M)"
-        ) from None
 
 
 @command()
@@ -62,10 +51,11 @@ def parse_segment(text: str) -> tuple[float | None, int | None]:
 )
 @click.option(
     "--segment",
+    type=segment_type(),
     default="10m",
     show_default=True,
-    metavar="TIME|EVENTS",
-    help="Close a segment of -o after this long (30s, 10m, 1h) or this many rows (100k).",
+    help="Close a segment of -o after this long (60, 30s, 10m, 1h) or this many events "
+    "(100k, 10000events), as replay record's.",
 )
 @click.option(
     "--flags-out",
@@ -107,7 +97,7 @@ def watch(
     policy: str | None,
     vllm_versions: tuple[str, ...],
     output: Path | None,
-    segment: str,
+    segment: tuple[float | None, int | None],
     flags_out: Path | None,
     metrics: str | None,
     duration: float | None,
@@ -130,7 +120,7 @@ def watch(
     from replay.watch import watch as run_watch
 
     require_extra("replay watch", "zmq", "msgspec")
-    seconds, events = parse_segment(segment)
+    seconds, events = segment
     if policy is not None or vllm_versions:
         # One policy for every engine, by the one rule (--policy, else --vllm's release).
         (policy,) = chosen_policies(None, (policy,) if policy else (), vllm_versions)

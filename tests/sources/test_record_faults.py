@@ -229,12 +229,19 @@ def test_segment_takes_a_duration_or_a_count_of_events() -> None:
     assert parse_segment("10m") == (600.0, None)
     assert parse_segment("50k events") == (None, 50_000)
     assert parse_segment("100events") == (None, 100)
-    with pytest.raises(ReplayError) as info:
-        parse_segment("0events")
-    assert str(info.value) == (
-        "--segment '0events': expected a duration (60, 30s, 10m, 1h) or a number of events "
-        "(10000events, 50k events)"
-    )
+    # A count suffix that is no unit of time is a count of events (the
+    # watch's 100k), and M millions; m stays minutes, a bare number seconds.
+    assert parse_segment("100k") == (None, 100_000)
+    assert parse_segment("1M") == (None, 1_000_000)
+    assert parse_segment("1m") == (60.0, None)
+    assert parse_segment("5000") == (5000.0, None)
+    for bad in ("0events", "soon", "1mi", "-5"):
+        with pytest.raises(ReplayError) as info:
+            parse_segment(bad)
+        assert str(info.value) == (
+            f"--segment '{bad}': expected a duration (60, 30s, 10m, 1h) or a number of events "
+            "(10000events, 50k events, 100k)"
+        )
 
 
 def test_segment_with_a_file_output_is_refused(tmp_path: Path) -> None:

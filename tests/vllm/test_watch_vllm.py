@@ -131,7 +131,7 @@ class Watched:
         )
         command = [
             sys.executable, "-m", "replay", "watch", "--engine", engine,
-            "-o", str(self.tmp / "rolling"), "--segment", "2000",
+            "-o", str(self.tmp / "rolling"), "--segment", "2000events",
             "--flags-out", str(self.flags_out), "--metrics", f"127.0.0.1:{mport}",
             "--status-every", "1", "--json",
         ]  # fmt: skip

@@ -520,7 +520,7 @@ def metrics_up(port: int) -> bool:
     [
         (["--engine", "kv=tcp://127.0.0.1:1"], "--engine 'kv=tcp://127.0.0.1:1': lookups= is required"),
         (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--segment", "soon"],
-         "--segment 'soon': expected a duration (30s, 10m, 1h) or a number of events (100k, 1M)"),
+         "--segment 'soon': expected a duration (60, 30s, 10m, 1h) or a number of events (10000events, 50k events, 100k)"),
         (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2", "--metrics", "nowhere"],
          "--metrics 'nowhere': expected HOST:PORT (a port 0-65535)"),
         (["--engine", "kv=tcp://127.0.0.1:1,lookups=tcp://127.0.0.1:2,name=x",
