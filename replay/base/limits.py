@@ -21,6 +21,10 @@ from typing import IO, AnyStr
 from replay.base.errors import ReplayError
 from replay.base.units import parse_count
 
+#: Token counts above this are refused: sums over millions of lookups
+#: (hit ratios, report totals) must stay inside int64.
+TOKEN_LIMIT = 1 << 48
+
 
 @dataclass(frozen=True, slots=True)
 class Limit:

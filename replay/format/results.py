@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.base.errors import ConfigError, ReplayError, TraceError
+from replay.base.limits import TOKEN_LIMIT
 from replay.base.spec import TraceConfig
 from replay.base.text import readable
 from replay.format.paths import arrow_file
@@ -30,7 +31,7 @@ from replay.format.schema import (
     string_ok,
 )
 from replay.format.trace import check_declared_text, open_parquet
-from replay.format.validate import TOKEN_LIMIT, check_ts, check_utf8, to_polars, utc_ts
+from replay.format.validate import check_ts, check_utf8, to_polars, utc_ts
 from replay.format.writer import atomic_path
 from replay.rules.coordinator import CACHES, DEFAULT_CACHE
 

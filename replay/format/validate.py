@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.base.errors import TraceError
-from replay.base.limits import HASH_BYTES, ROW_HASHES
+from replay.base.limits import HASH_BYTES, ROW_HASHES, TOKEN_LIMIT
 from replay.base.spec import TraceConfig, lookahead_plus
 from replay.format.schema import (
     EMPTY_POLARS,
@@ -21,11 +21,6 @@ from replay.format.schema import (
     one_line,
     string_ok,
 )
-
-#: Token counts above this are refused: sums over millions of lookups
-#: (hit ratios, report totals) must stay inside int64.
-TOKEN_LIMIT = 1 << 48
-
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 

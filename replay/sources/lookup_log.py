@@ -9,7 +9,6 @@ exactly, is ``replay.sources.plugin_log``.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.errors import ReplayError, TraceError
-from replay.base.limits import ROW_HASHES, bounded_lines
+from replay.base.limits import ROW_HASHES, TOKEN_LIMIT, bounded_lines
 from replay.base.spec import TraceConfig, lookahead_plus
 from replay.format.hashwords import PackedHashes
 from replay.sources.values import (
@@ -122,19 +121,11 @@ def _hex_hashes(raw: list[Any]) -> PackedHashes | None:
     return PackedHashes(data, k)
 
 
-@functools.cache
-def _token_limit() -> int:
-    # Imported once, when first asked: this module does not load polars.
-    from replay.format.validate import TOKEN_LIMIT
-
-    return TOKEN_LIMIT
-
-
 def _opt_count(obj: Mapping[str, Any], name: str) -> int | None:
     value = obj.get(name)
     if value is None:
         return None
-    if not is_int(value) or not 0 <= value <= _token_limit():
+    if not is_int(value) or not 0 <= value <= TOKEN_LIMIT:
         raise ValueError(
             f"field {name!r}: expected an integer in 0..2**48, got {one_line(repr(value))[:40]}"
         )

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replay.base.errors import ReplayError
-from replay.base.limits import ROW_HASHES, bounded_lines
+from replay.base.limits import ROW_HASHES, TOKEN_LIMIT, bounded_lines
 from replay.format.paths import check_input
-from replay.format.validate import TOKEN_LIMIT
 from replay.sources.values import JSON_TYPES, is_text, type_name
 
 #: Timestamps are kept relative to the epoch; the last one a trace can hold.
