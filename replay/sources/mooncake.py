@@ -84,17 +84,29 @@ class _KeyMap:
         tokens), with the unit's place inside a source block when a block
         holds several units; tokens past the last id are the row's own."""
         units = max(row.input_length - lookahead, 0) // block_size
-        source_tokens = block_size * self.fine // self.coarse
-        last = (
-            np.arange(1, units + 1, dtype=np.int64) * block_size + lookahead - 1
-        ) // source_tokens
-        ids = row.hash_ids
-        dense = np.empty(units, dtype=np.int64)
-        for b, start in zip(*np.unique(last, return_index=True), strict=True):
-            d = self._index(ids[b]) if b < len(ids) else self._index(row.line, fresh=True)
-            dense[start:] = d
-        f = self.fine
-        return dense * f + np.arange(units, dtype=np.int64) % f
+        f, step = self.fine, self.coarse
+        source_tokens = block_size * f // step
+        if not units:
+            return np.zeros(0, dtype=np.int64)
+        # Unit j's source block: the one holding token (j + 1) * block_size
+        # + lookahead - 1. They rise by ``step`` (1 when a block holds several
+        # units, ``coarse`` when a unit spans several blocks): each once, in
+        # order, so the dense ids follow first use.
+        j = np.arange(units, dtype=np.int64)
+        lo = (block_size + lookahead - 1) // source_tokens
+        hi = (units * block_size + lookahead - 1) // source_tokens
+        ids, index = row.hash_ids, self._index
+        of_block = np.array(
+            [
+                index(ids[b]) if b < len(ids) else index(row.line, fresh=True)
+                for b in range(lo, hi + 1, step)
+            ],
+            dtype=np.int64,
+        )
+        if step > 1:  # a unit spans ``step`` blocks: one block each
+            return of_block
+        which = (j * block_size + (block_size + lookahead - 1)) // source_tokens - lo
+        return of_block[which] * f + j % f if f > 1 else of_block[which]
 
     def _digest(self, keys: Keys) -> Digests:
         if len(keys) == 0:
