@@ -7,6 +7,7 @@ against vLLM itself is tests/vllm/test_store_rules_vllm.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -225,3 +226,33 @@ def test_chunks_without_mamba_are_budget_sized() -> None:
     rules = StoreRules(archetype_config("full"), StoreSettings(max_num_batched_tokens=64))
     assert rules.chunk_ends(150, 32) == [96, 150]
     assert not rules.uses_junction
+
+
+def test_lookahead_moves_the_checkpoint_and_the_hashed_blocks() -> None:
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` with lookahead L:
+    below ``N - L`` (``N - 1`` at most), no EAGLE back-off (the scheduler
+    clears the drop); and only the ``(N - L) // 16`` hashed blocks are
+    cached. A 65-token prompt: L 1 keeps 4 blocks and the state at 64, L 3
+    hashes 3 blocks (62 tokens) and keeps the state at 48."""
+    assert checkpoint_position(65, 16, False, 1) == 64
+    assert checkpoint_position(65, 16, False, 3) == 48
+    assert checkpoint_position(64, 16, False, 0) == 48
+    assert checkpoint_position(65, 16, True, 3) == 48  # the drop ignores it
+    got = {}
+    for lookahead in (1, 3):
+        config = replace(
+            archetype_config("full+mamba", use_eagle=True), num_hash_lookahead_tokens=lookahead
+        )
+        rules = StoreRules(config, StoreSettings(cache="gpu", policy="vllm-0.34"))
+        got[lookahead] = (
+            [[int(b) for b in s] for s in rules.stores(num_tokens=65, hit_tokens=0)],
+            rules.chunk_ends(65, 0),
+        )
+    assert got[1] == ([[0, 1, 2, 3], [3]], [64, 65])
+    assert got[3] == ([[0, 1, 2], [2]], [48, 65])
+    # Without lookahead, EAGLE's drop: the checkpoint one block below 64.
+    plain = StoreRules(archetype_config("full+mamba", use_eagle=True), StoreSettings(cache="gpu"))
+    assert [[int(b) for b in s] for s in plain.stores(num_tokens=65, hit_tokens=0)] == [
+        [0, 1, 2, 3],
+        [2],
+    ]

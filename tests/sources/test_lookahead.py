@@ -8,6 +8,7 @@ the stores are under lookahead is checked against vLLM's own
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import polars as pl
 import pytest
 
 from replay.base.errors import ReplayError
-from replay.base.spec import GroupKind, GroupSpec, TraceConfig
+from replay.base.spec import TraceConfig
 from replay.format.tracedir import open_trace
 from replay.format.writer import write_trace
+from replay.sources.archetypes import archetype_config
 from tests.conftest import run_cli
 
 
@@ -117,13 +119,7 @@ def test_ingest_keys_a_unit_by_the_tokens_its_lookahead_reads(
 
 
 def _config(lookahead: int) -> TraceConfig:
-    return TraceConfig(
-        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
-        hash_block_size=16,
-        scheduler_block_size=16,
-        use_eagle=True,
-        num_hash_lookahead_tokens=lookahead,
-    )
+    return replace(archetype_config("full", use_eagle=True), num_hash_lookahead_tokens=lookahead)
 
 
 @pytest.mark.parametrize(("lookahead", "longest"), [(0, 47), (1, 47), (3, 49)])
