@@ -332,7 +332,8 @@ def random_archetype_config(
         groups[gid] = replace(groups[gid], is_eagle_group=True)
         config = replace(config, groups=tuple(groups))
     if lookahead and config.use_eagle and rng.random() < 0.4:
-        config = replace(config, num_hash_lookahead_tokens=rng.choice((1, 2, 3, 5)))
+        # Drafts of a few tokens, and one lookahead longer than two blocks.
+        config = replace(config, num_hash_lookahead_tokens=rng.choice((1, 2, 3, 5, 40)))
     return config
 
 

@@ -179,12 +179,15 @@ def run_gpu(
     verified = np.zeros(num_specs, dtype=np.int64)
     mask = np.zeros(num_groups, dtype=np.int64)
     loaded = np.zeros(num_groups, dtype=np.int64)
-    tables = np.zeros((num_groups, max_u + 2), dtype=np.int64)
+    # A block table holds the whole prompt's blocks (a block is a hash unit
+    # here): past its hashed units by the lookahead's tokens.
+    blocks = max(max_u, -(-max_n // params[P_HBS])) + 2
+    tables = np.zeros((num_groups, blocks), dtype=np.int64)
     ts = np.zeros((num_groups, 4), dtype=np.int64)
     stored = np.zeros((num_groups, max_u + 1), dtype=np.int64)
     ends = np.zeros(max_n + 4, dtype=np.int64)
     bounds = np.zeros(4, dtype=np.int64)
-    freed = np.zeros(num_groups * (max_u + 2), dtype=np.int64)
+    freed = np.zeros(num_groups * blocks, dtype=np.int64)
     return int(
         run_requests(
             params, groups, lookup_params, specs, members, lookup_groups, ids, offsets,
