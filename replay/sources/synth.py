@@ -321,6 +321,11 @@ def synth_trace(
             )
         if not eagle:
             raise ReplayError("--inject-overrun needs --eagle (#43559 is an EAGLE margin bug)")
+        if lookahead_tokens:
+            raise ReplayError(
+                "--inject-overrun needs EAGLE's block drop, which lookahead hashes turn off "
+                "(#43559 is its margin): use --lookahead-tokens 0"
+            )
         positions = np.sort(rng.choice(max(requests, 1), size=inject_overrun, replace=True))
         ks = rng.integers(2, 33, size=inject_overrun)
         for j in range(inject_overrun):

@@ -62,6 +62,11 @@ def test_synth_writes_the_lookahead_and_each_prompt_carries_fewer_hashes(
             "EAGLE's block drop: turn EAGLE on\n",
         ),
         (
+            ["--lookahead-tokens", "2", "--eagle", "--cache", "gpu", "--inject-overrun", "1"],
+            "error: --inject-overrun needs EAGLE's block drop, which lookahead hashes turn off "
+            "(#43559 is its margin): use --lookahead-tokens 0\n",
+        ),
+        (
             ["--lookahead-tokens", "2", "--eagle", "--vllm", "0.32.0"],
             "error: num_hash_lookahead_tokens 2: vLLM 0.32.0 has no lookahead block hashes "
             "(they came in 0.33.0): use 0, or a release from 0.33.0\n",
