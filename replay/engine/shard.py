@@ -173,13 +173,19 @@ def scatter(
     on the reader's thread, they are off the fold's)."""
     frame = batch.frame
     # A validated batch: every kind is one of EVENT_KINDS.
-    kinds = _KERNEL_KINDS[frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()]
+    codes = frame["kind"].cast(KIND_ENUM).to_physical().to_numpy()
+    kinds = _KERNEL_KINDS[codes]
     gids = frame["group_id"].fill_null(-1).to_numpy().astype(np.int32)
     is_lookup = kinds == LOOKUP
     n_hashes = frame["n_hashes"].fill_null(0).to_numpy().astype(np.int64)
-    counts = {name: int(n) for name, n in frame.group_by("kind").len().iter_rows()}
+    # The kinds present, counted from their codes (a polars group_by cost
+    # 0.12 s over the 300k-request day's 100 batches).
+    per_kind = np.bincount(codes, minlength=len(EVENT_KINDS)).tolist()
+    counts = {EVENT_KINDS[i]: int(n) for i, n in enumerate(per_kind) if n}
     seq = frame["seq"]
-    lookups_rows = frame.filter(pl.Series(is_lookup)).select(LOOKUP_COLUMNS)
+    # The lookup columns first: the filter then never copies the other rows'
+    # strings.
+    lookups_rows = frame.select(LOOKUP_COLUMNS).filter(pl.Series(is_lookup))
     units = n_hashes[is_lookup]
     if shards == 1:
         pieces = [ShardPiece(kinds=kinds, group_ids=gids, hashes=batch.hashes)]
