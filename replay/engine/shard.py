@@ -157,6 +157,9 @@ class ShardPiece:
     #: The hashes' ``key_metas``, when made ahead of the fold (``scatter``'s
     #: ``metas``); else the fold makes them.
     metas: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+    #: The hashes' ``hash_words`` the metas were made from (kept for the
+    #: fold, which else views the hashes again); only with ``metas``.
+    words: HashWords | None = None
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +202,10 @@ def scatter(
             for h in _split(batch.hashes, words, sid, shards)
         ]
     if metas:
-        pieces = [replace(p, metas=key_metas(hash_words(p.hashes))) for p in pieces]
+        views = [hash_words(p.hashes) for p in pieces]
+        pieces = [
+            replace(p, metas=key_metas(w), words=w) for p, w in zip(pieces, views, strict=True)
+        ]
     lookups = LookupBatch(
         rows=lookups_rows,
         units=units,
@@ -248,7 +254,12 @@ class ShardFold:
         """Fold a piece in; the presence bytes of its lookup rows, in the
         kernel's layout (per lookup, per group, its units in this shard)."""
         out, _, _ = fold_rows(
-            self.table, piece.group_ids, piece.hashes, piece.kinds, metas=piece.metas
+            self.table,
+            piece.group_ids,
+            piece.hashes,
+            piece.kinds,
+            metas=piece.metas,
+            words=piece.words,
         )
         return out
 
@@ -260,13 +271,16 @@ def fold_rows(
     kinds: np.ndarray[Any, Any],
     *,
     metas: np.ndarray[Any, np.dtype[np.uint64]] | None = None,
+    words: HashWords | None = None,
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Fold one validated batch into ``table`` (``kinds`` as kernel codes,
     ``group_ids`` -1 where a row has none; ``metas``: the hashes'
-    ``key_metas`` if already made). Returns the lookups' presence bytes,
+    ``key_metas`` if already made; ``words``: ``hash_words(hashes)`` if
+    already made). Returns the lookups' presence bytes,
     each row's offset into them (lookup rows: ``num_groups`` runs of the
     row's unit count) and the unit counts."""
-    words = hash_words(hashes)
+    if words is None:
+        words = hash_words(hashes)
     n_units = np.diff(words.row_offsets)
     out_offsets = np.zeros(kinds.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.where(kinds == LOOKUP, n_units * table.num_groups, 0), out=out_offsets[1:])
