@@ -68,7 +68,8 @@ class HashWords:
     Row ``r`` owns hashes ``row_offsets[r]:row_offsets[r + 1]``. Hash ``h``
     is ``nbytes[h]`` bytes long: ``value_offsets[h + 1] - value_offsets[h]``
     (the Arrow offsets themselves, int32 or int64), or ``width`` for every
-    hash when ``value_offsets`` is empty (fixed-size binary). Its words,
+    hash when ``value_offsets`` is empty (fixed-size binary, or binary
+    hashes of one width back to back). Its words,
     zero-padded, start at ``words[h * stride]`` when ``stride`` is positive
     (a padded copy of hashes of one width), at ``words[value_offsets[n + 1
     + h]]`` when ``stride`` is -1 (a packed copy of mixed widths, each
@@ -164,6 +165,13 @@ def hash_words(hashes: pa.Array) -> HashWords:
         words = np.frombuffer(
             data_buf, dtype=np.uint64, count=(int(voff[-1]) - base) // 8, offset=base
         )
+        lens = np.diff(voff)
+        width = int(lens[0])
+        if int(lens.min()) == width == int(lens.max()):
+            # One width, back to back (a binary column of equal digests, as
+            # Parquet gives them back): the fixed-size layout, so the
+            # kernels read no offset per hash and key a known word count.
+            return HashWords(row_offsets, words, _NO_OFFSETS, stride=width // 8, width=width)
         return HashWords(row_offsets, words, voff, base=base)
     data = np.frombuffer(data_buf, dtype=np.uint8)
     lens = np.diff(voff.astype(np.int64))

@@ -124,8 +124,14 @@ def utc_ts(raw: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
     return raw.set_column(i, pa.field("ts", utc), ts)
 
 
-def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array) -> None:
-    """Each row's hash count and each hash's width within the limits."""
+def check_hash_sizes(
+    path: str,
+    raw: pa.RecordBatch | pa.Table,
+    hashes: pa.Array,
+    lens: np.ndarray[Any, Any] | None = None,
+) -> None:
+    """Each row's hash count and each hash's width within the limits
+    (``lens``: the hashes' byte lengths, when the caller has them)."""
     counts = pc.list_value_length(hashes)
     most = pc.max(counts).as_py()
     if most is not None and most > ROW_HASHES.value():
@@ -135,10 +141,9 @@ def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array
     values = hashes.values
     if len(values) == 0 or pa.types.is_fixed_size_binary(values.type):
         return  # a fixed width is checked from the schema
-    width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-    offsets = np.frombuffer(values.buffers()[1], dtype=width)
     lo, hi = int(hashes.offsets[0].as_py()), int(hashes.offsets[-1].as_py())
-    lens = np.diff(offsets[values.offset + lo : values.offset + hi + 1])
+    if lens is None:
+        lens = _value_lengths(values, lo, hi)
     if lens.size and int(lens.max()) > HASH_BYTES.value():
         j = int(np.argmax(lens))
         row = int(pc.list_parent_indices(hashes)[j].as_py())
@@ -146,6 +151,13 @@ def check_hash_sizes(path: str, raw: pa.RecordBatch | pa.Table, hashes: pa.Array
         raise HASH_BYTES.refuse(
             f"{path}: {_where(raw, row)}: block_hashes[{k}] holds", int(lens[j])
         )
+
+
+def _value_lengths(values: pa.Array, lo: int, hi: int) -> np.ndarray[Any, Any]:
+    """The byte lengths of binary values ``lo:hi``, from their offsets in place."""
+    width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(values.buffers()[1], dtype=width)
+    return np.diff(offsets[values.offset + lo : values.offset + hi + 1])
 
 
 def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.Table) -> pa.Array:
@@ -176,15 +188,16 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
     values = hashes.flatten()
     j: int | None = None
     what = "is null"
+    lens = None
     if values.null_count:
         j = _first(pc.is_null(values))
     elif len(values) and not pa.types.is_fixed_size_binary(values.type):
         # An empty value is two equal offsets: far cheaper than binary_length.
-        width = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-        offsets = np.frombuffer(values.buffers()[1], dtype=width)
-        offsets = offsets[values.offset : values.offset + len(values) + 1]
-        empty = np.flatnonzero(offsets[1:] == offsets[:-1])
-        j, what = (int(empty[0]) if empty.size else None), "is empty"
+        # The lengths serve the width check too (one pass over the offsets).
+        lens = _value_lengths(values, 0, len(values))
+        if int(lens.min()) <= 0:
+            empty = np.flatnonzero(lens == 0)
+            j, what = (int(empty[0]) if empty.size else None), "is empty"
     if j is not None:
         row = int(pc.list_parent_indices(hashes)[j].as_py())
         k = j - (int(hashes.offsets[row].as_py()) - int(hashes.offsets[0].as_py()))
@@ -192,7 +205,7 @@ def check_arrow_batch(path: str, config: TraceConfig, raw: pa.RecordBatch | pa.T
             f"{path}: {_where(raw, row)}: block_hashes[{k}] {what} "
             "(expected a hash: non-empty bytes)"
         )
-    check_hash_sizes(path, raw, hashes)
+    check_hash_sizes(path, raw, hashes, lens)
     return hashes
 
 

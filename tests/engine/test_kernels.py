@@ -16,7 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from replay.base.spec import TraceConfig
-from replay.engine.kernels import LOOKUP, STORE, KeyTable, _double_in_place, key_meta
+from replay.engine.kernels import (
+    LOOKUP,
+    STORE,
+    KeyTable,
+    _double_in_place,
+    key_meta,
+    key_metas,
+)
 from replay.engine.shard import fold_rows
 from replay.format.hashwords import hash_words
 from replay.format.tracedir import open_trace
@@ -379,3 +386,29 @@ def test_hash_words_of_a_sliced_array_name_each_hash_exactly() -> None:
             got.append(row)
         assert got == lists[7:27]
         assert not w.words.flags.writeable
+
+
+@pytest.mark.parametrize("width", [8, 16, 24, 32, 40])
+def test_binary_hashes_of_one_width_take_the_fixed_layout_and_key_as_before(width: int) -> None:
+    """A binary column of equal whole-word hashes (as Parquet gives back a
+    fixed-width digest) is viewed as the fixed-size layout, no offset per
+    hash, and every hash keys as ``key_meta`` keys its own words; a column
+    of mixed widths keeps its offsets."""
+    rng = random.Random(width)
+    lists = [[rng.randbytes(width) for _ in range(rng.randint(0, 6))] for _ in range(50)]
+    arr = pa.array(lists, pa.list_(pa.binary())).slice(5, 40)
+    w = hash_words(arr)
+    assert (w.value_offsets.shape[0], w.stride, w.width) == (0, width // 8, width)
+    flat = [h for row in lists[5:45] for h in row]
+    assert [
+        w.words[w.word_offsets[h] : w.word_offsets[h + 1]].tobytes() for h in range(len(flat))
+    ] == flat
+    want = [key_meta(np.frombuffer(h, dtype=np.uint64), 0, width // 8, width) for h in flat]
+    assert key_metas(w).tolist() == want
+    mixed = pa.array([[rng.randbytes(width), rng.randbytes(width + 8)]], pa.list_(pa.binary()))
+    m = hash_words(mixed)
+    assert m.value_offsets.tolist() == [0, width, 2 * width + 8]
+    assert key_metas(m).tolist() == [
+        key_meta(np.frombuffer(h, dtype=np.uint64), 0, len(h) // 8, len(h))
+        for h in mixed.flatten().to_pylist()
+    ]

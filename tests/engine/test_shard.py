@@ -16,8 +16,9 @@ import pytest
 
 from replay.base.errors import ReplayError
 from replay.cli.scale import results_paths
+from replay.engine.answers import LookupBatch
 from replay.engine.kernels import key_meta
-from replay.engine.shard import ShardFold, scatter, shard_of
+from replay.engine.shard import ShardFold, gather, scatter, shard_of
 from replay.format.hashwords import hash_words
 from replay.format.tracedir import open_trace
 from replay.format.writer import TraceWriter, write_trace
@@ -255,3 +256,35 @@ def test_the_one_replay_call_refuses_what_ray_cannot_do_before_reading(tmp_path:
         2,
         "error: --coordinator vllm runs in one process: drop --workers/--ray to use it\n",
     )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_puts_every_shards_bytes_where_the_serial_fold_writes_them(seed: int) -> None:
+    """Lookups of 0 to 7 units spread over 1 to 5 shards and 1 to 3 groups:
+    each shard's bytes (per lookup, per group, its units in order) land at
+    the serial fold's place (per lookup, per group, all its units)."""
+    rng = random.Random(seed)
+    shards, groups = rng.randint(1, 5), rng.randint(1, 3)
+    units = [rng.randint(0, 7) for _ in range(40)]
+    unit_shards = [rng.randrange(shards) for _ in range(sum(units))]
+    want = [rng.randrange(256) for _ in range(sum(units) * groups)]
+    pieces: list[list[int]] = [[] for _ in range(shards)]
+    start = 0
+    for n in units:
+        mine = unit_shards[start : start + n]
+        for k in range(shards):
+            for g in range(groups):
+                pieces[k] += [want[groups * start + g * n + u] for u in range(n) if mine[u] == k]
+        start += n
+    lookups = LookupBatch(
+        rows=pl.DataFrame(),
+        units=np.array(units, dtype=np.int64),
+        shards=np.array(unit_shards, dtype=np.uint16),
+        events=len(units),
+        counts={"lookup": len(units)},
+        first_seq=0,
+        last_seq=len(units) - 1,
+        hash_entries=sum(units),
+    )
+    got = gather(lookups, [np.array(p, dtype=np.uint8) for p in pieces], groups)
+    assert got.tolist() == want
