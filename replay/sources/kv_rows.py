@@ -20,14 +20,18 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from collections.abc import Collection, Sequence
-from datetime import datetime
-from itertools import repeat
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import pairwise, repeat
 from typing import Any
+
+import numpy as np
 
 from replay.base.errors import ReplayError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.hashwords import PackedHashes
+from replay.sources.kv_columns import CLEARED, MEDIUM_GPU, REMOVED, STORED, KVColumns
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
 from replay.sources.values import Row
@@ -167,6 +171,33 @@ def check_limits(event: BlockStored | BlockRemoved) -> None:
 def medium_key(medium: str | None) -> str:
     """How a medium compares in a filter: case-insensitive, null = GPU."""
     return (medium or DEFAULT_MEDIUM).casefold()
+
+
+@dataclass(slots=True)
+class Span:
+    """The rows of events ``first`` to ``last`` of a batch (several: a run
+    of removes in one row). ``bounds`` (several events) splits its one row
+    by event: event ``first + i`` removed hashes ``bounds[i]:bounds[i+1]``
+    of it; a lookup placed among them needs it (``per_event``)."""
+
+    first: int
+    last: int
+    rows: list[Row]
+    bounds: np.ndarray[Any, np.dtype[np.int64]] | None = None
+
+    def per_event(self) -> list[list[Row]]:
+        """The rows event by event (each of a run's parts a row of its own)."""
+        if self.bounds is None or not self.rows:
+            return [self.rows] + [[] for _ in range(self.last - self.first)]
+        (row,) = self.rows
+        hashes = row["block_hashes"]
+        assert isinstance(hashes, PackedHashes)
+        w, data = hashes.width, hashes.data
+        out: list[list[Row]] = []
+        for lo, hi in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
+            part = PackedHashes(data[lo * w : hi * w], w)
+            out.append([{**row, "block_hashes": part}] if hi > lo else [])
+        return out
 
 
 class EventConverter:
@@ -325,6 +356,109 @@ class EventConverter:
                         )
                     )
         return out
+
+    def convert_columns(self, cols: KVColumns) -> list[Span] | None:
+        """``convert_each`` of a batch read as columns
+        (``replay.sources.kv_columns``), the rows of its events in spans: a
+        run of ``BlockRemoved`` of one group and medium is one remove row
+        (vLLM sends one a block: a row each was most of a watch's work), the
+        store the same after every event of the run as after the rows
+        ``convert_each`` makes. None, with nothing changed, for what only
+        ``convert_each`` does or says: a medium filter, or an event it
+        would refuse (its error names it)."""
+        n = cols.events
+        if self.media is not None or n == 0:
+            return None
+        kind, offsets = cols.kind, cols.offsets
+        counts = np.diff(offsets)
+        group = cols.group.copy()
+        known = kind != CLEARED
+        num_groups = self.config.num_groups
+        if num_groups == 1:
+            group[known & (group < 0)] = 0
+        if (known & ((group < 0) | (group >= num_groups))).any():
+            return None
+        if int(counts.max(initial=0)) > ROW_HASHES.value() or HASH_BYTES.value() < 8:
+            return None
+        stores = kind == STORED
+        if stores.any():
+            own = np.array([g.block_size for g in self.config.groups], dtype=np.int64)[
+                group[stores]
+            ]
+            size = cols.block_size[stores]
+            given = size >= 0
+            if (given & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
+                return None
+            # What ``_check_spec`` reads (the spec's kind) this form never
+            # has: the group counts as checked, as after ``_group``.
+            self._checked_groups.update(np.unique(group[stores]).tolist())
+        ts = datetime.fromtimestamp(cols.ts, tz=UTC)
+        words = cols.hashes.astype(">u8").tobytes()
+        # Runs: consecutive removes of one group and medium.
+        removes = kind == REMOVED
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = ~(
+            removes[1:]
+            & removes[:-1]
+            & (group[1:] == group[:-1])
+            & (cols.medium[1:] == cols.medium[:-1])
+        )
+        firsts = np.flatnonzero(starts).tolist()
+        firsts.append(n)
+        limit = ROW_HASHES.value()
+        spans: list[Span] = []
+        self.kv_events += n
+        for a, end in pairwise(firsts):
+            k = int(kind[a])
+            if k == CLEARED:
+                self._clear()
+                spans.append(Span(a, a, [self._row(ts, "clear", group_id=None)]))
+                continue
+            gid = int(group[a])
+            medium = "GPU" if cols.medium[a] == MEDIUM_GPU else None
+            if k == STORED:
+                lo, hi = int(offsets[a]), int(offsets[a + 1])
+                self._copies[gid].update(cols.hashes[lo:hi].tolist())
+                hashes = PackedHashes(words[8 * lo : 8 * hi], 8)
+                row = self._row(ts, "store", group_id=gid, block_hashes=hashes, medium=medium)
+                spans.append(Span(a, a, [row]))
+                continue
+            while a < end:
+                # A run's row holds at most a row's hashes.
+                b = a + 1
+                while b < end and offsets[b + 1] - offsets[a] <= limit:
+                    b += 1
+                spans.append(self._remove_run(ts, gid, medium, a, b - 1, cols, words))
+                a = b
+        return spans
+
+    def _remove_run(
+        self,
+        ts: datetime,
+        gid: int,
+        medium: str | None,
+        first: int,
+        last: int,
+        cols: KVColumns,
+        words: bytes,
+    ) -> Span:
+        """Events ``first`` to ``last`` (removes of group ``gid``) in one row."""
+        offsets = cols.offsets[first : last + 2]
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        gone = _remove_copies(self._copies[gid], cols.hashes[lo:hi].tolist())
+        bounds = offsets - lo
+        if gone is None:
+            data = words[8 * lo : 8 * hi]
+        else:
+            at = np.asarray(gone, dtype=np.int64)
+            bounds = np.searchsorted(at, bounds)
+            data = b"".join([words[8 * (lo + i) : 8 * (lo + i + 1)] for i in gone])
+        if not data:
+            return Span(first, last, [])
+        row = self._row(
+            ts, "remove", group_id=gid, block_hashes=PackedHashes(data, 8), medium=medium
+        )
+        return Span(first, last, [row], bounds=bounds)
 
     def restart(self, ts: datetime) -> list[Row]:
         """A publisher restart: the new engine starts with an empty cache."""
