@@ -89,6 +89,21 @@ _GPU = np.frombuffer(b"GPU", dtype=np.uint8).copy()
 _STORED_FIELDS = sum(1 << f for f in range(1, len(_FIELDS)))
 _REMOVED_FIELDS = sum(1 << f for f in (_HASHES, _MEDIUM, _GROUP, _LOCALITY, _OWNERSHIP))
 _ALLOWED = np.array([_STORED_FIELDS, _REMOVED_FIELDS, 0], dtype=np.int64)
+# A msgpack integer's size in bytes by its first byte; 0: not an integer.
+_INT_SIZES = np.zeros(256, dtype=np.int64)
+_INT_SIZES[:0x80] = 1
+_INT_SIZES[0xE0:] = 1
+for _first, _size in (
+    (0xCC, 2),
+    (0xCD, 3),
+    (0xCE, 5),
+    (0xCF, 9),
+    (0xD0, 2),
+    (0xD1, 3),
+    (0xD2, 5),
+    (0xD3, 9),
+):
+    _INT_SIZES[_first] = _size
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +251,7 @@ def _decode(
     tag_lengths: Any,
     gpu: Any,
     allowed: Any,
+    int_sizes: Any,
 ) -> Any:
     """The batch's columns; ``ok`` False for anything outside the subset
     read here (the caller then takes ``decode_batch``)."""
@@ -327,10 +343,16 @@ def _decode(
                 ok, length, pos = _array(buf, pos)
                 if not ok:
                     return fail
+                # Stepped over by each integer's size (its first byte's).
                 for _k in range(length):
-                    pos = _int(buf, pos)
-                    if pos < 0:
+                    if pos >= n:
                         return fail
+                    size = int_sizes[buf[pos]]
+                    if size == 0:
+                        return fail
+                    pos += size
+                if pos > n:
+                    return fail
             elif f in (_BLOCK_SIZE, _GROUP):
                 ok, v, pos = _uint(buf, pos)
                 if not ok or v > np.uint64(1 << 62):
@@ -392,7 +414,7 @@ def decode_columns(payload: bytes) -> KVColumns | None:
     anything else (``decode_batch`` then reads it, or says what is wrong)."""
     buf = np.frombuffer(payload, dtype=np.uint8)
     ok, ts, rank, kind, group, block_size, medium, offsets, hashes = _decode(
-        buf, _FIELD_TABLE, _FIELD_LENGTHS, _TAG_TABLE, _TAG_LENGTHS, _GPU, _ALLOWED
+        buf, _FIELD_TABLE, _FIELD_LENGTHS, _TAG_TABLE, _TAG_LENGTHS, _GPU, _ALLOWED, _INT_SIZES
     )
     if not ok:
         return None

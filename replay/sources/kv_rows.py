@@ -226,6 +226,7 @@ class EventConverter:
         self.kv_events = 0
         self.filtered_events = 0
         self._checked_groups: set[int] = set()
+        self._block_sizes = np.array([g.block_size for g in config.groups], dtype=np.int64)
 
     @property
     def copies(self) -> dict[tuple[int, bytes], int]:
@@ -382,16 +383,15 @@ class EventConverter:
             return None
         stores = kind == STORED
         if stores.any():
-            own = np.array([g.block_size for g in self.config.groups], dtype=np.int64)[
-                group[stores]
-            ]
+            own = self._block_sizes[group[stores]]
             size = cols.block_size[stores]
             given = size >= 0
             if (given & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
                 return None
             # What ``_check_spec`` reads (the spec's kind) this form never
             # has: the group counts as checked, as after ``_group``.
-            self._checked_groups.update(np.unique(group[stores]).tolist())
+            if len(self._checked_groups) < num_groups:
+                self._checked_groups.update(group[stores].tolist())
         ts = datetime.fromtimestamp(cols.ts, tz=UTC)
         words = cols.hashes.astype(">u8").tobytes()
         # Runs: consecutive removes of one group and medium.
@@ -424,10 +424,11 @@ class EventConverter:
                 spans.append(Span(a, a, [row]))
                 continue
             while a < end:
-                # A run's row holds at most a row's hashes.
-                b = a + 1
-                while b < end and offsets[b + 1] - offsets[a] <= limit:
-                    b += 1
+                # A run's row holds at most a row's hashes (each event's are
+                # within the limit, checked above).
+                b = end
+                if offsets[end] - offsets[a] > limit:
+                    b = int(np.searchsorted(offsets, offsets[a] + limit, side="right")) - 1
                 spans.append(self._remove_run(ts, gid, medium, a, b - 1, cols, words))
                 a = b
         return spans

@@ -329,3 +329,14 @@ def test_token_ids_are_stepped_over_whatever_their_width() -> None:
     assert cols is not None
     assert cols.hashes.tolist() == [1]
     assert np.array_equal(cols.offsets, [0, 1])
+
+
+def test_a_run_is_cut_at_a_row_s_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPLAY_MAX_ROW_HASHES", "3")
+    body = payload(T0, stored([1, 2, 3]), stored([4, 5]), *(removed([h]) for h in range(1, 6)))
+    assert _plain(_rows([body], [], columnar=True)) == [
+        (0, "store", 0, [1, 2, 3]),
+        (1, "store", 0, [4, 5]),
+        (2, "remove", 0, [1, 2, 3]),
+        (3, "remove", 0, [4, 5]),
+    ]
