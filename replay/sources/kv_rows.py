@@ -18,11 +18,10 @@ bytes big-endian.
 from __future__ import annotations
 
 import struct
-from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import pairwise, repeat
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.hashwords import PackedHashes
 from replay.sources.kv_columns import CLEARED, MEDIUM_GPU, REMOVED, STORED, KVColumns
 from replay.sources.kv_config import GroupMismatch
+from replay.sources.kv_copies import CopyCounts, CopyKey
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
 from replay.sources.values import Row
 
@@ -45,11 +45,6 @@ def trace_hashes(hashes: tuple[bytes | int, ...]) -> list[bytes]:
     if packed is not None:
         return _split8(packed)
     return [h if isinstance(h, bytes) else h.to_bytes(8, "big") for h in hashes]
-
-
-#: A copy count's key: an integer hash and its 8 bytes are one key (an
-#: ``int``, as vLLM sends it), any other width its bytes.
-CopyKey = int | bytes
 
 
 def _fast_hashes(
@@ -77,35 +72,6 @@ def _fast_hashes(
     (width,) = widths
     keys = struct.unpack(f">{len(hashes)}Q", data) if width == 8 else hashes
     return PackedHashes(data, width), keys, width
-
-
-def _remove_copies(copies: Counter[CopyKey], keys: Sequence[CopyKey]) -> list[int] | None:
-    """One copy of each of ``keys`` gone, in order; the positions of the keys
-    whose last copy went, or None for all of them. The common case (no key
-    with a second copy: each goes) is two C-speed passes, not a Python
-    step per hash."""
-    if not keys:
-        return []
-    # Every key taken out in one pass; in the common case (no count above
-    # one) that is the whole job: each key's count drops to zero or below,
-    # a repeat's too, and all go.
-    had = list(map(copies.pop, keys, repeat(0)))
-    if max(had) <= 1:
-        return None
-    # Some key has another copy: the counts put back as they were (a
-    # repeat's second pop found none), then one copy at a time.
-    for key, n in zip(keys, had, strict=True):
-        if n:
-            copies[key] = n
-    gone: list[int] = []
-    for i, h in enumerate(keys):
-        left = copies.get(h, 0) - 1
-        if left > 0:
-            copies[h] = left
-        else:
-            copies.pop(h, None)
-            gone.append(i)
-    return gone
 
 
 def _subset(hashes: Sequence[bytes], index: list[int]) -> Sequence[bytes]:
@@ -219,10 +185,10 @@ class EventConverter:
         self.config = config
         self.media = None if media is None else frozenset(medium_key(m) for m in media)
         self.next_seq = start_seq
-        # Per group, a Counter: a store's copies are counted in one C call
-        # (``update``), keyed by ``CopyKey`` (vLLM's integers as they came:
-        # no bytes object per hash); see ``copies``.
-        self._copies: list[Counter[CopyKey]] = [Counter() for _ in config.groups]
+        # Per group, its copy counts (``replay.sources.kv_copies``: vLLM's
+        # integers in a compiled table, a row's in one call), keyed by
+        # ``CopyKey``; see ``copies``.
+        self._copies = [CopyCounts() for _ in config.groups]
         self.kv_events = 0
         self.filtered_events = 0
         self._checked_groups: set[int] = set()
@@ -333,7 +299,7 @@ class EventConverter:
                 gid = self._group(event)
             copies = self._copies[gid]
             if isinstance(event, BlockStored):
-                copies.update(keys)
+                copies.add(keys)
                 if hashes:
                     rows.append(
                         self._row(
@@ -345,7 +311,7 @@ class EventConverter:
                         )
                     )
             else:
-                gone = _remove_copies(copies, keys)
+                gone = copies.remove(keys)
                 if gone is None or gone:
                     rows.append(
                         self._row(
@@ -418,7 +384,7 @@ class EventConverter:
             medium = "GPU" if cols.medium[a] == MEDIUM_GPU else None
             if k == STORED:
                 lo, hi = int(offsets[a]), int(offsets[a + 1])
-                self._copies[gid].update(cols.hashes[lo:hi].tolist())
+                self._copies[gid].add_ints(cols.hashes[lo:hi])
                 hashes = PackedHashes(words[8 * lo : 8 * hi], 8)
                 row = self._row(ts, "store", group_id=gid, block_hashes=hashes, medium=medium)
                 spans.append(Span(a, a, [row]))
@@ -446,7 +412,7 @@ class EventConverter:
         """Events ``first`` to ``last`` (removes of group ``gid``) in one row."""
         offsets = cols.offsets[first : last + 2]
         lo, hi = int(offsets[0]), int(offsets[-1])
-        gone = _remove_copies(self._copies[gid], cols.hashes[lo:hi].tolist())
+        gone = self._copies[gid].remove_ints(cols.hashes[lo:hi])
         bounds = offsets - lo
         if gone is None:
             data = words[8 * lo : 8 * hi]
