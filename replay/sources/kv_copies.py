@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -131,17 +132,29 @@ class CopyCounts:
         n = _remove(self._keys, self._counts, self._counts.shape[0] - 1, hashes, gone)
         return None if n == hashes.shape[0] else gone[:n].tolist()
 
-    def add(self, keys: Sequence[CopyKey]) -> None:
+    def add(self, keys: Sequence[CopyKey], *, uniform: bool = False) -> None:
+        """One copy more of each of ``keys`` (``uniform``: all of one kind)."""
+        if uniform and keys:
+            if isinstance(keys[0], bytes):
+                self._other.update(keys)  # type: ignore[arg-type]
+            else:
+                self.add_ints(np.array(keys, dtype=np.uint64))
+            return
         ints = [k for k in keys if isinstance(k, int)]
         if len(ints) != len(keys):
             self._other.update(k for k in keys if isinstance(k, bytes))
         if ints:
             self.add_ints(np.array(ints, dtype=np.uint64))
 
-    def remove(self, keys: Sequence[CopyKey]) -> list[int] | None:
-        """``remove_ints`` of keys of either kind, in order."""
+    def remove(self, keys: Sequence[CopyKey], *, uniform: bool = False) -> list[int] | None:
+        """``remove_ints`` of keys of either kind, in order (``uniform``:
+        all of one kind)."""
         if not keys:
             return []
+        if uniform:
+            if isinstance(keys[0], bytes):
+                return self._remove_other(keys)  # type: ignore[arg-type]
+            return self.remove_ints(np.array(keys, dtype=np.uint64))
         at_int = [i for i, k in enumerate(keys) if isinstance(k, int)]
         gone: list[int] = []
         if at_int:
@@ -158,6 +171,28 @@ class CopyCounts:
                         self._other.pop(key, None)
                         gone.append(i)
             gone.sort()
+        return None if len(gone) == len(keys) else gone
+
+    def _remove_other(self, keys: Sequence[bytes]) -> list[int] | None:
+        """``remove`` of bytes keys: in the common case (no key with a
+        second copy) two C-speed passes, not a Python step per hash."""
+        copies = self._other
+        had = list(map(copies.pop, keys, repeat(0)))
+        if max(had) <= 1:
+            return None
+        # Some key has another copy: the counts put back as they were (a
+        # repeat's second pop found none), then one copy at a time.
+        for key, n in zip(keys, had, strict=True):
+            if n:
+                copies[key] = n
+        gone: list[int] = []
+        for i, key in enumerate(keys):
+            left = copies.get(key, 0) - 1
+            if left > 0:
+                copies[key] = left
+            else:
+                copies.pop(key, None)
+                gone.append(i)
         return None if len(gone) == len(keys) else gone
 
     def items(self) -> Iterator[tuple[CopyKey, int]]:

@@ -298,8 +298,10 @@ class EventConverter:
                     check_limits(event)
                 gid = self._group(event)
             copies = self._copies[gid]
+            # The fast path's keys are of one kind (integers, or bytes of one width).
+            uniform = fast is not None
             if isinstance(event, BlockStored):
-                copies.add(keys)
+                copies.add(keys, uniform=uniform)
                 if hashes:
                     rows.append(
                         self._row(
@@ -311,7 +313,7 @@ class EventConverter:
                         )
                     )
             else:
-                gone = copies.remove(keys)
+                gone = copies.remove(keys, uniform=uniform)
                 if gone is None or gone:
                     rows.append(
                         self._row(

@@ -58,3 +58,21 @@ def test_random_streams_count_as_one_key_at_a_time() -> None:
                 plain.clear()
         # Grown past its first size many times over, tombstones and all.
         assert dict(table.items()) == {k: n for k, n in plain.items() if n > 0}
+
+
+def test_keys_of_one_kind_count_as_mixed_ones_do() -> None:
+    rng = random.Random(8)
+    for kind in ("ints", "bytes"):
+        table, plain = CopyCounts(), Counter[CopyKey]()
+        for _step in range(300):
+            keys: list[CopyKey] = (
+                [rng.randrange(30) for _ in range(rng.randint(1, 20))]
+                if kind == "ints"
+                else [bytes([rng.randrange(30)]) * 16 for _ in range(rng.randint(1, 20))]
+            )
+            if rng.random() < 0.5:
+                table.add(keys, uniform=True)
+                plain.update(keys)
+            else:
+                assert table.remove(keys, uniform=True) == _remove_one_by_one(plain, keys)
+        assert dict(table.items()) == {k: n for k, n in plain.items() if n > 0}
