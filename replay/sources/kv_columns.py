@@ -281,7 +281,9 @@ def _decode(
             return fail
         ts = float(v)
     ok, count, pos = _array(buf, pos)
-    if not ok:
+    # An event takes a byte at least: a count past the payload is a lie,
+    # not arrays to allocate.
+    if not ok or count > n - pos:
         return fail
     kind = np.empty(count, dtype=np.int8)
     group = np.full(count, -1, dtype=np.int64)

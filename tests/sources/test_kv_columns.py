@@ -84,6 +84,8 @@ def test_columns_of_a_batch_as_vllm_0_33_sends_it() -> None:
         (enc([T0, [{"block_hashes": [1]}]]), "event 0: map without a 'type' key"),
         (enc([1e300, []]), "batch ts: 1e+300 is not a valid time in seconds"),
         (payload(T0, removed([1]))[:-2], "payload is not msgpack (Input data was truncated)"),
+        # An array header claiming 2**32 - 1 events (or hashes) in a few bytes.
+        (b"\x92\x00\xdd\xff\xff\xff\xff\x81", "payload is not msgpack (Input data was truncated)"),
     ],
 )
 def test_anything_else_is_left_to_decode_batch(body: bytes, error: str | None) -> None:
@@ -340,3 +342,12 @@ def test_a_run_is_cut_at_a_row_s_hashes(monkeypatch: pytest.MonkeyPatch) -> None
         (2, "remove", 0, [1, 2, 3]),
         (3, "remove", 0, [4, 5]),
     ]
+
+
+def test_every_cut_of_a_batch_is_left_to_decode_batch() -> None:
+    body = payload(T0, stored([1, 2**40], parent=3), removed([2**64 - 1]), cleared(), rank=1)
+    for end in range(len(body)):
+        assert decode_columns(body[:end]) is None
+        with pytest.raises(MalformedBatch):
+            decode_batch(body[:end])
+    assert decode_columns(body + b"\x00") is None  # trailing bytes
