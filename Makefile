@@ -88,8 +88,10 @@ test: $(STAMP)
 # Then the compiled kernels' tests again with numba's bounds checks, compiled
 # afresh in a directory of their own: an index past an array is silent in
 # the kernels (a block table sized by hash units overran with a long
-# lookahead and corrupted the heap), an IndexError here.
-KERNEL_TESTS := tests/whatif tests/engine tests/rules/test_compiled_fixed_point.py
+# lookahead and corrupted the heap), an IndexError here. The KV batches'
+# compiled reader and copy table too (a payload is anyone's bytes).
+KERNEL_TESTS := tests/whatif tests/engine tests/rules/test_compiled_fixed_point.py \
+  tests/sources/test_kv_columns.py tests/sources/test_kv_copies.py
 test-slow: $(STAMP)
 	$(PYTEST) -m "slow and not vllm and not ray"
 	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \

@@ -18,17 +18,21 @@ bytes big-endian.
 from __future__ import annotations
 
 import struct
-from collections import Counter
 from collections.abc import Collection, Sequence
-from datetime import datetime
-from itertools import repeat
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import pairwise
 from typing import Any
+
+import numpy as np
 
 from replay.base.errors import ReplayError
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.hashwords import PackedHashes
+from replay.sources.kv_columns import CLEARED, MEDIUM_GPU, REMOVED, STORED, KVColumns
 from replay.sources.kv_config import GroupMismatch
+from replay.sources.kv_copies import CopyCounts, CopyKey
 from replay.sources.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVBatch
 from replay.sources.values import Row
 
@@ -41,11 +45,6 @@ def trace_hashes(hashes: tuple[bytes | int, ...]) -> list[bytes]:
     if packed is not None:
         return _split8(packed)
     return [h if isinstance(h, bytes) else h.to_bytes(8, "big") for h in hashes]
-
-
-#: A copy count's key: an integer hash and its 8 bytes are one key (an
-#: ``int``, as vLLM sends it), any other width its bytes.
-CopyKey = int | bytes
 
 
 def _fast_hashes(
@@ -73,35 +72,6 @@ def _fast_hashes(
     (width,) = widths
     keys = struct.unpack(f">{len(hashes)}Q", data) if width == 8 else hashes
     return PackedHashes(data, width), keys, width
-
-
-def _remove_copies(copies: Counter[CopyKey], keys: Sequence[CopyKey]) -> list[int] | None:
-    """One copy of each of ``keys`` gone, in order; the positions of the keys
-    whose last copy went, or None for all of them. The common case (no key
-    with a second copy: each goes) is two C-speed passes, not a Python
-    step per hash."""
-    if not keys:
-        return []
-    # Every key taken out in one pass; in the common case (no count above
-    # one) that is the whole job: each key's count drops to zero or below,
-    # a repeat's too, and all go.
-    had = list(map(copies.pop, keys, repeat(0)))
-    if max(had) <= 1:
-        return None
-    # Some key has another copy: the counts put back as they were (a
-    # repeat's second pop found none), then one copy at a time.
-    for key, n in zip(keys, had, strict=True):
-        if n:
-            copies[key] = n
-    gone: list[int] = []
-    for i, h in enumerate(keys):
-        left = copies.get(h, 0) - 1
-        if left > 0:
-            copies[h] = left
-        else:
-            copies.pop(h, None)
-            gone.append(i)
-    return gone
 
 
 def _subset(hashes: Sequence[bytes], index: list[int]) -> Sequence[bytes]:
@@ -169,6 +139,33 @@ def medium_key(medium: str | None) -> str:
     return (medium or DEFAULT_MEDIUM).casefold()
 
 
+@dataclass(slots=True)
+class Span:
+    """The rows of events ``first`` to ``last`` of a batch (several: a run
+    of removes in one row). ``bounds`` (several events) splits its one row
+    by event: event ``first + i`` removed hashes ``bounds[i]:bounds[i+1]``
+    of it; a lookup placed among them needs it (``per_event``)."""
+
+    first: int
+    last: int
+    rows: list[Row]
+    bounds: np.ndarray[Any, np.dtype[np.int64]] | None = None
+
+    def per_event(self) -> list[list[Row]]:
+        """The rows event by event (each of a run's parts a row of its own)."""
+        if self.bounds is None or not self.rows:
+            return [self.rows] + [[] for _ in range(self.last - self.first)]
+        (row,) = self.rows
+        hashes = row["block_hashes"]
+        assert isinstance(hashes, PackedHashes)
+        w, data = hashes.width, hashes.data
+        out: list[list[Row]] = []
+        for lo, hi in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
+            part = PackedHashes(data[lo * w : hi * w], w)
+            out.append([{**row, "block_hashes": part}] if hi > lo else [])
+        return out
+
+
 class EventConverter:
     """Decoded batches in, trace rows out, with a running ``seq``.
 
@@ -188,13 +185,14 @@ class EventConverter:
         self.config = config
         self.media = None if media is None else frozenset(medium_key(m) for m in media)
         self.next_seq = start_seq
-        # Per group, a Counter: a store's copies are counted in one C call
-        # (``update``), keyed by ``CopyKey`` (vLLM's integers as they came:
-        # no bytes object per hash); see ``copies``.
-        self._copies: list[Counter[CopyKey]] = [Counter() for _ in config.groups]
+        # Per group, its copy counts (``replay.sources.kv_copies``: vLLM's
+        # integers in a compiled table, a row's in one call), keyed by
+        # ``CopyKey``; see ``copies``.
+        self._copies = [CopyCounts() for _ in config.groups]
         self.kv_events = 0
         self.filtered_events = 0
         self._checked_groups: set[int] = set()
+        self._block_sizes = np.array([g.block_size for g in config.groups], dtype=np.int64)
 
     @property
     def copies(self) -> dict[tuple[int, bytes], int]:
@@ -300,8 +298,10 @@ class EventConverter:
                     check_limits(event)
                 gid = self._group(event)
             copies = self._copies[gid]
+            # The fast path's keys are of one kind (integers, or bytes of one width).
+            uniform = fast is not None
             if isinstance(event, BlockStored):
-                copies.update(keys)
+                copies.add(keys, uniform=uniform)
                 if hashes:
                     rows.append(
                         self._row(
@@ -313,7 +313,7 @@ class EventConverter:
                         )
                     )
             else:
-                gone = _remove_copies(copies, keys)
+                gone = copies.remove(keys, uniform=uniform)
                 if gone is None or gone:
                     rows.append(
                         self._row(
@@ -325,6 +325,109 @@ class EventConverter:
                         )
                     )
         return out
+
+    def convert_columns(self, cols: KVColumns) -> list[Span] | None:
+        """``convert_each`` of a batch read as columns
+        (``replay.sources.kv_columns``), the rows of its events in spans: a
+        run of ``BlockRemoved`` of one group and medium is one remove row
+        (vLLM sends one a block: a row each was most of a watch's work), the
+        store the same after every event of the run as after the rows
+        ``convert_each`` makes. None, with nothing changed, for what only
+        ``convert_each`` does or says: a medium filter, or an event it
+        would refuse (its error names it)."""
+        n = cols.events
+        if self.media is not None or n == 0:
+            return None
+        kind, offsets = cols.kind, cols.offsets
+        counts = np.diff(offsets)
+        group = cols.group.copy()
+        known = kind != CLEARED
+        num_groups = self.config.num_groups
+        if num_groups == 1:
+            group[known & (group < 0)] = 0
+        if (known & ((group < 0) | (group >= num_groups))).any():
+            return None
+        if int(counts.max(initial=0)) > ROW_HASHES.value() or HASH_BYTES.value() < 8:
+            return None
+        stores = kind == STORED
+        if stores.any():
+            own = self._block_sizes[group[stores]]
+            size = cols.block_size[stores]
+            given = size >= 0
+            if (given & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
+                return None
+            # What ``_check_spec`` reads (the spec's kind) this form never
+            # has: the group counts as checked, as after ``_group``.
+            if len(self._checked_groups) < num_groups:
+                self._checked_groups.update(group[stores].tolist())
+        ts = datetime.fromtimestamp(cols.ts, tz=UTC)
+        words = cols.hashes.astype(">u8").tobytes()
+        # Runs: consecutive removes of one group and medium.
+        removes = kind == REMOVED
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = ~(
+            removes[1:]
+            & removes[:-1]
+            & (group[1:] == group[:-1])
+            & (cols.medium[1:] == cols.medium[:-1])
+        )
+        firsts = np.flatnonzero(starts).tolist()
+        firsts.append(n)
+        limit = ROW_HASHES.value()
+        spans: list[Span] = []
+        self.kv_events += n
+        for a, end in pairwise(firsts):
+            k = int(kind[a])
+            if k == CLEARED:
+                self._clear()
+                spans.append(Span(a, a, [self._row(ts, "clear", group_id=None)]))
+                continue
+            gid = int(group[a])
+            medium = "GPU" if cols.medium[a] == MEDIUM_GPU else None
+            if k == STORED:
+                lo, hi = int(offsets[a]), int(offsets[a + 1])
+                self._copies[gid].add_ints(cols.hashes[lo:hi])
+                hashes = PackedHashes(words[8 * lo : 8 * hi], 8)
+                row = self._row(ts, "store", group_id=gid, block_hashes=hashes, medium=medium)
+                spans.append(Span(a, a, [row]))
+                continue
+            while a < end:
+                # A run's row holds at most a row's hashes (each event's are
+                # within the limit, checked above).
+                b = end
+                if offsets[end] - offsets[a] > limit:
+                    b = int(np.searchsorted(offsets, offsets[a] + limit, side="right")) - 1
+                spans.append(self._remove_run(ts, gid, medium, a, b - 1, cols, words))
+                a = b
+        return spans
+
+    def _remove_run(
+        self,
+        ts: datetime,
+        gid: int,
+        medium: str | None,
+        first: int,
+        last: int,
+        cols: KVColumns,
+        words: bytes,
+    ) -> Span:
+        """Events ``first`` to ``last`` (removes of group ``gid``) in one row."""
+        offsets = cols.offsets[first : last + 2]
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        gone = self._copies[gid].remove_ints(cols.hashes[lo:hi])
+        bounds = offsets - lo
+        if gone is None:
+            data = words[8 * lo : 8 * hi]
+        else:
+            at = np.asarray(gone, dtype=np.int64)
+            bounds = np.searchsorted(at, bounds)
+            data = b"".join([words[8 * (lo + i) : 8 * (lo + i + 1)] for i in gone])
+        if not data:
+            return Span(first, last, [])
+        row = self._row(
+            ts, "remove", group_id=gid, block_hashes=PackedHashes(data, 8), medium=medium
+        )
+        return Span(first, last, [row], bounds=bounds)
 
     def restart(self, ts: datetime) -> list[Row]:
         """A publisher restart: the new engine starts with an empty cache."""

@@ -152,7 +152,8 @@ class KVBatch:
         return datetime.fromtimestamp(self.ts, tz=UTC)
 
 
-def _valid_ts(ts: float) -> bool:
+def valid_ts(ts: float) -> bool:
+    """Whether ``ts`` is a time in seconds a batch may carry."""
     try:
         datetime.fromtimestamp(ts, tz=UTC)
     except (ValueError, OverflowError, OSError):
@@ -171,7 +172,7 @@ def decode_batch(payload: bytes) -> KVBatch:
         except (msgspec.DecodeError, RecursionError):
             pass
         else:
-            if _valid_ts(batch.ts):
+            if valid_ts(batch.ts):
                 return KVBatch(
                     ts=batch.ts, events=batch.events, data_parallel_rank=batch.data_parallel_rank
                 )
@@ -195,7 +196,7 @@ def _decode_slowly(payload: bytes) -> KVBatch:
     rank = obj[2] if len(obj) == 3 else None
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise MalformedBatch(f"batch ts: expected a number of seconds, got {msgpack_type(ts)}")
-    if not _valid_ts(ts):
+    if not valid_ts(ts):
         raise MalformedBatch(f"batch ts: {ts!r} is not a valid time in seconds")
     if not isinstance(events, list):
         raise MalformedBatch(f"batch events: expected an array, got {msgpack_type(events)}")

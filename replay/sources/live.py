@@ -9,7 +9,10 @@ The stream is ``replay.sources.stream.StreamProcessor`` (seq order, gaps
 filled from the replay endpoint, restarts turned into a clear row), the
 lookups are placed by ``replay.sources.plugin_log.LookupPlacer`` exactly as
 ``replay record`` places them, so the rows a watch folds are the rows a
-recording of the same engine writes.
+recording of the same engine writes, but for one thing: the batches vLLM
+sends are read as columns (``replay.sources.kv_columns``) and a run of
+removes of one group is one row (vLLM sends a ``BlockRemoved`` a block), so
+the store at every lookup is the recording's in fewer rows.
 
 Unlike a recording, nothing here may grow with time or block the engine:
 both SUB sockets have a receive high-water mark (ZMQ then drops at the
@@ -207,6 +210,7 @@ class EngineFeed:
             placer=self.placer,
             # A gap nobody answered is given up at once: a watch judges now.
             reorder_seconds=0.0,
+            columnar=True,
         )
         if self.replay is not None:
             self.proc.catch_up(self.replay.fetch)

@@ -7,16 +7,19 @@ import heapq
 import json
 import os
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.base.errors import ConfigError, ReplayError
 from replay.base.limits import bounded_lines
 from replay.base.spec import TraceConfig
 from replay.sources.lookup_log import LookupRecord, parse_lookup
 from replay.sources.values import Report, Row, msgpack_type
+
+if TYPE_CHECKING:  # kv_rows needs msgspec (the record extra); the plugin's log does not
+    from replay.sources.kv_rows import Span
 
 PLUGIN_RECORD_TYPES = ("engine", "lookup")
 
@@ -164,7 +167,7 @@ class LookupPlacer:
         self.instances: list[str] = []
         self.watermarks: dict[str, int] = {}
         self._lookups: dict[str, list[tuple[tuple[int, int, int], PlacedLookup]]] = {}
-        self._pending: deque[tuple[int | None, int, list[list[Row]]]] = deque()
+        self._pending: deque[tuple[int | None, int, list[list[Row]] | list[Span]]] = deque()
         #: The epochs of the pending batches, counted (a later one pending
         #: is asked per batch: no scan of a long backlog).
         self._pending_epochs: Counter[int] = Counter()
@@ -200,7 +203,9 @@ class LookupPlacer:
         self.watermarks[instance] = max(self.watermarks.get(instance, 0), batches)
         self.drain()
 
-    def batch(self, epoch: int, seq: int, per_event: list[list[Row]]) -> None:
+    def batch(self, epoch: int, seq: int, per_event: list[list[Row]] | list[Span]) -> None:
+        """A batch's rows: a list per event, or ``Span`` s (from
+        ``EventConverter.convert_columns``)."""
         self._pending.append((epoch, seq, per_event))
         self._pending_epochs[epoch] += 1
         self.drain()
@@ -230,7 +235,9 @@ class LookupPlacer:
                 if not self._pending_epochs[epoch]:
                     del self._pending_epochs[epoch]
             if epoch is None:
-                self._write(per_event[0])
+                rows = per_event[0]
+                assert isinstance(rows, list)
+                self._write(rows)
             else:
                 self._release(epoch, seq, per_event)
 
@@ -243,9 +250,28 @@ class LookupPlacer:
             taken.append(heapq.heappop(heap)[1])
         return taken
 
-    def _release(self, epoch: int, seq: int, per_event: list[list[Row]]) -> None:
+    def _ahead(self, epoch: int, upto: tuple[int, int]) -> bool:
+        """Whether a lookup placed before ``upto`` is still held."""
+        if epoch >= len(self.instances):
+            return False
+        heap = self._lookups[self.instances[epoch]]
+        return bool(heap) and heap[0][0][:2] < upto
+
+    def _release(self, epoch: int, seq: int, per_event: list[list[Row]] | list[Span]) -> None:
         out: list[Row] = []
-        for i, rows in enumerate(per_event):
+        entries: Sequence[list[Row] | Span] = per_event
+        for i, rows in enumerate(entries):
+            if not isinstance(rows, list):
+                span = rows
+                out.extend(self._lookup_row(lk) for lk in self._take(epoch, (seq, span.first + 1)))
+                if span.last == span.first or not self._ahead(epoch, (seq, span.last + 1)):
+                    out.extend(span.rows)
+                    continue
+                # A lookup among the span's events: its rows event by event.
+                for j, event_rows in enumerate(span.per_event(), start=span.first):
+                    out.extend(self._lookup_row(lk) for lk in self._take(epoch, (seq, j + 1)))
+                    out.extend(event_rows)
+                continue
             out.extend(self._lookup_row(lk) for lk in self._take(epoch, (seq, i + 1)))
             out.extend(rows)
         # Lookups after the batch's last event (none, when the plugin and the

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.spec import TraceConfig
+from replay.sources.kv_columns import decode_columns
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_rows import EventConverter, EventOverLimit, medium_key
-from replay.sources.kv_wire import KVBatch, MalformedBatch, decode_batch
+from replay.sources.kv_wire import KVBatch, MalformedBatch, decode_batch, valid_ts
 from replay.sources.plugin_log import LookupPlacer
 from replay.sources.values import Report, Row, to_stderr
 
@@ -100,8 +101,13 @@ class StreamProcessor:
         placer: LookupPlacer | None = None,
         reorder_seconds: float = 0.0,
         reorder_batches: int = 10_000,
+        columnar: bool = False,
     ) -> None:
         self.converter = EventConverter(config, media=media)
+        # With a placer: batches of vLLM's own form read as columns, a run
+        # of removes one row (``EventConverter.convert_columns``; ``replay
+        # watch``: the store at every lookup the same, the rows fewer).
+        self.columnar = columnar and placer is not None
         self.sink = sink
         # With the plugin's lookups, batches go to the placer event by event
         # (it puts each lookup before the event at its position).
@@ -349,6 +355,8 @@ class StreamProcessor:
         self.epochs[-1]["last_seq"] = seq
         label = f"seq {seq}" + (f" (epoch {self.epoch})" if self.epoch else "")
         at = f"{where} ({label})" if where else label
+        if self.columnar and self._take_columns(seq, payload):
+            return
         try:
             batch = decode_batch(payload)
         except MalformedBatch as exc:
@@ -370,6 +378,23 @@ class StreamProcessor:
         except (GroupMismatch, EventOverLimit) as exc:
             raise type(exc)(f"{at}: {exc}") from None
         self._emit(rows)
+
+    def _take_columns(self, seq: int, payload: bytes) -> bool:
+        """The batch read as columns and placed; False (nothing taken) when
+        it is not of that form, for ``decode_batch`` and ``convert_each``."""
+        assert self.placer is not None
+        cols = decode_columns(payload)
+        if cols is None or not valid_ts(cols.ts):
+            return False
+        self._flush_clear(datetime.fromtimestamp(cols.ts, tz=UTC))
+        spans = self.converter.convert_columns(cols)
+        if spans is None:
+            return False
+        if cols.data_parallel_rank is not None:
+            self.ranks.add(cols.data_parallel_rank)
+        self.rows += sum(len(span.rows) for span in spans)
+        self.placer.batch(self.epoch, seq, spans)
+        return True
 
     def _place(self, seq: int, batch: KVBatch) -> None:
         assert self.placer is not None
