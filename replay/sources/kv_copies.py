@@ -90,6 +90,20 @@ def _put(keys: Any, counts: Any, mask: int, held: Any, copies: Any) -> None:
         counts[free] = copies[k]
 
 
+def _take_each(copies: Counter[bytes], keys: Sequence[bytes]) -> list[int]:
+    """One copy of each of ``keys`` taken, in order: the positions of the
+    ones whose last copy went (or that had none)."""
+    gone: list[int] = []
+    for i, key in enumerate(keys):
+        left = copies.get(key, 0) - 1
+        if left > 0:
+            copies[key] = left
+        else:
+            copies.pop(key, None)
+            gone.append(i)
+    return gone
+
+
 class CopyCounts:
     """The copies held of each hash of one group."""
 
@@ -162,15 +176,9 @@ class CopyCounts:
             went = self.remove_ints(ints)
             gone = at_int if went is None else [at_int[j] for j in went]
         if len(at_int) != len(keys):
-            for i, key in enumerate(keys):
-                if isinstance(key, bytes):
-                    left = self._other.get(key, 0) - 1
-                    if left > 0:
-                        self._other[key] = left
-                    else:
-                        self._other.pop(key, None)
-                        gone.append(i)
-            gone.sort()
+            at_bytes = [i for i, k in enumerate(keys) if isinstance(k, bytes)]
+            went = _take_each(self._other, [keys[i] for i in at_bytes])  # type: ignore[misc]
+            gone = sorted(gone + [at_bytes[j] for j in went])
         return None if len(gone) == len(keys) else gone
 
     def _remove_other(self, keys: Sequence[bytes]) -> list[int] | None:
@@ -185,14 +193,7 @@ class CopyCounts:
         for key, n in zip(keys, had, strict=True):
             if n:
                 copies[key] = n
-        gone: list[int] = []
-        for i, key in enumerate(keys):
-            left = copies.get(key, 0) - 1
-            if left > 0:
-                copies[key] = left
-            else:
-                copies.pop(key, None)
-                gone.append(i)
+        gone = _take_each(copies, keys)
         return None if len(gone) == len(keys) else gone
 
     def items(self) -> Iterator[tuple[CopyKey, int]]:
