@@ -150,9 +150,9 @@ def _prune(base: str, keep: str) -> None:
         pass
 
 
-def _try(base: str, prune: bool) -> bool:
-    """Cache under ``base``, in this fingerprint's directory, if numba can."""
-    path = os.path.join(base, fingerprint())
+def _try(base: str, prune: bool, sources: str) -> bool:
+    """Cache under ``base``, in the directory of ``sources`` (a fingerprint), if numba can."""
+    path = os.path.join(base, sources)
     try:
         fresh = not os.path.isdir(path)
         os.makedirs(path, exist_ok=True)
@@ -169,8 +169,12 @@ def _try(base: str, prune: bool) -> bool:
 
 def _choose() -> bool:
     own = config.CACHE_DIR  # type: ignore[attr-defined]  # NUMBA_CACHE_DIR, when set
-    for base, prune in ((own, False), (_user_cache_dir(), True), (_private_dir(), True)):
-        if base and _try(base, prune):
+    sources = fingerprint()  # read once: each directory tried is named by it
+    # Each place made only when the one before it failed.
+    places = ((lambda: own, False), (_user_cache_dir, True), (_private_dir, True))
+    for place, prune in places:
+        base = place()
+        if base and _try(base, prune, sources):
             return True
     config.CACHE_DIR = ""  # type: ignore[attr-defined]
     return False
