@@ -5,6 +5,7 @@ under ``replay``; and ``replay --help`` naming every command."""
 from __future__ import annotations
 
 import errno
+import os
 import signal
 from pathlib import Path
 
@@ -122,3 +123,28 @@ def test_help_explains_every_command_in_a_whole_sentence() -> None:
         sentence = cmd.get_short_help_str(limit=1000)
         assert sentence.endswith(".") and not sentence.endswith("..."), path
         assert f" {' '.join(path)} {sentence}" in text, path
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("4", "4")])
+def test_the_console_script_starts_no_blas_threads(
+    monkeypatch: pytest.MonkeyPatch, given: str | None, seen: str
+) -> None:
+    """The console script asks numpy's OpenBLAS for one thread before
+    anything imports numpy (its other threads only spun: no command calls
+    BLAS), keeping a setting of the user's own."""
+    import replay.cli
+    from replay import entry
+
+    if given is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", given)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest keeps its handlers
+    found: list[str | None] = []
+    monkeypatch.setattr(
+        replay.cli,
+        "main",
+        lambda: found.append(os.environ.get("OPENBLAS_NUM_THREADS")),
+    )
+    entry.main()
+    assert found == [seen]
