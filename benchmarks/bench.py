@@ -37,6 +37,8 @@ with pyarrow (target within 2x), its peak RSS at 300k against 30k (target
 within 1.3x), and the hash entries it replays per second of its own CPU time
 (target 30M); with Ray, ``--workers 2`` on the 300k day written as
 ``BENCH_SCALE_FILES`` files against that serial run (target no slower).
+Then where one run of the 300k day spends its time, stage by stage and
+thread by thread (``benchmarks.timeline``).
 ``BENCH_ONLY=day`` runs only those; ``BENCH_ONLY=conversation``
 only the conversation trace's figures (a) and (b). Every figure is printed
 with the one-minute load average when it was taken: on a shared machine the
@@ -492,6 +494,34 @@ done(0.0, entries=int(pc.sum(pc.list_value_length(column)).as_py() or 0))
 """
 
 
+TIMELINE = """
+from benchmarks.timeline import timeline
+t = timeline({path!r})
+done(t["seconds"], split=t)
+"""
+
+
+def day_split(path: Path) -> None:
+    """Where one ``replay run`` of the day spends its time, stage by stage
+    and thread by thread (``benchmarks.timeline``): the pipeline's two
+    threads, what the fold waited for, and the serial parts at each end."""
+    t = _child(TIMELINE, path=str(path))["split"]
+    st = t["stages"]
+    cpu = {k: v["cpu"] for k, v in st.items()}
+    reader = cpu["decode"] + cpu["validate"] + cpu["scatter"]
+    main = cpu["answers"] + cpu["results"] + cpu["flags"] + cpu["write"] + cpu["summary"]
+    print(
+        f"where one run's time goes: imports {t['imports']:.2f} s, then {t['seconds']:.2f} s "
+        f"(CPU {t['cpu']:.2f} s with the imports); the reader's thread {reader:.2f} s CPU "
+        f"(decode {cpu['decode']:.2f}, validate {cpu['validate']:.2f}, split and key metas "
+        f"{cpu['scatter']:.2f}); the fold's {cpu['fold']:.2f} s CPU, first fold at "
+        f"{t['fold_first']:.2f} s, {t['fold_gaps']:.2f} s waiting for the reader; the main "
+        f"thread {main:.2f} s CPU (answers {cpu['answers']:.2f}); after the last fold "
+        f"{t['after_fold']:.2f} s on one thread (results {cpu['results']:.2f}, flags "
+        f"{cpu['flags']:.2f}, file {cpu['write']:.2f}) (load {_load():.1f})"
+    )
+
+
 def day_trace(requests: int) -> Path:
     path = DATA / f"day-{requests // 1000}k.parquet"
     if not path.exists():
@@ -541,6 +571,7 @@ def day() -> bool:
     print(
         f"targets: run within 2x of read, 30M entries a CPU second, RSS within 1.3x: {ok and large <= 1.3 * small}"
     )
+    day_split(day_trace(DAY_REQUESTS[-1]))
     if _has_ray():
         day_on_ray(day_trace(DAY_REQUESTS[-1]), *serial)
     else:

@@ -5,6 +5,7 @@ under ``replay``; and ``replay --help`` naming every command."""
 from __future__ import annotations
 
 import errno
+import os
 import signal
 from pathlib import Path
 
@@ -122,3 +123,52 @@ def test_help_explains_every_command_in_a_whole_sentence() -> None:
         sentence = cmd.get_short_help_str(limit=1000)
         assert sentence.endswith(".") and not sentence.endswith("..."), path
         assert f" {' '.join(path)} {sentence}" in text, path
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("4", "4")])
+def test_the_console_script_starts_no_blas_threads(
+    monkeypatch: pytest.MonkeyPatch, given: str | None, seen: str
+) -> None:
+    """The console script asks numpy's OpenBLAS for one thread before
+    anything imports numpy (its other threads only spun: no command calls
+    BLAS), keeping a setting of the user's own."""
+    import replay.cli
+    from replay import entry
+
+    if given is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", given)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest keeps its handlers
+    found: list[str | None] = []
+    monkeypatch.setattr(
+        replay.cli,
+        "main",
+        lambda: found.append(os.environ.get("OPENBLAS_NUM_THREADS")),
+    )
+    entry.main()
+    assert found == [seen]
+
+
+def test_the_exit_walks_none_of_the_imports_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a command is done and its output flushed, the console script
+    freezes Python's collector, so the interpreter's exit does not walk
+    every object the imports made looking for cycles."""
+    import gc
+    import sys
+
+    from replay.cli.common import run_main
+
+    frozen: list[bool] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest keeps its handlers
+    monkeypatch.setattr(sys, "argv", ["noop"])
+
+    @click.command()
+    def noop() -> None:
+        assert not frozen
+
+    with pytest.raises(SystemExit) as exc:
+        run_main(noop, "noop")
+    assert exc.value.code in (0, None)
+    assert frozen == [True]
