@@ -20,7 +20,7 @@ import pytest
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold
 from replay.rules.coordinator import DEFAULT_POLICY
-from replay.sources.kv_columns import CLEARED, REMOVED, STORED, decode_columns
+from replay.sources.kv_columns import CLEARED, REMOVED, STORED, decode_columns, payload_digest
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_wire import BlockRemoved, BlockStored, MalformedBatch, decode_batch
 from replay.sources.lookup_log import LookupRecord
@@ -351,3 +351,55 @@ def test_every_cut_of_a_batch_is_left_to_decode_batch() -> None:
         with pytest.raises(MalformedBatch):
             decode_batch(body[:end])
     assert decode_columns(body + b"\x00") is None  # trailing bytes
+
+
+def test_the_payload_digest_tells_every_one_word_change_apart() -> None:
+    """``payload_digest`` (the stream's test of a repeated batch): equal
+    payloads alike; a payload with any one byte changed, cut or lengthened
+    never alike (a change within one 8-byte word, or the tail, changes one
+    lane of a bijective pass), and random payloads of every length up to a
+    few lanes' words all different."""
+    rng = random.Random(33)
+    seen: dict[int, bytes] = {}
+    for size in [*range(0, 80), 1000, 4096, 65_537]:
+        body = rng.randbytes(size)
+        digest = payload_digest(body)
+        assert payload_digest(bytes(body)) == digest
+        assert seen.setdefault(digest, body) == body
+        if size:
+            assert payload_digest(body[:-1]) != digest
+        assert payload_digest(body + b"\0") != digest
+        for at in range(size) if size <= 80 else rng.sample(range(size), 200):
+            changed = bytearray(body)
+            changed[at] ^= 1 << rng.randrange(8)
+            assert payload_digest(bytes(changed)) != digest, (size, at)
+    # Two payloads that differ in several words (a restart's new batch).
+    for _ in range(2000):
+        body = rng.randbytes(rng.randrange(1, 300))
+        digest = payload_digest(body)
+        assert seen.setdefault(digest, body) == body
+
+
+def test_a_repeated_batch_is_a_duplicate_and_another_payload_a_restart() -> None:
+    """The stream by the digest: a batch sent again with its seq (a replay
+    fill overlapping the live stream) is counted and dropped; the same seq
+    with another payload starts a new epoch."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+        hash_block_size=16,
+        scheduler_block_size=16,
+    )
+    rows: list[Row] = []
+    proc = StreamProcessor(config, rows.extend, report=lambda _: None)
+    first = [payload(T0 + i, stored([10 + i])) for i in range(3)]
+    for seq, body in enumerate(first):
+        proc.feed(frames(seq, body), origin="live", recv_ts=0.0)
+    proc.feed(frames(1, first[1]), origin="replay", recv_ts=0.0)
+    assert (proc.duplicates, proc.restarts, len(rows)) == (1, [], 3)
+    # One byte of the hash changed: not the batch taken at seq 1.
+    other = payload(T0 + 1, stored([11 ^ 1]))
+    assert len(other) == len(first[1])
+    proc.feed(frames(1, other), origin="live", recv_ts=0.0)
+    assert proc.duplicates == 1
+    assert proc.restarts == [{"epoch": 1, "previous_last_seq": 2}]
+    assert [r["kind"] for r in rows[3:]] == ["clear", "store"]
