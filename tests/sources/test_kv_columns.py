@@ -20,9 +20,22 @@ import pytest
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold
 from replay.rules.coordinator import DEFAULT_POLICY
-from replay.sources.kv_columns import CLEARED, REMOVED, STORED, decode_columns, payload_digest
+from replay.sources.kv_columns import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVColumns,
+    decode_columns,
+    payload_digest,
+)
 from replay.sources.kv_config import GroupMismatch
-from replay.sources.kv_wire import BlockRemoved, BlockStored, MalformedBatch, decode_batch
+from replay.sources.kv_wire import (
+    BlockRemoved,
+    BlockStored,
+    MalformedBatch,
+    decode_batch,
+    valid_ts,
+)
 from replay.sources.lookup_log import LookupRecord
 from replay.sources.plugin_log import LookupPlacer, PlacedLookup
 from replay.sources.stream import StreamProcessor
@@ -117,29 +130,74 @@ def test_columns_are_what_decode_batch_reads() -> None:
     for _ in range(300):
         events = [_random_event(rng) for _ in range(rng.randint(0, 6))]
         body = payload(T0 + rng.random(), *events, rank=rng.choice([None, 0, 2]))
-        cols = decode_columns(body)
-        assert cols is not None
-        batch = decode_batch(body)
-        assert (cols.ts, cols.data_parallel_rank) == (batch.ts, batch.data_parallel_rank)
-        want: list[tuple[int, int, int, int, list[bytes | int]]] = []
-        for e in batch.events:
-            if isinstance(e, BlockStored | BlockRemoved):
-                kind = STORED if isinstance(e, BlockStored) else REMOVED
-                size = e.block_size if isinstance(e, BlockStored) else None
-                want.append(
-                    (kind, -1 if e.group_idx is None else e.group_idx,
-                     -1 if size is None else size, int(e.medium == "GPU"), list(e.block_hashes))
-                )  # fmt: skip
-            else:
-                want.append((CLEARED, -1, -1, 0, []))
-        got: list[tuple[int, int, int, int, list[bytes | int]]] = [
-            (int(k), int(g), int(s), int(m), cols.hashes[a:b].tolist())
-            for k, g, s, m, a, b in zip(
-                cols.kind, cols.group, cols.block_size, cols.medium,
-                cols.offsets[:-1], cols.offsets[1:], strict=True,
-            )
-        ]  # fmt: skip
-        assert got == want
+        assert decode_columns(body) is not None
+        _same_as_decode_batch(body)
+
+
+def test_vllm_s_one_block_removes_read_by_their_bytes_as_field_by_field() -> None:
+    """vLLM's ``BlockRemoved`` of one block (hash, medium, group: matched by
+    its bytes) with hashes and groups of every integer width, and one byte
+    changes of such batches (every value of every byte of a small one): the
+    columns are ``decode_batch``'s or None, as when each event is read
+    field by field."""
+    rng = random.Random(11)
+    events = [
+        removed([h], group=g)
+        for h in [0, 5, 200, 40_000, 2**31, 2**64 - 1]
+        for g in [0, 1, 255, 70_000, 2**62]
+    ]
+    for _ in range(20):
+        body = payload(T0, *rng.sample(events, 5), stored([3]), *rng.sample(events, 3))
+        assert _same_as_decode_batch(body) is not None
+        for at in rng.sample(range(len(body)), 60):
+            changed = bytearray(body)
+            changed[at] = rng.randrange(256)
+            _same_as_decode_batch(bytes(changed))
+    # A group past the columns' limit: not read here, as field by field.
+    assert decode_columns(payload(T0, removed([1], group=2**62 + 1))) is None
+    body = payload(T0, removed([2**64 - 1], group=2), removed([7], group=0))
+    cols = _same_as_decode_batch(body)
+    assert cols is not None
+    assert (cols.hashes.tolist(), cols.group.tolist()) == ([2**64 - 1, 7], [2, 0])
+    for at in range(len(body)):
+        for value in range(256):
+            changed = bytearray(body)
+            changed[at] = value
+            _same_as_decode_batch(bytes(changed))
+
+
+def _same_as_decode_batch(body: bytes) -> KVColumns | None:
+    """``decode_columns(body)``, checked to be None or what ``decode_batch``
+    reads (an invalid ts is the caller's to refuse, as ``decode_batch`` does)."""
+    cols = decode_columns(body)
+    if cols is None:
+        return None
+    if not valid_ts(cols.ts):
+        with pytest.raises(MalformedBatch):
+            decode_batch(body)
+        return None
+    batch = decode_batch(body)
+    assert (cols.ts, cols.data_parallel_rank) == (batch.ts, batch.data_parallel_rank)
+    want: list[tuple[int, int, int, int, list[bytes | int]]] = []
+    for e in batch.events:
+        if isinstance(e, BlockStored | BlockRemoved):
+            kind = STORED if isinstance(e, BlockStored) else REMOVED
+            size = e.block_size if isinstance(e, BlockStored) else None
+            want.append(
+                (kind, -1 if e.group_idx is None else e.group_idx,
+                 -1 if size is None else size, int(e.medium == "GPU"), list(e.block_hashes))
+            )  # fmt: skip
+        else:
+            want.append((CLEARED, -1, -1, 0, []))
+    got: list[tuple[int, int, int, int, list[bytes | int]]] = [
+        (int(k), int(g), int(s), int(m), cols.hashes[a:b].tolist())
+        for k, g, s, m, a, b in zip(
+            cols.kind, cols.group, cols.block_size, cols.medium,
+            cols.offsets[:-1], cols.offsets[1:], strict=True,
+        )
+    ]  # fmt: skip
+    assert got == want
+    return cols
 
 
 def _config(groups: int = 1) -> TraceConfig:
