@@ -9,6 +9,7 @@ store at every lookup is the one of the rows ``convert_each`` makes.
 
 from __future__ import annotations
 
+import itertools
 import random
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +30,7 @@ from replay.sources.kv_columns import (
     payload_digest,
 )
 from replay.sources.kv_config import GroupMismatch
+from replay.sources.kv_rows import _batch_runs
 from replay.sources.kv_wire import (
     BlockRemoved,
     BlockStored,
@@ -461,3 +463,66 @@ def test_a_repeated_batch_is_a_duplicate_and_another_payload_a_restart() -> None
     assert proc.duplicates == 1
     assert proc.restarts == [{"epoch": 1, "previous_last_seq": 2}]
     assert [r["kind"] for r in rows[3:]] == ["clear", "store"]
+
+
+def _runs_by_arrays(
+    kind: Any,
+    group: Any,
+    block_size: Any,
+    medium: Any,
+    offsets: Any,
+    sizes: Any,
+    groups: int,
+    limit: int,
+) -> tuple[list[int], list[int]] | None:
+    """``_batch_runs`` as ``convert_columns`` worked it out before, by array
+    operations: the groups and the runs' starts, or None."""
+    counts = np.diff(offsets)
+    group = group.copy()
+    known = kind != CLEARED
+    if groups == 1:
+        group[known & (group < 0)] = 0
+    if (known & ((group < 0) | (group >= groups))).any():
+        return None
+    if int(counts.max(initial=0)) > limit:
+        return None
+    stores = kind == STORED
+    if stores.any():
+        own = sizes[group[stores]]
+        size = block_size[stores]
+        if ((size >= 0) & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
+            return None
+    removes = kind == REMOVED
+    starts = np.ones(len(kind), dtype=bool)
+    starts[1:] = ~(
+        removes[1:] & removes[:-1] & (group[1:] == group[:-1]) & (medium[1:] == medium[:-1])
+    )
+    return group.tolist(), [*np.flatnonzero(starts).tolist(), len(kind)]
+
+
+def test_a_batch_s_checks_and_runs_in_one_pass_are_the_array_operations() -> None:
+    """Random columns (groups past the config's or none, block sizes above,
+    below and equal to the group's, clears, media, events past the hash
+    limit): the compiled pass refuses what the array operations refused,
+    and otherwise gives their groups and runs."""
+    rng = random.Random(5)
+    refused = 0
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        groups = rng.choice([1, 2, 3])
+        sizes = np.array([rng.choice([16, 32]) for _ in range(groups)], dtype=np.int64)
+        kind = np.array([rng.choice([STORED, REMOVED, REMOVED, CLEARED]) for _ in range(n)],
+                        dtype=np.int8)  # fmt: skip
+        group = np.array([rng.choice([-1, 0, 0, 1, 2, 3]) for _ in range(n)], dtype=np.int64)
+        block_size = np.array([rng.choice([-1, 8, 16, 32, 64]) for _ in range(n)], dtype=np.int64)
+        medium = np.array([rng.choice([0, 1, 1]) for _ in range(n)], dtype=np.int8)
+        counts = [0 if k == CLEARED else rng.choice([1, 1, 2, 3]) for k in kind]
+        offsets = np.array([0, *itertools.accumulate(counts)], dtype=np.int64)
+        limit = rng.choice([1, 2, 3, 100])
+        want = _runs_by_arrays(kind, group, block_size, medium, offsets, sizes, groups, limit)
+        ok, got_group, starts = _batch_runs(
+            kind, group, block_size, medium, offsets, sizes, groups, limit
+        )
+        refused += not ok
+        assert (None if not ok else (got_group.tolist(), starts.tolist())) == want
+    assert 300 < refused < 2700
