@@ -369,13 +369,16 @@ def watch_trace(trace: Path, form: str) -> bool:
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        # Its kernels may compile first (a changed source: a new numba cache).
+        deadline = time.monotonic() + 600
         while True:
             try:
                 scrape(mport)
                 break
             except OSError:
                 if time.monotonic() > deadline or watch.poll() is not None:
+                    # Ended first: a watch still running never ends by itself.
+                    watch.kill()
                     print("bench watch: the watch did not start", watch.communicate())
                     return False
                 time.sleep(0.1)

@@ -7,7 +7,9 @@ at the Mooncake conversation trace's rate sends about 1,400 events and
 Python object of each. :func:`decode_columns` reads the batch as vLLM
 writes it (the map form, integer hashes, the fields vLLM 0.33 writes) in
 one compiled pass into flat arrays: per event its type, group, block size,
-medium and hashes; the token ids are only stepped over.
+medium and hashes; the token ids are only stepped over, and vLLM's
+``BlockRemoved`` of one block (most events: one an evicted block) is
+matched by its bytes around its hash and group.
 
 It reads a strict subset of what :func:`replay.sources.kv_wire.decode_batch`
 accepts, and reads it to the same values: anything else (the legacy array
@@ -83,6 +85,13 @@ def _table(words: tuple[str, ...]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any
 _FIELD_TABLE, _FIELD_LENGTHS = _table(_FIELDS)
 _TAG_TABLE, _TAG_LENGTHS = _table(_TAGS)
 _GPU = np.frombuffer(b"GPU", dtype=np.uint8).copy()
+# vLLM 0.33's BlockRemoved of one block (``omit_defaults``: its locality
+# and ownership left out) around its hash, then its group: the bytes up to
+# the hash, and from it to the group.
+_REMOVED_HEAD = np.frombuffer(
+    b"\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91", dtype=np.uint8
+).copy()
+_REMOVED_TAIL = np.frombuffer(b"\xa6medium\xa3GPU\xa9group_idx", dtype=np.uint8).copy()
 
 # Which fields each event type may carry here (a bit per field); vLLM's
 # others are nil when written at all.
@@ -252,6 +261,8 @@ def _decode(
     gpu: Any,
     allowed: Any,
     int_sizes: Any,
+    removed_head: Any,
+    removed_tail: Any,
 ) -> Any:
     """The batch's columns; ``ok`` False for anything outside the subset
     read here (the caller then takes ``decode_batch``)."""
@@ -293,7 +304,37 @@ def _decode(
     # A hash takes a byte at least: the payload bounds their number.
     hashes = np.empty(n, dtype=np.uint64)
     h = 0
+    head_n = removed_head.shape[0]
+    tail_n = removed_tail.shape[0]
     for e in range(count):
+        # Most events: vLLM's BlockRemoved of one block with its group and
+        # medium, matched by its bytes. Any other bytes (a field more or
+        # less, another order, a group past the limit) are read field by
+        # field below, from the event's start: the same values or None.
+        if pos + head_n <= n and buf[pos] == removed_head[0]:
+            same = True
+            for k in range(1, head_n):
+                if buf[pos + k] != removed_head[k]:
+                    same = False
+                    break
+            if same:
+                ok, v, at = _uint(buf, pos + head_n)
+                if ok and at + tail_n <= n:
+                    for k in range(tail_n):
+                        if buf[at + k] != removed_tail[k]:
+                            ok = False
+                            break
+                    if ok:
+                        ok, g, end = _uint(buf, at + tail_n)
+                        if ok and g <= np.uint64(1 << 62):
+                            kind[e] = REMOVED
+                            medium[e] = MEDIUM_GPU
+                            group[e] = g
+                            hashes[h] = v
+                            h += 1
+                            offsets[e + 1] = h
+                            pos = end
+                            continue
         ok, fields, pos = _map(buf, pos)
         if not ok or fields == 0:
             return fail
@@ -411,12 +452,82 @@ def _decode(
     return (True, ts, rank, kind, group, block_size, medium, offsets, hashes[:h].copy())
 
 
+_LANE = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+@jit()
+def _mixed(x: Any) -> Any:
+    """SplitMix64's finaliser: a bijection of 64-bit words."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+@jit()
+def _digest(buf: Any) -> Any:
+    """``payload_digest``: four lanes over the 8-byte words (word ``k`` to
+    lane ``k % 4``, each step ``(lane ^ word) * odd`` then an xorshift, a
+    bijection of the lane for a given word and injective in the word), the
+    tail bytes and the length folded in at the end."""
+    n = buf.shape[0]
+    m = n // 8
+    words = buf[: 8 * m].view(np.uint64)
+    s32 = np.uint64(32)
+    lanes = np.array([1, 2, 3, 4], dtype=np.uint64)
+    a, b, c, d = lanes[0], lanes[1], lanes[2], lanes[3]
+    k = 0
+    while k + 4 <= m:
+        a = (a ^ words[k]) * _LANE
+        a ^= a >> s32
+        b = (b ^ words[k + 1]) * _LANE
+        b ^= b >> s32
+        c = (c ^ words[k + 2]) * _LANE
+        c ^= c >> s32
+        d = (d ^ words[k + 3]) * _LANE
+        d ^= d >> s32
+        k += 4
+    lanes[0], lanes[1], lanes[2], lanes[3] = a, b, c, d
+    for j in range(k, m):
+        x = (lanes[j - k] ^ words[j]) * _LANE
+        lanes[j - k] = x ^ (x >> s32)
+    tail = np.uint64(0)
+    for j in range(8 * m, n):
+        tail = (tail << np.uint64(8)) | np.uint64(buf[j])
+    h = _mixed(np.uint64(n) ^ tail * _MIX1)
+    for i in range(4):
+        h ^= _mixed(lanes[i] + np.uint64(i + 1) * _MIX2)
+    return _mixed(h)
+
+
+def payload_digest(payload: bytes) -> int:
+    """A 64-bit digest of a KV-event message's payload: the stream's test
+    of a repeated batch (``replay.sources.stream``: the same seq with the
+    same payload is a duplicate, another payload a restart). A compiled
+    pass at memory speed (blake2b's was a tenth of a watch's CPU); not a
+    cryptographic hash, but two payloads that differ only in the words of
+    one lane (every payload that differs in one 8-byte word, or in its
+    tail) always differ here, and others collide by chance once in 2**64,
+    as blake2b's 8 bytes did."""
+    return int(_digest(np.frombuffer(payload, dtype=np.uint8)))
+
+
 def decode_columns(payload: bytes) -> KVColumns | None:
     """``payload`` as columns when it is of the form read here; None for
     anything else (``decode_batch`` then reads it, or says what is wrong)."""
     buf = np.frombuffer(payload, dtype=np.uint8)
     ok, ts, rank, kind, group, block_size, medium, offsets, hashes = _decode(
-        buf, _FIELD_TABLE, _FIELD_LENGTHS, _TAG_TABLE, _TAG_LENGTHS, _GPU, _ALLOWED, _INT_SIZES
+        buf,
+        _FIELD_TABLE,
+        _FIELD_LENGTHS,
+        _TAG_TABLE,
+        _TAG_LENGTHS,
+        _GPU,
+        _ALLOWED,
+        _INT_SIZES,
+        _REMOVED_HEAD,
+        _REMOVED_TAIL,
     )
     if not ok:
         return None

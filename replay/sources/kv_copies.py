@@ -25,30 +25,31 @@ from replay.base.jit import jit
 #: ``int``, as vLLM sends it), any other width its bytes.
 CopyKey = int | bytes
 
-_EMPTY, _GONE = 0, -1
+_EMPTY = 0
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@jit()
+def _home(key: Any, mask: int) -> Any:
+    """The slot where ``key``'s probe starts."""
+    return np.int64(((np.uint64(key) * _MIX) >> np.uint64(17)) & np.uint64(mask))
 
 
 @jit()
 def _slot(keys: Any, counts: Any, mask: int, key: Any) -> Any:
     """Where ``key`` is (its slot, or -1) and the first free slot on its path."""
-    i = np.int64(((np.uint64(key) * _MIX) >> np.uint64(17)) & np.uint64(mask))
-    free = np.int64(-1)
+    i = _home(key, mask)
     while True:
-        c = counts[i]
-        if c == _EMPTY:
-            return -1, (i if free < 0 else free)
-        if c == _GONE:
-            if free < 0:
-                free = i
-        elif keys[i] == key:
-            return i, free
+        if counts[i] == _EMPTY:
+            return -1, i
+        if keys[i] == key:
+            return i, i
         i = (i + np.int64(1)) & np.int64(mask)
 
 
 @jit()
 def _add(keys: Any, counts: Any, mask: int, hashes: Any) -> int:
-    """One copy more of each of ``hashes``; the empty slots taken."""
+    """One copy more of each of ``hashes``; the keys new to the table."""
     taken = 0
     for k in range(hashes.shape[0]):
         h = hashes[k]
@@ -56,29 +57,51 @@ def _add(keys: Any, counts: Any, mask: int, hashes: Any) -> int:
         if at >= 0:
             counts[at] += 1
         else:
-            if counts[free] == _EMPTY:
-                taken += 1
+            taken += 1
             keys[free] = h
             counts[free] = 1
     return taken
 
 
 @jit()
-def _remove(keys: Any, counts: Any, mask: int, hashes: Any, gone: Any) -> int:
+def _empty(keys: Any, counts: Any, mask: int, hole: int) -> None:
+    """Slot ``hole`` emptied, leaving no tombstone (linear probing's
+    backward shift): each key after it, up to the next empty slot, moved
+    back into the hole when the hole is on its probe path, so every key
+    stays reachable from its home and the table holds only live keys
+    (tombstones filled it: a rehash of a million keys every million
+    removes)."""
+    j: Any = hole
+    while True:
+        j = (j + np.int64(1)) & np.int64(mask)
+        if counts[j] == _EMPTY:
+            break
+        if ((j - _home(keys[j], mask)) & mask) >= ((j - hole) & mask):
+            keys[hole] = keys[j]
+            counts[hole] = counts[j]
+            hole = j
+    keys[hole] = 0
+    counts[hole] = _EMPTY
+
+
+@jit()
+def _remove(keys: Any, counts: Any, mask: int, hashes: Any, gone: Any) -> Any:
     """One copy fewer of each of ``hashes``, in order; writes the positions
     of the ones whose last copy went (or that had none) to ``gone``, and
-    returns how many."""
+    returns how many, and how many keys left the table."""
     n = 0
+    freed = 0
     for k in range(hashes.shape[0]):
         at, _ = _slot(keys, counts, mask, hashes[k])
         if at >= 0 and counts[at] > 1:
             counts[at] -= 1
             continue
         if at >= 0:
-            counts[at] = _GONE
+            _empty(keys, counts, mask, at)
+            freed += 1
         gone[n] = k
         n += 1
-    return n
+    return n, freed
 
 
 @jit()
@@ -114,7 +137,7 @@ class CopyCounts:
     def _reset(self, size: int) -> None:
         self._keys = np.zeros(size, dtype=np.uint64)
         self._counts = np.zeros(size, dtype=np.int32)
-        # Slots not empty (held or gone): the probes' load.
+        # Slots held: the probes' load.
         self._used = 0
 
     def clear(self) -> None:
@@ -143,7 +166,8 @@ class CopyCounts:
         """One copy fewer of each of ``hashes``, in order; the positions of
         the ones whose last copy went, or None for all of them."""
         gone = np.empty(hashes.shape[0], dtype=np.int64)
-        n = _remove(self._keys, self._counts, self._counts.shape[0] - 1, hashes, gone)
+        n, freed = _remove(self._keys, self._counts, self._counts.shape[0] - 1, hashes, gone)
+        self._used -= freed
         return None if n == hashes.shape[0] else gone[:n].tolist()
 
     def add(self, keys: Sequence[CopyKey], *, uniform: bool = False) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from replay.base.errors import ReplayError
+from replay.base.jit import jit
 from replay.base.limits import HASH_BYTES, ROW_HASHES
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.format.hashwords import PackedHashes
@@ -164,6 +165,58 @@ class Span:
             part = PackedHashes(data[lo * w : hi * w], w)
             out.append([{**row, "block_hashes": part}] if hi > lo else [])
         return out
+
+
+@jit()
+def _batch_runs(
+    kind: Any,
+    group: Any,
+    block_size: Any,
+    medium: Any,
+    offsets: Any,
+    block_sizes: Any,
+    num_groups: int,
+    limit: int,
+) -> Any:
+    """A batch's columns checked as ``EventConverter.convert_each`` would
+    take them (a group of the config, 0 when it has one and the event names
+    none; a store's block size not past its group's, and its group's when
+    it has several blocks; at most ``limit`` hashes an event): (ok, the
+    groups, where each run starts, then the event count). A run: one
+    event, or consecutive removes of one group and medium."""
+    n = kind.shape[0]
+    groups = group.copy()
+    starts = np.empty(n + 1, dtype=np.int64)
+    fail = (False, groups, starts[:0])
+    m = 0
+    for e in range(n):
+        k = kind[e]
+        count = offsets[e + 1] - offsets[e]
+        if count > limit:
+            return fail
+        if k != CLEARED:
+            g = groups[e]
+            if num_groups == 1 and g < 0:
+                g = 0
+                groups[e] = 0
+            if g < 0 or g >= num_groups:
+                return fail
+            if k == STORED:
+                size = block_size[e]
+                own = block_sizes[g]
+                if size >= 0 and (size > own or (count > 1 and size != own)):
+                    return fail
+        if not (
+            e > 0
+            and k == REMOVED
+            and kind[e - 1] == REMOVED
+            and groups[e] == groups[e - 1]
+            and medium[e] == medium[e - 1]
+        ):
+            starts[m] = e
+            m += 1
+    starts[m] = n
+    return True, groups, starts[: m + 1]
 
 
 class EventConverter:
@@ -339,41 +392,26 @@ class EventConverter:
         if self.media is not None or n == 0:
             return None
         kind, offsets = cols.kind, cols.offsets
-        counts = np.diff(offsets)
-        group = cols.group.copy()
-        known = kind != CLEARED
         num_groups = self.config.num_groups
-        if num_groups == 1:
-            group[known & (group < 0)] = 0
-        if (known & ((group < 0) | (group >= num_groups))).any():
+        limit = ROW_HASHES.value()
+        if HASH_BYTES.value() < 8:
             return None
-        if int(counts.max(initial=0)) > ROW_HASHES.value() or HASH_BYTES.value() < 8:
+        # The checks and the runs (consecutive removes of one group and
+        # medium) in one compiled pass: a dozen array operations a batch
+        # were a tenth of a watch's work.
+        ok, group, starts = _batch_runs(
+            kind, cols.group, cols.block_size, cols.medium, offsets,
+            self._block_sizes, num_groups, limit,
+        )  # fmt: skip
+        if not ok:
             return None
-        stores = kind == STORED
-        if stores.any():
-            own = self._block_sizes[group[stores]]
-            size = cols.block_size[stores]
-            given = size >= 0
-            if (given & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
-                return None
-            # What ``_check_spec`` reads (the spec's kind) this form never
-            # has: the group counts as checked, as after ``_group``.
-            if len(self._checked_groups) < num_groups:
-                self._checked_groups.update(group[stores].tolist())
+        # What ``_check_spec`` reads (the spec's kind) this form never
+        # has: the group counts as checked, as after ``_group``.
+        if len(self._checked_groups) < num_groups:
+            self._checked_groups.update(group[kind == STORED].tolist())
         ts = datetime.fromtimestamp(cols.ts, tz=UTC)
         words = cols.hashes.astype(">u8").tobytes()
-        # Runs: consecutive removes of one group and medium.
-        removes = kind == REMOVED
-        starts = np.ones(n, dtype=bool)
-        starts[1:] = ~(
-            removes[1:]
-            & removes[:-1]
-            & (group[1:] == group[:-1])
-            & (cols.medium[1:] == cols.medium[:-1])
-        )
-        firsts = np.flatnonzero(starts).tolist()
-        firsts.append(n)
-        limit = ROW_HASHES.value()
+        firsts = starts.tolist()
         spans: list[Span] = []
         self.kv_events += n
         for a, end in pairwise(firsts):

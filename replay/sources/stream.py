@@ -33,7 +33,6 @@ runs the two (or a dump) into a trace.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.base.spec import TraceConfig
-from replay.sources.kv_columns import decode_columns
+from replay.sources.kv_columns import decode_columns, payload_digest
 from replay.sources.kv_config import GroupMismatch
 from replay.sources.kv_rows import EventConverter, EventOverLimit, medium_key
 from replay.sources.kv_wire import KVBatch, MalformedBatch, decode_batch, valid_ts
@@ -131,7 +130,7 @@ class StreamProcessor:
         self.rows = 0
         self._reported = Counter[str]()
         self._window = window
-        self._seen: dict[int, bytes] = {}
+        self._seen: dict[int, int] = {}
         self._seen_order: deque[int] = deque()
         self._pending_clear: datetime | None = None
         # Live batches past a gap nobody could answer for (no replay
@@ -142,7 +141,7 @@ class StreamProcessor:
         # origin, gap_reason).
         self.reorder_seconds = reorder_seconds
         self.reorder_batches = reorder_batches
-        self._held: dict[int, tuple[Sequence[bytes], bytes, bytes, str, float, str, str]] = {}
+        self._held: dict[int, tuple[Sequence[bytes], bytes, int, str, float, str, str]] = {}
         self.late = 0
 
     # -- reporting
@@ -184,7 +183,7 @@ class StreamProcessor:
 
     # -- sequencing
 
-    def _remember(self, seq: int, digest: bytes) -> None:
+    def _remember(self, seq: int, digest: int) -> None:
         self._seen[seq] = digest
         self._seen_order.append(seq)
         if len(self._seen_order) > self._window:
@@ -232,7 +231,7 @@ class StreamProcessor:
             self.other_topics += 1
             return
         self.tick(recv_ts)
-        digest = hashlib.blake2b(payload, digest_size=8).digest()
+        digest = payload_digest(payload)
         if seq < self.expected or seq in self._held:
             held = self._held.get(seq)
             if self._seen.get(seq) == digest or (held is not None and held[2] == digest):
@@ -308,7 +307,7 @@ class StreamProcessor:
             return False
         return any(g["epoch"] == self.epoch and g["first"] <= seq <= g["last"] for g in self.gaps)
 
-    def _take_late(self, seq: int, payload: bytes, digest: bytes, where: str) -> None:
+    def _take_late(self, seq: int, payload: bytes, digest: int, where: str) -> None:
         """A late batch of a gap already reported: its rows come now (the
         ones after it are written), and the gap shrinks by it."""
         for i, g in enumerate(self.gaps):
@@ -346,7 +345,7 @@ class StreamProcessor:
                 gap_reason=f"joined late: {reason}" if i == 0 else reason,
             )
 
-    def _take(self, seq: int, payload: bytes, digest: bytes, where: str) -> None:
+    def _take(self, seq: int, payload: bytes, digest: int, where: str) -> None:
         self.expected = seq + 1
         self.batches += 1
         self._remember(seq, digest)

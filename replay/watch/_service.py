@@ -44,8 +44,9 @@ from replay.engine.answers import Variant
 from replay.engine.live import LiveAnswers, LiveFold, live_results
 from replay.format.hashwords import PackedHashes
 from replay.rules.coordinator import DEFAULT_POLICY, choose_policies
-from replay.sources.kv_columns import decode_columns
+from replay.sources.kv_columns import decode_columns, payload_digest
 from replay.sources.kv_copies import CopyCounts
+from replay.sources.kv_rows import EventConverter
 from replay.sources.live import EngineEndpoints, EngineFeed, Released, drain_feeds
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
@@ -555,18 +556,24 @@ def _warm_up() -> None:
                  "observed_hit_tokens": 32})  # fmt: skip
     frame = fold.feed([{"seq": i, "ts": ts, **row} for i, row in enumerate(rows)])
     add_flags(frame, config)
-    # The compiled reading of vLLM's batches and the copy counts (loaded
-    # from numba's cache, or compiled, here rather than at the first batch).
+    # The compiled reading of vLLM's batches, their digest, checks and runs,
+    # and the copy counts, grown past their first table (loaded from
+    # numba's cache, or compiled, here rather than at the first batch or
+    # the first growth).
     import msgspec
 
     events = [
         {"type": t, "block_hashes": [7], "group_idx": 0} for t in ("BlockStored", "BlockRemoved")
     ]
-    cols = decode_columns(msgspec.msgpack.encode([0, events, None]))
+    body = msgspec.msgpack.encode([0, events, None])
+    cols = decode_columns(body)
     assert cols is not None, "the warm-up batch is one the columns read"
+    payload_digest(body)
+    EventConverter(config).convert_columns(cols)
     copies = CopyCounts()
-    copies.add_ints(cols.hashes)
-    copies.remove_ints(cols.hashes)
+    many = np.arange(1, 2049, dtype=np.uint64)
+    copies.add_ints(many)
+    copies.remove_ints(many)
 
 
 @contextlib.contextmanager

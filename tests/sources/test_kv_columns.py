@@ -9,6 +9,7 @@ store at every lookup is the one of the rows ``convert_each`` makes.
 
 from __future__ import annotations
 
+import itertools
 import random
 from datetime import UTC, datetime
 from typing import Any
@@ -20,9 +21,23 @@ import pytest
 from replay.base.spec import GroupKind, GroupSpec, TraceConfig
 from replay.engine.live import LiveFold
 from replay.rules.coordinator import DEFAULT_POLICY
-from replay.sources.kv_columns import CLEARED, REMOVED, STORED, decode_columns
+from replay.sources.kv_columns import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVColumns,
+    decode_columns,
+    payload_digest,
+)
 from replay.sources.kv_config import GroupMismatch
-from replay.sources.kv_wire import BlockRemoved, BlockStored, MalformedBatch, decode_batch
+from replay.sources.kv_rows import _batch_runs
+from replay.sources.kv_wire import (
+    BlockRemoved,
+    BlockStored,
+    MalformedBatch,
+    decode_batch,
+    valid_ts,
+)
 from replay.sources.lookup_log import LookupRecord
 from replay.sources.plugin_log import LookupPlacer, PlacedLookup
 from replay.sources.stream import StreamProcessor
@@ -117,29 +132,74 @@ def test_columns_are_what_decode_batch_reads() -> None:
     for _ in range(300):
         events = [_random_event(rng) for _ in range(rng.randint(0, 6))]
         body = payload(T0 + rng.random(), *events, rank=rng.choice([None, 0, 2]))
-        cols = decode_columns(body)
-        assert cols is not None
-        batch = decode_batch(body)
-        assert (cols.ts, cols.data_parallel_rank) == (batch.ts, batch.data_parallel_rank)
-        want: list[tuple[int, int, int, int, list[bytes | int]]] = []
-        for e in batch.events:
-            if isinstance(e, BlockStored | BlockRemoved):
-                kind = STORED if isinstance(e, BlockStored) else REMOVED
-                size = e.block_size if isinstance(e, BlockStored) else None
-                want.append(
-                    (kind, -1 if e.group_idx is None else e.group_idx,
-                     -1 if size is None else size, int(e.medium == "GPU"), list(e.block_hashes))
-                )  # fmt: skip
-            else:
-                want.append((CLEARED, -1, -1, 0, []))
-        got: list[tuple[int, int, int, int, list[bytes | int]]] = [
-            (int(k), int(g), int(s), int(m), cols.hashes[a:b].tolist())
-            for k, g, s, m, a, b in zip(
-                cols.kind, cols.group, cols.block_size, cols.medium,
-                cols.offsets[:-1], cols.offsets[1:], strict=True,
-            )
-        ]  # fmt: skip
-        assert got == want
+        assert decode_columns(body) is not None
+        _same_as_decode_batch(body)
+
+
+def test_vllm_s_one_block_removes_read_by_their_bytes_as_field_by_field() -> None:
+    """vLLM's ``BlockRemoved`` of one block (hash, medium, group: matched by
+    its bytes) with hashes and groups of every integer width, and one byte
+    changes of such batches (every value of every byte of a small one): the
+    columns are ``decode_batch``'s or None, as when each event is read
+    field by field."""
+    rng = random.Random(11)
+    events = [
+        removed([h], group=g)
+        for h in [0, 5, 200, 40_000, 2**31, 2**64 - 1]
+        for g in [0, 1, 255, 70_000, 2**62]
+    ]
+    for _ in range(20):
+        body = payload(T0, *rng.sample(events, 5), stored([3]), *rng.sample(events, 3))
+        assert _same_as_decode_batch(body) is not None
+        for at in rng.sample(range(len(body)), 60):
+            changed = bytearray(body)
+            changed[at] = rng.randrange(256)
+            _same_as_decode_batch(bytes(changed))
+    # A group past the columns' limit: not read here, as field by field.
+    assert decode_columns(payload(T0, removed([1], group=2**62 + 1))) is None
+    body = payload(T0, removed([2**64 - 1], group=2), removed([7], group=0))
+    cols = _same_as_decode_batch(body)
+    assert cols is not None
+    assert (cols.hashes.tolist(), cols.group.tolist()) == ([2**64 - 1, 7], [2, 0])
+    for at in range(len(body)):
+        for value in range(256):
+            changed = bytearray(body)
+            changed[at] = value
+            _same_as_decode_batch(bytes(changed))
+
+
+def _same_as_decode_batch(body: bytes) -> KVColumns | None:
+    """``decode_columns(body)``, checked to be None or what ``decode_batch``
+    reads (an invalid ts is the caller's to refuse, as ``decode_batch`` does)."""
+    cols = decode_columns(body)
+    if cols is None:
+        return None
+    if not valid_ts(cols.ts):
+        with pytest.raises(MalformedBatch):
+            decode_batch(body)
+        return None
+    batch = decode_batch(body)
+    assert (cols.ts, cols.data_parallel_rank) == (batch.ts, batch.data_parallel_rank)
+    want: list[tuple[int, int, int, int, list[bytes | int]]] = []
+    for e in batch.events:
+        if isinstance(e, BlockStored | BlockRemoved):
+            kind = STORED if isinstance(e, BlockStored) else REMOVED
+            size = e.block_size if isinstance(e, BlockStored) else None
+            want.append(
+                (kind, -1 if e.group_idx is None else e.group_idx,
+                 -1 if size is None else size, int(e.medium == "GPU"), list(e.block_hashes))
+            )  # fmt: skip
+        else:
+            want.append((CLEARED, -1, -1, 0, []))
+    got: list[tuple[int, int, int, int, list[bytes | int]]] = [
+        (int(k), int(g), int(s), int(m), cols.hashes[a:b].tolist())
+        for k, g, s, m, a, b in zip(
+            cols.kind, cols.group, cols.block_size, cols.medium,
+            cols.offsets[:-1], cols.offsets[1:], strict=True,
+        )
+    ]  # fmt: skip
+    assert got == want
+    return cols
 
 
 def _config(groups: int = 1) -> TraceConfig:
@@ -351,3 +411,118 @@ def test_every_cut_of_a_batch_is_left_to_decode_batch() -> None:
         with pytest.raises(MalformedBatch):
             decode_batch(body[:end])
     assert decode_columns(body + b"\x00") is None  # trailing bytes
+
+
+def test_the_payload_digest_tells_every_one_word_change_apart() -> None:
+    """``payload_digest`` (the stream's test of a repeated batch): equal
+    payloads alike; a payload with any one byte changed, cut or lengthened
+    never alike (a change within one 8-byte word, or the tail, changes one
+    lane of a bijective pass), and random payloads of every length up to a
+    few lanes' words all different."""
+    rng = random.Random(33)
+    seen: dict[int, bytes] = {}
+    for size in [*range(0, 80), 1000, 4096, 65_537]:
+        body = rng.randbytes(size)
+        digest = payload_digest(body)
+        assert payload_digest(bytes(body)) == digest
+        assert seen.setdefault(digest, body) == body
+        if size:
+            assert payload_digest(body[:-1]) != digest
+        assert payload_digest(body + b"\0") != digest
+        for at in range(size) if size <= 80 else rng.sample(range(size), 200):
+            changed = bytearray(body)
+            changed[at] ^= 1 << rng.randrange(8)
+            assert payload_digest(bytes(changed)) != digest, (size, at)
+    # Two payloads that differ in several words (a restart's new batch).
+    for _ in range(2000):
+        body = rng.randbytes(rng.randrange(1, 300))
+        digest = payload_digest(body)
+        assert seen.setdefault(digest, body) == body
+
+
+def test_a_repeated_batch_is_a_duplicate_and_another_payload_a_restart() -> None:
+    """The stream by the digest: a batch sent again with its seq (a replay
+    fill overlapping the live stream) is counted and dropped; the same seq
+    with another payload starts a new epoch."""
+    config = TraceConfig(
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+        hash_block_size=16,
+        scheduler_block_size=16,
+    )
+    rows: list[Row] = []
+    proc = StreamProcessor(config, rows.extend, report=lambda _: None)
+    first = [payload(T0 + i, stored([10 + i])) for i in range(3)]
+    for seq, body in enumerate(first):
+        proc.feed(frames(seq, body), origin="live", recv_ts=0.0)
+    proc.feed(frames(1, first[1]), origin="replay", recv_ts=0.0)
+    assert (proc.duplicates, proc.restarts, len(rows)) == (1, [], 3)
+    # One byte of the hash changed: not the batch taken at seq 1.
+    other = payload(T0 + 1, stored([11 ^ 1]))
+    assert len(other) == len(first[1])
+    proc.feed(frames(1, other), origin="live", recv_ts=0.0)
+    assert proc.duplicates == 1
+    assert proc.restarts == [{"epoch": 1, "previous_last_seq": 2}]
+    assert [r["kind"] for r in rows[3:]] == ["clear", "store"]
+
+
+def _runs_by_arrays(
+    kind: Any,
+    group: Any,
+    block_size: Any,
+    medium: Any,
+    offsets: Any,
+    sizes: Any,
+    groups: int,
+    limit: int,
+) -> tuple[list[int], list[int]] | None:
+    """``_batch_runs`` as ``convert_columns`` worked it out before, by array
+    operations: the groups and the runs' starts, or None."""
+    counts = np.diff(offsets)
+    group = group.copy()
+    known = kind != CLEARED
+    if groups == 1:
+        group[known & (group < 0)] = 0
+    if (known & ((group < 0) | (group >= groups))).any():
+        return None
+    if int(counts.max(initial=0)) > limit:
+        return None
+    stores = kind == STORED
+    if stores.any():
+        own = sizes[group[stores]]
+        size = block_size[stores]
+        if ((size >= 0) & ((size > own) | ((counts[stores] > 1) & (size != own)))).any():
+            return None
+    removes = kind == REMOVED
+    starts = np.ones(len(kind), dtype=bool)
+    starts[1:] = ~(
+        removes[1:] & removes[:-1] & (group[1:] == group[:-1]) & (medium[1:] == medium[:-1])
+    )
+    return group.tolist(), [*np.flatnonzero(starts).tolist(), len(kind)]
+
+
+def test_a_batch_s_checks_and_runs_in_one_pass_are_the_array_operations() -> None:
+    """Random columns (groups past the config's or none, block sizes above,
+    below and equal to the group's, clears, media, events past the hash
+    limit): the compiled pass refuses what the array operations refused,
+    and otherwise gives their groups and runs."""
+    rng = random.Random(5)
+    refused = 0
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        groups = rng.choice([1, 2, 3])
+        sizes = np.array([rng.choice([16, 32]) for _ in range(groups)], dtype=np.int64)
+        kind = np.array([rng.choice([STORED, REMOVED, REMOVED, CLEARED]) for _ in range(n)],
+                        dtype=np.int8)  # fmt: skip
+        group = np.array([rng.choice([-1, 0, 0, 1, 2, 3]) for _ in range(n)], dtype=np.int64)
+        block_size = np.array([rng.choice([-1, 8, 16, 32, 64]) for _ in range(n)], dtype=np.int64)
+        medium = np.array([rng.choice([0, 1, 1]) for _ in range(n)], dtype=np.int8)
+        counts = [0 if k == CLEARED else rng.choice([1, 1, 2, 3]) for k in kind]
+        offsets = np.array([0, *itertools.accumulate(counts)], dtype=np.int64)
+        limit = rng.choice([1, 2, 3, 100])
+        want = _runs_by_arrays(kind, group, block_size, medium, offsets, sizes, groups, limit)
+        ok, got_group, starts = _batch_runs(
+            kind, group, block_size, medium, offsets, sizes, groups, limit
+        )
+        refused += not ok
+        assert (None if not ok else (got_group.tolist(), starts.tolist())) == want
+    assert 300 < refused < 2700

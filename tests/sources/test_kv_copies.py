@@ -76,3 +76,33 @@ def test_keys_of_one_kind_count_as_mixed_ones_do() -> None:
             else:
                 assert table.remove(keys, uniform=True) == _remove_one_by_one(plain, keys)
         assert dict(table.items()) == {k: n for k, n in plain.items() if n > 0}
+
+
+def _homes_near_the_end(rng: random.Random, count: int) -> list[int]:
+    """Keys whose probes start in the first table's (1,024 slots) last and
+    first few slots: long runs of collisions that wrap around its end."""
+    mix, keys = 0x9E3779B97F4A7C15, list[int]()
+    while len(keys) < count:
+        k = rng.randrange(2**64)
+        if (((k * mix) % 2**64) >> 17) & 1023 in (1021, 1022, 1023, 0, 1):
+            keys.append(k)
+    return keys
+
+
+def test_removals_in_colliding_runs_that_wrap_keep_every_key_found() -> None:
+    """A removal leaves no tombstone (the keys after it on their probe paths
+    move back): in runs of keys of a few neighbouring homes, wrapping past
+    the table's end, every key is still found after every step, exactly
+    once."""
+    rng = random.Random(21)
+    for _ in range(30):
+        pool = _homes_near_the_end(rng, 40) + [rng.randrange(2**64) for _ in range(5)]
+        table, plain = CopyCounts(), Counter[CopyKey]()
+        for _step in range(200):
+            keys: list[CopyKey] = [rng.choice(pool) for _ in range(rng.randint(1, 8))]
+            if rng.random() < 0.5:
+                table.add(keys, uniform=True)
+                plain.update(keys)
+            else:
+                assert table.remove(keys, uniform=True) == _remove_one_by_one(plain, keys)
+            assert sorted(table.items()) == sorted((k, n) for k, n in plain.items() if n > 0)
