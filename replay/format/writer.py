@@ -118,10 +118,17 @@ def packed_column(values: list[Any]) -> pa.Array | None:
         return None  # past binary's int32 offsets: pa.array makes it chunked or says so
     list_off = np.zeros(len(values) + 1, dtype=np.int32)
     np.cumsum(counts, out=list_off[1:])
-    value_off = np.zeros(int(list_off[-1]) + 1, dtype=np.int32)
-    np.cumsum(np.repeat(widths, counts), out=value_off[1:])
+    n = int(list_off[-1])
+    held = widths[counts > 0]
+    if held.size and (held == held[0]).all():
+        # One width (vLLM's 8-byte integers, a digest's 32 bytes): the
+        # offsets are its multiples, no width repeated per hash and summed.
+        value_off = np.arange(0, (n + 1) * int(held[0]), int(held[0]), dtype=np.int32)
+    else:
+        value_off = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(np.repeat(widths, counts), out=value_off[1:])
     hashes = pa.Array.from_buffers(
-        pa.binary(), int(list_off[-1]), [None, pa.py_buffer(value_off), pa.py_buffer(data)]
+        pa.binary(), n, [None, pa.py_buffer(value_off), pa.py_buffer(data)]
     )
     nulls = None
     if any(v is None for v in values):

@@ -122,3 +122,30 @@ def test_live_answers_are_the_same_frame_either_path() -> None:
     assert fast.equals(table)
     assert fast["hit_tokens"].to_list() == [48, 16]
     assert np.array_equal(fast["observed_match"].to_numpy(), table["observed_match"].to_numpy())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_packed_hashes_column_is_the_list_of_their_bytes(seed: int) -> None:
+    """``packed_column`` (one join, offsets by arithmetic when every row has
+    one width, by a sum of widths when rows differ) gives the column Arrow
+    makes of the rows' lists of bytes: null rows, empty rows and all."""
+    import pyarrow as pa
+
+    from replay.format.writer import packed_column
+
+    rng = np.random.default_rng(seed)
+    one_width = seed % 2 == 0
+    rows: list[Any] = []
+    for _ in range(int(rng.integers(1, 40))):
+        draw = rng.random()
+        if draw < 0.1:
+            rows.append(None)
+            continue
+        width = 8 if one_width else int(rng.choice([8, 9, 16, 32]))
+        n = 0 if draw < 0.2 else int(rng.integers(1, 6))
+        rows.append(PackedHashes(rng.bytes(n * width), width))
+    column = packed_column(rows)
+    assert column is not None
+    expected = pa.array([None if r is None else list(r) for r in rows], type=pa.list_(pa.binary()))
+    assert column.to_pylist() == expected.to_pylist()
+    column.validate(full=True)
