@@ -148,27 +148,3 @@ def test_the_console_script_starts_no_blas_threads(
     )
     entry.main()
     assert found == [seen]
-
-
-def test_the_exit_walks_none_of_the_imports_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a command is done and its output flushed, the console script
-    freezes Python's collector, so the interpreter's exit does not walk
-    every object the imports made looking for cycles."""
-    import gc
-    import sys
-
-    from replay.cli.common import run_main
-
-    frozen: list[bool] = []
-    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
-    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest keeps its handlers
-    monkeypatch.setattr(sys, "argv", ["noop"])
-
-    @click.command()
-    def noop() -> None:
-        assert not frozen
-
-    with pytest.raises(SystemExit) as exc:
-        run_main(noop, "noop")
-    assert exc.value.code in (0, None)
-    assert frozen == [True]
