@@ -148,3 +148,42 @@ def test_the_console_script_starts_no_blas_threads(
     )
     entry.main()
     assert found == [seen]
+
+
+#: The console script's process, saying at its exit how many threads
+#: numpy's OpenBLAS runs (asked of the library itself).
+BLAS_THREADS = """
+import atexit, ctypes, glob, os, sys
+def threads():
+    import numpy
+    (lib,) = glob.glob(os.path.join(
+        os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "libscipy_openblas*"))
+    sys.stderr.write("blas threads %d\\n" % ctypes.CDLL(lib).scipy_openblas_get_num_threads64_())
+atexit.register(threads)
+from replay.entry import main
+main()
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts one thread on one core")
+def test_numpy_runs_one_blas_thread_under_the_console_script(tmp_path: Path) -> None:
+    """The setting reaches OpenBLAS: nothing the console script imports
+    loads numpy before it is made (numpy alone starts a thread a core)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    env["PYTHONPATH"] = str(root)
+    plain = subprocess.run(
+        [sys.executable, "-c", BLAS_THREADS.replace("from replay.entry import main\nmain()", "")],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    # numpy on its own: a thread a core (so the check below can fail).
+    assert int(plain.stderr.removeprefix("blas threads ")) > 1, plain.stderr
+    trace = root / "traces" / "archetype-full-mamba.parquet"
+    got = subprocess.run(
+        [sys.executable, "-c", BLAS_THREADS, "run", str(trace), "-o", str(tmp_path / "r.parquet"), "-q"],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert (got.returncode, got.stderr) == (0, "blas threads 1\n")
