@@ -130,9 +130,13 @@ def _take_each(copies: Counter[bytes], keys: Sequence[bytes]) -> list[int]:
 class CopyCounts:
     """The copies held of each hash of one group."""
 
+    #: The integer table's slots at the start (and after ``clear``); it
+    #: doubles while its keys would fill more than half of it.
+    FIRST_SLOTS = 1 << 10
+
     def __init__(self) -> None:
         self._other: Counter[bytes] = Counter()
-        self._reset(1 << 10)
+        self._reset(self.FIRST_SLOTS)
 
     def _reset(self, size: int) -> None:
         self._keys = np.zeros(size, dtype=np.uint64)
@@ -142,7 +146,7 @@ class CopyCounts:
 
     def clear(self) -> None:
         self._other.clear()
-        self._reset(1 << 10)
+        self._reset(self.FIRST_SLOTS)
 
     def _room(self, more: int) -> None:
         size = self._counts.shape[0]

@@ -571,7 +571,7 @@ def _warm_up() -> None:
     payload_digest(body)
     EventConverter(config).convert_columns(cols)
     copies = CopyCounts()
-    many = np.arange(1, 2049, dtype=np.uint64)
+    many = np.arange(1, CopyCounts.FIRST_SLOTS + 1, dtype=np.uint64)  # past half: it grows
     copies.add_ints(many)
     copies.remove_ints(many)
 
