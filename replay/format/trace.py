@@ -234,6 +234,16 @@ class TraceReader:
     def num_rows(self) -> int:
         return int(self._pf.metadata.num_rows) - self.skip_rows
 
+    @property
+    def fixed_hash_width(self) -> int | None:
+        """The byte width of every hash when the file stores ``block_hashes``
+        as fixed-size binary (``TraceWriter``'s ``hash_width``), else None:
+        a copy of the trace (``replay split``, ``cat``) keeps that layout."""
+        value = getattr(self._pf.schema_arrow.field("block_hashes").type, "value_type", None)
+        return (
+            value.byte_width if value is not None and pa.types.is_fixed_size_binary(value) else None
+        )
+
     def iter_batches(
         self, batch_size: int = 65_536, *, prefetch: bool = False
     ) -> Iterator[TraceBatch]:
@@ -350,6 +360,10 @@ class TableReader(TraceReader):
     @property
     def num_rows(self) -> int:
         return int(self._table.num_rows)
+
+    @property
+    def fixed_hash_width(self) -> int | None:
+        return None  # conformed to the format's own types
 
     def _batches(self, batch_size: int) -> Iterator[pa.RecordBatch | pa.Table]:
         yield from self._table.to_batches(max_chunksize=batch_size)

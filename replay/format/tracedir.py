@@ -181,6 +181,11 @@ class TraceDir(TraceReader):
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.files)
 
+    @property
+    def fixed_hash_width(self) -> int | None:
+        widths = {f.fixed_hash_width for f in self.files}
+        return widths.pop() if len(widths) == 1 else None
+
     def _validated(self, batch_size: int) -> Iterator[TraceBatch]:
         last: tuple[Path, int] | None = None
         for reader in self.files:
@@ -235,14 +240,20 @@ def split_trace(trace: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
                     if writer is None or done == ends[written - 1]:
                         if writer is not None:
                             writer.close()
-                        writer = TraceWriter(tmp / PART_NAME.format(written), reader.config)
+                        writer = TraceWriter(
+                            tmp / PART_NAME.format(written),
+                            reader.config,
+                            hash_width=reader.fixed_hash_width,
+                        )
                         written += 1
                     take = min(ends[written - 1] - done, table.num_rows - start)
                     writer.write_table(table.slice(start, take))
                     done += take
                     start += take
             if writer is None:  # an empty trace is one empty file
-                writer = TraceWriter(tmp / PART_NAME.format(0), reader.config)
+                writer = TraceWriter(
+                    tmp / PART_NAME.format(0), reader.config, hash_width=reader.fixed_hash_width
+                )
                 written = 1
             writer.close()
         except BaseException:
@@ -257,7 +268,7 @@ def cat_trace(trace: str | os.PathLike[str], out: str | os.PathLike[str]) -> int
     file ``out``. Returns the rows written."""
     check_outputs({"-o": out}, [trace], formats={"-o": PARQUET})
     reader = open_trace(trace)
-    with TraceWriter(out, reader.config) as writer:
+    with TraceWriter(out, reader.config, hash_width=reader.fixed_hash_width) as writer:
         for batch in reader.iter_batches(prefetch=True):
             writer.write_table(batch_table(batch))
     return writer.rows_written

@@ -70,8 +70,14 @@ def write_bounded(writer: pq.ParquetWriter, table: pa.Table) -> None:
         start = stop
 
 
-def trace_schema(config: TraceConfig) -> pa.Schema:
-    return TRACE_SCHEMA.with_metadata({TRACE_META_KEY: config.dumps().encode()})
+def trace_schema(config: TraceConfig, hash_width: int | None = None) -> pa.Schema:
+    """The trace's schema; with ``hash_width``, ``block_hashes`` holds
+    fixed-size binary items of that many bytes (the format allows either)."""
+    schema = TRACE_SCHEMA
+    if hash_width is not None:
+        i = schema.get_field_index("block_hashes")
+        schema = schema.set(i, schema.field(i).with_type(pa.list_(pa.binary(hash_width))))
+    return schema.with_metadata({TRACE_META_KEY: config.dumps().encode()})
 
 
 _COLUMN_SET = frozenset(TRACE_COLUMNS)
@@ -186,6 +192,7 @@ class TraceWriter:
         *,
         keep_on_interrupt: bool = False,
         durable: bool = False,
+        hash_width: int | None = None,
     ) -> None:
         #: How errors name the output (a file object: ``stream_name``).
         self.name = str(path) if isinstance(path, str | os.PathLike) else stream_name(path)
@@ -195,7 +202,7 @@ class TraceWriter:
         self._cm = _parquet_sink(path, durable=durable)
         self._footer: dict[bytes, bytes] = {}
         self._tmp = self._cm.__enter__()
-        self._schema = trace_schema(config)
+        self._schema = trace_schema(config, hash_width)
         # No stored Arrow schema: then the footer's key-value metadata is the
         # schema metadata, and close() can replace the config's ``source``
         # (a recorder's gap report) without rewriting the file.

@@ -380,7 +380,7 @@ def synth_trace(
         counter += units
 
     with (
-        TraceWriter(path, config) as out,
+        TraceWriter(path, config, hash_width=hash_bytes) as out,
         WorkloadWriter(
             config,
             out.write_table,

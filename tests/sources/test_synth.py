@@ -5,19 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from replay.base.errors import ReplayError
+from replay.base.errors import ReplayError, TraceError
 from replay.base.spec import GroupKind
 from replay.cli.synth import synth
+from replay.format.schema import TRACE_SCHEMA
 from replay.format.tracedir import open_trace
+from replay.format.writer import TraceWriter, write_trace
 from replay.rules.coordinator import Coordinator
 from replay.sources.archetypes import archetype_config
 from replay.sources.synth import synth_trace
 from replay.tools.render import synth_summary_text
-from tests.builders import hand_folded_lookups
+from tests.builders import hand_folded_lookups, replay_trace
 from tests.conftest import check_store_options
 from tests.contracts.source import DeterministicSourceContract
 
@@ -309,3 +312,33 @@ class TestSynthGenerator(DeterministicSourceContract):
             (["synth", "-o", str(out), "--model", "full+chunked", "--eagle"], "model 'full+chunked' has chunked local attention, which vLLM does not combine with EAGLE: use --no-eagle"),
             (["synth", "-o", str(out), "--model", "full+swa", "--eagle", "--inject-overrun", "1"], "--inject-overrun needs a model with a Mamba group (#43559), got 'full+swa'"),
         ]  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_hashes_are_written_fixed_size_and_replay_as_variable_ones(
+    tmp_path: Path, width: int
+) -> None:
+    # No length stored or decoded per hash (a third of the day's decoding);
+    # the same events with the hashes as plain binary replay identically.
+    fixed = tmp_path / "fixed.parquet"
+    _synth(fixed, hash_bytes=width, capacity_blocks=2000)
+    typ = pq.ParquetFile(fixed).schema_arrow.field("block_hashes").type
+    assert typ == pa.list_(pa.binary(width))
+    table = pq.read_table(fixed)
+    variable = tmp_path / "variable.parquet"
+    write_trace(variable, open_trace(fixed).config, table.cast(TRACE_SCHEMA))
+    assert pq.read_table(variable).cast(table.schema).equals(table)
+    a, b = replay_trace(fixed), replay_trace(variable)
+    assert a.results.equals(b.results)
+    assert a.results.height == 300
+
+
+def test_a_hash_of_another_width_is_refused(tmp_path: Path) -> None:
+    config = archetype_config("full", 16, None, False)
+    rows = [{"kind": "store", "group_id": 0, "block_hashes": [b"x" * 16, b"y" * 15]}]
+    with (
+        pytest.raises(TraceError, match="rows do not fit the trace format"),
+        TraceWriter(tmp_path / "t.parquet", config, hash_width=16) as writer,
+    ):
+        writer.write_rows(rows)
+    assert not (tmp_path / "t.parquet").exists()
