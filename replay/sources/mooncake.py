@@ -65,6 +65,13 @@ class _KeyMap:
         self._salts = lane_salts(0, 2)
         self.digest = DigestTable(self._digest)
 
+    @property
+    def width(self) -> int:
+        """Every digest's byte width: the source ids themselves (8 bytes)
+        when a block is one source block, else a 16-byte digest of the id
+        and the block's place in it."""
+        return 8 if self.fine == 1 else 16
+
     def _index(self, source_id: int, fresh: bool = False) -> int:
         if fresh:
             self._orig.append(source_id)
@@ -110,7 +117,7 @@ class _KeyMap:
 
     def _digest(self, keys: Keys) -> Digests:
         if len(keys) == 0:
-            return np.zeros((0, 8 if self.fine == 1 else 16), dtype=np.uint8)
+            return np.zeros((0, self.width), dtype=np.uint8)
         dense = keys // self.fine
         lo = int(dense.min())
         orig = np.array(self._orig[lo : int(dense.max()) + 1], dtype=np.uint64)[dense - lo]
@@ -150,7 +157,9 @@ def ingest(
     keymap = _KeyMap(fine, coarse)
     counter = ReuseCounter(fine, coarse, block_size)
     with (
-        TraceWriter(out, config) as trace,
+        # One width for every hash: written fixed-size (no length stored
+        # or decoded per hash, as `replay synth` writes them).
+        TraceWriter(out, config, hash_width=keymap.width) as trace,
         WorkloadWriter(
             config,
             trace.write_table,

@@ -7,6 +7,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -133,6 +135,8 @@ def test_mooncake_rows(tmp_path: Path) -> None:
     assert five[:64] == one[:64] and not set(five[64:]) & set(one)
     stores = [r for r in rows if r["kind"] == "store"]
     assert [len(r["block_hashes"]) for r in stores] == [68, 36, 5, 4]
+    # Written fixed-size (one width: no length stored or decoded per hash).
+    assert pq.ParquetFile(out).schema_arrow.field("block_hashes").type == pa.list_(pa.binary(16))
 
 
 def test_mooncake_with_a_hybrid_model(tmp_path: Path) -> None:
@@ -161,6 +165,7 @@ def test_bailian_reuse_ratio_and_ids(tmp_path: Path) -> None:
     assert [r["request_id"] for r in lookups] == ["1", "2", "3"]
     # 16-token blocks: the ids themselves, as 8-byte big-endian.
     assert lookups[1]["block_hashes"] == [i.to_bytes(8, "big") for i in (10, 11, 13, 14)]
+    assert pq.ParquetFile(out).schema_arrow.field("block_hashes").type == pa.list_(pa.binary(8))
     assert [r["ts"].timestamp() for r in lookups] == [0.5, 1.25, 2.0]
 
 
