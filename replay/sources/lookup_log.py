@@ -150,14 +150,18 @@ def parse_lookup(obj: object, line: int, config: TraceConfig) -> LookupRecord:
     except ValueError as exc:
         raise ValueError(f"field 'ts': {exc}") from None
     raw_hashes = obj["block_hashes"]
-    if not isinstance(raw_hashes, list):
+    # PackedHashes: the plugin's hex, packed as it was read
+    # (``replay.sources.lookup_wire``: what ``_hex_hashes`` makes of the list).
+    if not isinstance(raw_hashes, list | PackedHashes):
         raise ValueError(
             f"field 'block_hashes': expected a list of integers or hex strings, "
             f"got {msgpack_type(raw_hashes)}"
         )
     if len(raw_hashes) > ROW_HASHES.value():
         raise ValueError(str(ROW_HASHES.refuse("field 'block_hashes' holds", len(raw_hashes))))
-    hashes: Sequence[bytes] | None = _hex_hashes(raw_hashes)
+    hashes: Sequence[bytes] | None = (
+        raw_hashes if isinstance(raw_hashes, PackedHashes) else _hex_hashes(raw_hashes)
+    )
     if hashes is None:
         one_by_one: list[bytes] = []
         for j, h in enumerate(raw_hashes):

@@ -4,12 +4,10 @@ the SUB of the vLLM plugin's lookup stream (the KV-event SUB socket itself is
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -17,6 +15,7 @@ from replay.base.errors import ReplayError
 from replay.base.limits import RECORD_BYTES
 from replay.base.spec import TraceConfig
 from replay.base.text import counted
+from replay.sources.lookup_wire import decode_message
 from replay.sources.plugin_log import PlacedLookup, parse_plugin_lookup
 from replay.sources.stream import NO_ANSWER
 from replay.sources.values import Report
@@ -187,19 +186,6 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint
 
 
-_JSON = msgspec.json.Decoder()
-
-
-def _json(payload: bytes) -> Any:
-    """A lookup message's JSON, by msgspec (a quarter faster than ``json``
-    on the plugin's hex); what msgspec refuses is ``json.loads``' to read
-    or to reject, in its words."""
-    try:
-        return _JSON.decode(payload)
-    except msgspec.DecodeError:
-        return json.loads(payload)
-
-
 class LookupSubscriber:
     """The SUB side of the vLLM plugin's lookup stream (``replay.adapters.vllm.plugin``):
     engine facts, lookups and watermarks, with lost messages reported."""
@@ -264,7 +250,7 @@ class LookupSubscriber:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     raise ValueError("expected 3 frames (topic, seq, payload)")
                 seq = int.from_bytes(frames[1], "big")
-                payload = _json(frames[2])
+                payload = decode_message(frames[2])
                 if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
                     raise ValueError("payload is not a lookup message")
             except (ValueError, UnicodeDecodeError) as exc:

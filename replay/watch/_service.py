@@ -48,6 +48,7 @@ from replay.sources.kv_columns import decode_columns, payload_digest
 from replay.sources.kv_copies import CopyCounts
 from replay.sources.kv_rows import EventConverter
 from replay.sources.live import EngineEndpoints, EngineFeed, Released, drain_feeds
+from replay.sources.lookup_wire import hex_hashes
 from replay.sources.values import Report, Row
 from replay.watch._counts import EngineCounts
 from replay.watch._metrics import Metrics
@@ -574,6 +575,8 @@ def _warm_up() -> None:
     many = np.arange(1, CopyCounts.FIRST_SLOTS + 1, dtype=np.uint64)  # past half: it grows
     copies.add_ints(many)
     copies.remove_ints(many)
+    # The compiled reading of the plugin's hex hashes.
+    assert hex_hashes(b'["0001020304050607", "08090a0b0c0d0e0f"]') is not None
 
 
 @contextlib.contextmanager

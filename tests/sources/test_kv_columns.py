@@ -393,6 +393,38 @@ def test_token_ids_are_stepped_over_whatever_their_width() -> None:
     assert np.array_equal(cols.offsets, [0, 1])
 
 
+#: Token ids at every msgpack integer width's edges, and a vocabulary's.
+_EDGES = [0, 127, 128, 255, 256, 65_535, 65_536, 151_000, 2**32 - 1, 2**32, 2**64 - 1,
+          -1, -32, -33, -128, -129, -(2**15), -(2**15) - 1, -(2**31) - 1, -(2**63)]  # fmt: skip
+
+
+def test_token_ids_of_every_width_and_one_byte_changes_read_as_decode_batch() -> None:
+    """Token ids of every width (a 2- and 4-byte id stepped over by a
+    branch, the others by their size's table) and 64-bit hashes (one
+    load), each batch and every one-byte change of it (to a random byte,
+    and to each width's first byte): ``decode_batch``'s columns or None."""
+    rng = random.Random(23)
+    firsts = [0x00, 0x7F, 0x80, 0xC0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3, 0xE0, 0xFF]
+    for _ in range(40):
+        tokens = [
+            rng.choice(_EDGES) if rng.random() < 0.3 else rng.randrange(151_000)
+            for _ in range(rng.randint(0, 24))
+        ]
+        hashes = [rng.choice([rng.randrange(2**64), 2**64 - 1, 2**32, 7]) for _ in range(2)]
+        body = msgspec.msgpack.encode(
+            [T0, [event("BlockStored", block_hashes=hashes, parent_block_hash=hashes[0] ^ 1,
+                        token_ids=tokens, block_size=16, medium="GPU", group_idx=0),
+                  removed([rng.randrange(2**64)], group=1)], None]
+        )  # fmt: skip
+        cols = _same_as_decode_batch(body)
+        assert cols is not None and cols.hashes[:2].tolist() == hashes
+        for at in rng.sample(range(len(body)), min(len(body), 40)):
+            for value in [rng.randrange(256), *rng.sample(firsts, 3)]:
+                changed = bytearray(body)
+                changed[at] = value
+                _same_as_decode_batch(bytes(changed))
+
+
 def test_a_run_is_cut_at_a_row_s_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REPLAY_MAX_ROW_HASHES", "3")
     body = payload(T0, stored([1, 2, 3]), stored([4, 5]), *(removed([h]) for h in range(1, 6)))
