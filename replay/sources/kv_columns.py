@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from replay.base.intrinsics import LITTLE_ENDIAN, load_u64
 from replay.base.jit import jit
-from replay.base.unaligned import LITTLE_ENDIAN, load_u64
 
 #: An event's type in ``KVColumns.kind``.
 STORED, REMOVED, CLEARED = 0, 1, 2

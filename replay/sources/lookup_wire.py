@@ -30,8 +30,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from replay.base.intrinsics import LITTLE_ENDIAN, load_u64
 from replay.base.jit import jit
-from replay.base.unaligned import LITTLE_ENDIAN, load_u64
 from replay.format.hashwords import PackedHashes
 
 #: A field the message left out (none of msgspec's values: JSON never gives it).
