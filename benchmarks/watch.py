@@ -37,6 +37,18 @@ conversation trace's own run above is the honest figure). Every message is made 
 is not what is timed; the watch's own CPU seconds (``/proc``) are reported
 too, as the rates a core of its own sustains when the machine is shared.
 
+Full speed is flat out but bounded: at most ``WINDOW`` (100) KV messages
+wait in the publisher's queue and as many in the watch's (its ``--hwm``);
+a full queue holds the publisher back (``XPUB_NODROP``) rather than
+dropping. Unbounded, the publisher sent the whole trace in about 2 s and
+the watch held it all (1.1 GB) while it worked: about 330k pages faulted
+in, a second of system CPU against 0.4-0.6 s, a cost of the backlog and
+not of judging (a watch that keeps up holds a few messages). The fleet
+figure is the bounded one; the conversation trace is then sent once more
+unbounded, for comparison (``BENCH_WATCH_WINDOW=N`` runs N alone, 0 for
+unbounded). Each line gives the watch's user and system seconds and the
+pages it faulted in.
+
 ``BENCH_WATCH_RATE=N`` paces the lookups at N a second (one small batch at
 a time, as a fleet sends them: the fixed cost per batch shows);
 ``BENCH_WATCH_ENGINES=N`` watches N engines, each sent the whole trace (a
@@ -67,6 +79,10 @@ EVENTS_PER_BATCH = 32
 #: events (stored and removed hashes: 11.0M): the day's figure against it.
 MOONCAKE_LOOKUPS_S = 12_031 / (59 * 60)
 MOONCAKE_HASHES_S = 10_993_924 / (59 * 60)
+#: KV messages that may wait in the publisher's queue, and in the watch's
+#: (``publish``): the watch never waits for work, and never holds the
+#: whole trace (``BENCH_WATCH_WINDOW``; 0: unbounded).
+WINDOW = 100
 
 
 def free_port() -> int:
@@ -88,14 +104,26 @@ def build() -> Path:
     return TRACE
 
 
-def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0", form: str = "day") -> None:
+def publish(
+    trace: str,
+    kv: str,
+    lookups: str,
+    go: str,
+    rate: str = "0",
+    form: str = "day",
+    window: str = "0",
+) -> None:
     """The publisher process: the trace as vLLM's KV events and the plugin's
     lookups, once ``go`` (a file) exists: as fast as they can be sent, or
     at ``rate`` lookups a second (all engines together). ``kv`` and
     ``lookups`` may each list several endpoints (``;``): one engine each,
     every engine sent the same trace, message by message in turn. ``form``:
     ``vllm`` as vLLM 0.33 sends them (``vllm_messages``), ``day`` the
-    compact form of the day's figure (``day_messages``)."""
+    compact form of the day's figure (``day_messages``). ``window`` > 0:
+    at most that many KV messages wait in the publisher's queue (and as
+    many in the watch's, its ``--hwm``); a full queue holds the publisher
+    back (``XPUB_NODROP``) instead of dropping, so the watch runs flat out
+    without the whole trace queued in its memory; 0: no bound."""
     import zmq
 
     from replay.adapters.vllm import plugin as vllm_plugin
@@ -108,7 +136,9 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0", form: s
     pubs, sinks = [], []
     for kv_endpoint, lookups_endpoint in zip(kv.split(";"), lookups.split(";"), strict=True):
         pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.SNDHWM, int(window))
+        if int(window):
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
         pub.bind(kv_endpoint)
         pubs.append(pub)
         sink = vllm_plugin.open_sink(lookups_endpoint)
@@ -138,7 +168,13 @@ def publish(trace: str, kv: str, lookups: str, go: str, rate: str = "0", form: s
         done += len(recs) * len(sinks)
         for sink, pub in zip(sinks, pubs, strict=True):
             sink.send(recs, watermark=seq, instance="bench")
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+            frames = [b"", seq.to_bytes(8, "big"), body]
+            while True:
+                try:
+                    pub.send_multipart(frames, zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # the window is full: the watch is behind
+                    pub.poll(100, zmq.POLLOUT)
     seq = len(messages)
     for sink in sinks:
         sink.send([], watermark=seq, instance="bench")  # every batch's lookups are in
@@ -301,21 +337,27 @@ def bench_watch() -> bool:
     (``BENCH_WATCH_TRACE=day`` or ``conversation``: one of them)."""
     which = os.environ.get("BENCH_WATCH_TRACE", "both")
     ok = True
+    window = int(os.environ.get("BENCH_WATCH_WINDOW", str(WINDOW)))
     if which in ("both", "day"):
-        ok &= watch_trace(build(), "day")
+        ok &= watch_trace(build(), "day", window)
     if which in ("both", "conversation"):
         if not CONVERSATION.exists():
             print(
                 f"bench watch: {CONVERSATION} is missing (`make bench` writes it): no fleet figure"
             )
             return False
-        ok &= watch_trace(CONVERSATION, "vllm")
+        ok &= watch_trace(CONVERSATION, "vllm", window)
+        if "BENCH_WATCH_WINDOW" not in os.environ:
+            # The same, the whole trace let into the watch's memory at once:
+            # what a backlog costs besides the work (pages faulted in).
+            ok &= watch_trace(CONVERSATION, "vllm", 0)
     return ok
 
 
-def watch_trace(trace: Path, form: str) -> bool:
-    """One watch judging all of ``trace`` sent in ``form`` (``publish``);
-    its figures printed. Whether it judged every lookup."""
+def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
+    """One watch judging all of ``trace`` sent in ``form`` (``publish``,
+    with its ``window``); its figures printed. Whether it judged every
+    lookup."""
     from replay.format.tracedir import open_trace
 
     frame = open_trace(trace).read_frame()
@@ -354,7 +396,8 @@ def watch_trace(trace: Path, form: str) -> bool:
     prof = ["-m", "cProfile", "-o", profile] if profile else []
     watch = subprocess.Popen(
         [*pin, sys.executable, *prof, "-m", "replay", "watch", *engine_args,
-         "--metrics", f"127.0.0.1:{mport}", "--hwm", "100000000", "--status-every", "5",
+         "--metrics", f"127.0.0.1:{mport}", "--hwm", str(window or 100_000_000),
+         "--status-every", "5",
          "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -365,7 +408,8 @@ def watch_trace(trace: Path, form: str) -> bool:
     publisher = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
          ";".join(f"tcp://127.0.0.1:{kv}" for kv in kvs),
-         ";".join(f"tcp://127.0.0.1:{lk}" for lk in lks), str(go), str(rate), form],
+         ";".join(f"tcp://127.0.0.1:{lk}" for lk in lks), str(go), str(rate), form,
+         str(window)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -383,7 +427,8 @@ def watch_trace(trace: Path, form: str) -> bool:
                     return False
                 time.sleep(0.1)
         wait_ready(go, publisher)
-        cpu_before = cpu_seconds(watch.pid)
+        split_before = cpu_split(watch.pid)
+        cpu_before = sum(split_before[:2])
         go.touch()
         started = time.monotonic()
         judged = 0.0
@@ -395,7 +440,8 @@ def watch_trace(trace: Path, form: str) -> bool:
                 print(f"bench watch: only {judged:.0f} of {lookups} lookups judged in 30 min")
                 return False
         seconds = time.monotonic() - started
-        cpu = cpu_seconds(watch.pid) - cpu_before
+        split_after = cpu_split(watch.pid)
+        cpu = sum(split_after[:2]) - cpu_before
         watch.send_signal(signal.SIGTERM)
         out, _ = watch.communicate(timeout=60)
         sent = json.loads(publisher.communicate(timeout=60)[0].splitlines()[0])
@@ -422,7 +468,8 @@ def watch_trace(trace: Path, form: str) -> bool:
             f"it ({lookups:,} lookups, {total_hashes:,} hash entries, {hash_events:,} block "
             f"events in {kv_events:,} KV events; {span:,.0f} s of one engine's time"
             f"{' each' if fleet > 1 else ''}) "
-            f"{f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'}: {seconds:.1f} s, "
+            f"{f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'}"
+            f"{_queued(window)}: {seconds:.1f} s, "
             f"lag p50 {p50:.0f} ms, p99 {p99:.0f} ms (at full speed, a backlog: how far behind "
             f"the sender it ran), {gaps} gaps"
         )
@@ -441,8 +488,8 @@ def watch_trace(trace: Path, form: str) -> bool:
             f"{f', {fleet} engines each sent' if fleet > 1 else ''}: {trace} "
             f"({lookups:,} lookups, {len(events) * fleet:,} store/remove events, "
             f"{hash_events:,} block events) "
-            f"{f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'} from a local "
-            f"publisher: {seconds:.1f} s, {hashes_s:,.0f} block events/s, {lookups_s:,.0f} "
+            f"{f'at {rate:g} lookups/s' if rate > 0 else 'at full speed'}{_queued(window)} "
+            f"from a local publisher: {seconds:.1f} s, {hashes_s:,.0f} block events/s, {lookups_s:,.0f} "
             f"lookups/s; lag p50 {p50:.0f} ms, p99 {p99:.0f} ms (at full speed, a backlog: "
             f"the lag is how far behind the sender it ran); {gaps} gaps; {engines:,.1f} engines "
             f"at the conversation trace's rate of lookups and block events "
@@ -454,6 +501,11 @@ def watch_trace(trace: Path, form: str) -> bool:
             f"(lookups' included) and {lookups / cpu:,.0f} lookups per CPU second: "
             f"{cpu_engines:,.1f} engines on a core of its own"
         )
+    user, system, faults = (a - b for a, b in zip(split_after, split_before, strict=True))
+    print(
+        f"  of it user {user:.2f} s, system {system:.2f} s; {faults:,} page faults (memory "
+        "touched for the first time)"
+    )
     if rate > 0:
         print(
             f"  paced at {rate:g} lookups/s ({sent['batches']:,} KV batches, each with its "
@@ -464,11 +516,25 @@ def watch_trace(trace: Path, form: str) -> bool:
     return sum(int(r["lookups"]) for r in results) == lookups
 
 
+def _queued(window: int) -> str:
+    if window:
+        return f" (at most {window} KV messages queued each side)"
+    return " (unbounded: the whole trace queued in the watch's memory)"
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    user, system, _ = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float, int]:
+    """User and system CPU seconds of process ``pid`` so far, and its minor
+    page faults (memory it touched for the first time)."""
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
 
 
 def rss_mb(pid: int) -> float:
@@ -566,7 +632,7 @@ def soak(requests: int = 40_000, capacity: int = 20_000, rate: float = 250.0) ->
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["publish"]:
-        publish(*sys.argv[2:8])
+        publish(*sys.argv[2:9])
     elif sys.argv[1:2] == ["soak"]:
         soak(rate=float(os.environ.get("BENCH_SOAK_RATE", "200")))
     else:
