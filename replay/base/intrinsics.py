@@ -27,6 +27,15 @@ from numba.extending import intrinsic
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+def _element(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    """A pointer to ``arr[idx]``, the intrinsics' two arguments."""
+    aryty = signature.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    return cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+        context, builder, aryty, ary, [args[1]]
+    )
+
+
 @intrinsic
 def _load_u64_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
     """``arr[idx : idx + 8]`` (a uint8 array) as one uint64 in the machine's
@@ -34,11 +43,7 @@ def _load_u64_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
     sig = types.uint64(arr, idx)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, aryty, ary, [args[1]]
-        )
+        ptr = _element(context, builder, signature, args)
         word = builder.bitcast(ptr, ir.IntType(64).as_pointer())
         return builder.load(word, align=1)
 
@@ -55,11 +60,7 @@ def _prefetch_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
     sig = types.void(arr, idx)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, aryty, ary, [args[1]]
-        )
+        ptr = _element(context, builder, signature, args)
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
