@@ -19,24 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from replay.base.intrinsics import prefetch
 from replay.base.jit import jit
 
 #: A copy count's key: an integer hash and its 8 bytes are one key (an
 #: ``int``, as vLLM sends it), any other width its bytes.
 CopyKey = int | bytes
 
-_EMPTY = np.uint64(0)
-_ONE = np.uint64(1)
+_EMPTY = 0
 _MIX = np.uint64(0x9E3779B97F4A7C15)
-#: Hashes ahead whose home slot is prefetched: the table of a million-block
-#: cache is far larger than the CPU's caches, and a probe stalls on memory
-#: unless asked for before it is needed (as the store fold does).
-_AHEAD = 16
-
-# The table: a slot is two words, the key then its copies (0: the slot is
-# empty), so a probe reads one cache line where a key's array and a
-# count's were two.
 
 
 @jit()
@@ -46,43 +36,35 @@ def _home(key: Any, mask: int) -> Any:
 
 
 @jit()
-def _slot(table: Any, mask: int, key: Any) -> Any:
+def _slot(keys: Any, counts: Any, mask: int, key: Any) -> Any:
     """Where ``key`` is (its slot, or -1) and the first free slot on its path."""
     i = _home(key, mask)
     while True:
-        if table[2 * i + 1] == _EMPTY:
+        if counts[i] == _EMPTY:
             return -1, i
-        if table[2 * i] == key:
+        if keys[i] == key:
             return i, i
         i = (i + np.int64(1)) & np.int64(mask)
 
 
 @jit()
-def _ahead(table: Any, mask: int, hashes: Any, k: int) -> None:
-    """Prefetch the home slot of the hash ``_AHEAD`` after ``k``."""
-    if k + _AHEAD < hashes.shape[0]:
-        prefetch(table, 2 * _home(hashes[k + _AHEAD], mask))
-
-
-@jit()
-def _add(table: Any, mask: int, hashes: Any) -> int:
+def _add(keys: Any, counts: Any, mask: int, hashes: Any) -> int:
     """One copy more of each of ``hashes``; the keys new to the table."""
     taken = 0
     for k in range(hashes.shape[0]):
-        _ahead(table, mask, hashes, k)
         h = hashes[k]
-        at, free = _slot(table, mask, h)
+        at, free = _slot(keys, counts, mask, h)
         if at >= 0:
-            table[2 * at + 1] += _ONE
+            counts[at] += 1
         else:
             taken += 1
-            table[2 * free] = h
-            table[2 * free + 1] = _ONE
+            keys[free] = h
+            counts[free] = 1
     return taken
 
 
 @jit()
-def _empty(table: Any, mask: int, hole: int) -> None:
+def _empty(keys: Any, counts: Any, mask: int, hole: int) -> None:
     """Slot ``hole`` emptied, leaving no tombstone (linear probing's
     backward shift): each key after it, up to the next empty slot, moved
     back into the hole when the hole is on its probe path, so every key
@@ -92,31 +74,30 @@ def _empty(table: Any, mask: int, hole: int) -> None:
     j: Any = hole
     while True:
         j = (j + np.int64(1)) & np.int64(mask)
-        if table[2 * j + 1] == _EMPTY:
+        if counts[j] == _EMPTY:
             break
-        if ((j - _home(table[2 * j], mask)) & mask) >= ((j - hole) & mask):
-            table[2 * hole] = table[2 * j]
-            table[2 * hole + 1] = table[2 * j + 1]
+        if ((j - _home(keys[j], mask)) & mask) >= ((j - hole) & mask):
+            keys[hole] = keys[j]
+            counts[hole] = counts[j]
             hole = j
-    table[2 * hole] = _EMPTY
-    table[2 * hole + 1] = _EMPTY
+    keys[hole] = 0
+    counts[hole] = _EMPTY
 
 
 @jit()
-def _remove(table: Any, mask: int, hashes: Any, gone: Any) -> Any:
+def _remove(keys: Any, counts: Any, mask: int, hashes: Any, gone: Any) -> Any:
     """One copy fewer of each of ``hashes``, in order; writes the positions
     of the ones whose last copy went (or that had none) to ``gone``, and
     returns how many, and how many keys left the table."""
     n = 0
     freed = 0
     for k in range(hashes.shape[0]):
-        _ahead(table, mask, hashes, k)
-        at, _ = _slot(table, mask, hashes[k])
-        if at >= 0 and table[2 * at + 1] > _ONE:
-            table[2 * at + 1] -= _ONE
+        at, _ = _slot(keys, counts, mask, hashes[k])
+        if at >= 0 and counts[at] > 1:
+            counts[at] -= 1
             continue
         if at >= 0:
-            _empty(table, mask, at)
+            _empty(keys, counts, mask, at)
             freed += 1
         gone[n] = k
         n += 1
@@ -124,13 +105,12 @@ def _remove(table: Any, mask: int, hashes: Any, gone: Any) -> Any:
 
 
 @jit()
-def _put(table: Any, mask: int, held: Any, copies: Any) -> None:
+def _put(keys: Any, counts: Any, mask: int, held: Any, copies: Any) -> None:
     """``held`` keys (distinct, not in the table) with their ``copies``."""
     for k in range(held.shape[0]):
-        _ahead(table, mask, held, k)
-        _, free = _slot(table, mask, held[k])
-        table[2 * free] = held[k]
-        table[2 * free + 1] = copies[k]
+        _, free = _slot(keys, counts, mask, held[k])
+        keys[free] = held[k]
+        counts[free] = copies[k]
 
 
 def _take_each(copies: Counter[bytes], keys: Sequence[bytes]) -> list[int]:
@@ -159,42 +139,38 @@ class CopyCounts:
         self._reset(self.FIRST_SLOTS)
 
     def _reset(self, size: int) -> None:
-        self._table = np.zeros(2 * size, dtype=np.uint64)
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._counts = np.zeros(size, dtype=np.int32)
         # Slots held: the probes' load.
         self._used = 0
-
-    @property
-    def _slots(self) -> int:
-        return self._table.shape[0] // 2
 
     def clear(self) -> None:
         self._other.clear()
         self._reset(self.FIRST_SLOTS)
 
     def _room(self, more: int) -> None:
-        size = self._slots
+        size = self._counts.shape[0]
         if 2 * (self._used + more) <= size:
             return
-        keys, counts = self._table[0::2], self._table[1::2]
-        held = counts > 0
+        held = self._counts > 0
         live = int(held.sum())
         while 4 * (live + more) > size:
             size *= 2
-        keys, counts = keys[held], counts[held]
+        keys, counts = self._keys[held], self._counts[held]
         self._reset(size)
-        _put(self._table, size - 1, keys, counts)
+        _put(self._keys, self._counts, size - 1, keys, counts)
         self._used = live
 
     def add_ints(self, hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
         """One copy more of each of ``hashes`` (vLLM's integers)."""
         self._room(hashes.shape[0])
-        self._used += _add(self._table, self._slots - 1, hashes)
+        self._used += _add(self._keys, self._counts, self._counts.shape[0] - 1, hashes)
 
     def remove_ints(self, hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> list[int] | None:
         """One copy fewer of each of ``hashes``, in order; the positions of
         the ones whose last copy went, or None for all of them."""
         gone = np.empty(hashes.shape[0], dtype=np.int64)
-        n, freed = _remove(self._table, self._slots - 1, hashes, gone)
+        n, freed = _remove(self._keys, self._counts, self._counts.shape[0] - 1, hashes, gone)
         self._used -= freed
         return None if n == hashes.shape[0] else gone[:n].tolist()
 
@@ -250,7 +226,6 @@ class CopyCounts:
 
     def items(self) -> Iterator[tuple[CopyKey, int]]:
         """Each key with a copy left, and its copies."""
-        keys, counts = self._table[0::2], self._table[1::2]
-        held = counts > 0
-        yield from zip(keys[held].tolist(), counts[held].tolist(), strict=True)
+        held = self._counts > 0
+        yield from zip(self._keys[held].tolist(), self._counts[held].tolist(), strict=True)
         yield from ((k, n) for k, n in self._other.items() if n > 0)
