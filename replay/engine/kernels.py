@@ -429,6 +429,11 @@ def fold_batch(
     no answer reads past there); the units after stay 0.
     """
     m = info[_M]
+    # Hashes of one width in whole words, back to back (``HashWords``' fixed
+    # layout: vLLM's digests, the importers' ids), of at most
+    # ``_INLINE_WORDS``: hash ``h`` is the ``stride`` words at
+    # ``h * stride``: no ``_span`` per hash, no width past MAX_HASH_BYTES.
+    fixed = voff.shape[0] == 0 and 0 < stride <= _INLINE_WORDS and stride * 8 == width
     for r in range(resume_row, kinds.shape[0]):
         kind = kinds[r]
         lo, hi = row_off[r], row_off[r + 1]
@@ -463,9 +468,12 @@ def fold_batch(
             meta = metas[h]
             if h + _AHEAD < last:
                 _ahead(slots, _home(metas[h + _AHEAD], cap) * stride_w, stride_w - 1, after)
-            s, nw, nb = _span(voff, base, stride, width, h)
-            if nb > MAX_HASH_BYTES:
-                return r, _WIDEN - h
+            if fixed:
+                s, nw = h * stride, stride
+            else:
+                s, nw, nb = _span(voff, base, stride, width, h)
+                if nb > MAX_HASH_BYTES:
+                    return r, _WIDEN - h
             if info[_W] < nw <= _INLINE_WORDS:
                 if kind == STORE:
                     return r, _WIDEN - h
@@ -509,7 +517,7 @@ def fold_batch(
                 # else out stays zeroed: absent in every group
                 if (
                     stop_group >= 0
-                    and u % stop_k == stop_k - 1
+                    and (stop_k == 1 or u % stop_k == stop_k - 1)  # no division per unit
                     and (i < 0 or not _bit(slots, i * stride_w, m, stop_group))
                 ):
                     last = min(last, h + stop_tail + 1)

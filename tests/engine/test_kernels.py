@@ -412,3 +412,55 @@ def test_binary_hashes_of_one_width_take_the_fixed_layout_and_key_as_before(widt
         key_meta(np.frombuffer(h, dtype=np.uint64), 0, len(h) // 8, len(h))
         for h in mixed.flatten().to_pylist()
     ]
+
+
+def _meta_twins(rng: np.random.Generator, first: bytes, n: int) -> list[tuple[bytes, bytes]]:
+    """Pairs of distinct 16-byte keys that share their first 8 bytes and
+    their ``key_meta`` (mixed hash and width): found among ``n`` random
+    second words (the birthday bound on the meta's 32 hash bits)."""
+    words = np.empty(2 * n, dtype=np.uint64)
+    words[0::2] = np.frombuffer(first, dtype=np.uint64)[0]
+    words[1::2] = rng.integers(0, 2**63, size=n, dtype=np.uint64) * 2 + 1
+    keys = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), n, [None, pa.py_buffer(words)])
+    metas = key_metas(hash_words(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), keys)))
+    order = np.argsort(metas, kind="stable")
+    same = np.flatnonzero(metas[order][1:] == metas[order][:-1])
+    raw = words.tobytes()
+    return [
+        (
+            raw[16 * int(order[i]) : 16 * int(order[i]) + 16],
+            raw[16 * int(order[i + 1]) : 16 * int(order[i + 1]) + 16],
+        )
+        for i in same
+    ]
+
+
+def test_keys_of_one_meta_and_first_word_are_told_apart_by_the_rest() -> None:
+    """16-byte keys in the fixed layout (fixed-size binary: no offsets, the
+    fold reads each hash's words at ``h * 2`` without ``_span``) whose
+    metas and first 8 bytes agree: only the second word tells them apart,
+    so a probe that compared fewer words, or the wrong ones, would answer
+    one key for its twin. Stores, removes and lookups against sets."""
+    twins = _meta_twins(np.random.default_rng(11), SHARED8, 300_000)
+    assert len(twins) >= 3
+    a = [x for x, _ in twins]
+    b = [y for _, y in twins]
+    table = KeyTable(2)
+    truth: list[set[bytes]] = [set(), set()]
+    for batch in (
+        [(STORE, 0, a)],
+        [(STORE, 1, b), (1, 0, b)],
+        [(1, 0, a), (STORE, 0, b[::2])],
+        [(1, 1, b), (STORE, 1, a)],
+    ):
+        for kind, g, keys in batch:
+            (truth[g].update if kind == STORE else truth[g].difference_update)(keys)
+        probe = b + a
+        batch = [*batch, (LOOKUP, 0, probe)]
+        arr = pa.array([keys for _, _, keys in batch], pa.list_(pa.binary(16)))
+        assert hash_words(arr).value_offsets.shape[0] == 0  # the fixed layout
+        kinds = np.array([k for k, _, _ in batch], dtype=np.int8)
+        out = _fold(table, kinds, np.array([g for _, g, _ in batch], dtype=np.int32), arr)
+        got = out.reshape(2, len(probe)).astype(bool).tolist()
+        assert got == [[h in truth[g] for h in probe] for g in range(2)]
+        assert table.group_counts() == [len(t) for t in truth]
