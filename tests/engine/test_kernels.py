@@ -167,18 +167,23 @@ def test_keys_differing_only_by_width_or_tail_are_distinct(tmp_path: Path) -> No
     ]
 
 
-@pytest.mark.parametrize(("seed", "groups"), [(0, 1), (1, 3), (2, 16), (3, 17), (4, 70)])
-def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "groups", "width"),
+    [(0, 1, 16), (1, 3, 16), (2, 16, 16), (3, 17, 16), (4, 70, 16), (5, 2, 8), (6, 5, 32)],
+)
+def test_table_growth_and_churn_against_python_sets(seed: int, groups: int, width: int) -> None:
     """Thousands of keys through a table that starts at 1,024 slots: it
     doubles several times, removes shift probe runs back (wrapping around
     the end), a per-group clear rebuilds it and a clear of every group
     shrinks it; presence and per-group counts always equal a set's. Up to
-    16 groups keep their bits in the meta word, more in words of their own."""
+    16 groups keep their bits in the meta word, more in words of their own.
+    Keys of 8, 16 and 32 bytes: slots of 2, 3 and 5 words with at most 16
+    groups, the strides the fold's backward shift has a copy of its own for."""
     rng = np.random.default_rng(seed)
     table = KeyTable(groups)
     truth: list[set[bytes]] = [set() for _ in range(groups)]
     largest = 0
-    universe = [rng.bytes(16) for _ in range(6000)]
+    universe = [rng.bytes(width) for _ in range(6000)]
     for step in range(60):
         kinds: list[int] = []
         gids: list[int] = []
