@@ -110,14 +110,19 @@ def test_probe_stop_ends_a_lookup_past_what_its_answer_reads() -> None:
     assert Answers(config, variants, unit_present=True).probe_stop() is None
     assert Answers(config, variants, compiled=False).probe_stop() is None
     hashes = chain(12)
-    rows = pa.array([hashes, hashes, [hashes[3]], hashes], pa.list_(pa.binary()))
     kinds = np.array([STORE, STORE, REMOVE, LOOKUP], dtype=np.int8)
     gids = np.array([0, 1, 0, -1], dtype=np.int32)
 
-    def presence(stop: tuple[int, int, int] | None) -> list[list[int]]:
+    def presence(stop: tuple[int, int, int] | None, removed: int = 3) -> list[list[int]]:
+        rows = pa.array([hashes, hashes, [hashes[removed]], hashes], pa.list_(pa.binary()))
         fold = ShardFold(2, stop)
         out = fold.fold(ShardPiece(kinds=kinds, group_ids=gids, hashes=rows))
         return [out[:12].tolist(), out[12:].tolist()]
 
     assert presence(None) == [[1, 1, 1, 0] + [1] * 8, [1] * 12]
     assert presence(stop) == [[1, 1, 1, 0, 1, 1, 1, 1] + [0] * 4, [1] * 8 + [0] * 4]
+    # Blocks of two units: a block is present when its last unit is, so
+    # only an absent last unit ends the probes (unit 3: units 4 and 5 are
+    # probed, no more); an absent first unit (unit 2) ends nothing.
+    assert presence((0, 2, 2), removed=3) == [[1, 1, 1, 0, 1, 1] + [0] * 6, [1] * 6 + [0] * 6]
+    assert presence((0, 2, 2), removed=2) == [[1, 1, 0] + [1] * 9, [1] * 12]

@@ -167,18 +167,23 @@ def test_keys_differing_only_by_width_or_tail_are_distinct(tmp_path: Path) -> No
     ]
 
 
-@pytest.mark.parametrize(("seed", "groups"), [(0, 1), (1, 3), (2, 16), (3, 17), (4, 70)])
-def test_table_growth_and_churn_against_python_sets(seed: int, groups: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "groups", "width"),
+    [(0, 1, 16), (1, 3, 16), (2, 16, 16), (3, 17, 16), (4, 70, 16), (5, 2, 8), (6, 5, 32)],
+)
+def test_table_growth_and_churn_against_python_sets(seed: int, groups: int, width: int) -> None:
     """Thousands of keys through a table that starts at 1,024 slots: it
     doubles several times, removes shift probe runs back (wrapping around
     the end), a per-group clear rebuilds it and a clear of every group
     shrinks it; presence and per-group counts always equal a set's. Up to
-    16 groups keep their bits in the meta word, more in words of their own."""
+    16 groups keep their bits in the meta word, more in words of their own.
+    Keys of 8, 16 and 32 bytes: slots of 2, 3 and 5 words with at most 16
+    groups, the strides the fold's backward shift has a copy of its own for."""
     rng = np.random.default_rng(seed)
     table = KeyTable(groups)
     truth: list[set[bytes]] = [set() for _ in range(groups)]
     largest = 0
-    universe = [rng.bytes(16) for _ in range(6000)]
+    universe = [rng.bytes(width) for _ in range(6000)]
     for step in range(60):
         kinds: list[int] = []
         gids: list[int] = []
@@ -412,3 +417,55 @@ def test_binary_hashes_of_one_width_take_the_fixed_layout_and_key_as_before(widt
         key_meta(np.frombuffer(h, dtype=np.uint64), 0, len(h) // 8, len(h))
         for h in mixed.flatten().to_pylist()
     ]
+
+
+def _meta_twins(rng: np.random.Generator, first: bytes, n: int) -> list[tuple[bytes, bytes]]:
+    """Pairs of distinct 16-byte keys that share their first 8 bytes and
+    their ``key_meta`` (mixed hash and width): found among ``n`` random
+    second words (the birthday bound on the meta's 32 hash bits)."""
+    words = np.empty(2 * n, dtype=np.uint64)
+    words[0::2] = np.frombuffer(first, dtype=np.uint64)[0]
+    words[1::2] = rng.integers(0, 2**63, size=n, dtype=np.uint64) * 2 + 1
+    keys = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), n, [None, pa.py_buffer(words)])
+    metas = key_metas(hash_words(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), keys)))
+    order = np.argsort(metas, kind="stable")
+    same = np.flatnonzero(metas[order][1:] == metas[order][:-1])
+    raw = words.tobytes()
+    return [
+        (
+            raw[16 * int(order[i]) : 16 * int(order[i]) + 16],
+            raw[16 * int(order[i + 1]) : 16 * int(order[i + 1]) + 16],
+        )
+        for i in same
+    ]
+
+
+def test_keys_of_one_meta_and_first_word_are_told_apart_by_the_rest() -> None:
+    """16-byte keys in the fixed layout (fixed-size binary: no offsets, the
+    fold reads each hash's words at ``h * 2`` without ``_span``) whose
+    metas and first 8 bytes agree: only the second word tells them apart,
+    so a probe that compared fewer words, or the wrong ones, would answer
+    one key for its twin. Stores, removes and lookups against sets."""
+    twins = _meta_twins(np.random.default_rng(11), SHARED8, 300_000)
+    assert len(twins) >= 3
+    a = [x for x, _ in twins]
+    b = [y for _, y in twins]
+    table = KeyTable(2)
+    truth: list[set[bytes]] = [set(), set()]
+    for batch in (
+        [(STORE, 0, a)],
+        [(STORE, 1, b), (1, 0, b)],
+        [(1, 0, a), (STORE, 0, b[::2])],
+        [(1, 1, b), (STORE, 1, a)],
+    ):
+        for kind, g, keys in batch:
+            (truth[g].update if kind == STORE else truth[g].difference_update)(keys)
+        probe = b + a
+        batch = [*batch, (LOOKUP, 0, probe)]
+        arr = pa.array([keys for _, _, keys in batch], pa.list_(pa.binary(16)))
+        assert hash_words(arr).value_offsets.shape[0] == 0  # the fixed layout
+        kinds = np.array([k for k, _, _ in batch], dtype=np.int8)
+        out = _fold(table, kinds, np.array([g for _, g, _ in batch], dtype=np.int32), arr)
+        got = out.reshape(2, len(probe)).astype(bool).tolist()
+        assert got == [[h in truth[g] for h in probe] for g in range(2)]
+        assert table.group_counts() == [len(t) for t in truth]
