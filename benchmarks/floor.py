@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from replay.base.intrinsics import prefetch
 from replay.base.jit import jit
-from replay.engine.kernels import _prefetch, mix
+from replay.engine.kernels import mix
 
 
 def decode_cpu(path: str) -> tuple[float, int]:
@@ -46,9 +47,9 @@ def _probes(table: Any, n: int, ahead: int) -> Any:
     mask = np.uint64(table.shape[0] - 1)
     acc = np.uint64(0)
     for h in range(ahead):
-        _prefetch(table, np.int64(mix(np.uint64(h)) & mask))
+        prefetch(table, np.int64(mix(np.uint64(h)) & mask))
     for h in range(n):
-        _prefetch(table, np.int64(mix(np.uint64(h + ahead)) & mask))
+        prefetch(table, np.int64(mix(np.uint64(h + ahead)) & mask))
         acc ^= table[np.int64(mix(np.uint64(h)) & mask)]
     return acc
 

@@ -6,11 +6,10 @@ that read wire formats a word at a time (``replay.sources.lookup_wire``,
 together from its 8 bytes was 20 times slower than the one load the CPU
 does (x86 and ARM read any address).
 
-``prefetch``: a hint that an element will be read soon, for the hash
-tables whose keys land anywhere in hundreds of MB (the store fold's
-``replay.engine.kernels``, the copy counts' ``replay.sources.kv_copies``):
-asked a few keys ahead, a probe's cache miss overlaps the ones before it
-instead of stalling the loop."""
+``prefetch``: a hint that an element will be read soon, for a hash table
+whose keys land anywhere in hundreds of MB (the store fold's
+``replay.engine.kernels``): asked a few keys ahead, a probe's cache miss
+overlaps the ones before it instead of stalling the loop."""
 
 from __future__ import annotations
 

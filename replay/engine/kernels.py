@@ -34,12 +34,9 @@ import mmap
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from replay.base.errors import ReplayError
+from replay.base.intrinsics import prefetch
 from replay.base.jit import jit
 
 if TYPE_CHECKING:
@@ -70,31 +67,6 @@ _REBUILD, _EMPTIED, _WIDEN = -1, -2, -3
 _CAP, _COUNT, _W, _M, _HEAP_USED, _HEAP_NEED = 0, 1, 2, 3, 4, 5
 #: The widest key kept in its slot, in words; a wider one lives in the heap.
 _INLINE_WORDS = 4
-
-
-@intrinsic
-def _prefetch_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Hint the CPU to fetch ``arr[idx]`` into cache (LLVM's prefetch)."""
-    sig = types.void(arr, idx)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, aryty, ary, [args[1]]
-        )
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, fnty, "llvm.prefetch.p0"
-        )
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = _prefetch_intrinsic
 
 
 @jit(nogil=True)
@@ -341,13 +313,13 @@ def _ahead(slots: Any, at: int, last: int, after: int) -> None:
     last word) left those reads missing, and with three lines the fold
     took 11% less CPU than that (two lines: 6%). A prefetch past the
     table's end is harmless: a hint, it never faults."""
-    _prefetch(slots, at)
-    _prefetch(slots, at + 8)
-    _prefetch(slots, at + 16)
+    prefetch(slots, at)
+    prefetch(slots, at + 8)
+    prefetch(slots, at + 16)
     if last >= 16:
-        _prefetch(slots, at + last)
+        prefetch(slots, at + last)
     if after >= 16:
-        _prefetch(slots, at + after)
+        prefetch(slots, at + after)
 
 
 @jit(nogil=True)
