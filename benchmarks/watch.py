@@ -42,8 +42,9 @@ wait in the publisher's queue and as many in the watch's (its ``--hwm``);
 a full queue holds the publisher back (``XPUB_NODROP``) rather than
 dropping. Unbounded, the publisher sent the whole trace in about 2 s and
 the watch held it all (1.1 GB) while it worked: about 330k pages faulted
-in, a second of system CPU against 0.4-0.6 s, a cost of the backlog and
-not of judging (a watch that keeps up holds a few messages). The fleet
+in and 0.8-1.3 s of system CPU, against 40-75k pages and 0.5-1.0 s
+bounded: a cost of the backlog, not of judging (a watch that keeps up
+holds a few messages). The fleet
 figure is the bounded one; the conversation trace is then sent once more
 unbounded, for comparison (``BENCH_WATCH_WINDOW=N`` runs N alone, 0 for
 unbounded). Each line gives the watch's user and system seconds and the
