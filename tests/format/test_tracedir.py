@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -355,4 +356,27 @@ def test_split_and_cat_keep_fixed_size_hashes(tmp_path: Path) -> None:
     out = tmp_path / "again.parquet"
     assert run_cli(["cat", str(tmp_path / "parts"), "-o", str(out)]).exit_code == 0
     assert pq.ParquetFile(out).schema_arrow.field("block_hashes").type == fixed
+    assert _rows(out).equals(_rows(src))
+
+
+def test_cat_of_parts_of_mixed_hash_layouts_writes_variable_width_hashes(
+    tmp_path: Path,
+) -> None:
+    # A directory whose parts disagree on the layout (one of fixed-size
+    # hashes, one written before `replay synth` wrote them so): the copy
+    # takes the layout every width fits, and holds the same rows.
+    from replay.sources.synth import synth_trace
+
+    src = tmp_path / "synth.parquet"
+    synth_trace(src, model="full+mamba", requests=200, seed=3, eagle=True)
+    parts = tmp_path / "parts"
+    assert run_cli(["split", str(src), "-o", str(parts), "--files", "2"]).exit_code == 0
+    first = sorted(parts.iterdir())[0]
+    table = pq.read_table(first)
+    i = table.schema.get_field_index("block_hashes")
+    schema = table.schema.set(i, table.schema.field(i).with_type(pa.list_(pa.binary())))
+    pq.write_table(table.cast(schema), first)
+    out = tmp_path / "again.parquet"
+    assert run_cli(["cat", str(parts), "-o", str(out)]).exit_code == 0
+    assert pq.ParquetFile(out).schema_arrow.field("block_hashes").type == pa.list_(pa.binary())
     assert _rows(out).equals(_rows(src))
