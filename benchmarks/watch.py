@@ -523,12 +523,6 @@ def _queued(window: int) -> str:
     return " (unbounded: the whole trace queued in the watch's memory)"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
-    user, system, _ = cpu_split(pid)
-    return user + system
-
-
 def cpu_split(pid: int) -> tuple[float, float, int]:
     """User and system CPU seconds of process ``pid`` so far, and its minor
     page faults (memory it touched for the first time)."""
