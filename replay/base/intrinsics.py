@@ -59,7 +59,11 @@ def _prefetch_intrinsic(typingctx: Any, arr: Any, idx: Any) -> Any:
     sig = types.void(arr, idx)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _element(context, builder, signature, args)
+        # As a byte pointer: one declaration serves arrays of every dtype in
+        # one function (a uint64 table's and an int32 one's).
+        ptr = builder.bitcast(
+            _element(context, builder, signature, args), ir.IntType(8).as_pointer()
+        )
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
