@@ -125,7 +125,7 @@ def row_columns(
         no_request_id=np.array(missing_rid) if any(missing_rid) else None,
     ):
         return None
-    hashes = packed_column(hashes_v)
+    hashes = packed_column(hashes_v, fixed=True)
     if hashes is None:
         return None
     at = np.flatnonzero(kind == _LOOKUP).tolist()

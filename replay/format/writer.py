@@ -110,11 +110,14 @@ def events_table(rows: Sequence[Mapping[str, Any]], config: TraceConfig) -> pa.T
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def packed_column(values: list[Any]) -> pa.Array | None:
+def packed_column(values: list[Any], *, fixed: bool = False) -> pa.Array | None:
     """The ``block_hashes`` column from rows whose hashes are all
     ``PackedHashes`` (or null): their bytes joined once, the offsets from
     the counts and widths, no object per hash. None for any other rows
-    (``pa.array`` reads them, and says what does not fit)."""
+    (``pa.array`` reads them, and says what does not fit). ``fixed``:
+    hashes all of one width come as ``fixed_size_binary`` (no offset per
+    hash to make, nor for ``hash_words`` to check: what the live fold
+    reads), not as the trace's ``binary``."""
     if not all(v is None or type(v) is PackedHashes for v in values):
         return None
     counts = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
@@ -126,7 +129,13 @@ def packed_column(values: list[Any]) -> pa.Array | None:
     np.cumsum(counts, out=list_off[1:])
     n = int(list_off[-1])
     held = widths[counts > 0]
+    nulls = None
+    if any(v is None for v in values):
+        nulls = pa.array([v is None for v in values], type=pa.bool_())
     if held.size and (held == held[0]).all():
+        if fixed:
+            one = pa.Array.from_buffers(pa.binary(int(held[0])), n, [None, pa.py_buffer(data)])
+            return pa.ListArray.from_arrays(pa.array(list_off), one, mask=nulls)
         # One width (vLLM's 8-byte integers, a digest's 32 bytes): the
         # offsets are its multiples, no width repeated per hash and summed.
         value_off = np.arange(0, (n + 1) * int(held[0]), int(held[0]), dtype=np.int32)
@@ -136,9 +145,6 @@ def packed_column(values: list[Any]) -> pa.Array | None:
     hashes = pa.Array.from_buffers(
         pa.binary(), n, [None, pa.py_buffer(value_off), pa.py_buffer(data)]
     )
-    nulls = None
-    if any(v is None for v in values):
-        nulls = pa.array([v is None for v in values], type=pa.bool_())
     return pa.ListArray.from_arrays(pa.array(list_off), hashes, mask=nulls)
 
 

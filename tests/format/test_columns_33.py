@@ -149,3 +149,38 @@ def test_packed_hashes_column_is_the_list_of_their_bytes(seed: int) -> None:
     expected = pa.array([None if r is None else list(r) for r in rows], type=pa.list_(pa.binary()))
     assert column.to_pylist() == expected.to_pylist()
     column.validate(full=True)
+    assert column.type == pa.list_(pa.binary())
+    # The live fold's form: one width as fixed-size binary (no offset per
+    # hash), the same lists; rows of several widths stay binary.
+    fixed = packed_column(rows, fixed=True)
+    assert fixed is not None
+    fixed.validate(full=True)
+    assert fixed.to_pylist() == expected.to_pylist()
+    widths = {r.width for r in rows if r is not None and len(r)}
+    assert fixed.type == (
+        pa.list_(pa.binary(widths.pop())) if len(widths) == 1 else pa.list_(pa.binary())
+    )
+
+
+def test_the_live_fold_reads_one_width_with_no_offset_per_hash() -> None:
+    """vLLM's 8-byte integer hashes reach the fold as the fixed layout:
+    ``hash_words`` views them in place (no offsets made or checked), each
+    at its own word."""
+    from replay.format.hashwords import hash_words
+
+    keys = [bytes([i]) * 8 for i in range(1, 6)]
+    rows = [
+        {"seq": 0, "ts": TS, "kind": "store", "group_id": 0,
+         "block_hashes": PackedHashes(b"".join(keys[:3]), 8)},
+        {"seq": 1, "ts": TS, "kind": "lookup", "block_hashes": PackedHashes(b"".join(keys), 8),
+         "request_id": "a", "max_length": 79, "num_tokens": 80, "observed_hit_tokens": 48},
+    ]  # fmt: skip
+    import pyarrow as pa
+
+    cols = row_columns(rows, CONFIG, None)
+    assert cols is not None
+    assert cols.hashes.type == pa.list_(pa.binary(8))
+    words = hash_words(cols.hashes)
+    assert (words.value_offsets.shape[0], words.stride, words.width) == (0, 1, 8)
+    assert words.row_offsets.tolist() == [0, 3, 8]
+    assert words.words.tobytes() == b"".join(keys[:3] + keys)
