@@ -392,6 +392,10 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
     go = DATA / "watch-go"
     go.unlink(missing_ok=True)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    # The publisher on the other cores: the figure is a core of the watch's
+    # own (runs still swing by a fifth on this shared VM: compare medians).
+    others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != 0)
+    pin_publisher = ["taskset", "-c", others] if pin and others else []
     # BENCH_WATCH_PROFILE=FILE: the watch runs under cProfile, its stats in FILE.
     profile = os.environ.get("BENCH_WATCH_PROFILE")
     prof = ["-m", "cProfile", "-o", profile] if profile else []
@@ -407,7 +411,7 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
     # and its fixed cost per batch shows; default: full speed (a backlog).
     rate = float(os.environ.get("BENCH_WATCH_RATE", "0"))
     publisher = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
+        [*pin_publisher, sys.executable, "-m", "benchmarks.watch", "publish", str(trace),
          ";".join(f"tcp://127.0.0.1:{kv}" for kv in kvs),
          ";".join(f"tcp://127.0.0.1:{lk}" for lk in lks), str(go), str(rate), form,
          str(window)],
