@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -36,9 +38,19 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 _NAN = float("nan")
 _TS = pa.timestamp("us", tz="UTC")
-_INT = frozenset((int, type(None)))
-_TEXT = frozenset((str, type(None)))
-_HASHES = frozenset((PackedHashes, type(None)))
+_INT: frozenset[type] = frozenset((int, type(None)))
+_TEXT: frozenset[type] = frozenset((str, type(None)))
+_HASHES: frozenset[type] = frozenset((PackedHashes, type(None)))
+_DICT = frozenset((dict,))
+_INT_ONLY = frozenset((int,))
+_STR_ONLY = frozenset((str,))
+_STAMPS: frozenset[type] = frozenset((datetime, type(None)))
+_TZINFO = attrgetter("tzinfo")
+
+
+def _of(column: Sequence[Any], types: frozenset[type]) -> bool:
+    """Whether every value of ``column`` is of exactly one of ``types``."""
+    return set(map(type, column)) <= types
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,23 +86,30 @@ def row_columns(
     when a value is not of the plain form or a row breaks a rule (the table
     path then says which)."""
     n = len(rows)
-    if n == 0 or not all(_COLUMN_SET.issuperset(row) for row in rows):
+    if n == 0 or not all(map(_COLUMN_SET.issuperset, rows)):
         return None
-    values: dict[str, list[Any]] = {name: [row.get(name) for row in rows] for name in TRACE_COLUMNS}
+    # The columns and their types read by C loops (``map``), not a Python
+    # step a value: a watch's batch is tens of thousands of rows.
+    values: dict[str, list[Any]]
+    if _of(rows, _DICT):
+        get: Any = dict.get
+        values = {name: list(map(get, rows, repeat(name))) for name in TRACE_COLUMNS}
+    else:
+        values = {name: [row.get(name) for row in rows] for name in TRACE_COLUMNS}
     seq_v, kind_v = values["seq"], values["kind"]
-    if not all(type(s) is int for s in seq_v) or not all(type(k) is str for k in kind_v):
+    if not _of(seq_v, _INT_ONLY) or not _of(kind_v, _STR_ONLY):
         return None
     for name in ("group_id", "max_length", "num_tokens", "observed_hit_tokens"):
-        if not all(type(v) in _INT for v in values[name]):
+        if not _of(values[name], _INT):
             return None
     for name in ("request_id", "medium"):
-        if not all(type(v) in _TEXT for v in values[name]):
+        if not _of(values[name], _TEXT):
             return None
     hashes_v = values["block_hashes"]
     ts_v = values["ts"]
-    if not all(type(h) in _HASHES for h in hashes_v) or not all(
-        t is None or (type(t) is datetime and t.tzinfo is not None) for t in ts_v
-    ):
+    if not _of(hashes_v, _HASHES) or not _of(ts_v, _STAMPS):
+        return None
+    if None in map(_TZINFO, filter(None, ts_v)):  # a naive datetime
         return None
     try:
         # Text the trace can hold (a lone surrogate cannot be UTF-8).
@@ -103,7 +122,7 @@ def row_columns(
         )
     except (KeyError, OverflowError, UnicodeEncodeError):
         return None
-    n_hashes = np.array([_NAN if h is None else len(h) for h in hashes_v], dtype=np.float64)
+    n_hashes = np.array([_NAN if h is None else h.length for h in hashes_v], dtype=np.float64)
     present = [h for h in hashes_v if h is not None]
     if present and (
         int(np.nanmax(n_hashes)) > ROW_HASHES.value()

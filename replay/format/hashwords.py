@@ -19,16 +19,19 @@ class PackedHashes(Sequence[bytes]):
     of them); ``replay.format.writer.events_table`` builds the Arrow column
     from ``data`` in one copy."""
 
-    __slots__ = ("data", "width")
+    __slots__ = ("data", "length", "width")
 
     def __init__(self, data: bytes, width: int) -> None:
         if width <= 0 or len(data) % width:
             raise ValueError(f"{len(data)} bytes are not a whole number of {width}-byte hashes")
         self.data = data
         self.width = width
+        #: ``len(self)``, as an attribute: the live columns read it for
+        #: every row (a ``__len__`` call was a Python frame each).
+        self.length = len(data) // width
 
     def __len__(self) -> int:
-        return len(self.data) // self.width
+        return self.length
 
     @overload
     def __getitem__(self, index: int) -> bytes: ...

@@ -120,7 +120,7 @@ def packed_column(values: list[Any], *, fixed: bool = False) -> pa.Array | None:
     reads), not as the trace's ``binary``."""
     if not all(v is None or type(v) is PackedHashes for v in values):
         return None
-    counts = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    counts = np.fromiter((0 if v is None else v.length for v in values), np.int64, len(values))
     widths = np.fromiter((0 if v is None else v.width for v in values), np.int64, len(values))
     data = b"".join([v.data for v in values if v is not None])
     if len(data) >= 1 << 31:

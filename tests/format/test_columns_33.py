@@ -85,6 +85,9 @@ OTHER_FORMS: list[tuple[int, dict[str, Any]]] = [
     (1, {"request_id": "r\udc80"}),  # a lone surrogate: not UTF-8 text
     (0, {"seq": 1 << 64}),  # past int64
     (0, {"shard": 1}),  # not a trace column
+    (0, {"seq": "3"}),  # a seq as text
+    (1, {"kind": b"lookup"}),  # a kind as bytes
+    (0, {"medium": 1}),  # a medium not text
 ]
 
 
@@ -93,6 +96,21 @@ def test_other_forms_are_left_to_the_table_path(row: int, change: dict[str, Any]
     rows = good()
     rows[row] = {**rows[row], **change}
     assert row_columns(rows, CONFIG, None) is None
+
+
+def test_rows_of_any_mapping_give_the_columns_of_dicts() -> None:
+    from types import MappingProxyType
+
+    rows = good()
+    cols, other = (
+        row_columns(rows, CONFIG, 2),
+        row_columns([MappingProxyType(r) for r in rows], CONFIG, 2),
+    )
+    assert cols is not None and other is not None
+    assert other.kind.tolist() == cols.kind.tolist() == [0, 3, 1, 2]
+    assert other.n_hashes.tolist() == cols.n_hashes.tolist()
+    assert other.hashes.to_pylist() == cols.hashes.to_pylist()
+    assert other.lookups.equals(cols.lookups)
 
 
 def test_live_answers_are_the_same_frame_either_path() -> None:
