@@ -54,15 +54,21 @@ def _slot(keys: Any, counts: Any, mask: int, key: Any) -> Any:
 
 
 @jit()
+def _hint(keys: Any, counts: Any, mask: int, key: Any) -> None:
+    """Prefetch ``key``'s home slot in both arrays."""
+    home = _home(key, mask)
+    prefetch(keys, home)
+    prefetch(counts, home)
+
+
+@jit()
 def _add(keys: Any, counts: Any, mask: int, hashes: Any) -> int:
     """One copy more of each of ``hashes``; the keys new to the table."""
     taken = 0
     n = hashes.shape[0]
     for k in range(n):
         if k + AHEAD < n:
-            ahead = _home(hashes[k + AHEAD], mask)
-            prefetch(keys, ahead)
-            prefetch(counts, ahead)
+            _hint(keys, counts, mask, hashes[k + AHEAD])
         h = hashes[k]
         at, free = _slot(keys, counts, mask, h)
         if at >= 0:
@@ -105,9 +111,7 @@ def _remove(keys: Any, counts: Any, mask: int, hashes: Any, gone: Any) -> Any:
     m = hashes.shape[0]
     for k in range(m):
         if k + AHEAD < m:
-            ahead = _home(hashes[k + AHEAD], mask)
-            prefetch(keys, ahead)
-            prefetch(counts, ahead)
+            _hint(keys, counts, mask, hashes[k + AHEAD])
         at, _ = _slot(keys, counts, mask, hashes[k])
         if at >= 0 and counts[at] > 1:
             counts[at] -= 1
