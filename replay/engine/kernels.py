@@ -322,6 +322,13 @@ def _ahead(slots: Any, at: int, last: int, after: int) -> None:
         prefetch(slots, at + after)
 
 
+@jit(nogil=True, inline="always")
+def _fixed_metas(words: Any, metas: Any, nw: int) -> None:
+    """``_metas`` of hashes of ``nw`` words each, back to back."""
+    for h in range(metas.shape[0]):
+        metas[h] = key_meta(words, nw * h, nw, 8 * nw)
+
+
 @jit(nogil=True)
 def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any) -> None:
     """Every hash's ``key_meta``, in one branch-free pass ahead of the fold
@@ -331,17 +338,16 @@ def _metas(words: Any, voff: Any, base: int, stride: int, width: int, metas: Any
     (16-byte hashes: 1.0 ns a hash against 3.4 through ``_span``; 8-byte
     ones, a watch's: 0.6 against 3.2)."""
     if voff.shape[0] == 0 and stride * 8 == width:
-        if width == 8:  # vLLM's integer hashes, as a live source sends them
-            for h in range(metas.shape[0]):
-                metas[h] = key_meta(words, h, 1, 8)
+        # Inlined with the word count a constant (8 bytes: vLLM's integers,
+        # as a live source sends them; 16 and 32: digests).
+        if width == 8:
+            _fixed_metas(words, metas, 1)
             return
         if width == 16:
-            for h in range(metas.shape[0]):
-                metas[h] = key_meta(words, 2 * h, 2, 16)
+            _fixed_metas(words, metas, 2)
             return
         if width == 32:
-            for h in range(metas.shape[0]):
-                metas[h] = key_meta(words, 4 * h, 4, 32)
+            _fixed_metas(words, metas, 4)
             return
     for h in range(metas.shape[0]):
         s, nw, nb = _span(voff, base, stride, width, h)
