@@ -393,7 +393,7 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
     go.unlink(missing_ok=True)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     # The publisher on the other cores: the figure is a core of the watch's
-    # own (runs still swing by a fifth on this shared VM: compare medians).
+    # own (runs still vary by a tenth on a shared VM: compare medians).
     others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != 0)
     pin_publisher = ["taskset", "-c", others] if pin and others else []
     # BENCH_WATCH_PROFILE=FILE: the watch runs under cProfile, its stats in FILE.
@@ -433,7 +433,6 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
                 time.sleep(0.1)
         wait_ready(go, publisher)
         split_before = cpu_split(watch.pid)
-        cpu_before = sum(split_before[:2])
         go.touch()
         started = time.monotonic()
         judged = 0.0
@@ -445,8 +444,10 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
                 print(f"bench watch: only {judged:.0f} of {lookups} lookups judged in 30 min")
                 return False
         seconds = time.monotonic() - started
-        split_after = cpu_split(watch.pid)
-        cpu = sum(split_after[:2]) - cpu_before
+        user, system, faults = (
+            a - b for a, b in zip(cpu_split(watch.pid), split_before, strict=True)
+        )
+        cpu = user + system
         watch.send_signal(signal.SIGTERM)
         out, _ = watch.communicate(timeout=60)
         sent = json.loads(publisher.communicate(timeout=60)[0].splitlines()[0])
@@ -506,7 +507,6 @@ def watch_trace(trace: Path, form: str, window: int = WINDOW) -> bool:
             f"(lookups' included) and {lookups / cpu:,.0f} lookups per CPU second: "
             f"{cpu_engines:,.1f} engines on a core of its own"
         )
-    user, system, faults = (a - b for a, b in zip(split_after, split_before, strict=True))
     print(
         f"  of it user {user:.2f} s, system {system:.2f} s; {faults:,} page faults (memory "
         "touched for the first time)"
