@@ -30,7 +30,8 @@ def test_prefetch_takes_arrays_of_several_dtypes_in_one_kernel() -> None:
     keys = np.arange(1, 101, dtype=np.uint64)
     counts = np.arange(100, dtype=np.int32) % 3
     assert _sum_with_hints(keys, counts, 8) == int((keys.astype(np.int64) * counts).sum())
-    # A hint past the end reads nothing: the loop's answer is the same.
+    # The hints change no value: the same answer with none issued (every
+    # one would be past the end).
     assert _sum_with_hints(keys, counts, 1_000) == _sum_with_hints(keys, counts, 8)
 
 
